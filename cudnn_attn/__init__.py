@@ -1,0 +1,29 @@
+"""cudnn_attn: exact attention on the fastest engine your device has, behind one API.
+
+Engines, in priority order: cuDNN-frontend SDPA graphs (``graphs/``), CuPy RawKernels for
+neighborhood attention (``fallback_kernels/``), and a pure-PyTorch engine that runs anywhere
+(``reference.py``). Importing this package never needs a GPU, CuPy or cuDNN.
+"""
+
+from .api import Explanation, attention, explain
+from .dispatch import NotSupportedError
+from .masks import Alibi, Causal, Mask, Neighborhood, Padding, SlidingWindow
+from .problem import AttnProblem, TensorSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "explain",
+    "Explanation",
+    "NotSupportedError",
+    "Mask",
+    "Causal",
+    "SlidingWindow",
+    "Neighborhood",
+    "Padding",
+    "Alibi",
+    "AttnProblem",
+    "TensorSpec",
+    "__version__",
+]

@@ -1,0 +1,168 @@
+"""The unified entry points: ``attention()`` and ``explain()``, and the autograd wrapper."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterator, Mapping, Optional
+
+import torch
+
+from . import dispatch
+from .masks import Alibi
+from .problem import AttnProblem
+
+__all__ = ["attention", "explain", "Explanation"]
+
+# Recently seen call signatures -> (problem, backend, plan). A hit skips validation and dispatch,
+# which is most of the per-call cost on small problems.
+_CALL_CACHE: OrderedDict = OrderedDict()
+_CALL_CACHE_SIZE = 256
+
+
+def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse, backend):
+    tensors = []
+    for t in (q, k, v):
+        if not isinstance(t, torch.Tensor):
+            return None
+        tensors.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
+    if isinstance(bias, torch.Tensor):
+        bias_key = (bias.shape, bias.stride(), bias.dtype, bias.device, bias.requires_grad)
+    elif bias is None or isinstance(bias, Alibi):
+        bias_key = bias
+    else:
+        return None
+    return (*tensors, mask, bias_key, scale, dropout_p, softcap, layout, return_lse, backend)
+
+
+def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse, backend):
+    try:
+        key = _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
+                         backend)
+        cached = _CALL_CACHE.get(key) if key is not None else None
+    except TypeError:  # unhashable argument: let validation explain it
+        key, cached = None, None
+    if cached is not None:
+        return cached
+    problem = AttnProblem.from_tensors(q, k, v, mask=mask, bias=bias, scale=scale,
+                                       dropout_p=dropout_p, softcap=softcap, layout=layout,
+                                       return_lse=return_lse)
+    chosen = dispatch.select(problem, backend)
+    entry = (problem, chosen, chosen.plan(problem))
+    if key is not None:
+        _CALL_CACHE[key] = entry
+        if len(_CALL_CACHE) > _CALL_CACHE_SIZE:
+            _CALL_CACHE.popitem(last=False)
+    return entry
+
+
+class _AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, problem, plan, generator, q, k, v, bias):
+        out, lse, saved = plan.forward(problem, q, k, v, bias, generator)
+        ctx.problem, ctx.plan, ctx.saved = problem, plan, saved
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        dq, dk, dv, dbias = ctx.plan.backward(ctx.problem, q, k, v, bias, out, lse, dout,
+                                              ctx.saved, dlse)
+        return None, None, None, dq, dk, dv, dbias
+
+
+def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
+              layout="bhsd", return_lse=False, backend="auto", generator=None):
+    """Exact scaled dot-product attention on the fastest backend that can run it.
+
+    Args:
+        q: queries, ``[B, H_q, S_q, D_qk]`` (``layout="bhsd"``, as torch SDPA) or
+            ``[B, S_q, H_q, D_qk]`` (``layout="bshd"``, as FlashAttention).
+        k: keys, ``[B, H_kv, S_kv, D_qk]`` (or bshd). ``H_q % H_kv == 0``: query head ``h``
+            reads kv head ``h // (H_q // H_kv)`` (GQA/MQA).
+        v: values, ``[B, H_kv, S_kv, D_v]`` (or bshd); ``D_v`` may differ from ``D_qk``.
+        mask: ``Causal``, ``SlidingWindow``, ``Neighborhood``, ``Padding`` or an ``&`` of them.
+        bias: a float tensor broadcastable to ``[B, H_q, S_q, S_kv]`` added to the scores, or
+            ``Alibi(slopes=None)``.
+        scale: softmax scale; ``D_qk ** -0.5`` by default.
+        dropout_p: probability of dropping an attention weight (kept ones scale by
+            ``1 / (1 - dropout_p)``); ``generator`` makes it reproducible.
+        softcap: ``None``/0 for off; else scores become ``softcap * tanh(scores / softcap)``
+            before the bias is added.
+        return_lse: also return the natural-log log-sum-exp of the masked scores,
+            ``[B, H_q, S_q]``, float32 (float64 for float64 inputs).
+        backend: ``"auto"`` (cudnn -> cupy -> torch, first that can run it), or a name; a named
+            backend that cannot run the call raises ``NotSupportedError`` with its reasons.
+
+    Returns:
+        ``out`` in the layout of ``q`` with ``D_v`` features, or ``(out, lse)``. A query that sees
+        no key gets ``out = 0`` and ``lse = -inf``.
+
+    Equivalent PyTorch (bhsd, no GQA; ``visible`` the boolean mask the ``mask`` describes)::
+
+        s = scale * q @ k.transpose(-1, -2)
+        if softcap: s = softcap * torch.tanh(s / softcap)
+        s = (s + bias).masked_fill(~visible, float("-inf"))
+        lse = s.logsumexp(-1)
+        out = torch.dropout(torch.softmax(s, -1).nan_to_num(0.0), dropout_p, True) @ v
+    """
+    problem, _, plan = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
+                                return_lse, backend)
+    bias_tensor = bias if isinstance(bias, torch.Tensor) else None
+    if problem.requires_grad and torch.is_grad_enabled():
+        out, lse = _AttentionFunction.apply(problem, plan, generator, q, k, v, bias_tensor)
+    else:
+        out, lse, _ = plan.forward(problem, q, k, v, bias_tensor, generator)
+    return (out, lse) if return_lse else out
+
+
+class Explanation(Mapping):
+    """Each backend's verdict, in priority order: ``"selected"``, ``"available"`` or reasons."""
+
+    def __init__(self, problem: AttnProblem, verdicts: dict):
+        self.problem = problem
+        self._verdicts = verdicts
+
+    def __getitem__(self, name: str):
+        return self._verdicts[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._verdicts)
+
+    def __len__(self) -> int:
+        return len(self._verdicts)
+
+    @property
+    def selected(self) -> Optional[str]:
+        return next((n for n, v in self._verdicts.items() if v == "selected"), None)
+
+    def __str__(self) -> str:
+        return f"{self.problem.describe()}\n{dispatch.format_reasons(self._verdicts)}"
+
+    def __repr__(self) -> str:
+        return f"Explanation({self._verdicts!r})"
+
+
+def explain(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
+            layout="bhsd", return_lse=False, backend="auto", generator=None) -> Explanation:
+    """What each backend says about this call, without running it.
+
+    Takes ``attention()``'s arguments. Malformed input raises as ``attention()`` would; an
+    unsupported call does not raise: every verdict is in the result (``print()`` it).
+    """
+    problem = AttnProblem.from_tensors(q, k, v, mask=mask, bias=bias, scale=scale,
+                                       dropout_p=dropout_p, softcap=softcap, layout=layout,
+                                       return_lse=return_lse)
+    if backend != "auto":
+        dispatch.get_backend(backend)
+    verdicts: dict = {}
+    chosen = None
+    for name, reasons in dispatch.verdicts(problem).items():
+        eligible = backend in ("auto", name)
+        if reasons:
+            verdicts[name] = reasons
+        elif eligible and chosen is None:
+            verdicts[name] = chosen = "selected"
+        else:
+            verdicts[name] = "available"
+    return Explanation(problem, verdicts)

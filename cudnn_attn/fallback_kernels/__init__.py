@@ -1,0 +1,1 @@
+"""CuPy RawKernels for the masks cuDNN cannot express (neighborhood attention first)."""

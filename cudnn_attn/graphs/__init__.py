@@ -1,0 +1,1 @@
+"""cuDNN-frontend SDPA graphs (forward/backward builders, the graph cache, the backend)."""

@@ -1,0 +1,292 @@
+"""Attention masks and positional biases: frozen, hashable descriptions, composable with ``&``.
+
+A mask says which keys a query may see; it never holds tensors, so it can sit inside a cache key.
+Every engine reads the same objects: the torch engine turns them into tile tables, the cuDNN
+engine into graph attributes, the CuPy engine into compile-time kernel choices.
+
+Alignment of a query row ``i`` against ``S_kv`` keys (used by ``Causal``, ``SlidingWindow`` and
+``Alibi``)::
+
+    top_left:      i' = i
+    bottom_right:  i' = i + S_kv - S_q      (with Padding, per batch: i + len_kv[b] - len_q[b])
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+__all__ = [
+    "Mask",
+    "MaskSet",
+    "Causal",
+    "SlidingWindow",
+    "Neighborhood",
+    "Padding",
+    "Alibi",
+    "ALIGNMENTS",
+    "mask_parts",
+    "alibi_slopes",
+]
+
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+class Mask:
+    """Base class of every mask; ``a & b`` keeps the keys both masks keep."""
+
+    def __and__(self, other: "Mask") -> "MaskSet":
+        if not isinstance(other, Mask):
+            return NotImplemented
+        return MaskSet.of(self, other)
+
+    def parts(self) -> tuple["Mask", ...]:
+        return (self,)
+
+
+def _check_alignment(alignment: str) -> None:
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Causal(Mask):
+    """Key ``j`` is visible from query ``i`` iff ``j <= i'`` (``i'`` aligned, see module doc).
+
+    ``S_q = 3, S_kv = 5``::
+
+        top_left        bottom_right
+        1 0 0 0 0       1 1 1 0 0
+        1 1 0 0 0       1 1 1 1 0
+        1 1 1 0 0       1 1 1 1 1
+    """
+
+    alignment: str = "top_left"
+
+    def __post_init__(self):
+        _check_alignment(self.alignment)
+
+
+@dataclass(frozen=True)
+class SlidingWindow(Mask):
+    """FlashAttention's window: ``i' - left <= j <= i' + right``, both ends inclusive.
+
+    ``-1`` leaves that side unbounded, so ``SlidingWindow(-1, 0)`` is causal. ``SlidingWindow(1, 1)``
+    on 5 tokens::
+
+        1 1 0 0 0
+        1 1 1 0 0
+        0 1 1 1 0
+        0 0 1 1 1
+        0 0 0 1 1
+    """
+
+    left: int = -1
+    right: int = -1
+    alignment: str = "top_left"
+
+    def __post_init__(self):
+        for name in ("left", "right"):
+            _check_int(name, getattr(self, name), -1)
+        _check_alignment(self.alignment)
+
+
+def _per_axis(name: str, value, ndim: int, cast) -> tuple:
+    if isinstance(value, (tuple, list)):
+        if len(value) != ndim:
+            raise ValueError(f"{name} must have {ndim} entries (one per axis), got {value!r}")
+        return tuple(cast(name, v) for v in value)
+    return (cast(name, value),) * ndim
+
+
+def _as_bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, int)) or value not in (0, 1):
+        raise TypeError(f"{name} must be a bool or a tuple of bools, got {value!r}")
+    return bool(value)
+
+
+@dataclass(frozen=True, init=False)
+class Neighborhood(Mask):
+    """NATTEN 0.21 neighborhood attention on the row-major flattening of ``spatial_shape``.
+
+    Per axis of length ``L`` with kernel ``k``, stride ``s``, dilation ``d``: the axis splits into
+    ``d`` interleaved groups; inside its group a query sees ``k`` consecutive group members around
+    its stride group's centre (shifted, not cut, at the borders), or, when causal, up to ``k``
+    members ending at itself. A query sees the Cartesian product of its per-axis sets.
+    ``L = 8, k = 3``::
+
+        query 0 -> keys 0 1 2     (window shifted right at the border)
+        query 3 -> keys 2 3 4
+        query 7 -> keys 5 6 7
+
+    Scalars apply to every axis. Rules (as NATTEN): ``k >= 2``, ``s >= 1``, ``d >= 1``,
+    ``s <= k`` and ``k * d <= L`` on each axis.
+    """
+
+    spatial_shape: tuple[int, ...]
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
+    is_causal: tuple[bool, ...]
+
+    def __init__(self, spatial_shape, kernel_size, stride=1, dilation=1, is_causal=False):
+        if isinstance(spatial_shape, (tuple, list)):
+            shape = tuple(_check_int("spatial_shape", n, 1) for n in spatial_shape)
+        else:
+            shape = (_check_int("spatial_shape", spatial_shape, 1),)
+        if not 1 <= len(shape) <= 3:
+            raise ValueError(f"spatial_shape must have 1, 2 or 3 axes, got {spatial_shape!r}")
+        ndim = len(shape)
+        kernel = _per_axis("kernel_size", kernel_size, ndim, lambda n, v: _check_int(n, v, 2))
+        strides = _per_axis("stride", stride, ndim, lambda n, v: _check_int(n, v, 1))
+        dilations = _per_axis("dilation", dilation, ndim, lambda n, v: _check_int(n, v, 1))
+        causal = _per_axis("is_causal", is_causal, ndim, _as_bool)
+        for axis, (length, k, s, d) in enumerate(zip(shape, kernel, strides, dilations)):
+            if s > k:
+                raise ValueError(f"stride must be <= kernel_size on every axis; axis {axis}: "
+                                 f"stride={s} > kernel_size={k}")
+            if k * d > length:
+                raise ValueError(f"kernel_size * dilation must be <= the axis length; axis {axis}: "
+                                 f"kernel_size={k} * dilation={d} > spatial_shape[{axis}]={length}")
+        for name, value in (("spatial_shape", shape), ("kernel_size", kernel), ("stride", strides),
+                            ("dilation", dilations), ("is_causal", causal)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.spatial_shape)
+
+    @property
+    def num_tokens(self) -> int:
+        return math.prod(self.spatial_shape)
+
+    def axes(self) -> Iterator[tuple[int, int, int, int, bool]]:
+        """``(length, kernel, stride, dilation, causal)`` for each axis."""
+        return zip(self.spatial_shape, self.kernel_size, self.stride, self.dilation, self.is_causal)
+
+
+def _as_lengths(name: str, value) -> tuple[int, ...]:
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-D integer tensor, got {value.dtype} of shape "
+                             f"{tuple(value.shape)}")
+        value = value.tolist()
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise TypeError(f"{name} must be a sequence of ints or a 1-D integer tensor, got {value!r}")
+    return tuple(_check_int(name, n, 0) for n in value)
+
+
+@dataclass(frozen=True, init=False)
+class Padding(Mask):
+    """Per-batch valid lengths: rows ``i >= seq_lens_q[b]`` see nothing (zeros out, ``-inf`` lse),
+    keys ``j >= seq_lens_kv[b]`` are hidden. ``seq_lens_kv`` defaults to ``seq_lens_q``.
+
+    ``seq_lens_q = seq_lens_kv = (3,)`` on 4 tokens::
+
+        1 1 1 0
+        1 1 1 0
+        1 1 1 0
+        0 0 0 0
+    """
+
+    seq_lens_q: tuple[int, ...]
+    seq_lens_kv: tuple[int, ...]
+
+    def __init__(self, seq_lens_q, seq_lens_kv=None):
+        lens_q = _as_lengths("seq_lens_q", seq_lens_q)
+        lens_kv = lens_q if seq_lens_kv is None else _as_lengths("seq_lens_kv", seq_lens_kv)
+        if len(lens_q) != len(lens_kv):
+            raise ValueError(f"seq_lens_q and seq_lens_kv must have one entry per batch, got "
+                             f"{len(lens_q)} and {len(lens_kv)}")
+        object.__setattr__(self, "seq_lens_q", lens_q)
+        object.__setattr__(self, "seq_lens_kv", lens_kv)
+
+
+@dataclass(frozen=True)
+class MaskSet(Mask):
+    """The AND of several masks; built by ``&``. Order and repeats do not matter."""
+
+    members: tuple[Mask, ...]
+
+    @staticmethod
+    def of(*masks: Mask) -> "Mask":
+        flat = {p for m in masks for p in m.parts()}
+        ordered = tuple(sorted(flat, key=repr))
+        return ordered[0] if len(ordered) == 1 else MaskSet(ordered)
+
+    def parts(self) -> tuple[Mask, ...]:
+        return self.members
+
+
+def mask_parts(mask: Mask | None) -> tuple[Mask, ...]:
+    """The atomic masks of ``mask`` (empty for no mask)."""
+    return () if mask is None else mask.parts()
+
+
+# ---------------------------------------------------------------------------------------------
+# ALiBi
+# ---------------------------------------------------------------------------------------------
+
+def _geometric_slopes(n: int) -> list[float]:
+    start = 2.0 ** (-8.0 / n)
+    return [start ** (h + 1) for h in range(n)]
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """The ALiBi paper's head slopes: ``2**(-8(h+1)/n)``, interleaved for non-powers of two."""
+    if num_heads & (num_heads - 1) == 0:
+        return _geometric_slopes(num_heads)
+    closest = 2 ** int(math.floor(math.log2(num_heads)))
+    extra = _geometric_slopes(2 * closest)[0::2][: num_heads - closest]
+    return _geometric_slopes(closest) + extra
+
+
+def _as_slopes(slopes) -> tuple | None:
+    if slopes is None:
+        return None
+    if isinstance(slopes, torch.Tensor):
+        if slopes.dim() not in (1, 2) or not slopes.dtype.is_floating_point:
+            raise ValueError(f"Alibi slopes must be a float tensor of shape [H] or [B, H], got "
+                             f"{slopes.dtype} of shape {tuple(slopes.shape)}")
+        slopes = slopes.tolist()
+    if not isinstance(slopes, Sequence) or not slopes:
+        raise TypeError(f"Alibi slopes must be a non-empty sequence or tensor, got {slopes!r}")
+    if isinstance(slopes[0], Sequence):
+        return tuple(tuple(float(s) for s in row) for row in slopes)
+    return tuple(float(s) for s in slopes)
+
+
+@dataclass(frozen=True, init=False)
+class Alibi:
+    """ALiBi bias: adds ``-slope_h * |i' - j|`` (``i'`` aligned like the call's causal or window
+    mask, top-left when there is none). ``slopes``: None (the paper's geometric sequence), or
+    ``H`` floats, or a ``[H]`` / ``[B, H]`` tensor. Pass it as ``bias=Alibi()``."""
+
+    slopes: tuple | None
+
+    def __init__(self, slopes=None):
+        object.__setattr__(self, "slopes", _as_slopes(slopes))
+
+    def slope_table(self, batch: int, heads: int) -> torch.Tensor:
+        """float64 ``[B or 1, H]`` slopes, validated against the call's batch and head counts."""
+        if self.slopes is None:
+            return torch.tensor([alibi_slopes(heads)], dtype=torch.float64)
+        table = torch.tensor(self.slopes, dtype=torch.float64)
+        if table.dim() == 1:
+            table = table[None]
+        if table.shape[1] != heads or table.shape[0] not in (1, batch):
+            raise ValueError(f"Alibi slopes of shape {tuple(table.shape)} do not match batch={batch}, "
+                             f"heads={heads}; expected [{heads}] or [{batch}, {heads}]")
+        return table

@@ -1,0 +1,212 @@
+"""The description of one attention call: shapes, strides, dtypes, layout, mask and flags.
+
+``AttnProblem.from_tensors`` is the only place user input is validated. The problem is frozen and
+hashable; ``plan_key`` is the part that decides how a backend builds its plan (runtime values such
+as the softmax scale, dropout probability and padding lengths stay out of it).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .masks import Alibi, Causal, Mask, Neighborhood, Padding, SlidingWindow, mask_parts
+
+__all__ = ["TensorSpec", "AttnProblem", "LAYOUTS", "FLOAT_DTYPES"]
+
+LAYOUTS = ("bhsd", "bshd")
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape, strides and dtype of one tensor, without its data."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorSpec":
+        return TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _tensor_arg(name: str, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float64, float32, float16 or bfloat16, got {t.dtype}")
+    return t
+
+
+def _check_bias_shape(bias: torch.Tensor, full: tuple[int, int, int, int]) -> None:
+    ok = bias.dim() <= 4 and all(
+        b in (1, f) for b, f in zip(reversed(bias.shape), reversed(full)))
+    if not ok:
+        raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to "
+                         f"[B, H, S_q, S_kv] = {list(full)}")
+
+
+@dataclass(frozen=True)
+class AttnProblem:
+    """One attention call, normalised to ``[B, H, S, D]`` sizes whatever the layout."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_kv: int
+    dim_qk: int
+    dim_v: int
+    dtype: torch.dtype
+    device: torch.device
+    layout: str
+    q: TensorSpec
+    k: TensorSpec
+    v: TensorSpec
+    mask: Optional[Mask] = None
+    bias: Optional[TensorSpec] = None
+    alibi: Optional[Alibi] = None
+    scale: float = 1.0
+    dropout_p: float = 0.0
+    softcap: Optional[float] = None
+    return_lse: bool = False
+    requires_grad: bool = False
+    bias_requires_grad: bool = False
+    plan_key: tuple = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self):
+        # Everything a plan specialises on; runtime scalars (scale, dropout_p, padding lengths,
+        # ALiBi slopes) are read from the problem at call time instead.
+        parts = tuple(("padding",) if isinstance(m, Padding) else m for m in mask_parts(self.mask))
+        key = (self.batch, self.heads_q, self.heads_kv, self.seq_q, self.seq_kv, self.dim_qk,
+               self.dim_v, self.dtype, self.device, self.layout, self.q, self.k, self.v, parts,
+               self.bias, self.alibi is not None, self.softcap is not None, self.dropout_p > 0)
+        object.__setattr__(self, "plan_key", key)
+
+    # -- convenience views used by every backend ----------------------------------------------
+    @property
+    def group_size(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    def masks_of(self, kind: type) -> tuple:
+        return tuple(m for m in mask_parts(self.mask) if isinstance(m, kind))
+
+    @property
+    def padding(self) -> Optional[Padding]:
+        found = self.masks_of(Padding)
+        return found[0] if found else None
+
+    @property
+    def neighborhood(self) -> Optional[Neighborhood]:
+        found = self.masks_of(Neighborhood)
+        return found[0] if found else None
+
+    def describe(self) -> str:
+        masks = " & ".join(repr(m) for m in mask_parts(self.mask)) or "none"
+        extras = [f"bias={list(self.bias.shape)}" if self.bias else "",
+                  f"alibi" if self.alibi else "",
+                  f"softcap={self.softcap}" if self.softcap else "",
+                  f"dropout_p={self.dropout_p}" if self.dropout_p else ""]
+        return (f"q=[B={self.batch}, H={self.heads_q}, S={self.seq_q}, D={self.dim_qk}] "
+                f"k/v=[H={self.heads_kv}, S={self.seq_kv}, D_v={self.dim_v}] {self.dtype} "
+                f"{self.device} layout={self.layout} mask={masks} "
+                + " ".join(e for e in extras if e)).rstrip()
+
+    # -- construction and validation ----------------------------------------------------------
+    @staticmethod
+    def from_tensors(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
+                     layout="bhsd", return_lse=False) -> "AttnProblem":
+        """Validate the arguments of ``attention()`` and describe the call."""
+        q, k, v = _tensor_arg("q", q), _tensor_arg("k", k), _tensor_arg("v", v)
+        if not (q.dtype == k.dtype == v.dtype):
+            raise TypeError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, "
+                            f"v={v.dtype}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be 4-D ({layout}), got shape {tuple(t.shape)}")
+            if t.numel() == 0:
+                raise ValueError(f"{name} must not be empty, got shape {tuple(t.shape)}")
+        if q.device != k.device or q.device != v.device:
+            raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, "
+                             f"v={v.device}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        s_dim, h_dim = (2, 1) if layout == "bhsd" else (1, 2)
+        B, Hq, Sq, Dqk = q.shape[0], q.shape[h_dim], q.shape[s_dim], q.shape[3]
+        Hkv, Skv = k.shape[h_dim], k.shape[s_dim]
+        if k.shape[0] != B or v.shape[0] != B:
+            raise ValueError(f"q, k and v must share the batch size, got q={tuple(q.shape)}, "
+                             f"k={tuple(k.shape)}, v={tuple(v.shape)}")
+        if k.shape[3] != Dqk:
+            raise ValueError(f"k head dim must equal q head dim, got q={tuple(q.shape)}, "
+                             f"k={tuple(k.shape)}")
+        if v.shape[h_dim] != Hkv or v.shape[s_dim] != Skv:
+            raise ValueError(f"v must have k's heads and sequence length ({layout}), got "
+                             f"k={tuple(k.shape)}, v={tuple(v.shape)}")
+        if Hq % Hkv:
+            raise ValueError(f"query heads must be a multiple of kv heads (GQA/MQA), got "
+                             f"H_q={Hq}, H_kv={Hkv}")
+
+        if mask is not None and not isinstance(mask, Mask):
+            raise TypeError(f"mask must be a cudnn_attn mask (Causal, SlidingWindow, Neighborhood, "
+                            f"Padding or their & combination), got {type(mask).__name__}")
+        _check_masks(mask, B, Sq, Skv)
+
+        alibi, bias_spec, bias_grad = None, None, False
+        if isinstance(bias, Alibi):
+            alibi = bias
+            alibi.slope_table(B, Hq)  # validates the slope shape
+        elif bias is not None:
+            bias = _tensor_arg("bias", bias)
+            if bias.device != q.device:
+                raise ValueError(f"bias must be on q's device {q.device}, got {bias.device}")
+            _check_bias_shape(bias, (B, Hq, Sq, Skv))
+            bias_spec, bias_grad = TensorSpec.of(bias), bias.requires_grad
+
+        if scale is None:
+            scale = Dqk ** -0.5
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+            raise ValueError(f"scale must be a finite number, got {scale!r}")
+        if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) \
+                or not 0.0 <= dropout_p < 1.0:
+            raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+        if softcap is not None:
+            if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) \
+                    or not math.isfinite(softcap) or softcap < 0:
+                raise ValueError(f"softcap must be None or a finite number >= 0, got {softcap!r}")
+            softcap = float(softcap) or None  # FlashAttention's convention: 0 means off
+
+        return AttnProblem(
+            batch=B, heads_q=Hq, heads_kv=Hkv, seq_q=Sq, seq_kv=Skv, dim_qk=Dqk,
+            dim_v=v.shape[3], dtype=q.dtype, device=q.device, layout=layout,
+            q=TensorSpec.of(q), k=TensorSpec.of(k), v=TensorSpec.of(v), mask=mask,
+            bias=bias_spec, alibi=alibi, scale=float(scale), dropout_p=float(dropout_p),
+            softcap=softcap, return_lse=bool(return_lse),
+            requires_grad=q.requires_grad or k.requires_grad or v.requires_grad or bias_grad,
+            bias_requires_grad=bias_grad)
+
+
+def _check_masks(mask, batch: int, seq_q: int, seq_kv: int) -> None:
+    parts = mask_parts(mask)
+    for m in parts:
+        if isinstance(m, Neighborhood) and not (seq_q == seq_kv == m.num_tokens):
+            raise ValueError(f"Neighborhood over spatial_shape={m.spatial_shape} needs "
+                             f"S_q == S_kv == {m.num_tokens} tokens, got S_q={seq_q}, S_kv={seq_kv}")
+        if isinstance(m, Padding):
+            if len(m.seq_lens_q) != batch:
+                raise ValueError(f"Padding needs one length per batch ({batch}), got "
+                                 f"seq_lens_q={m.seq_lens_q}")
+            if max(m.seq_lens_q) > seq_q or max(m.seq_lens_kv) > seq_kv:
+                raise ValueError(f"Padding lengths exceed the sequence: seq_lens_q={m.seq_lens_q} "
+                                 f"(S_q={seq_q}), seq_lens_kv={m.seq_lens_kv} (S_kv={seq_kv})")
+    if sum(isinstance(m, Padding) for m in parts) > 1:
+        raise ValueError("mask may contain at most one Padding")
+    aligned = {m.alignment for m in parts if isinstance(m, (Causal, SlidingWindow))}
+    if len(aligned) > 1:
+        raise ValueError("Causal and SlidingWindow masks in one call must share an alignment, got "
+                         f"{sorted(aligned)}")
