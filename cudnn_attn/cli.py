@@ -6,8 +6,9 @@ import argparse
 import statistics
 import sys
 import timeit
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 # Max abs error allowed against the float64 brute force, per input dtype (outputs are O(1)).
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}
@@ -164,7 +165,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         chosen = next((name for name, verdict in explanation.items() if verdict == "selected"), "?")
         out = ca.attention(q, k, v, mask=mask, backend="auto")
         err = (out.to("cpu", torch.float64) - brute_force(q, k, v, problem.visible())).abs().max().item()
-        ms = median_ms(lambda: ca.attention(q, k, v, mask=mask, backend="auto"), args.repeats, sync)
+        ms = median_ms(lambda: ca.attention(q, k, v, mask=mask, backend="auto"), args.repeats, sync)  # noqa: B023
         ok = err <= tol
         failures += not ok
         print(f"{problem.name:<42} {chosen:<8} {err:>12.3e} {ms:>10.2f}  {'ok' if ok else 'FAIL'}")

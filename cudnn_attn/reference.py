@@ -17,6 +17,9 @@ import torch
 
 from ._tiles import (AxisWindows, Tiles, Visibility, build_tiles, choose_tile_shape,
                      neighborhood_axis, sequence_axis)
+from . import _cpu_fused
+from ._layout import (compute_dtype, cols, lse_dtype, lse_layout, lse_rows, rows_of, uncols,
+                      unrows)
 from .masks import Causal, Neighborhood, SlidingWindow, mask_parts
 from .problem import AttnProblem
 
@@ -57,10 +60,6 @@ class TorchBackend:
         return plan
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 class TorchPlan:
     """Tile tables for one ``plan_key``, built once; ``forward``/``backward`` run them."""
 
@@ -87,34 +86,41 @@ class TorchPlan:
         if extra_static and t.static_mask is not None:
             t.static_mask &= self._static_on_the_fly(t.q_idx[:, :, None], t.k_idx[:, None, :])
         self.evaluate_static = needs_mask and t.static_mask is None
-        self.fused_ok = _fused_cpu_ok(problem)  # plan_key fixes bias/alibi/softcap/dropout
+        # Stored inverted: the hot loop fills hidden pairs, so this saves a pass per call.
+        self.hidden_static = None if t.static_mask is None else ~t.static_mask
+        self.fused_ok = _cpu_fused.whole_problem_ok(problem)
+        self.fused_tiles = _cpu_fused.tiles_ok(problem)  # plan_key fixes bias/alibi/softcap/dropout
 
     # -- masks and biases for one chunk of tiles -------------------------------------------------
     def _static_on_the_fly(self, qi, kj):
         return self.visibility.static(qi, kj, self.dynamic_lines)
 
-    def _chunk_mask(self, lo: int, hi: int, keys: torch.Tensor, device) -> Optional[torch.Tensor]:
-        """Visibility for tiles [lo, hi) as [B|1, n, T, W] bool, or None if all visible."""
+    def hidden_of(self, lo: int, hi: int, keys: torch.Tensor, device) -> Optional[torch.Tensor]:
+        """Hidden (query, key) pairs of tiles [lo, hi) as [B|1, n, T, W] bool, or None."""
         t = self.tiles
         qi = t.q_idx[lo:hi].to(device)[:, :, None]
         kj = keys[:, None, :] if keys.dim() == 2 else keys.view(1, 1, -1)
-        if t.static_mask is not None:
-            mask = t.static_mask[lo:hi].to(device)
+        if self.hidden_static is not None:
+            visible = None
+            hidden = self.hidden_static[lo:hi].to(device)
         elif self.evaluate_static:
-            mask = self._static_on_the_fly(qi, kj) & t.owned[lo:hi, :, None].to(device)
+            visible = self._static_on_the_fly(qi, kj) & t.owned[lo:hi, :, None].to(device)
+            hidden = None
         elif not bool(t.owned[lo:hi].all()):
-            mask = t.owned[lo:hi, :, None].to(device)
+            visible, hidden = t.owned[lo:hi, :, None].to(device), None
         else:
-            mask = None
+            visible = hidden = None
         for extra in (self.visibility.lines(qi, kj) if self.dynamic_lines else None,
                       self.visibility.padded(qi, kj)):
             if extra is not None:
-                mask = extra if mask is None else mask & extra
-        if mask is not None and mask.dim() == 3:
-            mask = mask[None]
-        return mask
+                visible = extra if visible is None else visible & extra
+        if visible is not None:
+            hidden = ~visible if hidden is None else hidden | ~visible
+        if hidden is None:
+            return None
+        return hidden if hidden.dim() == 4 else hidden[None]
 
-    def _chunk_bias(self, problem, bias, lo, hi, keys, device, dtype):
+    def bias_of(self, problem, bias, lo, hi, keys, device, dtype):
         """Additive bias (tensor and/or ALiBi) as [B|1, Hkv, n, T, G, W], or None."""
         t = self.tiles
         qi = t.q_idx[lo:hi].to(device)
@@ -141,38 +147,45 @@ class TorchPlan:
         return lines[0].alignment if lines else "top_left"
 
     # -- the shared score computation -----------------------------------------------------------
-    def _scores(self, problem, qs, k5, bias, lo, hi, keys):
-        """Masked scores for tiles [lo, hi): returns (s, capped_tanh or None, mask)."""
+    def _scores(self, problem, qs, k3, bias, lo, hi, keys):
+        """Scores of tiles [lo, hi) as [B, H_kv, n, T, G, W] with hidden pairs at -inf.
+
+        Returns ``(qg, kg, s, tanh, hidden)``: the gathered queries [BH, n, T*G, D] and keys
+        ([BH, n, W, D], or None when every tile reads all keys), the softcap's tanh (or None)
+        and the hidden-pair mask broadcastable to ``s`` (or None).
+        """
         B, Hkv, G = problem.batch, problem.heads_kv, problem.group_size
         t = self.tiles
-        n, T = hi - lo, t.size
-        qg = qs.index_select(2, t.q_idx[lo:hi].reshape(-1).to(qs.device))
+        n, T, W = hi - lo, t.size, t.num_keys
+        qg = qs.index_select(1, t.q_idx[lo:hi].reshape(-1).to(qs.device))
+        qg = qg.view(B * Hkv, n, T * G, -1)
         if t.k_idx is None:
-            s = torch.matmul(qg.view(B, Hkv, n * T * G, -1), k5.transpose(-1, -2))
             kg = None
+            s = torch.matmul(qg.view(B * Hkv, n * T * G, -1), k3.transpose(1, 2))
         else:
-            kg = k5.index_select(2, keys.reshape(-1)).view(B, Hkv, n, t.num_keys, -1)
-            s = torch.matmul(qg.view(B, Hkv, n, T * G, -1), kg.transpose(-1, -2))
-        s = s.view(B, Hkv, n, T, G, t.num_keys)
+            kg = _gather_keys(k3, keys, t, n)
+            s = torch.matmul(qg, kg.transpose(-1, -2))
+        s = s.view(B, Hkv, n, T, G, W)
         tanh = None
         if problem.softcap is not None:
             tanh = (s / problem.softcap).tanh_()
             s = tanh * problem.softcap
-        extra = self._chunk_bias(problem, bias, lo, hi, keys, qs.device, s.dtype)
+        extra = self.bias_of(problem, bias, lo, hi, keys, qs.device, s.dtype)
         if extra is not None:
-            s = s + extra
-        mask = self._chunk_mask(lo, hi, keys, qs.device)
-        if mask is not None:
-            s = s.masked_fill(~mask[:, None, :, :, None, :], -math.inf)
-        return qg, kg, s, tanh
+            s.add_(extra)
+        hidden = self.hidden_of(lo, hi, keys, qs.device)
+        if hidden is not None:
+            hidden = hidden[:, None, :, :, None, :]
+            s.masked_fill_(hidden, -math.inf)
+        return qg, kg, s, tanh, hidden
 
-    def _chunks(self, problem):
+    def chunks(self, problem):
         per_tile = problem.batch * problem.heads_q * self.tiles.size * self.tiles.num_keys
         step = max(1, CHUNK_ELEMENTS // max(per_tile, 1))
         for lo in range(0, self.tiles.count, step):
             yield lo, min(lo + step, self.tiles.count)
 
-    def _keys(self, lo, hi, device):
+    def keys_of(self, lo, hi, device):
         t = self.tiles
         if t.k_idx is None:
             return torch.arange(t.num_keys, device=device)
@@ -182,117 +195,89 @@ class TorchPlan:
     def forward(self, problem, q, k, v, bias, generator):
         """``(out, lse, dropout_state)``: out in the call's layout and dtype, lse [B, H, S_q]."""
         if self.fused_ok:
-            return (*_fused_cpu(problem, q, k, v), None)
-        dtype = _compute_dtype(problem.dtype)
-        qs, k5, v5 = _grouped_inputs(problem, q, k, v, dtype)
-        B, Hkv, G, T = problem.batch, problem.heads_kv, problem.group_size, self.tiles.size
+            return (*_cpu_fused.whole_problem(problem, q, k, v), None)
+        if self.fused_tiles:
+            return (*_cpu_fused.tile_forward(self, problem, q, k, v, bias), None)
+        dtype = compute_dtype(problem.dtype)
+        qs = rows_of(problem, q, dtype, problem.scale)
+        k3, v3 = cols(problem, k, dtype), cols(problem, v, dtype)
+        BH, G, T = problem.batch * problem.heads_kv, problem.group_size, self.tiles.size
         rows = self.tiles.count * T
-        out_t = qs.new_empty(B, Hkv, rows, G, problem.dim_v)
-        lse_t = qs.new_empty(B, Hkv, rows, G)
+        out_t = qs.new_empty(BH, rows, G, problem.dim_v)
+        lse_t = qs.new_empty(BH, rows, G)
         dropout = _Dropout(problem, generator, qs.device)
-        for lo, hi in self._chunks(problem):
-            keys = self._keys(lo, hi, qs.device)
-            _, _, s, _ = self._scores(problem, qs, k5, bias, lo, hi, keys)
-            lse = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - _finite(lse)[..., None])
+        for lo, hi in self.chunks(problem):
+            n = hi - lo
+            keys = self.keys_of(lo, hi, qs.device)
+            _, _, s, _, hidden = self._scores(problem, qs, k3, bias, lo, hi, keys)
+            shift = _finite(s.amax(-1))
+            p = _exp_shifted(s, shift, hidden)
+            total = p.sum(-1)
             p = dropout.apply(p)
-            o = _apply_values(p, v5, keys, self.tiles)
-            out_t[:, :, lo * T:hi * T] = o.reshape(B, Hkv, (hi - lo) * T, G, -1)
-            lse_t[:, :, lo * T:hi * T] = lse.reshape(B, Hkv, (hi - lo) * T, G)
+            o = _times_keys(p.view(BH, n, T * G, -1), _gather_keys(v3, keys, self.tiles, n),
+                            keys, self.tiles)
+            total = total.view(BH, n * T, G)
+            out_t[:, lo * T:hi * T] = o.view(BH, n * T, G, -1) / _nonzero(total)[..., None]
+            lse_t[:, lo * T:hi * T] = shift.view(BH, n * T, G) + total.log()
         inverse = self.tiles.inverse.to(qs.device)
-        out = _ungroup(problem, out_t.index_select(2, inverse)).to(problem.dtype)
-        lse = lse_t.index_select(2, inverse).permute(0, 1, 3, 2).reshape(B, problem.heads_q, -1)
-        return out, lse.to(_lse_dtype(problem.dtype)), dropout.state
+        out = unrows(problem, out_t.index_select(1, inverse)).to(problem.dtype)
+        lse = lse_layout(problem, lse_t.index_select(1, inverse))
+        return out, lse.to(lse_dtype(problem.dtype)), dropout.state
 
     def backward(self, problem, q, k, v, bias, out, lse, dout, dropout_state, dlse=None):
         """Gradients ``(dq, dk, dv, dbias)`` from the saved LSE (dbias None unless it needs one).
 
         ``dlse`` (optional) is the gradient reaching the returned LSE; d lse / d s = p.
         """
-        dtype = _compute_dtype(problem.dtype)
-        qs, k5, v5 = _grouped_inputs(problem, q, k, v, dtype)
+        if self.fused_tiles and dlse is None and not problem.bias_requires_grad:
+            return _cpu_fused.tile_backward(self, problem, q, k, v, bias, out, lse, dout)
+        dtype = compute_dtype(problem.dtype)
         B, Hkv, G, T = problem.batch, problem.heads_kv, problem.group_size, self.tiles.size
-        do5 = _group_queries(problem, dout, dtype)
-        delta = (do5 * _group_queries(problem, out, dtype)).sum(-1)        # [B, Hkv, S_q, G]
+        BH = B * Hkv
+        qs = rows_of(problem, q, dtype, problem.scale)
+        k3, v3 = cols(problem, k, dtype), cols(problem, v, dtype)
+        do3 = rows_of(problem, dout, dtype)
+        delta = (do3.view(BH, problem.seq_q, G, -1)
+                 * rows_of(problem, out, dtype).view(BH, problem.seq_q, G, -1)).sum(-1)
         if dlse is not None:
-            delta = delta - dlse.to(dtype).view(B, Hkv, G, -1).permute(0, 1, 3, 2)
-        lse5 = lse.to(dtype).view(B, Hkv, G, -1).permute(0, 1, 3, 2)        # [B, Hkv, S_q, G]
-        rows = self.tiles.count * T
-        dq_t = qs.new_zeros(B, Hkv, rows, G, problem.dim_qk)
-        dk = torch.zeros_like(k5)
-        dv = torch.zeros_like(v5)
+            delta = delta - lse_rows(problem, dlse.to(dtype))
+        lse3 = lse_rows(problem, lse.to(dtype))
+        dq_t = qs.new_zeros(BH, self.tiles.count * T, G * problem.dim_qk)
+        dk, dv = torch.zeros_like(k3), torch.zeros_like(v3)
         dbias_full = None
         if problem.bias_requires_grad:
             dbias_full = qs.new_zeros(B, problem.heads_q, problem.seq_q, problem.seq_kv)
         dropout = _Dropout(problem, None, qs.device, state=dropout_state)
-        for lo, hi in self._chunks(problem):
+        for lo, hi in self.chunks(problem):
             n = hi - lo
-            keys = self._keys(lo, hi, qs.device)
+            keys = self.keys_of(lo, hi, qs.device)
             rows_idx = self.tiles.q_idx[lo:hi].reshape(-1).to(qs.device)
-            qg, kg, s, tanh = self._scores(problem, qs, k5, bias, lo, hi, keys)
-            lse_g = lse5.index_select(2, rows_idx).view(B, Hkv, n, T, G)
-            p = torch.exp(s - _finite(lse_g)[..., None])
+            qg, kg, s, tanh, hidden = self._scores(problem, qs, k3, bias, lo, hi, keys)
+            p = _exp_shifted(s, _finite(lse3.index_select(1, rows_idx)).view(s.shape[:-1]), hidden)
             keep = dropout.keep(p)
-            dog = do5.index_select(2, rows_idx).view(B, Hkv, n, T * G, -1)
-            pd = p if keep is None else p * keep
-            vg = v5 if self.tiles.k_idx is None else \
-                v5.index_select(2, keys.reshape(-1)).view(B, Hkv, n, self.tiles.num_keys, -1)
-            kk = k5 if kg is None else kg
-            dp = _matmul_keys(dog, vg, n, transpose_keys=True)   # [B,Hkv,n,T*G,W]
-            dp = dp.view_as(p)
+            dog = do3.index_select(1, rows_idx).view(BH, n, T * G, -1)
+            vg = _gather_keys(v3, keys, self.tiles, n)
+            dp = _times_keys(dog, vg, keys, self.tiles, transpose=True).view_as(p)
+            pd = p
             if keep is not None:
-                dp = dp * keep
-            ds = p * (dp - delta.index_select(2, rows_idx).view(B, Hkv, n, T, G)[..., None])
+                dp.mul_(keep)
+                pd = p * keep
+            ds = dp.sub_(delta.index_select(1, rows_idx).view(s.shape[:-1])[..., None]).mul_(p)
             if dbias_full is not None:
                 _scatter_dbias(dbias_full, ds, rows_idx, keys, problem, n, T)
             if tanh is not None:
-                ds = ds * (1 - tanh * tanh)
-            ds2 = ds.reshape(B, Hkv, n, T * G, -1)
-            pd2 = pd.reshape(B, Hkv, n, T * G, -1)
-            dq_t[:, :, lo * T:hi * T] = _matmul_keys(ds2, kk, n).reshape(B, Hkv, n * T, G, -1)
-            dk_c = torch.matmul(ds2.transpose(-1, -2), qg.view(B, Hkv, n, T * G, -1))
-            dv_c = torch.matmul(pd2.transpose(-1, -2), dog)
-            _add_to_keys(dk, dk_c, keys, self.tiles)
-            _add_to_keys(dv, dv_c, keys, self.tiles)
-        dq = _ungroup(problem, dq_t.index_select(2, self.tiles.inverse.to(qs.device)))
-        dq = (dq * problem.scale).to(problem.dtype)
-        dk = _to_layout(problem, dk).to(problem.dtype)
-        dv = _to_layout(problem, dv).to(problem.dtype)
+                ds.mul_(1 - tanh * tanh)
+            ds = ds.view(BH, n, T * G, -1)
+            dq_t[:, lo * T:hi * T] = _times_keys(ds, k3 if kg is None else kg, keys,
+                                                 self.tiles).view(BH, n * T, -1)
+            _add_to_keys(dk, ds, qg, keys, self.tiles)
+            _add_to_keys(dv, pd.view(BH, n, T * G, -1), dog, keys, self.tiles)
+        dq = dq_t.index_select(1, self.tiles.inverse.to(qs.device)) * problem.scale
         dbias = None
         if dbias_full is not None:
             dbias = _reduce_to(dbias_full, problem.bias.shape).to(problem.bias.dtype)
-        return dq, dk, dv, dbias
-
-
-# ---------------------------------------------------------------------------------------------
-# Layout helpers: the engine works on [B, H_kv, S, G, D] queries and [B, H_kv, S, D] keys/values.
-# ---------------------------------------------------------------------------------------------
-
-def _bhsd(problem, t: torch.Tensor) -> torch.Tensor:
-    return t if problem.layout == "bhsd" else t.transpose(1, 2)
-
-
-def _group_queries(problem, t, dtype):
-    x = _bhsd(problem, t).to(dtype)
-    B, H, S, D = x.shape
-    return x.view(B, problem.heads_kv, problem.group_size, S, D).transpose(2, 3)
-
-
-def _grouped_inputs(problem, q, k, v, dtype):
-    qs = _group_queries(problem, q, dtype) * problem.scale
-    return qs, _bhsd(problem, k).to(dtype), _bhsd(problem, v).to(dtype)
-
-
-def _ungroup(problem, x):
-    """[B, H_kv, S, G, D] -> the call's layout with H_q heads."""
-    B, Hkv, S, G, D = x.shape
-    if problem.layout == "bhsd":
-        return x.permute(0, 1, 3, 2, 4).reshape(B, Hkv * G, S, D)
-    return x.permute(0, 2, 1, 3, 4).reshape(B, S, Hkv * G, D)
-
-
-def _to_layout(problem, x):
-    return x if problem.layout == "bhsd" else x.transpose(1, 2).contiguous()
+        return (unrows(problem, dq).to(problem.dtype), uncols(problem, dk).to(problem.dtype),
+                uncols(problem, dv).to(problem.dtype), dbias)
 
 
 def _heads_to_groups(x, problem):
@@ -303,37 +288,52 @@ def _heads_to_groups(x, problem):
     return x.view(b, problem.heads_kv, problem.group_size, n, T, W).permute(0, 1, 3, 4, 2, 5)
 
 
-def _finite(lse):
-    return lse.masked_fill(lse == -math.inf, 0.0)
+# exp() is many times slower on inputs that underflow (and on -inf): clamp just above the
+# smallest normal float, then zero the hidden pairs explicitly.
+_EXP_FLOOR = {torch.float32: -87.0, torch.float64: -708.0}
 
 
-def _lse_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def _exp_shifted(s, shift, hidden):
+    """exp(s - shift) in place, with hidden pairs exactly 0."""
+    s.sub_(shift[..., None]).clamp_(min=_EXP_FLOOR[s.dtype]).exp_()
+    if hidden is not None:
+        s.masked_fill_(hidden, 0.0)
+    return s
 
 
-def _matmul_keys(rows, keys, n, transpose_keys=False):
-    """rows [B,Hkv,n,R,X] @ keys ([B,Hkv,S,Y] shared, or [B,Hkv,n,W,Y] per tile)."""
-    other = keys.transpose(-1, -2) if transpose_keys else keys
-    if keys.dim() == 4:
-        B, Hkv, _, R, X = rows.shape
-        return torch.matmul(rows.reshape(B, Hkv, n * R, X), other).view(B, Hkv, n, R, -1)
+def _finite(x):
+    return x.masked_fill(x == -math.inf, 0.0)
+
+
+def _nonzero(total):
+    return total.masked_fill(total == 0, 1.0)
+
+
+def _gather_keys(x3, keys, tiles, n):
+    """Each tile's keys [BH, n, W, X], or ``x3`` itself when every tile reads all keys."""
+    if tiles.k_idx is None:
+        return x3
+    return x3.index_select(1, keys.reshape(-1)).view(x3.shape[0], n, tiles.num_keys, -1)
+
+
+def _times_keys(rows, keys_t, keys, tiles, transpose=False):
+    """rows [BH, n, R, X] times per-tile keys [BH, n, W, Y] (or shared [BH, S_kv, Y])."""
+    other = keys_t.transpose(-1, -2) if transpose else keys_t
+    if keys_t.dim() == 3:
+        BH, n, R, X = rows.shape
+        return torch.matmul(rows.reshape(BH, n * R, X), other).view(BH, n, R, -1)
     return torch.matmul(rows, other)
 
 
-def _apply_values(p, v5, keys, tiles):
-    B, Hkv, n, T, G, W = p.shape
+def _add_to_keys(acc, weights, rows, keys, tiles):
+    """acc[BH, S_kv, X] += weights[BH, n, R, W]^T @ rows[BH, n, R, X], scattered to the keys."""
+    BH, n, R, W = weights.shape
     if tiles.k_idx is None:
-        return _matmul_keys(p.reshape(B, Hkv, n, T * G, W), v5, n)
-    vg = v5.index_select(2, keys.reshape(-1)).view(B, Hkv, n, W, -1)
-    return torch.matmul(p.reshape(B, Hkv, n, T * G, W), vg)
-
-
-def _add_to_keys(acc, tile_grads, keys, tiles):
-    """Accumulate per-tile key gradients [B,Hkv,n,W,D] into [B,Hkv,S_kv,D]."""
-    if tiles.k_idx is None:
-        acc += tile_grads.sum(2)
+        acc += torch.matmul(weights.reshape(BH, n * R, W).transpose(1, 2),
+                            rows.reshape(BH, n * R, -1))
     else:
-        acc.index_add_(2, keys.reshape(-1), tile_grads.reshape(*acc.shape[:2], -1, acc.shape[-1]))
+        grads = torch.matmul(weights.transpose(-1, -2), rows)
+        acc.index_add_(1, keys.reshape(-1), grads.view(BH, n * W, -1))
 
 
 def _scatter_dbias(dbias_full, ds, rows_idx, keys, problem, n, T):
@@ -387,29 +387,3 @@ class _Dropout:
     def apply(self, p):
         keep = self.keep(p)
         return p if keep is None else p * keep
-
-
-# ---------------------------------------------------------------------------------------------
-# PyTorch's fused CPU attention, used where it computes exactly the same thing.
-# ---------------------------------------------------------------------------------------------
-
-def _fused_cpu_ok(problem: AttnProblem) -> bool:
-    if problem.device.type != "cpu" or problem.dim_qk != problem.dim_v:
-        return False
-    if problem.bias or problem.alibi or problem.softcap or problem.dropout_p:
-        return False
-    parts = mask_parts(problem.mask)
-    if not parts:
-        return True
-    if len(parts) == 1 and isinstance(parts[0], Causal):
-        return parts[0].alignment == "top_left" or problem.seq_q == problem.seq_kv
-    return False
-
-
-def _fused_cpu(problem, q, k, v):
-    q, k, v = (_bhsd(problem, t) for t in (q, k, v))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, problem.mask is not None, scale=problem.scale)
-    if problem.layout == "bshd":
-        out = out.transpose(1, 2)
-    return out, lse.to(_lse_dtype(problem.dtype))

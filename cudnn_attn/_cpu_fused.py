@@ -1,0 +1,160 @@
+"""PyTorch's fused CPU attention kernel, used wherever it computes exactly what we would.
+
+Two uses: a whole problem (no mask or plain causal), and batches of tiles, where the tile's
+visibility, bias and ALiBi arrive as one additive float mask. The kernel runs the softmax in cache
+blocks, several times faster than composing it from elementwise ops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._layout import lse_dtype
+from .masks import Causal, mask_parts
+from .problem import AttnProblem
+
+def whole_problem_ok(problem: AttnProblem) -> bool:
+    if problem.device.type != "cpu" or problem.dim_qk != problem.dim_v:
+        return False
+    if problem.bias or problem.alibi or problem.softcap or problem.dropout_p:
+        return False
+    parts = mask_parts(problem.mask)
+    if not parts:
+        return True
+    if len(parts) == 1 and isinstance(parts[0], Causal):
+        return parts[0].alignment == "top_left" or problem.seq_q == problem.seq_kv
+    return False
+
+
+def whole_problem(problem, q, k, v):
+    if problem.layout == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, problem.mask is not None, scale=problem.scale)
+    if problem.layout == "bshd":
+        out = out.transpose(1, 2)
+    return out, lse.to(lse_dtype(problem.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches of tiles
+# ---------------------------------------------------------------------------------------------
+
+def tiles_ok(problem: AttnProblem) -> bool:
+    """The kernel needs one head dim for q/k/v and knows no softcap or replayable dropout."""
+    return (problem.device.type == "cpu" and problem.dim_qk == problem.dim_v
+            and problem.softcap is None and problem.dropout_p == 0)
+
+
+def _operands(plan, problem, tensors, lo, hi):
+    """Per-chunk kernel operands: gathered rows ``[BH, n, T*G, X]`` of each query-like tensor,
+    keys/values ``[BH, n, W, X]``, the additive mask, and the rows that see no key."""
+    queries, k3, v3 = tensors[:3]
+    t = plan.tiles
+    device = k3.device
+    B, Hkv, G, n, T = problem.batch, problem.heads_kv, problem.group_size, hi - lo, t.size
+    BH = B * Hkv
+    keys = plan.keys_of(lo, hi, device)
+    rows_idx = t.q_idx[lo:hi].reshape(-1).to(device)
+    gathered = [x.index_select(1, rows_idx).view(BH, n, T * G, -1) for x in queries]
+    if t.k_idx is None:
+        # Every tile reads all keys: fold the tiles into one long row block instead.
+        gathered = [x.view(BH, 1, n * T * G, -1) for x in gathered]
+        kg, vg = k3[:, None], v3[:, None]
+    else:
+        flat = keys.reshape(-1)
+        kg = k3.index_select(1, flat).view(BH, n, t.num_keys, -1)
+        vg = v3.index_select(1, flat).view(BH, n, t.num_keys, -1)
+    hidden = plan.hidden_of(lo, hi, keys, device)
+    extra = plan.bias_of(problem, None if len(tensors) < 4 else tensors[3], lo, hi, keys, device,
+                         k3.dtype)
+    mask, empty = _additive_mask(problem, hidden, extra, n, T, t.num_keys, k3.dtype)
+    if t.k_idx is None and mask is not None:
+        mask = mask.reshape(mask.shape[0], 1, n * T * G, -1)
+    return gathered, kg, vg, mask, empty
+
+
+def _additive_mask(problem, hidden, extra, n, T, W, dtype):
+    """One float mask broadcastable to [BH, n, T*G, W] (0 / -inf plus biases), and the
+    [B|1, 1, n, T, 1] rows with no visible key (or None)."""
+    B, Hkv, G = problem.batch, problem.heads_kv, problem.group_size
+    if hidden is None and extra is None:
+        return None, None
+    mask = torch.zeros((), dtype=dtype)
+    empty = None
+    if hidden is not None:
+        hidden6 = hidden[:, None, :, :, None, :]
+        mask = mask.masked_fill(hidden6, -math.inf)
+        empty = hidden6.all(-1)
+        if not bool(empty.any()):
+            empty = None
+    if extra is not None:
+        mask = mask + extra
+    b, h = mask.shape[0], mask.shape[1]
+    if b == 1 and h == 1:
+        return mask.expand(1, 1, n, T, G, W).reshape(1, n, T * G, W), empty
+    return mask.expand(B, Hkv, n, T, G, W).reshape(B * Hkv, n, T * G, W), empty
+
+
+def tile_forward(plan, problem, q, k, v, bias):
+    """Forward through the fused kernel, one chunk of tiles per call."""
+    from ._layout import cols, compute_dtype, lse_layout, rows_of, unrows
+
+    dtype = compute_dtype(problem.dtype)
+    q3, k3, v3 = rows_of(problem, q, dtype), cols(problem, k, dtype), cols(problem, v, dtype)
+    BH, G, T = problem.batch * problem.heads_kv, problem.group_size, plan.tiles.size
+    rows = plan.tiles.count * T
+    out_t = q3.new_empty(BH, rows, G, problem.dim_v)
+    lse_t = q3.new_empty(BH, rows, G)
+    tensors = ((q3,), k3, v3) + (() if bias is None else (bias,))
+    for lo, hi in plan.chunks(problem):
+        n = hi - lo
+        (qg,), kg, vg, mask, empty = _operands(plan, problem, tensors, lo, hi)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qg, kg, vg, 0.0, False, attn_mask=mask, scale=problem.scale)
+        out = out.view(problem.batch, problem.heads_kv, n, T, G, -1)
+        lse = lse.view(problem.batch, problem.heads_kv, n, T, G)
+        if empty is not None:
+            # The kernel reports 0 for the LSE of a row that sees nothing; it is -inf.
+            lse = lse.masked_fill(empty, -math.inf)
+            out = out.masked_fill(empty[..., None], 0.0)
+        out_t[:, lo * T:hi * T] = out.reshape(BH, n * T, G, -1)
+        lse_t[:, lo * T:hi * T] = lse.reshape(BH, n * T, G)
+    inverse = plan.tiles.inverse.to(q3.device)
+    out = unrows(problem, out_t.index_select(1, inverse)).to(problem.dtype)
+    return out, lse_layout(problem, lse_t.index_select(1, inverse)).to(lse_dtype(problem.dtype))
+
+
+def tile_backward(plan, problem, q, k, v, bias, out, lse, dout):
+    """Backward through the fused kernel's backward, from the saved LSE."""
+    from ._layout import cols, compute_dtype, lse_rows, rows_of, uncols, unrows
+
+    dtype = compute_dtype(problem.dtype)
+    B, Hkv, G, T = problem.batch, problem.heads_kv, problem.group_size, plan.tiles.size
+    BH = B * Hkv
+    queries = (rows_of(problem, q, dtype), rows_of(problem, out, dtype),
+               rows_of(problem, dout, dtype),
+               lse_rows(problem, lse.to(dtype)).masked_fill(lse_rows(problem, lse) == -math.inf, 0))
+    k3, v3 = cols(problem, k, dtype), cols(problem, v, dtype)
+    dq_t = queries[0].new_zeros(BH, plan.tiles.count * T, G * problem.dim_qk)
+    dk, dv = torch.zeros_like(k3), torch.zeros_like(v3)
+    tensors = (queries, k3, v3) + (() if bias is None else (bias,))
+    for lo, hi in plan.chunks(problem):
+        n = hi - lo
+        (qg, og, dog, lseg), kg, vg, mask, _ = _operands(plan, problem, tensors, lo, hi)
+        dqg, dkg, dvg = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dog, qg, kg, vg, og, lseg.reshape(qg.shape[:-1]), 0.0, False, attn_mask=mask,
+            scale=problem.scale)
+        dq_t[:, lo * T:hi * T] = dqg.reshape(BH, n * T, -1)
+        if plan.tiles.k_idx is None:
+            dk += dkg[:, 0]
+            dv += dvg[:, 0]
+        else:
+            flat = plan.keys_of(lo, hi, k3.device).reshape(-1)
+            dk.index_add_(1, flat, dkg.reshape(BH, -1, dkg.shape[-1]))
+            dv.index_add_(1, flat, dvg.reshape(BH, -1, dvg.shape[-1]))
+    dq = unrows(problem, dq_t.index_select(1, plan.tiles.inverse.to(dk.device)))
+    return (dq.to(problem.dtype), uncols(problem, dk).to(problem.dtype),
+            uncols(problem, dv).to(problem.dtype), None)
