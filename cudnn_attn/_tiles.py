@@ -20,7 +20,7 @@ import torch
 from .masks import Causal, Neighborhood, Padding, SlidingWindow
 
 # Smallest query tile worth a matmul on CPU; below it per-tile overhead dominates.
-MIN_TILE_QUERIES = 32
+MIN_TILE_QUERIES = 64
 # Largest query tile; a dense tile's scores are T x S_kv.
 MAX_TILE_QUERIES = 512
 # A key box this wide (relative to S_kv) is no cheaper than reading every key.
@@ -117,8 +117,13 @@ def _candidate_tiles(length: int) -> list[int]:
     return sorted(sizes)
 
 
-def choose_tile_shape(axes: list[AxisWindows]) -> tuple[int, ...]:
-    """Per-axis tile sizes that minimise the scores computed, with a floor on the tile size."""
+def choose_tile_shape(axes: list[AxisWindows], copies: int = 1,
+                      budget: int = 1 << 22) -> tuple[int, ...]:
+    """Per-axis tile sizes that minimise the scores computed, with a floor on the tile size.
+
+    ``copies`` (batch x heads) times one tile's scores should fit in ``budget`` elements; only
+    the smallest tiles may exceed it.
+    """
     options = []
     for axis in axes:
         per_axis = {}
@@ -126,19 +131,20 @@ def choose_tile_shape(axes: list[AxisWindows]) -> tuple[int, ...]:
             starts, _, _, width = _axis_boxes(axis, t)
             per_axis[t] = (starts.numel() * t, width)
         options.append(per_axis)
-    total = math.prod(a.length_q for a in axes)
-    floor = min(MIN_TILE_QUERIES, total)
-    best, best_cost = None, None
+    floor = min(MIN_TILE_QUERIES, math.prod(a.length_q for a in axes))
+    ranked = []
     for combo in itertools.product(*(sorted(o) for o in options)):
         queries = math.prod(combo)
-        if queries < floor or queries > max(MAX_TILE_QUERIES, floor):
+        if queries > max(MAX_TILE_QUERIES, floor):
             continue
         rows = math.prod(o[t][0] for o, t in zip(options, combo))
         width = math.prod(o[t][1] for o, t in zip(options, combo))
-        cost = rows * (width + 8) * (1 + 16 / queries)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = combo, cost
-    return best
+        fits = copies * queries * width <= budget or queries == 1
+        if fits:
+            cost = rows * (width + 8) * (1 + 16 / queries)
+            # Tiles under the floor only when nothing at or above it fits the budget.
+            ranked.append((queries < floor, cost if queries >= floor else -queries, combo))
+    return min(ranked)[2]
 
 
 @dataclass

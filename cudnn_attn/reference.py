@@ -80,7 +80,8 @@ class TorchPlan:
             shape = (problem.seq_q,)
             extra_static = False
         needs_mask = hood is not None or (bool(self.visibility.line_masks) and not self.dynamic_lines)
-        self.tiles: Tiles = build_tiles(axes, shape, problem.seq_kv, choose_tile_shape(axes),
+        self.tiles: Tiles = build_tiles(axes, shape, problem.seq_kv, choose_tile_shape(
+            axes, problem.batch * problem.heads_q, CHUNK_ELEMENTS),
                                         needs_mask)
         t = self.tiles
         if extra_static and t.static_mask is not None:
