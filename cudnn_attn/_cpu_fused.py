@@ -31,6 +31,8 @@ def whole_problem_ok(problem: AttnProblem) -> bool:
 def whole_problem(problem, q, k, v):
     if problem.layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    # The kernel reads rows with a unit stride and trusts its caller on that.
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, problem.mask is not None, scale=problem.scale)
     if problem.layout == "bshd":
@@ -67,7 +69,7 @@ def _operands(plan, problem, tensors, lo, hi):
         flat = keys.reshape(-1)
         kg = k3.index_select(1, flat).view(BH, n, t.num_keys, -1)
         vg = v3.index_select(1, flat).view(BH, n, t.num_keys, -1)
-    hidden = plan.hidden_of(lo, hi, keys, device)
+    hidden = plan.hidden_of(problem, lo, hi, keys, device)
     extra = plan.bias_of(problem, None if len(tensors) < 4 else tensors[3], lo, hi, keys, device,
                          k3.dtype)
     mask, empty = _additive_mask(problem, hidden, extra, n, T, t.num_keys, k3.dtype)
@@ -78,24 +80,23 @@ def _operands(plan, problem, tensors, lo, hi):
 
 def _additive_mask(problem, hidden, extra, n, T, W, dtype):
     """One float mask broadcastable to [BH, n, T*G, W] (0 / -inf plus biases), and the
-    [B|1, 1, n, T, 1] rows with no visible key (or None)."""
+    [BH|1, n, T*G] rows with no finite score (or None)."""
     B, Hkv, G = problem.batch, problem.heads_kv, problem.group_size
     if hidden is None and extra is None:
         return None, None
-    mask = torch.zeros((), dtype=dtype)
-    empty = None
+    mask = torch.zeros((), dtype=dtype, device=(hidden if extra is None else extra).device)
     if hidden is not None:
-        hidden6 = hidden[:, None, :, :, None, :]
-        mask = mask.masked_fill(hidden6, -math.inf)
-        empty = hidden6.all(-1)
-        if not bool(empty.any()):
-            empty = None
+        mask = mask.masked_fill(hidden[:, None, :, :, None, :], -math.inf)
     if extra is not None:
         mask = mask + extra
     b, h = mask.shape[0], mask.shape[1]
     if b == 1 and h == 1:
-        return mask.expand(1, 1, n, T, G, W).reshape(1, n, T * G, W), empty
-    return mask.expand(B, Hkv, n, T, G, W).reshape(B * Hkv, n, T * G, W), empty
+        mask = mask.expand(1, 1, n, T, G, W).reshape(1, n, T * G, W)
+    else:
+        mask = mask.expand(B, Hkv, n, T, G, W).reshape(B * Hkv, n, T * G, W)
+    # A row whose every score is -inf (mask or bias) must give out 0 and lse -inf.
+    empty = (mask == -math.inf).all(-1)
+    return mask, (empty if bool(empty.any()) else None)
 
 
 def tile_forward(plan, problem, q, k, v, bias):
@@ -114,12 +115,11 @@ def tile_forward(plan, problem, q, k, v, bias):
         (qg,), kg, vg, mask, empty = _operands(plan, problem, tensors, lo, hi)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qg, kg, vg, 0.0, False, attn_mask=mask, scale=problem.scale)
-        out = out.view(problem.batch, problem.heads_kv, n, T, G, -1)
-        lse = lse.view(problem.batch, problem.heads_kv, n, T, G)
         if empty is not None:
+            empty = empty.view(empty.shape[0], n, T * G)
             # The kernel reports 0 for the LSE of a row that sees nothing; it is -inf.
-            lse = lse.masked_fill(empty, -math.inf)
-            out = out.masked_fill(empty[..., None], 0.0)
+            lse = lse.view(BH, n, T * G).masked_fill(empty, -math.inf)
+            out = out.view(BH, n, T * G, -1).masked_fill(empty[..., None], 0.0)
         out_t[:, lo * T:hi * T] = out.reshape(BH, n * T, G, -1)
         lse_t[:, lo * T:hi * T] = lse.reshape(BH, n * T, G)
     inverse = plan.tiles.inverse.to(q3.device)

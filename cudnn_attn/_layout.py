@@ -28,12 +28,12 @@ def rows_of(problem, t, dtype, scale=None):
     x = x.to(dtype)
     if scale is not None:
         x = x * scale
-    return x.reshape(B * Hkv, x.shape[2], -1)
+    return x.reshape(B * Hkv, x.shape[2], -1).contiguous()
 
 
 def cols(problem, t, dtype):
     x = t if problem.layout == "bhsd" else t.transpose(1, 2)
-    return x.to(dtype).reshape(problem.batch * problem.heads_kv, x.shape[2], -1)
+    return x.to(dtype).reshape(problem.batch * problem.heads_kv, x.shape[2], -1).contiguous()
 
 
 def unrows(problem, x):

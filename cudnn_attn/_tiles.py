@@ -248,7 +248,8 @@ class Visibility:
     def __init__(self, masks, seq_q: int, seq_kv: int):
         self.seq_q, self.seq_kv = seq_q, seq_kv
         self.line_masks = [m for m in masks if isinstance(m, (Causal, SlidingWindow))]
-        self.padding = next((m for m in masks if isinstance(m, Padding)), None)
+        # Padding lengths are per-call values (not in the plan key): methods take them as arguments.
+        self.has_padding = any(isinstance(m, Padding) for m in masks)
         self.neighborhoods = []
         for m in masks:
             if isinstance(m, Neighborhood):
@@ -260,13 +261,13 @@ class Visibility:
                     inverse.append(inv)
                 self.neighborhoods.append((m.spatial_shape, axes, inverse))
 
-    def offset(self, alignment: str, device) -> torch.Tensor | int:
+    def offset(self, alignment: str, device, padding=None) -> torch.Tensor | int:
         """``i' - i`` for an alignment: a scalar, or ``[B, 1, 1, 1]`` with padding."""
         if alignment == "top_left":
             return 0
-        if self.padding is None:
+        if padding is None:
             return self.seq_kv - self.seq_q
-        lens = torch.tensor(self.padding.seq_lens_kv) - torch.tensor(self.padding.seq_lens_q)
+        lens = torch.tensor(padding.seq_lens_kv) - torch.tensor(padding.seq_lens_q)
         return lens.to(device).view(-1, 1, 1, 1)
 
     def static(self, qi: torch.Tensor, kj: torch.Tensor, dynamic_lines: bool) -> torch.Tensor | None:
@@ -283,10 +284,10 @@ class Visibility:
                 result = line if result is None else result & line
         return result
 
-    def lines(self, qi: torch.Tensor, kj: torch.Tensor) -> torch.Tensor | None:
+    def lines(self, qi: torch.Tensor, kj: torch.Tensor, padding=None) -> torch.Tensor | None:
         result = None
         for m in self.line_masks:
-            aligned = qi + self.offset(m.alignment, qi.device)
+            aligned = qi + self.offset(m.alignment, qi.device, padding)
             left, right = (-1, 0) if isinstance(m, Causal) else (m.left, m.right)
             ok = None
             if left >= 0:
@@ -298,9 +299,10 @@ class Visibility:
                 result = ok if result is None else result & ok
         return result
 
-    def padded(self, qi: torch.Tensor, kj: torch.Tensor) -> torch.Tensor | None:
-        if self.padding is None:
+    @staticmethod
+    def padded(qi: torch.Tensor, kj: torch.Tensor, padding) -> torch.Tensor | None:
+        if padding is None:
             return None
-        lens_q = torch.tensor(self.padding.seq_lens_q, device=qi.device).view(-1, 1, 1, 1)
-        lens_kv = torch.tensor(self.padding.seq_lens_kv, device=qi.device).view(-1, 1, 1, 1)
+        lens_q = torch.tensor(padding.seq_lens_q, device=qi.device).view(-1, 1, 1, 1)
+        lens_kv = torch.tensor(padding.seq_lens_kv, device=qi.device).view(-1, 1, 1, 1)
         return (qi < lens_q) & (kj < lens_kv)

@@ -155,7 +155,7 @@ class AttnProblem:
         if mask is not None and not isinstance(mask, Mask):
             raise TypeError(f"mask must be a cudnn_attn mask (Causal, SlidingWindow, Neighborhood, "
                             f"Padding or their & combination), got {type(mask).__name__}")
-        _check_masks(mask, B, Sq, Skv)
+        _check_masks(mask, B, Sq, Skv, isinstance(bias, Alibi))
 
         alibi, bias_spec, bias_grad = None, None, False
         if isinstance(bias, Alibi):
@@ -191,7 +191,7 @@ class AttnProblem:
             bias_requires_grad=bias_grad)
 
 
-def _check_masks(mask, batch: int, seq_q: int, seq_kv: int) -> None:
+def _check_masks(mask, batch: int, seq_q: int, seq_kv: int, alibi: bool) -> None:
     parts = mask_parts(mask)
     for m in parts:
         if isinstance(m, Neighborhood) and not (seq_q == seq_kv == m.num_tokens):
@@ -207,6 +207,6 @@ def _check_masks(mask, batch: int, seq_q: int, seq_kv: int) -> None:
     if sum(isinstance(m, Padding) for m in parts) > 1:
         raise ValueError("mask may contain at most one Padding")
     aligned = {m.alignment for m in parts if isinstance(m, (Causal, SlidingWindow))}
-    if len(aligned) > 1:
-        raise ValueError("Causal and SlidingWindow masks in one call must share an alignment, got "
-                         f"{sorted(aligned)}")
+    if len(aligned) > 1 and alibi:
+        raise ValueError("Alibi aligns like the call's Causal/SlidingWindow masks, but they mix "
+                         f"alignments {sorted(aligned)}; give them one alignment")

@@ -66,7 +66,7 @@ class TorchPlan:
     def __init__(self, problem: AttnProblem):
         masks = mask_parts(problem.mask)
         self.visibility = Visibility(masks, problem.seq_q, problem.seq_kv)
-        padded = self.visibility.padding is not None
+        padded = self.visibility.has_padding
         self.dynamic_lines = padded and any(
             m.alignment == "bottom_right" for m in self.visibility.line_masks)
         hood = problem.neighborhood
@@ -85,7 +85,9 @@ class TorchPlan:
                                         needs_mask)
         t = self.tiles
         if extra_static and t.static_mask is not None:
-            t.static_mask &= self._static_on_the_fly(t.q_idx[:, :, None], t.k_idx[:, None, :])
+            static = self._static_on_the_fly(t.q_idx[:, :, None], t.k_idx[:, None, :])
+            if static is not None:
+                t.static_mask &= static
         self.evaluate_static = needs_mask and t.static_mask is None
         # Stored inverted: the hot loop fills hidden pairs, so this saves a pass per call.
         self.hidden_static = None if t.static_mask is None else ~t.static_mask
@@ -96,7 +98,8 @@ class TorchPlan:
     def _static_on_the_fly(self, qi, kj):
         return self.visibility.static(qi, kj, self.dynamic_lines)
 
-    def hidden_of(self, lo: int, hi: int, keys: torch.Tensor, device) -> Optional[torch.Tensor]:
+    def hidden_of(self, problem, lo: int, hi: int, keys: torch.Tensor,
+                  device) -> Optional[torch.Tensor]:
         """Hidden (query, key) pairs of tiles [lo, hi) as [B|1, n, T, W] bool, or None."""
         t = self.tiles
         qi = t.q_idx[lo:hi].to(device)[:, :, None]
@@ -105,14 +108,17 @@ class TorchPlan:
             visible = None
             hidden = self.hidden_static[lo:hi].to(device)
         elif self.evaluate_static:
-            visible = self._static_on_the_fly(qi, kj) & t.owned[lo:hi, :, None].to(device)
+            visible = t.owned[lo:hi, :, None].to(device)
+            static = self._static_on_the_fly(qi, kj)
+            visible = visible if static is None else visible & static
             hidden = None
         elif not bool(t.owned[lo:hi].all()):
             visible, hidden = t.owned[lo:hi, :, None].to(device), None
         else:
             visible = hidden = None
-        for extra in (self.visibility.lines(qi, kj) if self.dynamic_lines else None,
-                      self.visibility.padded(qi, kj)):
+        padding = problem.padding
+        for extra in (self.visibility.lines(qi, kj, padding) if self.dynamic_lines else None,
+                      self.visibility.padded(qi, kj, padding)):
             if extra is not None:
                 visible = extra if visible is None else visible & extra
         if visible is not None:
@@ -133,7 +139,8 @@ class TorchPlan:
             total = _heads_to_groups(full[:, :, qi[:, :, None], kj].to(dtype), problem)
         if problem.alibi is not None:
             slopes = problem.alibi.slope_table(problem.batch, problem.heads_q).to(device, dtype)
-            aligned = qi[:, :, None] + self.visibility.offset(self._alibi_alignment(), device)
+            aligned = qi[:, :, None] + self.visibility.offset(self._alibi_alignment(), device,
+                                                               problem.padding)
             dist = (aligned - kj).abs().to(dtype)
             if dist.dim() == 3:
                 dist = dist[None]
@@ -174,7 +181,7 @@ class TorchPlan:
         extra = self.bias_of(problem, bias, lo, hi, keys, qs.device, s.dtype)
         if extra is not None:
             s.add_(extra)
-        hidden = self.hidden_of(lo, hi, keys, qs.device)
+        hidden = self.hidden_of(problem, lo, hi, keys, qs.device)
         if hidden is not None:
             hidden = hidden[:, None, :, :, None, :]
             s.masked_fill_(hidden, -math.inf)
@@ -211,8 +218,9 @@ class TorchPlan:
             n = hi - lo
             keys = self.keys_of(lo, hi, qs.device)
             _, _, s, _, hidden = self._scores(problem, qs, k3, bias, lo, hi, keys)
-            shift = _finite(s.amax(-1))
-            p = _exp_shifted(s, shift, hidden)
+            peak = s.amax(-1)
+            shift = _finite(peak)
+            p = _exp_shifted(s, shift, hidden, dead=peak == -math.inf)
             total = p.sum(-1)
             p = dropout.apply(p)
             o = _times_keys(p.view(BH, n, T * G, -1), _gather_keys(v3, keys, self.tiles, n),
@@ -254,7 +262,8 @@ class TorchPlan:
             keys = self.keys_of(lo, hi, qs.device)
             rows_idx = self.tiles.q_idx[lo:hi].reshape(-1).to(qs.device)
             qg, kg, s, tanh, hidden = self._scores(problem, qs, k3, bias, lo, hi, keys)
-            p = _exp_shifted(s, _finite(lse3.index_select(1, rows_idx)).view(s.shape[:-1]), hidden)
+            lse_g = lse3.index_select(1, rows_idx).view(s.shape[:-1])
+            p = _exp_shifted(s, _finite(lse_g), hidden, dead=lse_g == -math.inf)
             keep = dropout.keep(p)
             dog = do3.index_select(1, rows_idx).view(BH, n, T * G, -1)
             vg = _gather_keys(v3, keys, self.tiles, n)
@@ -294,11 +303,13 @@ def _heads_to_groups(x, problem):
 _EXP_FLOOR = {torch.float32: -87.0, torch.float64: -708.0}
 
 
-def _exp_shifted(s, shift, hidden):
-    """exp(s - shift) in place, with hidden pairs exactly 0."""
+def _exp_shifted(s, shift, hidden, dead):
+    """exp(s - shift) in place, with hidden pairs and ``dead`` rows (no finite score) exactly 0."""
     s.sub_(shift[..., None]).clamp_(min=_EXP_FLOOR[s.dtype]).exp_()
     if hidden is not None:
         s.masked_fill_(hidden, 0.0)
+    if bool(dead.any()):
+        s.masked_fill_(dead[..., None], 0.0)
     return s
 
 
