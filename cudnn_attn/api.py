@@ -112,7 +112,8 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softc
     if problem.requires_grad and torch.is_grad_enabled():
         out, lse = _AttentionFunction.apply(problem, plan, generator, q, k, v, bias_tensor)
     else:
-        out, lse, _ = plan.forward(problem, q, k, v, bias_tensor, generator)
+        out, lse, _ = plan.forward(problem, q, k, v, bias_tensor, generator,
+                                   need_lse=return_lse)
     return (out, lse) if return_lse else out
 
 

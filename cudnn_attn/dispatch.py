@@ -52,7 +52,7 @@ class Backend(Protocol):
     """What every engine provides. Plans are cached by the backend, keyed on ``problem.plan_key``.
 
     ``plan(problem)`` returns an object with
-    ``forward(problem, q, k, v, bias, generator) -> (out, lse, saved)`` and
+    ``forward(problem, q, k, v, bias, generator, need_lse=True) -> (out, lse, saved)`` and
     ``backward(problem, q, k, v, bias, out, lse, dout, saved) -> (dq, dk, dv, dbias)``.
     """
 

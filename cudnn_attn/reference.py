@@ -28,6 +28,8 @@ __all__ = ["TorchBackend", "TorchPlan"]
 # Scores held at once per chunk of tiles (elements); keeps the working set cache-sized.
 CHUNK_ELEMENTS = 1 << 22
 PLAN_CACHE_SIZE = 128
+# Largest additive float mask (elements) a plan keeps between calls.
+MAX_CACHED_MASK = 1 << 25
 
 
 class TorchBackend:
@@ -92,7 +94,12 @@ class TorchPlan:
         # Stored inverted: the hot loop fills hidden pairs, so this saves a pass per call.
         self.hidden_static = None if t.static_mask is None else ~t.static_mask
         self.fused_ok = _cpu_fused.whole_problem_ok(problem)
-        self.fused_tiles = _cpu_fused.tiles_ok(problem)  # plan_key fixes bias/alibi/softcap/dropout
+        self.fused_tiles = _cpu_fused.tiles_ok(problem)
+        # The fused path's additive masks depend on nothing per call here: build them once.
+        per_call = (self.dynamic_lines or self.visibility.has_padding or problem.bias is not None
+                    or problem.alibi is not None)
+        small = t.count * t.size * problem.group_size * t.num_keys <= MAX_CACHED_MASK
+        self.additive_masks = None if per_call or not small else {}  # plan_key fixes bias/alibi/softcap/dropout
 
     # -- masks and biases for one chunk of tiles -------------------------------------------------
     def _static_on_the_fly(self, qi, kj):
@@ -200,10 +207,11 @@ class TorchPlan:
         return t.k_idx[lo:hi].to(device)
 
     # -- forward / backward ---------------------------------------------------------------------
-    def forward(self, problem, q, k, v, bias, generator):
-        """``(out, lse, dropout_state)``: out in the call's layout and dtype, lse [B, H, S_q]."""
+    def forward(self, problem, q, k, v, bias, generator, need_lse=True):
+        """``(out, lse, dropout_state)``: out in the call's layout and dtype, lse [B, H, S_q]
+        (``None`` allowed when ``need_lse`` is false and nothing will run backward)."""
         if self.fused_ok:
-            return (*_cpu_fused.whole_problem(problem, q, k, v), None)
+            return (*_cpu_fused.whole_problem(problem, q, k, v, need_lse), None)
         if self.fused_tiles:
             return (*_cpu_fused.tile_forward(self, problem, q, k, v, bias), None)
         dtype = compute_dtype(problem.dtype)
