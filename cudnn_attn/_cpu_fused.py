@@ -71,7 +71,7 @@ def _operands(plan, problem, tensors, lo, hi):
     B, Hkv, G, n, T = problem.batch, problem.heads_kv, problem.group_size, hi - lo, t.size
     BH = B * Hkv
     keys = plan.keys_of(lo, hi, device)
-    rows_idx = t.q_idx[lo:hi].reshape(-1).to(device)
+    rows_idx = t.on(device).q_idx[lo:hi].reshape(-1)
     gathered = [x.index_select(1, rows_idx).view(BH, n, T * G, -1) for x in queries]
     if t.k_idx is None:
         # Every tile reads all keys: fold the tiles into one long row block instead.
@@ -139,7 +139,7 @@ def tile_forward(plan, problem, q, k, v, bias):
             out = out.view(BH, n, T * G, -1).masked_fill(empty[..., None], 0.0)
         out_t[:, lo * T:hi * T] = out.reshape(BH, n * T, G, -1)
         lse_t[:, lo * T:hi * T] = lse.reshape(BH, n * T, G)
-    inverse = plan.tiles.inverse.to(q3.device)
+    inverse = plan.tiles.on(q3.device).inverse
     out = unrows(problem, out_t.index_select(1, inverse)).to(problem.dtype)
     return out, lse_layout(problem, lse_t.index_select(1, inverse)).to(lse_dtype(problem.dtype))
 
@@ -172,6 +172,6 @@ def tile_backward(plan, problem, q, k, v, bias, out, lse, dout):
             flat = plan.keys_of(lo, hi, k3.device).reshape(-1)
             dk.index_add_(1, flat, dkg.reshape(BH, -1, dkg.shape[-1]))
             dv.index_add_(1, flat, dvg.reshape(BH, -1, dvg.shape[-1]))
-    dq = unrows(problem, dq_t.index_select(1, plan.tiles.inverse.to(dk.device)))
+    dq = unrows(problem, dq_t.index_select(1, plan.tiles.on(dk.device).inverse))
     return (dq.to(problem.dtype), uncols(problem, dk).to(problem.dtype),
             uncols(problem, dv).to(problem.dtype), None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -162,6 +162,21 @@ class Tiles:
     inverse: torch.Tensor               # [S_q] position of each query's owning row in n*T
     static_mask: Optional[torch.Tensor]  # [n, T, W] bool
     num_keys: int                       # W
+    hidden: Optional[torch.Tensor] = None  # ~static_mask, set by the plan
+    _copies: dict = field(default_factory=dict, repr=False)
+
+    def on(self, device) -> "Tiles":
+        """These tables on ``device`` (copied once per device, then reused)."""
+        device = torch.device(device)
+        if device == self.q_idx.device:
+            return self
+        if device not in self._copies:
+            moved = {f: (getattr(self, f).to(device) if isinstance(getattr(self, f), torch.Tensor)
+                         else getattr(self, f))
+                     for f in ("q_idx", "k_idx", "owned", "inverse", "static_mask", "num_keys",
+                               "hidden")}
+            self._copies[device] = Tiles(**moved)
+        return self._copies[device]
 
     @property
     def count(self) -> int:
@@ -275,8 +290,9 @@ class Visibility:
         result = None
         for shape, axes, inverse in self.neighborhoods:
             for cq, ck, ax, inv in zip(_unflatten(qi, shape), _unflatten(kj, shape), axes, inverse):
+                inv, lo, hi = (x.to(qi.device) for x in (inv, ax.lo, ax.hi))
                 pq, pk = inv[cq], inv[ck]
-                ok = (pk >= ax.lo[pq]) & (pk < ax.hi[pq])
+                ok = (pk >= lo[pq]) & (pk < hi[pq])
                 result = ok if result is None else result & ok
         if not dynamic_lines:
             line = self.lines(qi, kj)

@@ -92,7 +92,7 @@ class TorchPlan:
                 t.static_mask &= static
         self.evaluate_static = needs_mask and t.static_mask is None
         # Stored inverted: the hot loop fills hidden pairs, so this saves a pass per call.
-        self.hidden_static = None if t.static_mask is None else ~t.static_mask
+        t.hidden = None if t.static_mask is None else ~t.static_mask
         self.fused_ok = _cpu_fused.whole_problem_ok(problem)
         self.fused_tiles = _cpu_fused.tiles_ok(problem)
         # The fused path's additive masks depend on nothing per call here: build them once.
@@ -108,19 +108,19 @@ class TorchPlan:
     def hidden_of(self, problem, lo: int, hi: int, keys: torch.Tensor,
                   device) -> Optional[torch.Tensor]:
         """Hidden (query, key) pairs of tiles [lo, hi) as [B|1, n, T, W] bool, or None."""
-        t = self.tiles
-        qi = t.q_idx[lo:hi].to(device)[:, :, None]
+        t = self.tiles.on(device)
+        qi = t.q_idx[lo:hi][:, :, None]
         kj = keys[:, None, :] if keys.dim() == 2 else keys.view(1, 1, -1)
-        if self.hidden_static is not None:
+        if t.hidden is not None:
             visible = None
-            hidden = self.hidden_static[lo:hi].to(device)
+            hidden = t.hidden[lo:hi]
         elif self.evaluate_static:
-            visible = t.owned[lo:hi, :, None].to(device)
+            visible = t.owned[lo:hi, :, None]
             static = self._static_on_the_fly(qi, kj)
             visible = visible if static is None else visible & static
             hidden = None
         elif not bool(t.owned[lo:hi].all()):
-            visible, hidden = t.owned[lo:hi, :, None].to(device), None
+            visible, hidden = t.owned[lo:hi, :, None], None
         else:
             visible = hidden = None
         padding = problem.padding
@@ -136,8 +136,7 @@ class TorchPlan:
 
     def bias_of(self, problem, bias, lo, hi, keys, device, dtype):
         """Additive bias (tensor and/or ALiBi) as [B|1, Hkv, n, T, G, W], or None."""
-        t = self.tiles
-        qi = t.q_idx[lo:hi].to(device)
+        qi = self.tiles.on(device).q_idx[lo:hi]
         total = None
         kj = keys[:, None, :] if keys.dim() == 2 else keys.view(1, 1, -1)
         if bias is not None:
@@ -172,7 +171,7 @@ class TorchPlan:
         B, Hkv, G = problem.batch, problem.heads_kv, problem.group_size
         t = self.tiles
         n, T, W = hi - lo, t.size, t.num_keys
-        qg = qs.index_select(1, t.q_idx[lo:hi].reshape(-1).to(qs.device))
+        qg = qs.index_select(1, t.on(qs.device).q_idx[lo:hi].reshape(-1))
         qg = qg.view(B * Hkv, n, T * G, -1)
         if t.k_idx is None:
             kg = None
@@ -204,7 +203,7 @@ class TorchPlan:
         t = self.tiles
         if t.k_idx is None:
             return torch.arange(t.num_keys, device=device)
-        return t.k_idx[lo:hi].to(device)
+        return t.on(device).k_idx[lo:hi]
 
     # -- forward / backward ---------------------------------------------------------------------
     def forward(self, problem, q, k, v, bias, generator, need_lse=True):
@@ -236,7 +235,7 @@ class TorchPlan:
             total = total.view(BH, n * T, G)
             out_t[:, lo * T:hi * T] = o.view(BH, n * T, G, -1) / _nonzero(total)[..., None]
             lse_t[:, lo * T:hi * T] = shift.view(BH, n * T, G) + total.log()
-        inverse = self.tiles.inverse.to(qs.device)
+        inverse = self.tiles.on(qs.device).inverse
         out = unrows(problem, out_t.index_select(1, inverse)).to(problem.dtype)
         lse = lse_layout(problem, lse_t.index_select(1, inverse))
         return out, lse.to(lse_dtype(problem.dtype)), dropout.state
@@ -268,7 +267,7 @@ class TorchPlan:
         for lo, hi in self.chunks(problem):
             n = hi - lo
             keys = self.keys_of(lo, hi, qs.device)
-            rows_idx = self.tiles.q_idx[lo:hi].reshape(-1).to(qs.device)
+            rows_idx = self.tiles.on(qs.device).q_idx[lo:hi].reshape(-1)
             qg, kg, s, tanh, hidden = self._scores(problem, qs, k3, bias, lo, hi, keys)
             lse_g = lse3.index_select(1, rows_idx).view(s.shape[:-1])
             p = _exp_shifted(s, _finite(lse_g), hidden, dead=lse_g == -math.inf)
@@ -290,7 +289,7 @@ class TorchPlan:
                                                  self.tiles).view(BH, n * T, -1)
             _add_to_keys(dk, ds, qg, keys, self.tiles)
             _add_to_keys(dv, pd.view(BH, n, T * G, -1), dog, keys, self.tiles)
-        dq = dq_t.index_select(1, self.tiles.inverse.to(qs.device)) * problem.scale
+        dq = dq_t.index_select(1, self.tiles.on(qs.device).inverse) * problem.scale
         dbias = None
         if dbias_full is not None:
             dbias = _reduce_to(dbias_full, problem.bias.shape).to(problem.bias.dtype)
