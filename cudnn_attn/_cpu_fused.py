@@ -15,6 +15,7 @@ from ._layout import lse_dtype
 from .masks import Causal, mask_parts
 from .problem import AttnProblem
 
+
 def whole_problem_ok(problem: AttnProblem) -> bool:
     if problem.device.type != "cpu" or problem.dim_qk != problem.dim_v:
         return False

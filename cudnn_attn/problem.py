@@ -109,7 +109,7 @@ class AttnProblem:
     def describe(self) -> str:
         masks = " & ".join(repr(m) for m in mask_parts(self.mask)) or "none"
         extras = [f"bias={list(self.bias.shape)}" if self.bias else "",
-                  f"alibi" if self.alibi else "",
+                  "alibi" if self.alibi else "",
                   f"softcap={self.softcap}" if self.softcap else "",
                   f"dropout_p={self.dropout_p}" if self.dropout_p else ""]
         return (f"q=[B={self.batch}, H={self.heads_q}, S={self.seq_q}, D={self.dim_qk}] "

@@ -15,11 +15,9 @@ from typing import Optional
 
 import torch
 
-from ._tiles import (AxisWindows, Tiles, Visibility, build_tiles, choose_tile_shape,
-                     neighborhood_axis, sequence_axis)
 from . import _cpu_fused
-from ._layout import (compute_dtype, cols, lse_dtype, lse_layout, lse_rows, rows_of, uncols,
-                      unrows)
+from ._layout import cols, compute_dtype, lse_dtype, lse_layout, lse_rows, rows_of, uncols, unrows
+from ._tiles import Tiles, Visibility, build_tiles, choose_tile_shape, neighborhood_axis, sequence_axis
 from .masks import Causal, Neighborhood, SlidingWindow, mask_parts
 from .problem import AttnProblem
 
@@ -82,9 +80,8 @@ class TorchPlan:
             shape = (problem.seq_q,)
             extra_static = False
         needs_mask = hood is not None or (bool(self.visibility.line_masks) and not self.dynamic_lines)
-        self.tiles: Tiles = build_tiles(axes, shape, problem.seq_kv, choose_tile_shape(
-            axes, problem.batch * problem.heads_q, CHUNK_ELEMENTS),
-                                        needs_mask)
+        tile_shape = choose_tile_shape(axes, problem.batch * problem.heads_q, CHUNK_ELEMENTS)
+        self.tiles: Tiles = build_tiles(axes, shape, problem.seq_kv, tile_shape, needs_mask)
         t = self.tiles
         if extra_static and t.static_mask is not None:
             static = self._static_on_the_fly(t.q_idx[:, :, None], t.k_idx[:, None, :])
@@ -93,13 +90,14 @@ class TorchPlan:
         self.evaluate_static = needs_mask and t.static_mask is None
         # Stored inverted: the hot loop fills hidden pairs, so this saves a pass per call.
         t.hidden = None if t.static_mask is None else ~t.static_mask
+        # plan_key pins what these depend on: bias/alibi/softcap/dropout presence, dims, device.
         self.fused_ok = _cpu_fused.whole_problem_ok(problem)
         self.fused_tiles = _cpu_fused.tiles_ok(problem)
         # The fused path's additive masks depend on nothing per call here: build them once.
         per_call = (self.dynamic_lines or self.visibility.has_padding or problem.bias is not None
                     or problem.alibi is not None)
         small = t.count * t.size * problem.group_size * t.num_keys <= MAX_CACHED_MASK
-        self.additive_masks = None if per_call or not small else {}  # plan_key fixes bias/alibi/softcap/dropout
+        self.additive_masks = None if per_call or not small else {}
 
     # -- masks and biases for one chunk of tiles -------------------------------------------------
     def _static_on_the_fly(self, qi, kj):

@@ -7,7 +7,6 @@ cleanly where torch sees no CUDA device.
 
 import pytest
 import torch
-
 from common import Problem
 
 pytestmark = [
