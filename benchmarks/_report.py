@@ -1,0 +1,97 @@
+"""Shared benchmark helpers: timing, a printed table, and a JSON record under benchmarks/results/.
+
+Result files are named ``<suite>-<YYYY-MM-DD>.json`` (UTC date): one file per suite per day, a rerun on
+the same day replaces it, older days stay as history. Each holds the environment (cudnn_attn._env),
+the command line, the date, the options and every figure the run printed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import timeit
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def time_ms(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    number: int = 1,
+    sync: Callable[[], Any] | None = None,
+) -> float:
+    """Median milliseconds per call of ``fn``.
+
+    ``warmup`` untimed calls first; then ``repeats`` batches of ``number`` calls each, and the median
+    batch time divided by ``number``. ``sync`` (e.g. ``torch.cuda.synchronize``) ends every batch.
+    """
+
+    def batch() -> None:
+        for _ in range(number):
+            fn()
+        if sync is not None:
+            sync()
+
+    for _ in range(warmup):
+        fn()
+    if sync is not None:
+        sync()
+    return 1e3 * statistics.median(timeit.repeat(batch, number=1, repeat=repeats)) / number
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    """Print ``rows`` (dicts) as an aligned text table with the given ``columns`` (missing: "-")."""
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1e-2 else f"{value:.2f}"
+        return str(value)
+
+    cells = [[cell(row.get(col)) for col in columns] for row in rows]
+    widths = [max(len(col), *(len(r[i]) for r in cells)) for i, col in enumerate(columns)]
+    line = "  ".join(f"{col:>{w}}" if i else f"{col:<{w}}" for i, (col, w) in enumerate(zip(columns, widths)))
+    print(line)
+    print("-" * len(line))
+    for r in cells:
+        print("  ".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(r, widths))))
+
+
+def _git_describe() -> str | None:
+    """``git describe --always --dirty`` of the checkout, or None outside a repository / before a commit."""
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=RESULTS_DIR.parent,
+                              capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
+def write_json(suite: str, payload: dict[str, Any], results_dir: Path = RESULTS_DIR) -> Path:
+    """Write ``payload`` plus env, command line and date to ``results_dir/<suite>-<date>.json``."""
+    from cudnn_attn import _env
+
+    env = _env.collect()
+    record = {
+        "suite": suite,
+        "date": env["date"],
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "git": _git_describe(),
+        "env": env,
+        **payload,
+    }
+    day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{suite}-{day}.json"
+    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return path

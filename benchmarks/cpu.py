@@ -1,0 +1,154 @@
+"""CPU benchmark: neighborhood attention on the torch engine vs dense SDPA and NATTEN, plus call overhead.
+
+Run from the repository root:  python benchmarks/cpu.py [--quick] [--repeats N]
+
+All problems are fp32, B=1, H=4, D=64, random inputs. For each neighborhood problem we time
+  * ours:   cudnn_attn.attention(q, k, v, mask=Neighborhood(...), backend="torch")  ([B, H, S, D])
+  * SDPA:   torch.nn.functional.scaled_dot_product_attention on the same tokens, unmasked (dense)
+  * NATTEN: natten.na{1,2,3}d(..., backend="flex-fna") on the same data, heads-last [B, *spatial, H, D]
+and check ours against NATTEN (max abs difference). The overhead row times one small call
+([1, 1, 16, 64]) many times over. Prints a table and writes benchmarks/results/cpu-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import warnings
+from typing import Any
+
+import _report  # benchmarks/_report.py (this script's folder is on sys.path)
+import torch
+import torch.nn.functional as F
+
+import cudnn_attn as ca
+
+B, H, D = 1, 4, 64
+PROBLEMS = [  # name, spatial shape, kernel size
+    ("NA 1-D L=4096 k=129", (4096,), (129,)),
+    ("NA 2-D 64x64 k=13x13", (64, 64), (13, 13)),
+    ("NA 3-D 16x32x32 k=5x7x7", (16, 32, 32), (5, 7, 7)),
+]
+TARGET_VS_NATTEN = 20.0  # NATTEN / ours >= 20
+TARGET_VS_SDPA = 0.3  # ours / SDPA <= 0.3, 1-D and 2-D
+TARGET_OVERHEAD = 1.5  # attention() / SDPA <= 1.5 on a tiny problem
+
+
+def natten_fn(rank: int) -> Any:
+    """natten.na{rank}d, or None when NATTEN is not installed."""
+    try:
+        import natten
+    except ImportError:
+        return None
+    warnings.filterwarnings("ignore", module=r"torch\.nn\.attention\.flex_attention")
+    return getattr(natten, f"na{rank}d")
+
+
+def bench_neighborhood(name: str, spatial: tuple, kernel: tuple, args: argparse.Namespace) -> dict:
+    """Time ours / dense SDPA / NATTEN on one neighborhood problem; return a result row."""
+    seq = math.prod(spatial)
+    q, k, v = (torch.randn(B, H, seq, D) for _ in range(3))
+    mask = ca.Neighborhood(spatial, kernel)
+    ours = _report.time_ms(lambda: ca.attention(q, k, v, mask=mask, backend="torch"),
+                           warmup=args.warmup, repeats=args.repeats)
+    sdpa = _report.time_ms(lambda: F.scaled_dot_product_attention(q, k, v),
+                           warmup=args.warmup, repeats=args.repeats)
+    row = {"problem": name, "spatial": spatial, "kernel": kernel, "S": seq,
+           "ours_ms": ours, "sdpa_ms": sdpa, "ours/sdpa": ours / sdpa,
+           "natten_ms": None, "natten/ours": None, "max|ours-natten|": None}
+    na = natten_fn(len(spatial))
+    if na is not None and not (args.quick and len(spatial) == 3):  # NATTEN 3-D takes minutes per call
+        def heads_last(t: torch.Tensor) -> torch.Tensor:
+            return t.transpose(1, 2).reshape(B, *spatial, H, D).contiguous()
+
+        qn, kn, vn = map(heads_last, (q, k, v))
+        def run() -> torch.Tensor:
+            return na(qn, kn, vn, kernel, backend="flex-fna")
+
+        theirs = run().reshape(B, seq, H, D).transpose(1, 2)  # also NATTEN's warm-up (it is slow)
+        ours_out = ca.attention(q, k, v, mask=mask, backend="torch")
+        row["max|ours-natten|"] = (ours_out - theirs).abs().max().item()
+        row["natten_ms"] = _report.time_ms(run, warmup=0, repeats=args.natten_repeats)
+        row["natten/ours"] = row["natten_ms"] / ours
+    return row
+
+
+def bench_overhead(args: argparse.Namespace) -> list[dict]:
+    """Per-call time of attention() (auto and torch backends) vs SDPA on a [1, 1, 16, 64] problem."""
+    q, k, v = (torch.randn(1, 1, 16, 64) for _ in range(3))
+    calls = {
+        "SDPA": lambda: F.scaled_dot_product_attention(q, k, v),
+        "attention() auto": lambda: ca.attention(q, k, v),
+        "attention() torch": lambda: ca.attention(q, k, v, backend="torch"),
+    }
+    us = {label: 1e3 * _report.time_ms(fn, warmup=args.overhead_iters, repeats=args.overhead_batches,
+                                        number=args.overhead_iters)
+          for label, fn in calls.items()}
+    return [{"call": label, "us_per_call": t, "vs_sdpa": t / us["SDPA"]} for label, t in us.items()]
+
+
+def verdict(value: float | None, target: float, at_least: bool) -> str | None:
+    """'ok' / 'MISS' for ``value`` against ``target`` (None when not measured)."""
+    if value is None:
+        return None
+    return "ok" if (value >= target if at_least else value <= target) else "MISS"
+
+
+def main() -> None:
+    """Parse options, run every benchmark, print the tables, write the JSON record."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of ours and SDPA (default 5)")
+    parser.add_argument("--natten-repeats", type=int, default=3, help="timed NATTEN runs (default 3)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up runs (default 2)")
+    parser.add_argument("--overhead-iters", type=int, default=500, help="calls per overhead batch")
+    parser.add_argument("--overhead-batches", type=int, default=7, help="overhead batches (median)")
+    parser.add_argument("--quick", action="store_true",
+                        help="development run: 2 repeats, 1 warm-up, 1 NATTEN run (none for 3-D), "
+                             "shorter overhead loop")
+    parser.add_argument("--no-json", action="store_true", help="print only, write no results file")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.warmup, args.natten_repeats = 2, 1, 1
+        args.overhead_iters, args.overhead_batches = 100, 3
+
+    torch.manual_seed(0)
+    load = os.getloadavg()
+    print(f"cudnn_attn {ca.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"fp32 B={B} H={H} D={D}; load average {load[0]:.2f} at start\n")
+
+    overhead = bench_overhead(args)  # first: tiny calls are the most sensitive to a disturbed machine
+    for row in overhead:
+        row["target"] = verdict(row["vs_sdpa"], TARGET_OVERHEAD, at_least=False) if row["call"] != "SDPA" else None
+
+    rows = [bench_neighborhood(*problem, args) for problem in PROBLEMS]
+    for row in rows:
+        rank = len(row["spatial"])
+        row["vs_sdpa_target"] = verdict(row["ours/sdpa"], TARGET_VS_SDPA, at_least=False) if rank < 3 else None
+        row["vs_natten_target"] = verdict(row["natten/ours"], TARGET_VS_NATTEN, at_least=True)
+
+    _report.print_table(overhead, ["call", "us_per_call", "vs_sdpa", "target"])
+    print(f"target: attention() <= {TARGET_OVERHEAD}x SDPA per call on [1, 1, 16, 64]\n")
+    _report.print_table(rows, ["problem", "ours_ms", "sdpa_ms", "natten_ms", "ours/sdpa", "vs_sdpa_target",
+                               "natten/ours", "vs_natten_target", "max|ours-natten|"])
+    print(f"targets: ours/sdpa <= {TARGET_VS_SDPA} (1-D, 2-D); natten/ours >= {TARGET_VS_NATTEN}")
+    load_end = os.getloadavg()
+    print(f"load average {load_end[0]:.2f} at end (above {torch.get_num_threads()}: other work shared the cores)")
+
+    if not args.no_json:
+        path = _report.write_json("cpu", {
+            "options": vars(args),
+            "threads": torch.get_num_threads(),
+            "loadavg_start": load,
+            "loadavg_end": load_end,
+            "problem": {"dtype": "float32", "B": B, "H": H, "D": D},
+            "targets": {"natten/ours >=": TARGET_VS_NATTEN, "ours/sdpa <= (1-D, 2-D)": TARGET_VS_SDPA,
+                        "overhead vs sdpa <=": TARGET_OVERHEAD},
+            "neighborhood": rows,
+            "overhead": overhead,
+        })
+        print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
