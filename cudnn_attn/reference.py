@@ -23,8 +23,11 @@ from .problem import AttnProblem
 
 __all__ = ["TorchBackend", "TorchPlan"]
 
-# Scores held at once per chunk of tiles (elements); keeps the working set cache-sized.
-CHUNK_ELEMENTS = 1 << 22
+# Scores per chunk of tiles (elements): small enough that a chunk's gathered keys stay in cache
+# and its buffers are recycled by the allocator instead of being mapped afresh on every call.
+CHUNK_ELEMENTS = 1 << 20
+# Scores of a single tile (times batch x heads) may reach this; it bounds the tile size.
+TILE_ELEMENTS = 1 << 22
 PLAN_CACHE_SIZE = 128
 # Largest additive float mask (elements) a plan keeps between calls.
 MAX_CACHED_MASK = 1 << 25
@@ -80,7 +83,7 @@ class TorchPlan:
             shape = (problem.seq_q,)
             extra_static = False
         needs_mask = hood is not None or (bool(self.visibility.line_masks) and not self.dynamic_lines)
-        tile_shape = choose_tile_shape(axes, problem.batch * problem.heads_q, CHUNK_ELEMENTS)
+        tile_shape = choose_tile_shape(axes, problem.batch * problem.heads_q, TILE_ELEMENTS)
         self.tiles: Tiles = build_tiles(axes, shape, problem.seq_kv, tile_shape, needs_mask)
         t = self.tiles
         if extra_static and t.static_mask is not None:
