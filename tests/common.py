@@ -182,38 +182,21 @@ class Problem:
         )
         return oracle.alibi_bias(self.oracle_slopes(inp), self.B, self.Hq, self.Sq, self.Skv, offs)
 
+    def _run(self, attention_fn, inp):
+        bias = inp["bias"]
+        ab = self.oracle_alibi_bias(inp)
+        if ab is not None:
+            bias = ab if bias is None else bias + ab
+        return attention_fn(inp["q"], inp["k"], inp["v"], self.visibility(), layout=self.layout,
+                            scale=self.scale, softcap=self.softcap, bias=bias)
+
     def run_oracle(self, inp):
         """(out, lse) in float64 from the independent oracle (differentiable)."""
-        bias = inp["bias"]
-        ab = self.oracle_alibi_bias(inp)
-        if ab is not None:
-            bias = ab if bias is None else bias + ab
-        return oracle.reference_attention(
-            inp["q"],
-            inp["k"],
-            inp["v"],
-            self.visibility(),
-            layout=self.layout,
-            scale=self.scale,
-            softcap=self.softcap,
-            bias=bias,
-        )
+        return self._run(oracle.reference_attention, inp)
 
     def run_lowp_baseline(self, inp):
-        bias = inp["bias"]
-        ab = self.oracle_alibi_bias(inp)
-        if ab is not None:
-            bias = ab if bias is None else bias + ab
-        return oracle.plain_lowp_attention(
-            inp["q"],
-            inp["k"],
-            inp["v"],
-            self.visibility(),
-            layout=self.layout,
-            scale=self.scale,
-            softcap=self.softcap,
-            bias=bias,
-        )
+        """(out, lse) from plain PyTorch in the inputs' low precision (the tolerance baseline)."""
+        return self._run(oracle.plain_lowp_attention, inp)
 
 
 def assert_close(actual, expected, dtype, what=""):
