@@ -20,18 +20,22 @@ _CALL_CACHE_SIZE = 256
 
 
 def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse, backend):
-    tensors = []
-    for t in (q, k, v):
-        if not isinstance(t, torch.Tensor):
-            return None
-        tensors.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
+    """A flat, hashable summary of a call; ``None`` when an argument is not what it should be
+    (validation then explains what is wrong)."""
     if isinstance(bias, torch.Tensor):
         bias_key = (bias.shape, bias.stride(), bias.dtype, bias.device, bias.requires_grad)
     elif bias is None or isinstance(bias, Alibi):
         bias_key = bias
     else:
         return None
-    return (*tensors, mask, bias_key, scale, dropout_p, softcap, layout, return_lse, backend)
+    try:
+        return (q.shape, q.stride(), q.dtype, q.device, q.requires_grad,
+                k.shape, k.stride(), k.dtype, k.device, k.requires_grad,
+                v.shape, v.stride(), v.dtype, v.device, v.requires_grad,
+                type(q), type(k), type(v),
+                mask, bias_key, scale, dropout_p, softcap, layout, return_lse, backend)
+    except (AttributeError, TypeError):
+        return None
 
 
 def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse, backend):
