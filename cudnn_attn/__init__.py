@@ -9,11 +9,14 @@ from .api import Explanation, attention, explain
 from .dispatch import NotSupportedError
 from .masks import Alibi, Causal, Mask, Neighborhood, Padding, SlidingWindow
 from .problem import AttnProblem, TensorSpec
+from .varlen import attention_varlen, attention_with_kvcache
 
 __version__ = "0.1.0"
 
 __all__ = [
     "attention",
+    "attention_varlen",
+    "attention_with_kvcache",
     "explain",
     "Explanation",
     "NotSupportedError",
