@@ -6,6 +6,8 @@ neighborhood attention (``fallback_kernels/``), and a pure-PyTorch engine that r
 """
 
 from .api import Explanation, attention, explain
+from .attributes import (SdpaAttributes, SdpaBackwardAttributes, scaled_dot_product_flash_attention,
+                         scaled_dot_product_flash_attention_backward)
 from .dispatch import NotSupportedError
 from .masks import Alibi, Causal, Mask, Neighborhood, Padding, SlidingWindow
 from .problem import AttnProblem, TensorSpec
@@ -26,6 +28,10 @@ __all__ = [
     "Neighborhood",
     "Padding",
     "Alibi",
+    "SdpaAttributes",
+    "SdpaBackwardAttributes",
+    "scaled_dot_product_flash_attention",
+    "scaled_dot_product_flash_attention_backward",
     "AttnProblem",
     "TensorSpec",
     "__version__",
