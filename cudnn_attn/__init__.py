@@ -9,6 +9,7 @@ from .api import Explanation, attention, explain
 from .attributes import (SdpaAttributes, SdpaBackwardAttributes, scaled_dot_product_flash_attention,
                          scaled_dot_product_flash_attention_backward)
 from .dispatch import NotSupportedError
+from .graphs.cache import graph_cache
 from .masks import Alibi, Causal, Mask, Neighborhood, Padding, SlidingWindow
 from .problem import AttnProblem, TensorSpec
 from .varlen import attention_varlen, attention_with_kvcache
@@ -22,6 +23,7 @@ __all__ = [
     "explain",
     "Explanation",
     "NotSupportedError",
+    "graph_cache",
     "Mask",
     "Causal",
     "SlidingWindow",

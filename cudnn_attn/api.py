@@ -33,7 +33,8 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
                 k.shape, k.stride(), k.dtype, k.device, k.requires_grad,
                 v.shape, v.stride(), v.dtype, v.device, v.requires_grad,
                 type(q), type(k), type(v),
-                mask, bias_key, scale, dropout_p, softcap, layout, return_lse, backend)
+                mask, bias_key, scale, dropout_p, softcap, layout, return_lse, backend,
+                torch.are_deterministic_algorithms_enabled())
     except (AttributeError, TypeError):
         return None
 

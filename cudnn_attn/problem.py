@@ -77,6 +77,8 @@ class AttnProblem:
     return_lse: bool = False
     requires_grad: bool = False
     bias_requires_grad: bool = False
+    # torch.use_deterministic_algorithms at call time: engines pick deterministic backwards.
+    deterministic: bool = False
     plan_key: tuple = field(default=(), compare=False, repr=False)
 
     def __post_init__(self):
@@ -85,7 +87,8 @@ class AttnProblem:
         parts = tuple(("padding",) if isinstance(m, Padding) else m for m in mask_parts(self.mask))
         key = (self.batch, self.heads_q, self.heads_kv, self.seq_q, self.seq_kv, self.dim_qk,
                self.dim_v, self.dtype, self.device, self.layout, self.q, self.k, self.v, parts,
-               self.bias, self.alibi is not None, self.softcap is not None, self.dropout_p > 0)
+               self.bias, self.alibi is not None, self.softcap is not None, self.dropout_p > 0,
+               self.deterministic)
         object.__setattr__(self, "plan_key", key)
 
     # -- convenience views used by every backend ----------------------------------------------
@@ -188,7 +191,8 @@ class AttnProblem:
             bias=bias_spec, alibi=alibi, scale=float(scale), dropout_p=float(dropout_p),
             softcap=softcap, return_lse=bool(return_lse),
             requires_grad=q.requires_grad or k.requires_grad or v.requires_grad or bias_grad,
-            bias_requires_grad=bias_grad)
+            bias_requires_grad=bias_grad,
+            deterministic=torch.are_deterministic_algorithms_enabled())
 
 
 def _check_masks(mask, batch: int, seq_q: int, seq_kv: int, alibi: bool) -> None:

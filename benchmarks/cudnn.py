@@ -1,0 +1,256 @@
+"""GPU benchmark: the cuDNN engine vs torch SDPA (flash and cudnn backends) and vs a hand-built
+cuDNN-frontend graph's ``execute``; cache-hit call overhead; graph build milliseconds.
+
+Run from the repository root on a CUDA machine:  python benchmarks/cudnn.py [--quick]
+Without CUDA (or without the cuDNN frontend) it says so and exits 0, writing nothing.
+
+Throughput problems: hidden size 2048 (H = 2048 / D), 16k tokens per batch (B = 16384 / S),
+[B, H, S, D] contiguous, fp16/bf16, D in {64, 128}, S in {512 .. 16k}, causal and not; forward
+and backward (backward FLOPs = 2.5 x forward). For each we time
+  * ours:   cudnn_attn.attention(..., backend="cudnn") (forward; and its autograd backward)
+  * bare:   the same SDPA graph built by hand with the frontend (reference section 2.1), buffers
+            preallocated, timed on ``graph.execute`` alone
+  * torch-flash / torch-cudnn: torch.nn.functional.scaled_dot_product_attention under
+            sdpa_kernel(FLASH_ATTENTION / CUDNN_ATTENTION)
+Targets (issue 3): ours >= 0.98 x bare at large shapes; call within 1.05 x bare execute on a tiny
+problem; H200 bf16 D=128 causal S=8k: forward >= 640, backward >= 540 TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import time
+import timeit
+
+import _report  # benchmarks/_report.py (this script's folder is on sys.path)
+import torch
+
+TOKENS, HIDDEN = 16384, 2048
+SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+TARGET_TFLOPS = {"fwd": 640.0, "bwd": 540.0}  # H200, bf16, D=128, causal, S=8k
+TARGET_VS_BARE, TARGET_OVERHEAD = 0.98, 1.05
+
+
+def flops(b, h, s, d, causal, direction):
+    f = 4.0 * b * h * s * s * d / (2 if causal else 1)
+    return f * (2.5 if direction == "bwd" else 1.0)
+
+
+def bare_graph(q, causal, backward):
+    """The SDPA graph written directly against the frontend, as its samples do."""
+    import cudnn
+
+    from cudnn_attn.graphs._runtime import handle_for
+
+    handle = handle_for(q.device)
+    io = cudnn.data_type.HALF if q.dtype == torch.float16 else cudnn.data_type.BFLOAT16
+    g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+    b, h, s, d = q.shape
+    st = list(q.stride())
+
+    def t(name, uid, dim=(b, h, s, d), stride=st, dt=io):
+        return g.tensor(name=name, dim=list(dim), stride=list(stride), data_type=dt, uid=uid)
+
+    Q, K, V = t("q", 1), t("k", 2), t("v", 3)
+    mask = dict(diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT,
+                diagonal_band_right_bound=0) if causal else {}
+    if not backward:
+        out_t, stats = g.sdpa(name="sdpa", q=Q, k=K, v=V, attn_scale=d ** -0.5, generate_stats=True,
+                          **mask)
+        out_t.set_output(True).set_dim([b, h, s, d]).set_stride(st).set_uid(4)
+        stats.set_output(True).set_data_type(cudnn.data_type.FLOAT).set_uid(5)
+        uids = (1, 2, 3, 4, 5)
+    else:
+        out_t, dO = t("o", 4), t("do", 6)
+        stats = t("stats", 5, (b, h, s, 1), (h * s, s, 1, 1), cudnn.data_type.FLOAT)
+        dQ, dK, dV = g.sdpa_backward(name="sdpa_backward", q=Q, k=K, v=V, o=out_t, dO=dO, stats=stats,
+                                     attn_scale=d ** -0.5, **mask)
+        for x, uid in ((dQ, 7), (dK, 8), (dV, 9)):
+            x.set_output(True).set_dim([b, h, s, d]).set_stride(st).set_uid(uid)
+        uids = (1, 2, 3, 4, 6, 5, 7, 8, 9)
+    g.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    return g, handle, uids
+
+
+def timed(fn, args, number=None):
+    torch.cuda.synchronize()
+    if number is None:  # aim at about 50 ms per batch
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        number = max(1, min(200, int(0.05 / max(time.perf_counter() - start, 1e-6))))
+    return _report.time_ms(fn, warmup=args.warmup, repeats=args.repeats, number=number,
+                           sync=torch.cuda.synchronize)
+
+
+def bench_shape(dtype, d, s, causal, args):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import cudnn_attn as ca
+
+    h, b = HIDDEN // d, max(1, TOKENS // s)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    mask = ca.Causal() if causal else None
+    rows = []
+    out = ca.attention(q, k, v, mask=mask, backend="cudnn")
+    dout = torch.randn_like(out)
+    ours = {"fwd": lambda: ca.attention(q, k, v, mask=mask, backend="cudnn"),
+            "bwd": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)}
+    torch_fns = {}
+    for label, backend in (("torch-flash", SDPBackend.FLASH_ATTENTION),
+                           ("torch-cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                ref = sdpa(q, k, v, is_causal=causal)
+
+            def fwd(backend=backend):
+                with sdpa_kernel(backend):
+                    return sdpa(q, k, v, is_causal=causal)
+
+            torch_fns[label] = {"fwd": fwd,
+                                "bwd": lambda ref=ref: torch.autograd.grad(ref, (q, k, v), dout,
+                                                                           retain_graph=True)}
+        except RuntimeError as exc:  # that SDPA backend cannot run this shape here
+            torch_fns[label] = str(exc).splitlines()[0]
+    bare = {}
+    o, st = torch.empty_like(q), torch.empty(b, h, s, 1, device="cuda", dtype=torch.float32)
+    grads = [torch.empty_like(q) for _ in range(3)]
+    for direction in ("fwd", "bwd"):  # the forward first: it fills o and st for the backward
+        g, handle, uids = bare_graph(q, causal, direction == "bwd")
+        ws = torch.empty(g.get_workspace_size(), device="cuda", dtype=torch.uint8)
+        bufs = [q, k, v, o, st] if direction == "fwd" else [q, k, v, o, dout, st, *grads]
+        bare[direction] = (lambda g=g, bufs=bufs, ws=ws, handle=handle, uids=uids:
+                           g.execute(bufs, ws, handle=handle, tensor_uids=uids))
+        bare[direction]()
+    for direction in ("fwd", "bwd"):
+        work = flops(b, h, s, d, causal, direction)
+        row = {"dtype": str(dtype).split(".")[-1], "D": d, "S": s, "B": b, "H": h,
+               "causal": causal, "dir": direction}
+        row["ours_ms"] = timed(ours[direction], args)
+        row["bare_ms"] = timed(bare[direction], args)
+        row["ours_tflops"] = work / row["ours_ms"] / 1e9
+        row["bare_tflops"] = work / row["bare_ms"] / 1e9
+        row["ours/bare"] = row["bare_ms"] / row["ours_ms"]
+        for label, fns in torch_fns.items():
+            if isinstance(fns, str):
+                row[f"{label}_tflops"] = None
+                row[f"{label}_error"] = fns
+            else:
+                try:
+                    row[f"{label}_tflops"] = work / timed(fns[direction], args) / 1e9
+                except RuntimeError as exc:  # e.g. a backward that SDPA backend lacks
+                    row[f"{label}_tflops"] = None
+                    row[f"{label}_error"] = str(exc).splitlines()[0]
+        rows.append(row)
+    return rows
+
+
+def bench_overhead(args):
+    """Host cost of a cache-hit call on a tiny problem vs the bare execute; lookup alone."""
+    import cudnn_attn as ca
+    from cudnn_attn.graphs.cache import graph_cache
+
+    q, k, v = (torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    ca.attention(q, k, v, backend="cudnn")
+    g, handle, uids = bare_graph(q, False, False)
+    ws = torch.empty(g.get_workspace_size(), device="cuda", dtype=torch.uint8)
+    bufs = [q, k, v, torch.empty_like(q), torch.empty(1, 1, 128, 1, device="cuda")]
+    n = args.overhead_iters
+    calls = {"bare execute": lambda: g.execute(bufs, ws, handle=handle, tensor_uids=uids),
+             "attention(backend='cudnn')": lambda: ca.attention(q, k, v, backend="cudnn"),
+             "attention() auto": lambda: ca.attention(q, k, v)}
+    us = {label: 1e3 * _report.time_ms(fn, warmup=n, repeats=args.repeats, number=n,
+                                        sync=torch.cuda.synchronize) for label, fn in calls.items()}
+    key = next(iter(graph_cache.keys()))
+    lookup = 1e6 * min(timeit.repeat(lambda: graph_cache.get_or_build(key, None), number=10000,
+                                     repeat=5)) / 10000
+    rows = [{"call": label, "us_per_call": t, "vs_bare": t / us["bare execute"]}
+            for label, t in us.items()]
+    rows.append({"call": "graph_cache hit (host lookup)", "us_per_call": lookup, "vs_bare": None})
+    return rows
+
+
+def bench_builds(args):
+    """Milliseconds to build (validate + plan + finalize) forward and backward graphs."""
+    import cudnn_attn as ca
+    from cudnn_attn.graphs import build_backward, build_forward
+
+    rows = []
+    for dtype in args.dtypes:
+        for d in (64, 128):
+            q, k, v = (torch.randn(2, HIDDEN // d, 4096, d, device="cuda", dtype=dtype,
+                                   requires_grad=True) for _ in range(3))
+            problem = ca.AttnProblem.from_tensors(q, k, v, mask=ca.Causal())
+            for label, build in (("fwd", build_forward), ("bwd", build_backward)):
+                built = build(problem)
+                rows.append({"graph": f"{label} {str(dtype).split('.')[-1]} D={d} S=4096 causal",
+                             "build_ms": 1e3 * built.build_seconds,
+                             "workspace_MiB": built.workspace_size / 2 ** 20})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--overhead-iters", type=int, default=300)
+    parser.add_argument("--quick", action="store_true", help="bf16, D=128, S in {1k, 8k} only")
+    parser.add_argument("--no-json", action="store_true", help="print only, write no results file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/cudnn.py needs a CUDA GPU; torch sees none here. Nothing was run or written.")
+        return 0
+    if importlib.util.find_spec("cudnn") is None:
+        print("benchmarks/cudnn.py needs the cuDNN frontend (pip install 'cudnn-attn[cu12]'). "
+              "Nothing was run or written.")
+        return 0
+    args.dtypes = (torch.bfloat16,) if args.quick else (torch.float16, torch.bfloat16)
+    dims = (128,) if args.quick else (64, 128)
+    seqs = (1024, 8192) if args.quick else SEQS
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}\n")
+
+    overhead = bench_overhead(args)
+    _report.print_table(overhead, ["call", "us_per_call", "vs_bare"])
+    print(f"target: attention(backend='cudnn') <= {TARGET_OVERHEAD} x bare execute\n")
+    builds = bench_builds(args)
+    _report.print_table(builds, ["graph", "build_ms", "workspace_MiB"])
+    rows = []
+    for dtype in args.dtypes:
+        for d in dims:
+            for s in seqs:
+                for causal in (False, True):
+                    rows += bench_shape(dtype, d, s, causal, args)
+    cols = ["dtype", "D", "S", "causal", "dir", "ours_tflops", "bare_tflops", "ours/bare",
+            "torch-flash_tflops", "torch-cudnn_tflops"]
+    print()
+    _report.print_table(rows, cols)
+    headline = {r["dir"]: r["ours_tflops"] for r in rows
+                if r["dtype"] == "bfloat16" and r["D"] == 128 and r["S"] == 8192 and r["causal"]}
+    large = [r["ours/bare"] for r in rows if r["S"] >= 4096]
+    verdicts = {
+        "tiny call vs bare <= 1.05": overhead[1]["vs_bare"] <= TARGET_OVERHEAD,
+        "large shapes ours/bare >= 0.98 (min)": bool(large) and min(large) >= TARGET_VS_BARE,
+        **{f"bf16 D=128 causal S=8k {k} >= {v}": headline.get(k, 0) >= v
+           for k, v in TARGET_TFLOPS.items()},
+    }
+    print()
+    for name, ok in verdicts.items():
+        print(f"  {'ok  ' if ok else 'MISS'} {name}")
+    if not args.no_json:
+        path = _report.write_json("cudnn", {
+            "options": {k: (str(v) if k == "dtypes" else v) for k, v in vars(args).items()},
+            "device": torch.cuda.get_device_name(), "problem": {"tokens": TOKENS, "hidden": HIDDEN},
+            "overhead": overhead, "builds": builds, "throughput": rows,
+            "headline_tflops": headline, "targets": verdicts})
+        print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

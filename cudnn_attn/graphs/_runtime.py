@@ -1,0 +1,115 @@
+"""Per-call plumbing of the cuDNN engine: handles, workspaces, and the small runtime inputs.
+
+* One cuDNN handle per (thread, device), re-bound to torch's current stream on every call
+  (``cudnn.set_stream`` skips the driver call when the stream is unchanged).
+* Workspaces come from torch's caching allocator, so they follow torch's stream semantics.
+* Runtime values are graph inputs, never graph attributes: the softmax scale (pass-by-value
+  fp32), the padding lengths (``[B, 1, 1, 1]`` int32 on the device), the Philox seed/offset
+  (pass-by-value int64). Small bounded caches keep their host-side cost off the hot path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+
+__all__ = ["handle_for", "workspace", "ScalarCache", "LengthCache", "aligned", "philox_state"]
+
+_local = threading.local()
+
+
+def _raw_stream(index: int) -> int:
+    try:  # the raw cudaStream_t without building a torch.cuda.Stream object (hot path)
+        return torch._C._cuda_getCurrentRawStream(index)
+    except AttributeError:
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+def handle_for(device: torch.device):
+    """This thread's cuDNN handle for ``device``, bound to torch's current stream there."""
+    handles = getattr(_local, "handles", None)
+    if handles is None:
+        handles = _local.handles = {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    entry = handles.get(index)
+    if entry is None:
+        import cudnn
+
+        with torch.cuda.device(index):  # a handle binds the current device
+            entry = handles[index] = (cudnn.create_handle(), cudnn.set_stream)
+    handle, set_stream = entry
+    set_stream(handle, _raw_stream(index))  # skips the driver call when the stream is unchanged
+    return handle
+
+
+def workspace(size: int, device: torch.device) -> Optional[torch.Tensor]:
+    return torch.empty(size, dtype=torch.uint8, device=device) if size else None
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its base pointer is 16-byte aligned (cuDNN faults otherwise), else a
+    copy with the same strides (the graph was built for them)."""
+    if t.data_ptr() % 16 == 0:
+        return t
+    copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return copy.copy_(t)
+
+
+class _Bounded:
+    def __init__(self, maxsize: int):
+        self._maxsize = maxsize
+        self._items: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _get(self, key, make):
+        item = self._items.get(key)
+        if item is None:
+            item = make()
+            with self._lock:
+                self._items[key] = item
+                if len(self._items) > self._maxsize:
+                    self._items.popitem(last=False)
+        return item
+
+
+class ScalarCache(_Bounded):
+    """Pass-by-value ``(1, 1, 1, 1)`` host tensors, one per value."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, maxsize: int = 64):
+        super().__init__(maxsize)
+        self._dtype = dtype
+
+    def get(self, value) -> torch.Tensor:
+        return self._get(value, lambda: torch.full((1, 1, 1, 1), value, dtype=self._dtype))
+
+
+class LengthCache(_Bounded):
+    """Per padding-length tuple: device ``seq_len_q``/``seq_len_kv`` and the empty-row mask."""
+
+    def __init__(self, spec, maxsize: int = 64):
+        super().__init__(maxsize)
+        self._spec = spec
+
+    def get(self, lens_q: tuple, lens_kv: tuple, device: torch.device):
+        return self._get((lens_q, lens_kv, device), lambda: self._make(lens_q, lens_kv, device))
+
+    def _make(self, lens_q, lens_kv, device):
+        from ._spec import padded_rows
+
+        b = self._spec.batch
+        host = torch.tensor([lens_q, lens_kv], dtype=torch.int32).view(2, b, 1, 1, 1)
+        lens = host.to(device, non_blocking=False)
+        empty = padded_rows(self._spec, lens_q, lens_kv)
+        empty_dev = empty.to(device) if bool(empty.any()) else None
+        return lens[0], lens[1], empty_dev
+
+
+def philox_state(generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass-by-value Philox ``(seed, offset)`` drawn from ``generator`` (or torch's default)."""
+    source = generator.device if generator is not None else "cpu"
+    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator, device=source))
+    return (torch.full((1, 1, 1, 1), seed, dtype=torch.int64),
+            torch.zeros((1, 1, 1, 1), dtype=torch.int64))

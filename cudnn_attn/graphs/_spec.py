@@ -1,0 +1,400 @@
+"""From an ``AttnProblem`` to the cuDNN SDPA graph it needs (``GraphSpec``), or to the reasons
+cuDNN cannot run it. Everything here is knowable without a GPU and without importing ``cudnn``.
+
+The rules mirror the cuDNN frontend 1.32 validators (``_sdpa_validate.py`` and the C++
+``sdpa_support_surface.h`` / ``scaled_dot_product_flash_attention.h``) plus the gaps the
+reference (``shared/reference/cudnn-frontend.md`` section 4.2) lists as "accepted although
+unsupported". Mask semantics (see ``cudnn_attn.masks``):
+
+* cuDNN's diagonal band keeps key ``j`` of query ``i`` iff ``i' - L < j <= i' + R``: the left bound
+  is exclusive, so FlashAttention's inclusive ``left`` becomes ``L = left + 1``; ``R = right``;
+  ``Causal`` is ``R = 0``. Several causal/window masks intersect into one band.
+* ``bottom_right`` aligns ``i' = i + S_kv - S_q`` (per batch with padding, as cuDNN does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..masks import Causal, SlidingWindow, alibi_slopes, mask_parts
+from ..problem import AttnProblem
+
+__all__ = ["Band", "PagedKV", "GraphOptions", "GraphSpec", "analyze", "cudnn_reasons",
+           "device_sm", "MAX_HEAD_DIM", "BACKWARD_HEAD_DIM"]
+
+IO_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+BIAS_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# Largest head dim any cuDNN backend engine serves (forward; FROST's D512 is a JIT side path).
+MAX_HEAD_DIM = 256
+# Backward head-dim limit per SM major (C++ validator of sdpa_backward, verified for 80..120).
+BACKWARD_HEAD_DIM = {8: 128, 9: 256, 10: 128, 12: 128}
+# cuDNN masks the padded tail of the last 128-wide key tile only with a padding mask
+# (cudnn-frontend #160, PyTorch #196678: NaN dQ with a bias and S_kv % 128 == 64).
+KEY_TILE = 128
+
+
+@dataclass(frozen=True)
+class Band:
+    """One cuDNN diagonal band: ``alignment`` and the bounds in cuDNN's convention
+    (``left`` exclusive, >= 1; ``right`` inclusive, >= 0; ``None`` = unbounded)."""
+
+    alignment: str = "top_left"
+    left: Optional[int] = None
+    right: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """Paged K/V caches (forward only): containers ``[num_blocks, page_size, H_kv, D]``
+    (``layout="bshd"``, FlashAttention's) or ``[num_blocks, H_kv, page_size, D]`` (``"bhsd"``);
+    the problem's ``S_kv`` is the logical maximum (``pages_per_seq * page_size``)."""
+
+    num_blocks: int
+    page_size: int
+    layout: str = "bshd"
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """Builder options outside ``AttnProblem``.
+
+    ``deterministic``: deterministic backward (also implied by
+    ``torch.use_deterministic_algorithms(True)``); ``dropout_mask``: the ``(mask, scale)`` dropout
+    form instead of Philox; ``ragged``: packed varlen (THD) with ragged offsets on Q/K/V/O/Stats;
+    ``max_total_seq_len_q/kv``: bounds of the packed token axis (ragged only); ``paged``: KV
+    page tables (forward only).
+    """
+
+    deterministic: bool = False
+    dropout_mask: bool = False
+    ragged: bool = False
+    max_total_seq_len_q: Optional[int] = None
+    max_total_seq_len_kv: Optional[int] = None
+    paged: Optional[PagedKV] = None
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """Everything one SDPA graph depends on, normalized; hashable (a graph cache key part).
+
+    Strides are logical ``(B, H, S, D)`` strides in elements. Runtime values (scale, padding
+    lengths, dropout seed/offset) are graph inputs, never fields here; ``dropout_p`` is, because
+    cuDNN bakes the Philox probability into the graph.
+    """
+
+    dtype: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_kv: int
+    dim_qk: int
+    dim_v: int
+    layout: str
+    q_stride: tuple
+    k_stride: tuple
+    v_stride: tuple
+    band: Optional[Band] = None
+    padding: bool = False
+    synthetic_padding: bool = False
+    alibi: bool = False
+    bias_dim: Optional[tuple] = None
+    bias_stride: Optional[tuple] = None
+    bias_dtype: Optional[str] = None
+    dbias: bool = False
+    dropout_p: float = 0.0
+    dropout_mask: bool = False
+    stats: bool = True
+    deterministic: bool = False
+    ragged: bool = False
+    max_total_seq_len_q: Optional[int] = None
+    max_total_seq_len_kv: Optional[int] = None
+    paged: Optional[PagedKV] = None
+
+    # -- layouts of the tensors the engine allocates ---------------------------------------
+    def out_stride(self, heads: int, seq: int, dim: int) -> tuple:
+        """Logical (B, H, S, D) strides of a tensor contiguous in the call's layout."""
+        if self.layout == "bhsd":
+            return (heads * seq * dim, seq * dim, dim, 1)
+        return (seq * heads * dim, dim, heads * dim, 1)
+
+    @property
+    def o_stride(self) -> tuple:
+        return self.out_stride(self.heads_q, self.seq_q, self.dim_v)
+
+    @property
+    def stats_stride(self) -> tuple:
+        if self.ragged:  # token-major "TH1", as the frontend's own THD path
+            return (self.seq_q * self.heads_q, 1, self.heads_q, 1)
+        return (self.heads_q * self.seq_q, self.seq_q, 1, 1)
+
+    def forward_variant(self, stats: bool) -> "GraphSpec":
+        """The forward graph's spec: backward-only fields cleared so graphs are shared."""
+        return dataclasses.replace(self, stats=stats, dbias=False, deterministic=False)
+
+    def backward_variant(self) -> "GraphSpec":
+        return dataclasses.replace(self, stats=True)
+
+
+def device_sm(device) -> Optional[int]:
+    """``10 * major + minor`` of a CUDA ``device`` torch can see, else ``None``."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def _logical_stride(spec_stride: tuple, layout: str) -> tuple:
+    s = tuple(spec_stride)
+    return s if layout == "bhsd" else (s[0], s[2], s[1], s[3])
+
+
+def _bias_layout(problem: AttnProblem) -> tuple[tuple, tuple]:
+    """Rank-4 dims/strides of the bias; broadcast (size-1 or stride-0) dims become size 1."""
+    spec = problem.bias
+    shape = (1,) * (4 - len(spec.shape)) + tuple(spec.shape)
+    stride = (0,) * (4 - len(spec.stride)) + tuple(spec.stride)
+    dims = tuple(1 if (n == 1 or st == 0) else n for n, st in zip(shape, stride))
+    out, inner = [0, 0, 0, 0], 1
+    for axis in (3, 2, 1, 0):  # size-1 dims get packed strides: some validators read them
+        out[axis] = stride[axis] if dims[axis] > 1 else inner
+        inner = max(inner, out[axis] * dims[axis])
+    return dims, tuple(out)
+
+
+def _band(problem: AttnProblem, padding: bool, alibi: bool, reasons: list) -> Optional[Band]:
+    lines = [m for m in mask_parts(problem.mask) if isinstance(m, (Causal, SlidingWindow))]
+    if not lines:
+        return None
+    s_q, s_kv = problem.seq_q, problem.seq_kv
+    # Without padding and with S_q == S_kv both alignments are the same diagonal; top-left
+    # avoids cuDNN's bottom-right restrictions (no bias, ALiBi or dropout).
+    same = not padding and s_q == s_kv
+    alignments = {("top_left" if same else m.alignment) for m in lines}
+    if len(alignments) > 1:
+        reasons.append("the masks mix top_left and bottom_right alignments; cuDNN has one "
+                       "diagonal band")
+        return None
+    alignment = alignments.pop()
+    lefts, rights = [], []
+    for m in lines:
+        if isinstance(m, Causal):
+            rights.append(0)
+        else:
+            if m.left >= 0:
+                lefts.append(m.left)
+            if m.right >= 0:
+                rights.append(m.right)
+    left = min(lefts) if lefts else None  # FlashAttention convention (inclusive)
+    right = min(rights) if rights else None
+    if not padding:  # drop bounds that hide nothing (e.g. bottom-right causal at S_q = 1)
+        offset = s_kv - s_q if alignment == "bottom_right" else 0
+        if right is not None and not alibi and offset + right >= s_kv - 1:
+            right = None  # even row 0 reaches the last key
+        if left is not None and s_q - 1 + offset - left <= 0:
+            left = None  # even the last row reaches key 0
+    if left is None and right is None:
+        return None
+    return Band(alignment, None if left is None else left + 1, right)
+
+
+def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
+            options: Optional[GraphOptions] = None,
+            backward: Optional[bool] = None) -> tuple[Optional[GraphSpec], list[str]]:
+    """``(spec, [])`` for a problem cuDNN can run, else ``(None, reasons)``.
+
+    ``backward`` (default: ``problem.requires_grad``) adds the backward graph's rules;
+    ``target_sm`` (default: the problem's CUDA device, if any) adds the architecture's.
+    """
+    options = options or GraphOptions()
+    backward = problem.requires_grad if backward is None else backward
+    if target_sm is None:
+        target_sm = device_sm(problem.device)
+    reasons: list[str] = []
+    dtype = IO_DTYPES.get(problem.dtype)
+    if dtype is None:
+        reasons.append(f"cuDNN SDPA takes float16 or bfloat16 inputs, got {problem.dtype}")
+    if problem.neighborhood is not None:
+        reasons.append("Neighborhood masks are not expressible as cuDNN SDPA attributes")
+    if problem.softcap is not None:
+        reasons.append("softcap needs a cuDNN score_mod subgraph, which excludes the built-in "
+                       "masks, padding and ALiBi; this engine does not build one")
+    d_qk, d_v = problem.dim_qk, problem.dim_v
+    if d_qk % 8 or d_v % 8:
+        reasons.append(f"cuDNN needs head dims that are multiples of 8, got D_qk={d_qk}, "
+                       f"D_v={d_v}")
+    if max(d_qk, d_v) > MAX_HEAD_DIM:
+        reasons.append(f"cuDNN's SDPA engines serve head dims up to {MAX_HEAD_DIM}, got "
+                       f"D_qk={d_qk}, D_v={d_v}")
+    for name in ("q", "k", "v"):
+        stride = getattr(problem, name).stride
+        if stride[3] != 1:
+            reasons.append(f"{name} must have stride 1 along its head dim (cuDNN), got strides "
+                           f"{tuple(stride)}")
+
+    padding = problem.padding is not None or options.ragged
+    alibi = problem.alibi is not None
+    band = _band(problem, padding, alibi, reasons)
+    bias_dims = bias_stride = bias_dtype = None
+    if problem.bias is not None:
+        bias_dtype = BIAS_DTYPES.get(problem.bias.dtype)
+        if bias_dtype is None or (bias_dtype != "float32" and problem.bias.dtype != problem.dtype):
+            reasons.append(f"a cuDNN bias must be {problem.dtype} (as q) or float32, got "
+                           f"{problem.bias.dtype}")
+        bias_dims, bias_stride = _bias_layout(problem)
+        if bias_dims[3] > 1 and bias_stride[3] != 1:
+            reasons.append(f"the bias must have stride 1 along S_kv (cuDNN), got strides "
+                           f"{tuple(problem.bias.stride)}")
+        if problem.bias_requires_grad and backward:
+            full = (1,) * (4 - len(problem.bias.shape)) + tuple(problem.bias.shape)
+            if bias_dims != full:
+                reasons.append(f"dBias of an expanded (stride-0) bias of shape "
+                               f"{tuple(problem.bias.shape)} is not a cuDNN reduction")
+            elif bias_dims[2] != problem.seq_q or bias_dims[3] != problem.seq_kv:
+                reasons.append(f"cuDNN computes dBias only for a bias spanning S_q and S_kv, "
+                               f"got shape {tuple(problem.bias.shape)}")
+    dropout = problem.dropout_p > 0 or options.dropout_mask
+
+    if band is not None and band.alignment == "bottom_right":
+        extras = [n for n, on in (("a bias", bias_dims is not None), ("ALiBi", alibi),
+                                  ("dropout", dropout)) if on]
+        if extras:
+            reasons.append("cuDNN's bottom-right diagonal cannot be combined with "
+                           + ", ".join(extras))
+        if not padding and problem.seq_q > problem.seq_kv:
+            reasons.append(f"cuDNN's bottom-right diagonal needs S_q <= S_kv without padding, "
+                           f"got S_q={problem.seq_q}, S_kv={problem.seq_kv}")
+    if band is not None and band.left is not None and not padding \
+            and problem.seq_q > problem.seq_kv:
+        reasons.append(f"cuDNN's sliding window needs S_q <= S_kv without padding, got "
+                       f"S_q={problem.seq_q}, S_kv={problem.seq_kv}")
+    if alibi:
+        if band is None or band.right != 0:
+            reasons.append("cuDNN's ALiBi needs a causal mask (diagonal right bound 0)")
+        slopes = problem.alibi.slopes
+        if slopes is not None:
+            table = problem.alibi.slope_table(problem.batch, problem.heads_q)
+            default = torch.tensor([alibi_slopes(problem.heads_q)], dtype=torch.float64)
+            if not torch.allclose(table, default.expand_as(table), rtol=1e-6, atol=0):
+                reasons.append("cuDNN's ALiBi uses the standard slopes only; custom slopes "
+                               "were given")
+    if problem.seq_q == 1 and band is not None and problem.heads_q != problem.heads_kv:
+        reasons.append("cuDNN gives wrong results for decode (S_q = 1) with causal masking and "
+                       "H_q != H_kv (cuDNN 9.18.1 release notes)")
+    if backward and problem.seq_q == 1 and problem.seq_kv == 1:
+        reasons.append("cuDNN's SDPA backward does not support S_q = S_kv = 1")
+
+    deterministic = backward and (options.deterministic
+                                  or torch.are_deterministic_algorithms_enabled())
+    _option_reasons(problem, options, padding, backward, reasons)
+    if target_sm is not None:
+        _arch_reasons(problem, target_sm, backward, deterministic, options.ragged,
+                      dict(dbias=problem.bias_requires_grad, dropout=dropout, alibi=alibi),
+                      reasons)
+    if reasons:
+        return None, reasons
+
+    synthetic = (bias_dims is not None and not padding and problem.seq_kv % KEY_TILE != 0)
+    spec = GraphSpec(
+        dtype=dtype, batch=problem.batch, heads_q=problem.heads_q, heads_kv=problem.heads_kv,
+        seq_q=problem.seq_q, seq_kv=problem.seq_kv, dim_qk=d_qk, dim_v=d_v,
+        layout=problem.layout, q_stride=_logical_stride(problem.q.stride, problem.layout),
+        k_stride=_logical_stride(problem.k.stride, problem.layout),
+        v_stride=_logical_stride(problem.v.stride, problem.layout), band=band,
+        padding=padding or synthetic, synthetic_padding=synthetic, alibi=alibi,
+        bias_dim=bias_dims, bias_stride=bias_stride, bias_dtype=bias_dtype,
+        dbias=bool(problem.bias_requires_grad and backward), dropout_p=problem.dropout_p,
+        dropout_mask=options.dropout_mask, stats=True, deterministic=deterministic,
+        ragged=options.ragged, max_total_seq_len_q=options.max_total_seq_len_q,
+        max_total_seq_len_kv=options.max_total_seq_len_kv, paged=options.paged)
+    return spec, []
+
+
+def _option_reasons(problem, options: GraphOptions, padding: bool, backward: bool,
+                    reasons: list) -> None:
+    if options.ragged:
+        if problem.padding is None:
+            reasons.append("ragged (packed) layouts need per-sequence lengths (a Padding mask)")
+        if problem.layout != "bshd":
+            reasons.append("ragged (packed) layouts are token-major: use layout='bshd'")
+    elif options.max_total_seq_len_q is not None or options.max_total_seq_len_kv is not None:
+        reasons.append("max_total_seq_len_q/kv applies to ragged (packed) layouts only")
+    if options.dropout_mask and problem.dropout_p > 0:
+        reasons.append("dropout takes either a probability (Philox) or a mask, not both")
+    paged = options.paged
+    if paged is not None:
+        if problem.padding is None:
+            reasons.append("paged KV caches need per-sequence lengths (a Padding mask)")
+        if backward:
+            reasons.append("cuDNN has no SDPA backward for paged KV caches")
+        if paged.page_size < 1 or paged.page_size & (paged.page_size - 1):
+            reasons.append(f"the KV page size must be a power of two, got {paged.page_size}")
+        elif problem.seq_kv % paged.page_size:
+            reasons.append(f"S_kv ({problem.seq_kv}) must be a whole number of pages of "
+                           f"{paged.page_size}")
+        if options.ragged:
+            reasons.append("paged KV caches with ragged offsets are not built by this engine")
+
+
+def _arch_reasons(problem, sm: int, backward: bool, deterministic: bool, ragged: bool,
+                  features: dict, reasons: list) -> None:
+    major = sm // 10
+    if major < 8:
+        reasons.append(f"cuDNN SDPA (float16/bfloat16) needs sm_80 or newer, target is sm_{sm}")
+        return
+    d_qk, d_v = problem.dim_qk, problem.dim_v
+    if backward:
+        limit = BACKWARD_HEAD_DIM.get(major, 128)
+        allowed = max(d_qk, d_v) <= limit
+        if major == 10:  # Blackwell: 192/128 and 256/256 have dedicated kernels
+            allowed = allowed or (d_qk, d_v) in ((192, 128), (256, 256))
+        if not allowed:
+            reasons.append(f"cuDNN's SDPA backward on sm_{sm} serves head dims up to {limit}, "
+                           f"got D_qk={d_qk}, D_v={d_v}")
+    if backward and ragged and major in (8, 12):
+        reasons.append(f"cuDNN's packed (ragged) backward on sm_{sm} cannot read a packed LSE")
+    if backward and ragged and major == 10 and features["dbias"]:
+        reasons.append(f"cuDNN computes no dBias with ragged layouts on sm_{sm}")
+    if backward and deterministic and major == 10:
+        used = [name for name, on in features.items() if on]
+        if used:
+            reasons.append(f"cuDNN's deterministic backward on sm_{sm} excludes "
+                           + ", ".join(used))
+
+
+def cudnn_reasons(problem: AttnProblem, target_sm: Optional[int] = None, *,
+                  options: Optional[GraphOptions] = None,
+                  backward: Optional[bool] = None) -> list[str]:
+    """Every reason, knowable without a GPU, why cuDNN cannot run ``problem`` (empty: it can
+    try). ``target_sm`` (e.g. 90) adds that architecture's limits; by default the problem's
+    CUDA device's, or none on a CPU problem. Each reason is one readable sentence."""
+    return analyze(problem, target_sm=target_sm, options=options, backward=backward)[1]
+
+
+def padded_rows(spec: GraphSpec, lens_q, lens_kv) -> torch.Tensor:
+    """Bool ``[B, S_q]`` (CPU): query rows that see no key (padding, or a band with per-batch
+    bottom-right alignment that misses every valid key)."""
+    b = spec.batch
+    lq = torch.tensor(lens_q, dtype=torch.int64).view(b, 1)
+    lkv = torch.tensor(lens_kv, dtype=torch.int64).view(b, 1)
+    i = torch.arange(spec.seq_q, dtype=torch.int64).view(1, -1)
+    empty = (i >= lq) | (lkv == 0)
+    band = spec.band
+    if band is not None:
+        aligned = i + (lkv - lq if band.alignment == "bottom_right" else 0)
+        lo = torch.clamp(aligned - band.left + 1, min=0) if band.left is not None else 0
+        hi = torch.minimum(aligned + band.right, lkv - 1) if band.right is not None else lkv - 1
+        empty |= (hi < lo) if isinstance(lo, torch.Tensor) else (hi < 0)
+    return empty
+
+
+def problem_lengths(problem: AttnProblem) -> tuple[tuple, tuple]:
+    pad = problem.padding
+    if pad is None:
+        return (problem.seq_q,) * problem.batch, (problem.seq_kv,) * problem.batch
+    return pad.seq_lens_q, pad.seq_lens_kv

@@ -1,0 +1,348 @@
+"""GraphCache: the bounded, thread-safe LRU of built graphs, and its on-disk persistence.
+
+Building a cuDNN SDPA plan costs tens to hundreds of milliseconds, so every graph the engine
+builds goes through ``graph_cache.get_or_build(key, build_fn)``. Keys are hashable tuples
+(``make_key(problem_key, device)`` adds the device and the cuDNN versions); values are whatever
+``build_fn`` returns.
+
+Persistence (``save(dir)`` / ``load(dir)``) writes one file per entry whose value can serialize
+itself (``serialize() -> bytes`` plus a ``serial_kind`` naming a deserializer registered with
+``register_deserializer``). A file is: magic, format version, a JSON header (the environment:
+GPU name, compute capability, SM count, cuDNN backend and frontend versions; the deserializer
+kind; the key as canonical JSON), the payload and a SHA-256 of all of it. Nothing is pickled. A
+corrupt, truncated or foreign file is logged, counted (``info()["rejected_files"]``) and skipped,
+so that entry is rebuilt rather than trusted. Loaded payloads are deserialized lazily, on the
+first lookup of their key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Re-exported: the names users of the cache need come from this module.
+from .cache_files import (
+    FORMAT_VERSION,
+    MAGIC,
+    SUFFIX,
+    Rejected,
+    clear_dir,
+    cudnn_versions,
+    current_environment,
+    decode_file,
+    default_cache_dir,
+    deserializer,
+    encode_file,
+    encode_key,
+    register_deserializer,
+    serializable,
+)
+
+__all__ = ["FORMAT_VERSION", "MAGIC", "SUFFIX", "GraphCache", "clear_dir", "cudnn_versions",
+           "current_environment", "default_cache_dir", "encode_key", "graph_cache", "make_key",
+           "register_deserializer", "serializable"]
+
+logger = logging.getLogger("cudnn_attn")
+
+_MISSING = object()
+
+
+# --------------------------------------------------------------------------------------------
+# keys
+# --------------------------------------------------------------------------------------------
+
+
+def _device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        # "cuda" and "cuda:0" must give one key on a one-GPU process.
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        device = torch.device("cuda", index)
+    return device
+
+
+def make_key(problem_key: Hashable, device, versions: tuple | None = None) -> tuple:
+    """The cache key of one graph: ``(problem_key, torch.device, (backend, frontend))``.
+
+    ``problem_key`` is the normalized problem (e.g. ``AttnProblem.plan_key`` plus a direction
+    tag); ``versions`` defaults to ``cudnn_versions()``.
+    """
+    try:
+        hash(problem_key)
+    except TypeError:
+        raise TypeError(f"problem_key must be hashable, got {type(problem_key).__name__}") from None
+    return (problem_key, _device(device), tuple(cudnn_versions() if versions is None else versions))
+
+
+# --------------------------------------------------------------------------------------------
+# the cache
+# --------------------------------------------------------------------------------------------
+
+
+class _Build:
+    """One in-flight build; threads missing the same key wait on ``done``."""
+
+    __slots__ = ("done", "error", "value")
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.value = None
+        self.error: BaseException | None = None
+
+
+def _check_size(name: str, n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {n!r}")
+    return n
+
+
+class GraphCache:
+    """Bounded LRU ``key -> built value``; thread-safe, builds outside the lock.
+
+    * ``get_or_build(key, build_fn)``: a hit returns the stored value (and makes it most
+      recent); a miss calls ``build_fn()`` once per key even when many threads miss together
+      (the others wait for that build); other keys are served meanwhile. A build that raises
+      stores nothing and its exception reaches every thread waiting on it.
+    * ``maxsize`` counts entries; 0 disables storing. ``resize(n)`` evicts the least recently
+      used entries when shrinking.
+    * ``environment`` (a callable returning a JSON-able dict; default ``current_environment``)
+      is written into saved files and must match on load.
+
+    Equivalent (single-threaded) Python: ``functools.lru_cache(maxsize)`` keyed by ``key``.
+    """
+
+    def __init__(self, maxsize: int = 256, *, environment: Callable[[], dict] | None = None):
+        self._maxsize = _check_size("maxsize", maxsize)
+        self._environment = environment or current_environment
+        self._lock = threading.Lock()
+        self._entries: OrderedDict = OrderedDict()
+        self._building: dict = {}
+        self._stored: dict[str, tuple[str, bytes]] = {}  # loaded from disk, not yet used
+        self.reset_stats()
+
+    # -- lookups ------------------------------------------------------------------------------
+    def get_or_build(self, key: Hashable, build_fn: Callable[[], Any]) -> Any:
+        """The value cached under ``key``, building it with ``build_fn()`` on a miss."""
+        with self._lock:
+            try:
+                value = self._entries[key]
+            except KeyError:
+                pass
+            except TypeError:
+                raise TypeError(f"key must be hashable, got {type(key).__name__}") from None
+            else:
+                self._entries.move_to_end(key)
+                self._hits += 1
+                return value
+            build = self._building.get(key)
+            owner = build is None
+            if owner:
+                build = self._building[key] = _Build()
+                self._misses += 1
+            else:
+                self._waits += 1
+        if not owner:
+            build.done.wait()
+            if build.error is not None:
+                raise build.error
+            return build.value
+        return self._build(key, build, build_fn)
+
+    def _build(self, key, build: _Build, build_fn):
+        start = time.perf_counter()
+        try:  # whatever happens, waiters must be released: the except below resolves the build
+            value, loaded = self._restore(key), True
+            if value is _MISSING:
+                start = time.perf_counter()
+                loaded = False
+                value = build_fn()
+        except BaseException as exc:
+            with self._lock:
+                del self._building[key]
+                self._builds += 1
+                self._build_errors += 1
+                self._build_seconds += time.perf_counter() - start
+            build.error = exc
+            build.done.set()
+            raise
+        with self._lock:
+            del self._building[key]
+            if loaded:
+                self._loads += 1
+            else:
+                self._builds += 1
+                self._build_seconds += time.perf_counter() - start
+            self._insert(key, value)
+        build.value = value
+        build.done.set()
+        return value
+
+    def _insert(self, key, value) -> None:
+        if self._maxsize == 0:
+            return
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        self._evict()
+
+    def _evict(self) -> None:
+        while len(self._entries) > self._maxsize:
+            self._entries.popitem(last=False)
+            self._evictions += 1
+
+    def __contains__(self, key) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list:
+        """The cached keys, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    # -- management ---------------------------------------------------------------------------
+    @property
+    def maxsize(self) -> int:
+        return self._maxsize
+
+    def resize(self, maxsize: int) -> None:
+        """Change the bound; shrinking evicts least recently used entries now."""
+        maxsize = _check_size("maxsize", maxsize)
+        with self._lock:
+            self._maxsize = maxsize
+            self._evict()
+
+    def clear(self) -> None:
+        """Drop every entry (and every loaded, not yet used file entry). Counters are kept."""
+        with self._lock:
+            self._entries.clear()
+            self._stored.clear()
+
+    def reset_stats(self) -> None:
+        """Zero the counters reported by ``info()``."""
+        with self._lock:
+            self._zero()
+
+    def _zero(self) -> None:
+        self._hits = self._misses = self._waits = self._builds = self._loads = 0
+        self._evictions = self._build_errors = self._rejected = 0
+        self._build_seconds = 0.0
+
+    def info(self) -> dict:
+        """Counters and sizes.
+
+        ``hits``: lookups served from memory; ``misses``: lookups that had to build or load
+        (``builds`` + ``loads``, plus builds still running); ``waits``: lookups that waited for
+        another thread's build of the same key; ``build_errors``; ``evictions``; ``size`` /
+        ``maxsize``; ``build_seconds`` spent in ``build_fn``; ``stored``: file entries loaded
+        and not yet used; ``rejected_files``: files refused by ``load`` or at first use.
+        """
+        with self._lock:
+            return {"hits": self._hits, "misses": self._misses, "evictions": self._evictions,
+                    "size": len(self._entries), "maxsize": self._maxsize,
+                    "build_seconds": self._build_seconds, "builds": self._builds,
+                    "loads": self._loads, "waits": self._waits,
+                    "build_errors": self._build_errors, "building": len(self._building),
+                    "stored": len(self._stored), "rejected_files": self._rejected}
+
+    # -- persistence --------------------------------------------------------------------------
+    def save(self, directory) -> int:
+        """Write every serializable entry to ``directory`` (created if needed); returns the count.
+
+        Entries whose value has no ``serial_kind``/``serialize``, whose ``serialize()`` raises
+        (a cuDNN plan without a GPU) or whose key cannot be encoded are skipped.
+        """
+        directory = Path(directory)
+        with self._lock:
+            items = list(self._entries.items())
+            stored = dict(self._stored)
+        records = dict(stored)
+        for key, value in items:
+            kind = getattr(value, "serial_kind", None)
+            if not isinstance(kind, str) or not callable(getattr(value, "serialize", None)):
+                continue
+            try:
+                key_text = encode_key(key)
+                payload = value.serialize()
+            except Exception as exc:
+                logger.debug("graph cache: not saving %r: %s", key, exc)
+                continue
+            if not isinstance(payload, (bytes, bytearray, memoryview)):
+                logger.warning("graph cache: %s.serialize() returned %s, not bytes; not saved",
+                               type(value).__name__, type(payload).__name__)
+                continue
+            records[key_text] = (kind, bytes(payload))
+        if not records:
+            return 0
+        directory.mkdir(parents=True, exist_ok=True)
+        env = self._environment()
+        for key_text, (kind, payload) in records.items():
+            name = hashlib.sha256(key_text.encode()).hexdigest()[:40] + SUFFIX
+            tmp = directory / f"{name}.tmp{os.getpid()}.{threading.get_ident()}"
+            tmp.write_bytes(encode_file(env, kind, key_text, payload))
+            os.replace(tmp, directory / name)  # atomic: readers never see half a file
+        return len(records)
+
+    def load(self, directory) -> int:
+        """Read the graph files in ``directory``; returns how many were accepted.
+
+        Accepted payloads are deserialized at the first lookup of their key (instead of calling
+        ``build_fn``). Rejected files are logged and counted in ``info()["rejected_files"]``.
+        """
+        directory = Path(directory)
+        if not directory.is_dir():
+            return 0
+        env = self._environment()
+        accepted = {}
+        for path in sorted(directory.glob("*" + SUFFIX)):
+            try:
+                kind, key_text, payload = decode_file(path.read_bytes(), env)
+            except (Rejected, OSError) as exc:
+                self._reject(path, exc)
+                continue
+            accepted[key_text] = (kind, payload)
+        with self._lock:
+            self._stored.update(accepted)
+        return len(accepted)
+
+    def _reject(self, what, why) -> None:
+        logger.warning("graph cache: ignoring %s: %s; the graph will be rebuilt", what, why)
+        with self._lock:
+            self._rejected += 1
+
+    def _restore(self, key):
+        """The deserialized value of a loaded file entry for ``key``, else ``_MISSING``."""
+        if not self._stored:
+            return _MISSING
+        try:
+            key_text = encode_key(key)
+        except TypeError:
+            return _MISSING
+        with self._lock:
+            record = self._stored.pop(key_text, None)
+        if record is None:
+            return _MISSING
+        kind, payload = record
+        from_bytes = deserializer(kind)
+        if from_bytes is None:
+            self._reject(f"the stored entry for {key!r}", f"no deserializer registered for {kind!r}")
+            return _MISSING
+        try:
+            return from_bytes(payload)
+        except Exception as exc:
+            self._reject(f"the stored entry for {key!r}", f"{kind} deserializer failed: {exc}")
+            return _MISSING
+
+
+graph_cache = GraphCache()
+"""The process-wide cache of built graphs (re-exported as ``cudnn_attn.graph_cache``)."""

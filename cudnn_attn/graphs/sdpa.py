@@ -1,0 +1,245 @@
+"""cuDNN-frontend SDPA graphs: forward and backward builders from an ``AttnProblem``.
+
+One emitter writes a ``GraphSpec`` (``_spec.py``) onto a graph object; it drives both the
+``cudnn.pygraph`` the engine executes and, for checks without a GPU, the frontend's C++ graph
+(``backend_graph(sm_version=...)``), whose validator knows each architecture's limits. Tensor
+uids are fixed (``UID``), the scale is a pass-by-value input (never a float baked into the graph),
+``generate_stats`` is always explicit, and the keyword arguments handed to ``sdpa`` /
+``sdpa_backward`` are whitelisted, because ``pygraph`` silently swallows misspelled ones.
+
+Build order: validate -> build_operation_graph -> create_execution_plans -> check_support ->
+build_plans (the last four only when the problem's tensors are on a CUDA device). A
+``cudnnGraphNotSupportedError`` at any stage declines (``NotSupportedError`` with the reason);
+any other exception is a bug and surfaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import torch
+
+from ..dispatch import NotSupportedError
+from ..problem import AttnProblem
+from ._emit import BACKWARD_KWARGS, FORWARD_KWARGS, UID, _cudnn, _dtype, emit, io_uids
+from ._spec import Band, GraphOptions, GraphSpec, PagedKV, analyze, cudnn_reasons
+
+__all__ = ["UID", "BuiltGraph", "GraphOptions", "PagedKV", "cudnn_reasons", "build_forward",
+           "build_backward", "describe", "validate_for", "FORWARD_KWARGS", "BACKWARD_KWARGS"]
+
+# SM counts of the reference parts, for the C++ validator without a device (only the graph key
+# depends on it).
+_SM_COUNT = {80: 108, 86: 84, 89: 128, 90: 132, 100: 148, 103: 148, 120: 170}
+
+
+# ---------------------------------------------------------------------------------------------
+# built graphs
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class BuiltGraph:
+    """A validated ``cudnn.pygraph`` (with plans when built on a GPU) and how to bind it.
+
+    ``inputs`` / ``outputs``: the uids the graph binds, in the order ``execute`` takes buffers.
+    """
+
+    graph: Any
+    spec: GraphSpec
+    backward: bool
+    inputs: tuple
+    outputs: tuple
+    workspace_size: int = 0
+    built: bool = False
+    build_seconds: float = 0.0
+    order: tuple = field(init=False)
+
+    serial_kind = "cudnn_attn.sdpa"
+
+    def __post_init__(self):
+        self.order = tuple(int(u) for u in self.inputs + self.outputs)
+
+    @property
+    def uids(self) -> dict[str, int]:
+        return {UID(u).name.lower(): u for u in self.order}
+
+    def execute(self, buffers: Mapping, workspace, handle) -> None:
+        """Run on ``handle``'s stream; ``buffers`` maps every uid of ``order`` to a tensor."""
+        self.graph.execute([buffers[u] for u in self.order], workspace, handle=handle,
+                           tensor_uids=self.order)
+
+    # -- persistence through graph_cache.save/load (GPU only: needs a built plan) ------------
+    def serialize(self) -> bytes:
+        blob = bytes(self.graph.serialize(as_bytes=True))
+        meta = json.dumps({"spec": _spec_to_json(self.spec), "backward": self.backward,
+                           "inputs": [int(u) for u in self.inputs],
+                           "outputs": [int(u) for u in self.outputs],
+                           "workspace": self.workspace_size}).encode()
+        return struct.pack("<I", len(meta)) + meta + blob
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "BuiltGraph":
+        from ._runtime import handle_for
+
+        (n,) = struct.unpack_from("<I", data)
+        meta = json.loads(data[4:4 + n])
+        graph = _cudnn().pygraph()
+        graph.deserialize(handle_for(torch.device("cuda", torch.cuda.current_device())),
+                          data[4 + n:])
+        return cls(graph, _spec_from_json(meta["spec"]), meta["backward"],
+                   tuple(UID(u) for u in meta["inputs"]), tuple(UID(u) for u in meta["outputs"]),
+                   int(graph.get_workspace_size()), True)
+
+
+def _spec_to_json(spec: GraphSpec) -> dict:
+    return dataclasses.asdict(spec)
+
+
+def _spec_from_json(data: dict) -> GraphSpec:
+    data = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items()}
+    if data.get("band") is not None:
+        data["band"] = Band(**data["band"])
+    if data.get("paged") is not None:
+        data["paged"] = PagedKV(**data["paged"])
+    return GraphSpec(**data)
+
+
+def _register() -> None:
+    try:
+        from .cache import register_deserializer
+    except ImportError:  # the cache module is optional for the builders
+        return
+    register_deserializer(BuiltGraph.serial_kind, BuiltGraph.from_bytes)
+
+
+_register()
+
+
+def _new_graph(spec: GraphSpec, *, handle=None, sm: Optional[int] = None, cpp: bool = False):
+    cd = _cudnn()
+    kwargs = dict(io_data_type=_dtype(spec.dtype), intermediate_data_type=cd.data_type.FLOAT,
+                  compute_data_type=cd.data_type.FLOAT)
+    if sm is not None:
+        kwargs.update(sm_version=sm, sm_count=_SM_COUNT.get(sm, 132))
+    if cpp:
+        return cd._pybind_module.backend_graph(name="cudnn_attn_sdpa", **kwargs)
+    if handle is not None:
+        kwargs["handle"] = handle
+    return cd.pygraph(name="cudnn_attn_sdpa", **kwargs)
+
+
+def _decline(problem, stage: str, backward: bool, exc) -> NotSupportedError:
+    what = "backward" if backward else "forward"
+    return NotSupportedError(problem, {"cudnn": [f"cuDNN declined the {what} graph at {stage}: "
+                                                 f"{exc}"]}, forced="cudnn")
+
+
+def _spec_for(problem, target_sm, options, backward: bool) -> GraphSpec:
+    spec, reasons = analyze(problem, target_sm=target_sm, options=options, backward=backward)
+    if reasons:
+        raise NotSupportedError(problem, {"cudnn": reasons}, forced="cudnn")
+    return spec
+
+
+def validate_for(problem: AttnProblem, target_sm: int, *, backward: bool = False,
+                 options: Optional[GraphOptions] = None, stats: bool = True):
+    """The frontend's C++ validator for ``target_sm`` (e.g. 80, 90), without a GPU: returns the
+    validated C++ graph (``str()`` is its JSON) or raises ``NotSupportedError``."""
+    spec = _spec_for(problem, target_sm, options, backward)
+    spec = spec.backward_variant() if backward else spec.forward_variant(stats)
+    return _validate_cpp(problem, spec, backward, target_sm)
+
+
+def _validate_cpp(problem, spec: GraphSpec, backward: bool, sm: int):
+    g = _new_graph(spec, sm=sm, cpp=True)
+    emit(g, spec, backward)
+    try:
+        g.validate()
+    except _cudnn().cudnnGraphNotSupportedError as exc:
+        raise _decline(problem, f"C++ validation for sm_{sm}", backward, exc) from exc
+    return g
+
+
+def build_graph(problem: AttnProblem, spec: GraphSpec, backward: bool, *,
+                target_sm: Optional[int] = None, plans: Optional[bool] = None,
+                device: Optional[torch.device] = None) -> BuiltGraph:
+    """Emit ``spec``, validate it and, on a CUDA device, build its execution plans."""
+    cd = _cudnn()
+    device = torch.device(device if device is not None else problem.device)
+    if plans is None:
+        plans = device.type == "cuda" and torch.cuda.is_available()
+    start = time.perf_counter()
+    handle = None
+    if plans:
+        from ._runtime import handle_for
+
+        handle = handle_for(device)
+    g = _new_graph(spec, handle=handle)
+    emit(g, spec, backward)
+    inputs, outputs = io_uids(spec, backward)
+    stage = "validate"
+    try:
+        g.validate()
+        if target_sm is not None:
+            _validate_cpp(problem, spec, backward, target_sm)
+        if plans:
+            stage = "build_operation_graph"
+            g.build_operation_graph()
+            stage = "create_execution_plans"
+            g.create_execution_plans([cd.heur_mode.A, cd.heur_mode.FALLBACK])
+            stage = "check_support"
+            g.check_support()
+            stage = "build_plans"
+            g.build_plans()
+    except cd.cudnnGraphNotSupportedError as exc:
+        raise _decline(problem, stage, backward, exc) from exc
+    workspace = int(g.get_workspace_size()) if plans else 0
+    return BuiltGraph(g, spec, backward, inputs, outputs, workspace, bool(plans),
+                      time.perf_counter() - start)
+
+
+def build_forward(problem: AttnProblem, *, target_sm: Optional[int] = None,
+                  options: Optional[GraphOptions] = None, stats: Optional[bool] = None,
+                  plans: Optional[bool] = None) -> BuiltGraph:
+    """The forward graph of ``problem``: ``O`` (and the fp32 ``Stats`` = LSE, ``[B, H, S_q, 1]``,
+    when ``stats`` — default: the problem needs a backward or returns its LSE)."""
+    spec = _spec_for(problem, target_sm, options, False)
+    if stats is None:
+        stats = problem.requires_grad or problem.return_lse
+    return build_graph(problem, spec.forward_variant(stats), False, target_sm=target_sm,
+                       plans=plans)
+
+
+def build_backward(problem: AttnProblem, *, target_sm: Optional[int] = None,
+                   options: Optional[GraphOptions] = None,
+                   plans: Optional[bool] = None) -> BuiltGraph:
+    """The backward graph of ``problem``: ``dQ, dK, dV`` (and ``dBias`` when the bias needs a
+    gradient) from ``Q, K, V, O, dO`` and the forward's ``Stats``."""
+    spec = _spec_for(problem, target_sm, options, True)
+    return build_graph(problem, spec.backward_variant(), True, target_sm=target_sm, plans=plans)
+
+
+_NOT_PROBLEM_KWARGS = ("backend", "generator")
+
+
+def describe(q, k, v, *, backward: bool = False, target_sm: Optional[int] = 90,
+             options: Optional[GraphOptions] = None, **attention_kwargs):
+    """The validated ``cudnn.pygraph`` the cuDNN engine would build for
+    ``attention(q, k, v, **attention_kwargs)`` (its backward with ``backward=True``).
+
+    Works without a GPU: ``q``/``k``/``v`` (and a bias) may be CPU or ``meta`` tensors. The graph
+    passes ``pygraph.validate()`` and the frontend's C++ validator for ``target_sm`` (``None``:
+    skip the latter). ``print()`` shows its nodes and tensors. A combination cuDNN rejects raises
+    ``NotSupportedError`` with the reason.
+    """
+    for name in _NOT_PROBLEM_KWARGS:
+        attention_kwargs.pop(name, None)
+    problem = AttnProblem.from_tensors(q, k, v, **attention_kwargs)
+    if backward and not problem.requires_grad:
+        problem = dataclasses.replace(problem, requires_grad=True)
+    build = build_backward if backward else build_forward
+    return build(problem, target_sm=target_sm, options=options, plans=False).graph
