@@ -6,7 +6,6 @@ import collections
 import logging
 import threading
 import time
-import timeit
 from pathlib import Path
 
 import pytest
@@ -125,14 +124,13 @@ def test_unhashable_key_is_a_type_error():
         GraphCache().get_or_build(["list"], lambda: 1)
 
 
-def test_hit_lookup_is_cheap():
+def test_hits_never_build():
+    # The lookup's cost is measured by benchmarks/cpu.py; here: many hits, one build, same value.
     cache = GraphCache()
     key = make_key(("sdpa_fwd", 2, 8, 1024, 1024, 128, torch.bfloat16), "cpu")
-    cache.get_or_build(key, lambda: object())
-    n = 2000
-    per_call = min(timeit.repeat(lambda: cache.get_or_build(key, must_not_build),
-                                 number=n, repeat=5)) / n
-    assert per_call < 5e-6, f"cache hit costs {per_call * 1e6:.2f} us"
+    value = cache.get_or_build(key, lambda: object())
+    assert all(cache.get_or_build(key, must_not_build) is value for _ in range(100))
+    assert cache.info()["hits"] == 100 and cache.info()["builds"] == 1
 
 
 # --------------------------------------------------------------------------------------------
