@@ -35,6 +35,7 @@ Conventions (where cuDNN leaves a choice or this library differs):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -392,6 +393,9 @@ def _problem(attrs, q, k, v, need_stats):
         dropout_p, generator = attrs.dropout[1], _generator(*attrs.dropout[2:])
     problem = AttnProblem.from_tensors(q, k, v, mask=mask, bias=bias, scale=attrs.attn_scale,
                                        dropout_p=dropout_p, layout="bhsd", return_lse=need_stats)
+    if getattr(attrs, "deterministic", False):
+        # A deterministic backward is a different plan (plan_key includes the flag).
+        problem = dataclasses.replace(problem, deterministic=True)
     plan = dispatch.select(problem).plan(problem)
     tensor_bias = bias if isinstance(bias, torch.Tensor) else None
     return problem, plan, tensor_bias, generator

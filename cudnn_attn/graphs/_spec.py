@@ -289,8 +289,7 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
     if backward and problem.seq_q == 1 and problem.seq_kv == 1:
         reasons.append("cuDNN's SDPA backward does not support S_q = S_kv = 1")
 
-    deterministic = backward and (options.deterministic
-                                  or torch.are_deterministic_algorithms_enabled())
+    deterministic = backward and (options.deterministic or problem.deterministic)
     _option_reasons(problem, options, padding, backward, reasons)
     if target_sm is not None:
         _arch_reasons(problem, target_sm, backward, deterministic, options.ragged,
