@@ -1,1 +1,55 @@
-"""CuPy RawKernels for the masks cuDNN cannot express (neighborhood attention first)."""
+"""CuPy RawKernels for the masks cuDNN cannot express (neighborhood attention first).
+
+The CUDA C lives in ``*.cu`` files shipped as package data; ``_loader`` compiles them with NVRTC.
+``compile_all(arch)`` compiles every kernel variant the package can launch for one architecture
+and reports registers and spills; it needs the NVRTC library but no GPU::
+
+    >>> from cudnn_attn import fallback_kernels
+    >>> records = fallback_kernels.compile_all("sm_90")
+    >>> records[0]["kernel"], records[0]["spill_stores"]      # doctest: +SKIP
+    ('fused_forward[float,d32]', 0)
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ._loader import CompileRecord, KernelCompileError, compile_program, compile_records
+
+# Modules that launch kernels; each exposes SOURCE, DEFINES and variants().
+KERNEL_MODULES = ("fused", "unfused")
+
+__all__ = ["compile_all", "kernel_variants", "CompileRecord", "KernelCompileError"]
+
+
+def kernel_variants() -> dict:
+    """module name -> the list of KernelVariant it can launch."""
+    found = {}
+    for name in KERNEL_MODULES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        found[name] = list(module.variants())
+    return found
+
+
+def compile_all(arch: str) -> list[CompileRecord]:
+    """Compile every kernel variant for ``arch`` ("sm_80", "sm_90", ...) with NVRTC.
+
+    Returns one record per kernel with the fields ``kernel``, ``arch``, ``registers``,
+    ``spill_stores``, ``spill_loads`` (and ``stack_bytes``, ``expression``); records index like
+    dicts too. Raises ``KernelCompileError`` with NVRTC's log if a source does not compile, and
+    ``ImportError`` naming the package if CuPy/NVRTC are missing.
+    """
+    if not isinstance(arch, str) or not arch.startswith(("sm_", "compute_")):
+        raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
+    try:
+        importlib.import_module("cupy.cuda.nvrtc")
+    except ImportError as exc:
+        raise ImportError("compile_all needs CuPy and NVRTC: pip install 'cudnn-attn[cu12]' "
+                          f"({exc})") from None
+    records: list[CompileRecord] = []
+    for name, variants in kernel_variants().items():
+        module = importlib.import_module(f"{__name__}.{name}")
+        program = compile_program(module.SOURCE, module.DEFINES,
+                                  [v.expression for v in variants], arch)
+        records += compile_records(program, variants)
+    return records

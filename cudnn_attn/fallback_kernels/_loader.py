@@ -1,0 +1,189 @@
+"""The one loader of the package's CUDA sources: read, prepend, compile with NVRTC, memoize.
+
+A kernel file never sees an f-string: its text is the ``.cu`` file as shipped, preceded by a block
+of ``#define`` lines (built from a dict owned by the Python module that launches it) and by
+``common.cu``. Every template instance a module can launch is named by a :class:`KernelVariant`;
+all variants of one source compile in one NVRTC program per architecture, to a cubin, with
+``ptxas -v`` so that register and spill counts come back with it. Compiling needs only the NVRTC
+library (``nvidia-cuda-nvrtc-cu12``, loaded through CuPy), never a GPU; loading a cubin needs one.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+from dataclasses import dataclass
+from importlib import resources
+from typing import Mapping, Sequence
+
+COMMON_SOURCE = "common.cu"
+NVRTC_OPTIONS = ("-std=c++17", "--ptxas-options=-v")
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One launchable template instance.
+
+    ``source`` is the ``.cu`` file, ``expression`` the C++ name expression NVRTC instantiates
+    (``"na_fused_forward<na_half, 64>"``), ``kernel`` a short readable id for reports.
+    """
+
+    source: str
+    expression: str
+    kernel: str
+
+
+@dataclass(frozen=True)
+class CompiledProgram:
+    source: str
+    arch: str
+    cubin: bytes
+    lowered: Mapping[str, str]  # name expression -> mangled symbol
+    log: str
+
+
+@dataclass(frozen=True)
+class CompileRecord:
+    """What ``compile_all`` reports for one kernel (also readable as a dict)."""
+
+    kernel: str
+    arch: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack_bytes: int
+    expression: str
+
+    def __getitem__(self, name: str):
+        return getattr(self, name)
+
+    def keys(self):
+        return ("kernel", "arch", "registers", "spill_stores", "spill_loads", "stack_bytes",
+                "expression")
+
+
+def _define_block(defines: Mapping[str, object]) -> str:
+    lines = [f"#define {name} {value}" for name, value in sorted(defines.items())]
+    return "\n".join(lines) + "\n"
+
+
+@functools.lru_cache(maxsize=None)
+def _read(name: str) -> str:
+    return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
+
+
+def source_text(source: str, defines: Mapping[str, object]) -> str:
+    """The exact text NVRTC compiles for ``source``: defines, common.cu, then the file."""
+    return (_define_block(defines) + f'#line 1 "{COMMON_SOURCE}"\n' + _read(COMMON_SOURCE)
+            + f'\n#line 1 "{source}"\n' + _read(source))
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a source; the message carries its log."""
+
+
+_COMPILE_LOCK = threading.Lock()
+_PROGRAMS: dict = {}
+
+
+def compile_program(source: str, defines: Mapping[str, object], expressions: Sequence[str],
+                    arch: str) -> CompiledProgram:
+    """Compile every name expression of ``source`` for ``arch`` (memoized per process)."""
+    key = (source, tuple(sorted(defines.items())), tuple(expressions), arch)
+    with _COMPILE_LOCK:
+        found = _PROGRAMS.get(key)
+        if found is not None:
+            return found
+        from cupy.cuda import nvrtc  # imported late: the package imports without CuPy
+
+        text = source_text(source, defines)
+        prog = nvrtc.createProgram(text, source, [], [])
+        try:
+            for expression in expressions:
+                nvrtc.addNameExpression(prog, expression)
+            try:
+                nvrtc.compileProgram(prog, [f"--gpu-architecture={arch}", *NVRTC_OPTIONS])
+            except nvrtc.NVRTCError as exc:
+                raise KernelCompileError(
+                    f"NVRTC could not compile {source} for {arch}: {exc}\n"
+                    f"{nvrtc.getProgramLog(prog)}") from None
+            lowered = {e: nvrtc.getLoweredName(prog, e) for e in expressions}
+            program = CompiledProgram(source, arch, nvrtc.getCUBIN(prog), lowered,
+                                      nvrtc.getProgramLog(prog))
+        finally:
+            nvrtc.destroyProgram(prog)
+        _PROGRAMS[key] = program
+        return program
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS = re.compile(r"Used (\d+) registers")
+
+
+def ptxas_usage(log: str) -> dict[str, dict[str, int]]:
+    """Parse ``ptxas -v`` output: mangled name -> registers, spills and stack bytes."""
+    usage: dict[str, dict[str, int]] = {}
+    current = None
+    for line in log.splitlines():
+        entry = _ENTRY.search(line)
+        if entry:
+            current = usage.setdefault(entry.group(1), {})
+            continue
+        if current is None:
+            continue
+        frame = _FRAME.search(line)
+        if frame:
+            current["stack_bytes"], current["spill_stores"], current["spill_loads"] = map(
+                int, frame.groups())
+        regs = _REGS.search(line)
+        if regs:
+            current["registers"] = int(regs.group(1))
+    return usage
+
+
+def compile_records(program: CompiledProgram,
+                    variants: Sequence[KernelVariant]) -> list[CompileRecord]:
+    usage = ptxas_usage(program.log)
+    records = []
+    for variant in variants:
+        found = usage.get(program.lowered[variant.expression])
+        if found is None or "registers" not in found:
+            raise KernelCompileError(f"ptxas reported nothing for {variant.kernel} on "
+                                     f"{program.arch}:\n{program.log}")
+        records.append(CompileRecord(variant.kernel, program.arch, found["registers"],
+                                     found.get("spill_stores", 0), found.get("spill_loads", 0),
+                                     found.get("stack_bytes", 0), variant.expression))
+    return records
+
+
+# Functions loaded on a device: (source, defines, arch, device id) -> cupy Module.
+_MODULES: dict = {}
+
+
+def device_arch(device_index: int) -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"sm_{major}{minor}"
+
+
+def get_function(source: str, defines: Mapping[str, object], expressions: Sequence[str],
+                 expression: str, device_index: int):
+    """The launchable CuPy function for ``expression`` on CUDA device ``device_index``."""
+    import cupy
+
+    arch = device_arch(device_index)
+    key = (source, tuple(sorted(defines.items())), tuple(expressions), arch, device_index)
+    with _COMPILE_LOCK:
+        module = _MODULES.get(key)
+    if module is None:
+        program = compile_program(source, defines, expressions, arch)
+        with cupy.cuda.Device(device_index):
+            module = cupy.cuda.function.Module()
+            module.load(program.cubin)
+        with _COMPILE_LOCK:
+            module = _MODULES.setdefault(key, module)
+    program = compile_program(source, defines, expressions, arch)
+    return module.get_function(program.lowered[expression])
