@@ -42,7 +42,7 @@ def compile_all(arch: str) -> list[CompileRecord]:
     if not isinstance(arch, str) or not arch.startswith(("sm_", "compute_")):
         raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
     try:
-        importlib.import_module("cupy.cuda.nvrtc")
+        from cupy.cuda import nvrtc  # noqa: F401
     except ImportError as exc:
         raise ImportError("compile_all needs CuPy and NVRTC: pip install 'cudnn-attn[cu12]' "
                           f"({exc})") from None

@@ -158,8 +158,8 @@ def compile_records(program: CompiledProgram,
     return records
 
 
-# Functions loaded on a device: (source, defines, arch, device id) -> cupy Module.
-_MODULES: dict = {}
+# Functions loaded on a device: (source, defines, expressions, arch, device, expression) -> Function.
+_FUNCTIONS: dict = {}
 
 
 def device_arch(device_index: int) -> str:
@@ -171,19 +171,24 @@ def device_arch(device_index: int) -> str:
 
 def get_function(source: str, defines: Mapping[str, object], expressions: Sequence[str],
                  expression: str, device_index: int):
-    """The launchable CuPy function for ``expression`` on CUDA device ``device_index``."""
+    """The launchable CuPy function for ``expression`` on CUDA device ``device_index``.
+
+    The cubin of the whole source is loaded once per device; functions are memoized.
+    """
+    key = (source, tuple(sorted(defines.items())), tuple(expressions), device_index, expression)
+    function = _FUNCTIONS.get(key)
+    if function is not None:
+        return function
     import cupy
 
-    arch = device_arch(device_index)
-    key = (source, tuple(sorted(defines.items())), tuple(expressions), arch, device_index)
+    program = compile_program(source, defines, expressions, device_arch(device_index))
+    with cupy.cuda.Device(device_index):
+        module = cupy.cuda.function.Module()
+        module.load(program.cubin)
+        # Every function of the module is resolved now, so the module object lives as long as
+        # they do (each Function keeps a reference to it).
+        loaded = {e: module.get_function(program.lowered[e]) for e in expressions}
     with _COMPILE_LOCK:
-        module = _MODULES.get(key)
-    if module is None:
-        program = compile_program(source, defines, expressions, arch)
-        with cupy.cuda.Device(device_index):
-            module = cupy.cuda.function.Module()
-            module.load(program.cubin)
-        with _COMPILE_LOCK:
-            module = _MODULES.setdefault(key, module)
-    program = compile_program(source, defines, expressions, arch)
-    return module.get_function(program.lowered[expression])
+        for e, f in loaded.items():
+            _FUNCTIONS.setdefault(key[:-1] + (e,), f)
+        return _FUNCTIONS[key]

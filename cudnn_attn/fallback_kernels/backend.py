@@ -1,21 +1,170 @@
-"""The CuPy backend. Until its kernels land it only reports why it cannot run."""
+"""The CuPy backend: the fused kernels of ``fused_attention.cu`` behind the ``Backend`` protocol.
+
+It serves ``Neighborhood`` problems (1/2/3-D, per-axis kernel/stride/dilation/causal) and the
+1-D band masks (dense, ``Causal``, ``SlidingWindow``, with softcap) that cuDNN declines, in either
+layout, fp16/bf16/fp32, head dims up to 128, GQA/MQA and ``D_v != D_qk``. Plans are cached per
+``plan_key``; each holds its geometry table, uploaded once per device.
+"""
 
 from __future__ import annotations
 
+import functools
+import threading
+from collections import OrderedDict
+
+import torch
+
 from .._probe import cuda_missing, module_missing
+from ..masks import Causal, Neighborhood, Padding, SlidingWindow, mask_parts
 from ..problem import AttnProblem
+from . import fused
+from .tiles import FUSED_DTYPES, MAX_HEAD_DIM
+
+__all__ = ["CupyBackend", "CupyPlan", "problem_table"]
+
+PLAN_CACHE_SIZE = 128
+
+
+@functools.lru_cache(maxsize=1)
+def _nvrtc_missing() -> list[str]:
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as exc:  # cupy without a loadable NVRTC library
+        return [f"the NVRTC library cannot be loaded through CuPy: {exc}"]
+    return []
+
+
+def problem_table(problem: AttnProblem) -> tuple[list[int] | None, list[str]]:
+    """The geometry table of ``problem``'s mask, or ``(None, reasons)`` when the fused kernel
+    cannot express it."""
+    parts = mask_parts(problem.mask)
+    hood = problem.neighborhood
+    if hood is not None:
+        others = [m for m in parts if m is not hood]
+        if others:
+            return None, ["Neighborhood combined with other masks ("
+                          + ", ".join(type(m).__name__ for m in others) + ") is not supported"]
+        return fused.neighborhood_table(hood.spatial_shape, hood.kernel_size, hood.stride,
+                                        hood.dilation, hood.is_causal), []
+    left, right, alignments = -1, -1, set()
+    for m in parts:
+        if isinstance(m, Causal):
+            right = 0 if right < 0 else min(right, 0)
+            alignments.add(m.alignment)
+        elif isinstance(m, SlidingWindow):
+            if m.left >= 0:
+                left = m.left if left < 0 else min(left, m.left)
+            if m.right >= 0:
+                right = m.right if right < 0 else min(right, m.right)
+            alignments.add(m.alignment)
+        elif not isinstance(m, Padding):
+            return None, [f"mask {type(m).__name__} is not supported"]
+    if len(alignments) > 1:
+        return None, ["Causal/SlidingWindow masks with mixed alignments are not supported"]
+    offset = problem.seq_kv - problem.seq_q if alignments == {"bottom_right"} else 0
+    return fused.band_table(problem.seq_q, problem.seq_kv, left, right, offset), []
 
 
 class CupyBackend:
+    """Backend ``"cupy"``: the fused tiled kernels, compiled with NVRTC, launched through CuPy."""
+
     name = "cupy"
+
+    def __init__(self):
+        self._plans: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
 
     def availability(self) -> list[str]:
         reasons = module_missing("cupy", "cu12") + cuda_missing()
-        reasons.append("CuPy attention kernels are not built yet in this version")
+        if not module_missing("cupy", "cu12"):
+            reasons += _nvrtc_missing()
         return reasons
 
     def supports(self, problem: AttnProblem) -> list[str]:
-        return self.availability()
+        reasons = self.availability()
+        if problem.device.type != "cuda":
+            reasons.append(f"the CuPy kernels run CUDA tensors; these are on {problem.device}")
+        elif torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(problem.device)
+            if major < 8:
+                reasons.append(f"the fused kernels need compute capability >= 8.0 (mma.sync "
+                               f"bf16), device has {major}.{minor}")
+        if problem.dtype not in FUSED_DTYPES:
+            reasons.append(f"dtype {problem.dtype} is not supported (float16, bfloat16, float32)")
+        if max(problem.dim_qk, problem.dim_v) > MAX_HEAD_DIM:
+            reasons.append(f"head dim {max(problem.dim_qk, problem.dim_v)} exceeds "
+                           f"{MAX_HEAD_DIM}")
+        if problem.dropout_p > 0:
+            reasons.append("dropout is not supported")
+        if problem.bias is not None:
+            reasons.append("a bias tensor is not supported")
+        if problem.alibi is not None:
+            reasons.append("ALiBi is not supported")
+        if problem.padding is not None:
+            reasons.append("Padding masks are not supported")
+        reasons += problem_table(problem)[1]
+        return reasons
 
-    def plan(self, problem: AttnProblem):
-        raise NotImplementedError("the CuPy backend has no kernels yet")
+    def plan(self, problem: AttnProblem) -> "CupyPlan":
+        key = problem.plan_key
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+                return plan
+        plan = CupyPlan(problem)
+        with self._lock:
+            plan = self._plans.setdefault(key, plan)
+            while len(self._plans) > PLAN_CACHE_SIZE:
+                self._plans.popitem(last=False)
+        return plan
+
+
+class CupyPlan:
+    """Geometry table (uploaded once per device) and tile boxes of one ``plan_key``."""
+
+    def __init__(self, problem: AttnProblem):
+        table, reasons = problem_table(problem)
+        if reasons:
+            raise ValueError("; ".join(reasons))
+        self.table = fused.DeviceTable(table)
+        hood = problem.neighborhood
+        rank = hood.ndim if hood is not None else 1
+        self.boxes = fused.choose_tiles(tuple(table), rank)
+        self.o_shape = ((problem.batch, problem.heads_q, problem.seq_q, problem.dim_v)
+                        if problem.layout == "bhsd"
+                        else (problem.batch, problem.seq_q, problem.heads_q, problem.dim_v))
+
+    @staticmethod
+    def _tokens(problem, t):
+        """The token-major [B, S, H, ...] view of a call-layout tensor (no copy)."""
+        t = t if problem.layout == "bshd" else t.transpose(1, 2)
+        return t if t.stride(-1) == 1 else t.contiguous()
+
+    def forward(self, problem, q, k, v, bias, generator, need_lse=True):
+        """``(out, lse, None)``: out in the call's layout and dtype, lse ``[B, H, S_q]`` fp32
+        (natural log; ``-inf`` and out 0 on rows that see no key)."""
+        out = torch.empty(self.o_shape, dtype=problem.dtype, device=q.device)
+        lse = torch.empty((problem.batch, problem.heads_q, problem.seq_q), dtype=torch.float32,
+                          device=q.device)
+        tok = functools.partial(self._tokens, problem)
+        fused.run_forward(tok(q), tok(k), tok(v), tok(out), lse.transpose(1, 2), self.table,
+                          self.boxes, problem.scale, problem.softcap or 0.0)
+        return out, lse, None
+
+    def backward(self, problem, q, k, v, bias, out, lse, dout, saved, dlse=None):
+        """``(dq, dk, dv, None)`` from the forward's LSE; ``dlse`` (the gradient reaching the
+        returned LSE) enters as ``delta = rowsum(dO * O) - dlse``."""
+        tok = functools.partial(self._tokens, problem)
+        o_t, do_t = tok(out), tok(dout)
+        delta = (do_t.float() * o_t.float()).sum(-1).transpose(1, 2).contiguous()  # [B, H, S]
+        if dlse is not None:
+            delta = (delta - dlse.to(torch.float32)).contiguous()
+        lse = lse.to(torch.float32).contiguous()
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+        fused.run_backward(tok(q), tok(k), tok(v), do_t, lse.transpose(1, 2),
+                           delta.transpose(1, 2), tok(dq), tok(dk), tok(dv), self.table,
+                           self.boxes, problem.scale, problem.softcap or 0.0)
+        return dq, dk, dv, None

@@ -181,7 +181,7 @@ __device__ __forceinline__ void na_group_query_range(const NaAxis& a, int glen_q
     *hi = a1;
 }
 
-// Relative-positional-bias index on one axis: (j - i) / d + k - 1 (NATTEN 0.17).
+// Relative-positional-bias index on a neighborhood axis: (j - i) / d + k - 1 (NATTEN 0.17).
 __device__ __forceinline__ int na_rpb_index(const NaAxis& a, int i, int j) {
     return (j - i) / a.dilation + a.kernel - 1;
 }

@@ -1,0 +1,724 @@
+// Fused neighborhood attention, FlashAttention-2 style: forward, backward dQ, backward dK/dV.
+//
+// A block of NA_WARPS warps owns QUERY_TILE queries (forward, dQ; each warp 16 rows) or KEY_TILE
+// keys (dK/dV). Its tile is a box (runtime shape, product 64) inside ONE dilation group per axis,
+// so the other side it must visit is the exact per-axis box `na_group_key_range` /
+// `na_group_query_range`: tiles no row can see are never visited. That box is walked as tiles of
+// 64 slots (also boxes), each loaded into shared memory in chunks of CHUNK rows.
+//
+// Fragment layout: the mma.sync m16n8k16 one. A warp's accumulator for 16 rows x (NT * 8)
+// columns is float[NT][4]; lane (g = lane / 4, t = lane % 4) holds rows g and g + 8, columns
+// n * 8 + 2t and n * 8 + 2t + 1 of every n-tile n. fp16/bf16 run mma.sync on tensor cores with
+// fp32 accumulation; fp32 computes the same fragment elements with FMAs (exact fp32, no tf32).
+//
+// Backward: delta = rowsum(dO * O) (computed by the caller), P = exp(S - LSE),
+// dS = P * (dP - delta) (* (1 - tanh^2) under softcap). dQ walks keys per query tile, dK/dV walk
+// queries per key tile (and the query heads of a kv head inside), so there are no atomics and
+// results are bitwise repeatable.
+
+#define NA_WARPS 4
+#define NA_THREADS (NA_WARPS * 32)
+#define NA_FULL 0xffffffffu
+#define NA_LOG2E 1.4426950408889634f
+#define NA_NO_KEY (-(1 << 30))
+#define NA_INF __int_as_float(0x7f800000)
+
+static_assert(QUERY_TILE == NA_WARPS * 16 && KEY_TILE == NA_WARPS * 16,
+              "one warp owns 16 rows of a 64-row tile");
+#define NA_TILE 64
+
+// ---------------------------------------------------------------------------------------------
+// Shared-memory layout of one staged operand: rows of HD elements. 16-bit rows are padded by 8
+// elements so the 32-bit fragment loads of a warp hit distinct banks; fp32 rows are not padded
+// (the FMA path staggers its column order per lane instead), which keeps D=128 within 99 KB.
+// ---------------------------------------------------------------------------------------------
+template <typename T, int HD> struct NaRows {
+    static constexpr int LD = sizeof(T) == 2 ? HD + 8 : HD;
+};
+
+// Rows of the other side staged at once: smaller for fp32 to bound shared memory and registers.
+template <typename T> struct NaChunk {
+    static constexpr int FWD = sizeof(T) == 2 ? 64 : 32;
+    static constexpr int DQ = sizeof(T) == 2 ? 64 : 16;
+    static constexpr int DKDV = sizeof(T) == 2 ? 32 : 16;
+};
+
+__device__ __forceinline__ unsigned int na_ld32(const void* p) {
+    return *reinterpret_cast<const unsigned int*>(p);
+}
+
+__device__ __forceinline__ void na_mma16816(float* c, const unsigned int* a, const unsigned int* b,
+                                            na_half) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void na_mma16816(float* c, const unsigned int* a, const unsigned int* b,
+                                            na_bf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+template <int NT> __device__ __forceinline__ void na_zero(float (&x)[NT][4]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) x[n][0] = x[n][1] = x[n][2] = x[n][3] = 0.f;
+}
+
+// acc[16 x NT*8] += A[16 x kdim] * B[NT*8 x kdim]^T; A (the warp's 16 rows) and B in shared
+// memory, both row-major with stride LD. Used for Q K^T, dO V^T, K Q^T and V dO^T.
+template <typename T, int HD, int NT>
+__device__ __forceinline__ void na_mma_abt(float (&acc)[NT][4], const T* A, const T* B, int kdim) {
+    constexpr int LD = NaRows<T, HD>::LD;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    if constexpr (sizeof(T) == 2) {
+        for (int k0 = 0; k0 < kdim; k0 += 16) {
+            unsigned int a[4];
+            a[0] = na_ld32(A + g * LD + k0 + 2 * t);
+            a[1] = na_ld32(A + (g + 8) * LD + k0 + 2 * t);
+            a[2] = na_ld32(A + g * LD + k0 + 2 * t + 8);
+            a[3] = na_ld32(A + (g + 8) * LD + k0 + 2 * t + 8);
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const T* row = B + (n * 8 + g) * LD + k0 + 2 * t;
+                unsigned int b[2] = {na_ld32(row), na_ld32(row + 8)};
+                na_mma16816(acc[n], a, b, T());
+            }
+        }
+    } else {
+        // Zero-padded columns add nothing, so the whole row is summed; the per-lane rotation of
+        // the column order spreads a warp's loads over 32 banks.
+        const int rot = 4 * g + t;
+#pragma unroll 2
+        for (int i = 0; i < HD; ++i) {
+            const int c = (i + rot) & (HD - 1);
+            const float a0 = na_to_float(A[g * LD + c]), a1 = na_to_float(A[(g + 8) * LD + c]);
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                const float b0 = na_to_float(B[(n * 8 + 2 * t) * LD + c]);
+                const float b1 = na_to_float(B[(n * 8 + 2 * t + 1) * LD + c]);
+                acc[n][0] += a0 * b0;
+                acc[n][1] += a0 * b1;
+                acc[n][2] += a1 * b0;
+                acc[n][3] += a1 * b1;
+            }
+        }
+    }
+}
+
+// acc[16 x HD] += P[16 x NT*8] * B[NT*8 x ncols]; P is a warp fragment in registers (it becomes the
+// A operand directly), B row-major in shared memory. Used for P V, dS K, P^T dO and dS^T Q.
+template <typename T, int HD, int NT>
+__device__ __forceinline__ void na_mma_pb(float (&acc)[HD / 8][4], const float (&p)[NT][4],
+                                          const T* B, int ncols) {
+    constexpr int LD = NaRows<T, HD>::LD;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    if constexpr (sizeof(T) == 2) {
+        const na_u16* b16 = reinterpret_cast<const na_u16*>(B);
+#pragma unroll
+        for (int j = 0; j < NT / 2; ++j) {
+            unsigned int a[4] = {na_pack2(p[2 * j][0], p[2 * j][1], T()),
+                                 na_pack2(p[2 * j][2], p[2 * j][3], T()),
+                                 na_pack2(p[2 * j + 1][0], p[2 * j + 1][1], T()),
+                                 na_pack2(p[2 * j + 1][2], p[2 * j + 1][3], T())};
+            const na_u16* col = b16 + (16 * j + 2 * t) * LD + g;
+#pragma unroll
+            for (int n = 0; n < HD / 8; ++n) {
+                if (n * 8 >= ncols) continue;
+                const na_u16* c = col + n * 8;
+                unsigned int b[2] = {(unsigned int)c[0] | ((unsigned int)c[LD] << 16),
+                                     (unsigned int)c[8 * LD] | ((unsigned int)c[9 * LD] << 16)};
+                na_mma16816(acc[n], a, b, T());
+            }
+        }
+    } else {
+        // The quad of lanes sharing a row holds that row's P: fetch each element from its owner.
+        const int quad = lane & ~3;
+#pragma unroll
+        for (int k = 0; k < NT * 8; ++k) {
+            const int n = k / 8, owner = (k % 8) / 2, e = k % 2;
+            const float a0 = __shfl_sync(NA_FULL, p[n][e], quad | owner);
+            const float a1 = __shfl_sync(NA_FULL, p[n][2 + e], quad | owner);
+            const T* row = B + k * LD + 2 * t;
+#pragma unroll
+            for (int m = 0; m < HD / 8; ++m) {
+                if (m * 8 >= ncols) continue;
+                const float b0 = na_to_float(row[m * 8]), b1 = na_to_float(row[m * 8 + 1]);
+                acc[m][0] += a0 * b0;
+                acc[m][1] += a0 * b1;
+                acc[m][2] += a1 * b0;
+                acc[m][3] += a1 * b1;
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Staging rows from global memory: row r is token tok[r] (< 0: absent), element c of it sits at
+// src[tok * stride + c]. Columns >= d and absent rows are zero. `vec`: 16-byte loads are aligned.
+// ---------------------------------------------------------------------------------------------
+template <typename T, int HD>
+__device__ __forceinline__ void na_stage_rows(T* dst, const T* __restrict__ src, const int* tok,
+                                              int rows, long long stride, int d, int vec) {
+    constexpr int LD = NaRows<T, HD>::LD, V = 16 / sizeof(T), PER_ROW = HD / V;
+    const T zero = NaConvert<T>::from(0.f);
+    for (int i = threadIdx.x; i < rows * PER_ROW; i += NA_THREADS) {
+        const int r = i / PER_ROW, c = (i % PER_ROW) * V;
+        const int tk = tok[r];
+        T* out = dst + r * LD + c;
+        if (vec && tk >= 0 && c + V <= d) {
+            *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(src + tk * stride + c);
+        } else {
+#pragma unroll
+            for (int e = 0; e < V; ++e)
+                out[e] = (tk >= 0 && c + e < d) ? src[tk * stride + c + e] : zero;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block geometry. Per axis: the dilation group, the block's own box and the range of the other
+// side it must visit (group coordinates), and the other-side tile being visited.
+// ---------------------------------------------------------------------------------------------
+struct NaGeo {
+    int g[3], d[3], len_q[3], len_kv[3], glen_q[3], kern[3];
+    int own_lo[3], own_hi[3];  // own box (clipped to the group)
+    int lo[3], hi[3];          // other side's range
+    int tiles[3];              // other side's tiles per axis
+    int cur_lo[3], cur_hi[3];  // the other-side tile being visited (clipped)
+    int full;                  // every slot of that tile is visible from every row
+};
+
+// Tiles of `tile` positions per dilation group, groups one after another.
+__device__ __forceinline__ int na_axis_tiles(int len, int d, int tile) {
+    const int r = len % d, nhi = (len / d + 1 + tile - 1) / tile, nlo = (len / d + tile - 1) / tile;
+    return r * nhi + (d - r) * nlo;
+}
+
+// Tile `t` of that enumeration: its group and first group coordinate.
+__device__ __forceinline__ void na_axis_tile(int len, int d, int tile, int t, int* g, int* start) {
+    const int r = len % d, nhi = (len / d + 1 + tile - 1) / tile, nlo = (len / d + tile - 1) / tile;
+    if (t < r * nhi) {
+        *g = t / nhi;
+        *start = (t % nhi) * tile;
+    } else {
+        t -= r * nhi;
+        *g = r + t / nlo;
+        *start = (t % nlo) * tile;
+    }
+}
+
+// Slot `j` of a box of shape `box` at `lo` (clipped at `hi`): its group coordinates, and whether
+// it lies inside the clip.
+__device__ __forceinline__ bool na_box_slot(int j, const int* box, const int* lo, const int* hi,
+                                            int* c) {
+    c[2] = lo[2] + j % box[2];
+    c[1] = lo[1] + (j / box[2]) % box[1];
+    c[0] = lo[0] + j / (box[1] * box[2]);
+    return c[0] < hi[0] && c[1] < hi[1] && c[2] < hi[2];
+}
+
+// Flattened token of group coordinates `c` (row-major over the global axes of length `len`).
+__device__ __forceinline__ int na_token(const NaGeo& geo, const int* c, const int* len) {
+    int tok = 0;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) tok = tok * len[a] + c[a] * geo.d[a] + geo.g[a];
+    return tok;
+}
+
+// Thread 0: load the axes and place the block's own box. `own_is_query`: forward/dQ (the block
+// owns queries, visits keys) or dK/dV (owns keys, visits queries).
+__device__ __forceinline__ void na_setup_block(const int* __restrict__ table, NaAxis* ax, NaGeo& geo,
+                               const int* own_box, const int* other_box, bool own_is_query) {
+    na_load_axes(table, ax);
+    int t = blockIdx.x, idx[3];
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+        const int d = na_axis_dilation(ax[a]);
+        const int len = own_is_query ? ax[a].len_q : ax[a].len_kv;
+        const int n = na_axis_tiles(len, d, own_box[a]);
+        idx[a] = t % n;
+        t /= n;
+    }
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+        const int d = na_axis_dilation(ax[a]);
+        int g, start;
+        na_axis_tile(own_is_query ? ax[a].len_q : ax[a].len_kv, d, own_box[a], idx[a], &g, &start);
+        geo.g[a] = g;
+        geo.d[a] = d;
+        geo.len_q[a] = ax[a].len_q;
+        geo.len_kv[a] = ax[a].len_kv;
+        geo.glen_q[a] = na_group_len(ax[a].len_q, d, g);
+        geo.kern[a] = ax[a].kernel;
+        const int glen_own = own_is_query ? geo.glen_q[a] : na_group_len(ax[a].len_kv, d, g);
+        geo.own_lo[a] = start;
+        geo.own_hi[a] = min(start + own_box[a], glen_own);
+        int lo, hi;
+        if (own_is_query)
+            na_group_key_range(ax[a], geo.glen_q[a], geo.own_lo[a], geo.own_hi[a], &lo, &hi);
+        else
+            na_group_query_range(ax[a], geo.glen_q[a], geo.own_lo[a], geo.own_hi[a], &lo, &hi);
+        geo.lo[a] = lo;
+        geo.hi[a] = max(hi, lo);
+        geo.tiles[a] = (geo.hi[a] - geo.lo[a] + other_box[a] - 1) / other_box[a];
+    }
+}
+
+// Thread 0: place other-side tile `t` (row-major over the per-axis tile counts) and decide
+// whether masking can be skipped for it.
+__device__ __forceinline__ void na_place_other_tile(const NaAxis* ax, NaGeo& geo, const int* box, int t,
+                                    bool own_is_query) {
+    int full = 1;
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+        const int i = t % geo.tiles[a];
+        t /= geo.tiles[a];
+        const int lo = geo.lo[a] + i * box[a];
+        geo.cur_lo[a] = lo;
+        geo.cur_hi[a] = min(lo + box[a], geo.hi[a]);
+        // Windows are monotone in the query: the first/last query bound what all of them see.
+        int wl0, wh0, wl1, wh1;
+        if (own_is_query) {
+            na_group_window(ax[a], geo.own_lo[a], geo.glen_q[a], &wl0, &wh0);
+            na_group_window(ax[a], geo.own_hi[a] - 1, geo.glen_q[a], &wl1, &wh1);
+            full &= lo + box[a] <= geo.hi[a] && wl1 <= lo && lo + box[a] <= wh0;
+        } else {
+            na_group_window(ax[a], geo.cur_lo[a], geo.glen_q[a], &wl0, &wh0);
+            na_group_window(ax[a], geo.cur_hi[a] - 1, geo.glen_q[a], &wl1, &wh1);
+            full &= wl1 <= geo.own_lo[a] && geo.own_hi[a] <= wh0;
+        }
+    }
+    geo.full = full;
+}
+
+// Slot j of a query box: its token (-1 if outside) and its key window per axis (empty if outside).
+__device__ __forceinline__ void na_query_slot(const NaAxis* ax, const NaGeo& geo, const int* box,
+                                              const int* lo, const int* hi, int j, int* tok,
+                                              int* win, int* qc) {
+    int c[3];
+    const bool ok = na_box_slot(j, box, lo, hi, c);
+    *tok = ok ? na_token(geo, c, geo.len_q) : -1;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+        int wl = 0, wh = 0;
+        if (ok) na_group_window(ax[a], c[a], geo.glen_q[a], &wl, &wh);
+        win[2 * a] = wl;
+        win[2 * a + 1] = wh;
+        if (qc) qc[a] = c[a];
+    }
+}
+
+// Slot j of a key box: its token (-1 if outside) and group coordinates (NA_NO_KEY if outside).
+__device__ __forceinline__ void na_key_slot(const NaGeo& geo, const int* box, const int* lo,
+                                            const int* hi, int j, int* tok, int* kc) {
+    int c[3];
+    const bool ok = na_box_slot(j, box, lo, hi, c);
+    *tok = ok ? na_token(geo, c, geo.len_kv) : -1;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) kc[a] = ok ? c[a] : NA_NO_KEY;
+}
+
+__device__ __forceinline__ bool na_visible(const int* win, const int* kc) {
+    return kc[0] >= win[0] && kc[0] < win[1] && kc[1] >= win[2] && kc[1] < win[3] &&
+           kc[2] >= win[4] && kc[2] < win[5];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Logits: s = scale * acc, softcap s = cap * tanh(s / cap), + RPB, masked -> -inf. Rows are the
+// thread's fragment rows (query or key slots of the 64-slot tiles, `row0` = the warp's first),
+// columns the chunk's slots starting at `col0`. One implementation for all three kernels.
+// ---------------------------------------------------------------------------------------------
+struct NaRpb {
+    const float* table;  // [H, 2k0-1, 2k1-1, 2k2-1] fp32 or null
+    const int* qc;       // query group coordinates per query slot (shared memory)
+};
+
+template <int NT, bool QUERY_ROWS>
+__device__ __forceinline__ void na_logits(float (&s)[NT][4], float scale, float cap, float inv_cap,
+                                          bool full,
+                                          const int* s_win, const int* s_kc, int row0, int col0,
+                                          const NaGeo& geo, NaRpb rpb) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int row = row0 + g + (e >> 1) * 8, col = col0 + n * 8 + 2 * t + (e & 1);
+            const int q = QUERY_ROWS ? row : col, k = QUERY_ROWS ? col : row;
+            float x = s[n][e] * scale;
+            if (cap > 0.f) x = cap * tanhf(x * inv_cap);
+            if (!full && !na_visible(s_win + q * 6, s_kc + k * 3)) {
+                x = -NA_INF;
+            } else if (rpb.table) {
+                int idx = 0;
+#pragma unroll
+                for (int a = 0; a < 3; ++a)
+                    idx = idx * (2 * geo.kern[a] - 1) + s_kc[k * 3 + a] - rpb.qc[q * 3 + a] +
+                          geo.kern[a] - 1;
+                x += rpb.table[idx];
+            }
+            s[n][e] = x;
+        }
+    }
+}
+
+// Backward elementwise step: s (logits, -inf where masked) -> P = exp(s - lse) and
+// dp -> dS = P * (dp - delta) * dtanh. `lse`/`delta` per fragment element, already chosen by row
+// or column; lse = +inf for a row that sees nothing.
+__device__ __forceinline__ void na_grad_logit(float& s, float& dp, float lse, float delta,
+                                              float cap, float inv_cap) {
+    const float p = exp2f((s - lse) * NA_LOG2E);
+    float ds = p * (dp - delta);
+    if (cap > 0.f) {
+        const float th = s * inv_cap;
+        ds = s == -NA_INF ? 0.f : ds * (1.f - th * th);
+    }
+    s = p;
+    dp = ds;
+}
+
+// Online softmax over one chunk (forward): s becomes P, running max m and sum l (per-thread
+// partial sums of its columns) and the output accumulator o are rescaled.
+template <int NT, int HD>
+__device__ __forceinline__ void na_online_softmax(float (&s)[NT][4], float (&m)[2], float (&l)[2],
+                                                  float (&o)[HD / 8][4]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = -NA_INF;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(NA_FULL, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(NA_FULL, mx, 2));
+        const float m_new = fmaxf(m[r], mx);
+        // A row that has seen nothing yet keeps shift 0: exp(-inf - 0) = 0, never NaN.
+        const float shift = m_new == -NA_INF ? 0.f : m_new * NA_LOG2E;
+        const float alpha = exp2f(m[r] * NA_LOG2E - shift);
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                s[n][e] = exp2f(s[n][e] * NA_LOG2E - shift);
+                sum += s[n][e];
+            }
+        }
+        l[r] = l[r] * alpha + sum;
+        m[r] = m_new;
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            o[n][2 * r] *= alpha;
+            o[n][2 * r + 1] *= alpha;
+        }
+    }
+}
+
+// Store a warp's 16 x HD fragment (rows with token < 0 skipped, columns >= d dropped), times `mul`.
+template <typename T, int HD>
+__device__ __forceinline__ void na_store_rows(T* __restrict__ dst, const float (&acc)[HD / 8][4],
+                                              const int* tok, int row0, long long stride, int d,
+                                              float mul0, float mul1) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int tk = tok[row0 + g + 8 * r];
+        if (tk < 0) continue;
+        T* out = dst + tk * stride;
+        const float mul = r ? mul1 : mul0;
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int c = n * 8 + 2 * t + e;
+                if (c < d) out[c] = NaConvert<T>::from(acc[n][2 * r + e] * mul);
+            }
+        }
+    }
+}
+
+#define NA_LOAD_SHAPES                                                                         \
+    const int qbox[3] = {qt0, qt1, qt2};                                                       \
+    const int kbox[3] = {kt0, kt1, kt2};                                                       \
+    const int warp = threadIdx.x >> 5, row0 = warp * 16;                                       \
+    const int b = blockIdx.z;
+
+// ---------------------------------------------------------------------------------------------
+// Forward: O and LSE (natural log; -inf and O = 0 for a row that sees nothing).
+// ---------------------------------------------------------------------------------------------
+template <typename T, int HD>
+__global__ void
+na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                 T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ table,
+                 const float* __restrict__ rpb,
+                 long long q_sb, long long q_st, long long q_sh,
+                 long long k_sb, long long k_st, long long k_sh,
+                 long long v_sb, long long v_st, long long v_sh,
+                 long long o_sb, long long o_st, long long o_sh,
+                 long long l_sb, long long l_st, long long l_sh,
+                 int heads_q, int heads_kv, int d_qk, int d_v,
+                 int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
+                 float scale, float softcap, int vec) {
+    constexpr int LD = NaRows<T, HD>::LD, CH = NaChunk<T>::FWD, NT = CH / 8;
+    NA_LOAD_SHAPES
+    const float inv_cap = softcap > 0.f ? __frcp_rn(softcap) : 0.f;
+    const int h = blockIdx.y, hk = h / (heads_q / heads_kv);
+    __shared__ NaAxis s_ax[NA_MAX_AXES];
+    __shared__ NaGeo geo;
+    extern __shared__ __align__(16) unsigned char na_smem[];
+    T* sQ = reinterpret_cast<T*>(na_smem);
+    T* sK = sQ + NA_TILE * LD;
+    T* sV = sK + CH * LD;
+    int* s_qtok = reinterpret_cast<int*>(sV + CH * LD);
+    int* s_qwin = s_qtok + NA_TILE;
+    int* s_qc = s_qwin + NA_TILE * 6;
+    int* s_ktok = s_qc + NA_TILE * 3;
+    int* s_kc = s_ktok + NA_TILE;
+
+    if (threadIdx.x == 0) na_setup_block(table, s_ax, geo, qbox, kbox, true);
+    __syncthreads();
+    if (threadIdx.x < NA_TILE)
+        na_query_slot(s_ax, geo, qbox, geo.own_lo, geo.own_hi, threadIdx.x, s_qtok + threadIdx.x,
+                      s_qwin + threadIdx.x * 6, s_qc + threadIdx.x * 3);
+    __syncthreads();
+    na_stage_rows<T, HD>(sQ, q + b * q_sb + h * q_sh, s_qtok, NA_TILE, q_st, d_qk, vec);
+
+    const T* kbase = k + b * k_sb + hk * k_sh;
+    const T* vbase = v + b * v_sb + hk * v_sh;
+    const NaRpb bias = {rpb ? rpb + (long long)h * ((2 * geo.kern[0] - 1) * (2 * geo.kern[1] - 1) *
+                                                    (2 * geo.kern[2] - 1))
+                            : nullptr,
+                        s_qc};
+    float acc[HD / 8][4], m[2] = {-NA_INF, -NA_INF}, l[2] = {0.f, 0.f};
+    na_zero(acc);
+    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
+    for (int it = 0; it < ntiles; ++it) {
+        __syncthreads();  // everyone is done with the previous tile's slots
+        if (threadIdx.x == 0) na_place_other_tile(s_ax, geo, kbox, it, true);
+        __syncthreads();
+        if (threadIdx.x < NA_TILE)
+            na_key_slot(geo, kbox, geo.cur_lo, geo.cur_hi, threadIdx.x, s_ktok + threadIdx.x,
+                        s_kc + threadIdx.x * 3);
+        const bool full = geo.full;
+        for (int c0 = 0; c0 < NA_TILE; c0 += CH) {
+            __syncthreads();
+            na_stage_rows<T, HD>(sK, kbase, s_ktok + c0, CH, k_st, d_qk, vec);
+            na_stage_rows<T, HD>(sV, vbase, s_ktok + c0, CH, v_st, d_v, vec);
+            __syncthreads();
+            float s[NT][4];
+            na_zero(s);
+            na_mma_abt<T, HD, NT>(s, sQ + row0 * LD, sK, d_qk);
+            na_logits<NT, true>(s, scale, softcap, inv_cap, full, s_qwin, s_kc, row0, c0, geo, bias);
+            na_online_softmax<NT, HD>(s, m, l, acc);
+            na_mma_pb<T, HD, NT>(acc, s, sV, d_v);
+        }
+    }
+
+    const int lane = threadIdx.x & 31, g = lane >> 2;
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(NA_FULL, l[r], 1);
+        l[r] += __shfl_xor_sync(NA_FULL, l[r], 2);
+        inv[r] = l[r] > 0.f ? __frcp_rn(l[r]) : 0.f;
+        const int tk = s_qtok[row0 + g + 8 * r];
+        if ((lane & 3) == 0 && tk >= 0)
+            lse[b * l_sb + tk * l_st + h * l_sh] = l[r] > 0.f ? m[r] + logf(l[r]) : -NA_INF;
+    }
+    na_store_rows<T, HD>(o + b * o_sb + h * o_sh, acc, s_qtok, row0, o_st, d_v, inv[0], inv[1]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward dQ: query-tile-major, like the forward. delta = rowsum(dO * O) - dlse (fp32), laid
+// out like lse.
+// ---------------------------------------------------------------------------------------------
+template <typename T, int HD>
+__global__ void
+na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                     const T* __restrict__ dout, const float* __restrict__ lse,
+                     const float* __restrict__ delta, T* __restrict__ dq,
+                     const int* __restrict__ table,
+                     long long q_sb, long long q_st, long long q_sh,
+                     long long k_sb, long long k_st, long long k_sh,
+                     long long v_sb, long long v_st, long long v_sh,
+                     long long do_sb, long long do_st, long long do_sh,
+                     long long dq_sb, long long dq_st, long long dq_sh,
+                     long long l_sb, long long l_st, long long l_sh,
+                     int heads_q, int heads_kv, int d_qk, int d_v,
+                     int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
+                     float scale, float softcap, int vec) {
+    constexpr int LD = NaRows<T, HD>::LD, CH = NaChunk<T>::DQ, NT = CH / 8;
+    NA_LOAD_SHAPES
+    const float inv_cap = softcap > 0.f ? __frcp_rn(softcap) : 0.f;
+    const int h = blockIdx.y, hk = h / (heads_q / heads_kv);
+    __shared__ NaAxis s_ax[NA_MAX_AXES];
+    __shared__ NaGeo geo;
+    extern __shared__ __align__(16) unsigned char na_smem[];
+    T* sQ = reinterpret_cast<T*>(na_smem);
+    T* sDO = sQ + NA_TILE * LD;
+    T* sK = sDO + NA_TILE * LD;
+    T* sV = sK + CH * LD;
+    int* s_qtok = reinterpret_cast<int*>(sV + CH * LD);
+    int* s_qwin = s_qtok + NA_TILE;
+    int* s_ktok = s_qwin + NA_TILE * 6;
+    int* s_kc = s_ktok + NA_TILE;
+
+    if (threadIdx.x == 0) na_setup_block(table, s_ax, geo, qbox, kbox, true);
+    __syncthreads();
+    if (threadIdx.x < NA_TILE)
+        na_query_slot(s_ax, geo, qbox, geo.own_lo, geo.own_hi, threadIdx.x, s_qtok + threadIdx.x,
+                      s_qwin + threadIdx.x * 6, nullptr);
+    __syncthreads();
+    na_stage_rows<T, HD>(sQ, q + b * q_sb + h * q_sh, s_qtok, NA_TILE, q_st, d_qk, vec);
+    na_stage_rows<T, HD>(sDO, dout + b * do_sb + h * do_sh, s_qtok, NA_TILE, do_st, d_v, vec);
+
+    const int lane = threadIdx.x & 31, g = lane >> 2;
+    float row_lse[2], row_delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int tk = s_qtok[row0 + g + 8 * r];
+        const long long at = b * l_sb + (long long)tk * l_st + h * l_sh;
+        const float x = tk >= 0 ? lse[at] : NA_INF;
+        row_lse[r] = x == -NA_INF ? NA_INF : x;  // a row that saw nothing: P = 0
+        row_delta[r] = tk >= 0 ? delta[at] : 0.f;
+    }
+
+    const T* kbase = k + b * k_sb + hk * k_sh;
+    const T* vbase = v + b * v_sb + hk * v_sh;
+    const NaRpb none = {nullptr, nullptr};
+    float acc[HD / 8][4];
+    na_zero(acc);
+    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
+    for (int it = 0; it < ntiles; ++it) {
+        __syncthreads();
+        if (threadIdx.x == 0) na_place_other_tile(s_ax, geo, kbox, it, true);
+        __syncthreads();
+        if (threadIdx.x < NA_TILE)
+            na_key_slot(geo, kbox, geo.cur_lo, geo.cur_hi, threadIdx.x, s_ktok + threadIdx.x,
+                        s_kc + threadIdx.x * 3);
+        const bool full = geo.full;
+        for (int c0 = 0; c0 < NA_TILE; c0 += CH) {
+            __syncthreads();
+            na_stage_rows<T, HD>(sK, kbase, s_ktok + c0, CH, k_st, d_qk, vec);
+            na_stage_rows<T, HD>(sV, vbase, s_ktok + c0, CH, v_st, d_v, vec);
+            __syncthreads();
+            float s[NT][4], dp[NT][4];
+            na_zero(s);
+            na_mma_abt<T, HD, NT>(s, sQ + row0 * LD, sK, d_qk);
+            na_logits<NT, true>(s, scale, softcap, inv_cap, full, s_qwin, s_kc, row0, c0, geo, none);
+            na_zero(dp);
+            na_mma_abt<T, HD, NT>(dp, sDO + row0 * LD, sV, d_v);
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    na_grad_logit(s[n][e], dp[n][e], row_lse[e >> 1], row_delta[e >> 1], softcap,
+                                  inv_cap);
+            na_mma_pb<T, HD, NT>(acc, dp, sK, d_qk);
+        }
+    }
+    na_store_rows<T, HD>(dq + b * dq_sb + h * dq_sh, acc, s_qtok, row0, dq_st, d_qk, scale, scale);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward dK, dV: key-tile-major. The block owns a key box of kv head `hk`, visits the query
+// boxes that see it and, inside, every query head of the kv head's group.
+// ---------------------------------------------------------------------------------------------
+template <typename T, int HD>
+__global__ void
+na_fused_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                       const T* __restrict__ dout, const float* __restrict__ lse,
+                       const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                       const int* __restrict__ table,
+                       long long q_sb, long long q_st, long long q_sh,
+                       long long k_sb, long long k_st, long long k_sh,
+                       long long v_sb, long long v_st, long long v_sh,
+                       long long do_sb, long long do_st, long long do_sh,
+                       long long dk_sb, long long dk_st, long long dk_sh,
+                       long long dv_sb, long long dv_st, long long dv_sh,
+                       long long l_sb, long long l_st, long long l_sh,
+                       int heads_q, int heads_kv, int d_qk, int d_v,
+                       int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
+                       float scale, float softcap, int vec) {
+    constexpr int LD = NaRows<T, HD>::LD, CH = NaChunk<T>::DKDV, NT = CH / 8;
+    NA_LOAD_SHAPES
+    const float inv_cap = softcap > 0.f ? __frcp_rn(softcap) : 0.f;
+    const int hk = blockIdx.y, group = heads_q / heads_kv;
+    __shared__ NaAxis s_ax[NA_MAX_AXES];
+    __shared__ NaGeo geo;
+    extern __shared__ __align__(16) unsigned char na_smem[];
+    T* sK = reinterpret_cast<T*>(na_smem);
+    T* sV = sK + NA_TILE * LD;
+    T* sQ = sV + NA_TILE * LD;
+    T* sDO = sQ + CH * LD;
+    int* s_ktok = reinterpret_cast<int*>(sDO + CH * LD);
+    int* s_kc = s_ktok + NA_TILE;
+    int* s_qtok = s_kc + NA_TILE * 3;
+    int* s_qwin = s_qtok + NA_TILE;
+    float* s_lse = reinterpret_cast<float*>(s_qwin + NA_TILE * 6);
+    float* s_delta = s_lse + NA_TILE;
+
+    if (threadIdx.x == 0) na_setup_block(table, s_ax, geo, kbox, qbox, false);
+    __syncthreads();
+    if (threadIdx.x < NA_TILE)
+        na_key_slot(geo, kbox, geo.own_lo, geo.own_hi, threadIdx.x, s_ktok + threadIdx.x,
+                    s_kc + threadIdx.x * 3);
+    __syncthreads();
+    na_stage_rows<T, HD>(sK, k + b * k_sb + hk * k_sh, s_ktok, NA_TILE, k_st, d_qk, vec);
+    na_stage_rows<T, HD>(sV, v + b * v_sb + hk * v_sh, s_ktok, NA_TILE, v_st, d_v, vec);
+
+    const NaRpb none = {nullptr, nullptr};
+    const int lane = threadIdx.x & 31, t = lane & 3;
+    float dk_acc[HD / 8][4], dv_acc[HD / 8][4];
+    na_zero(dk_acc);
+    na_zero(dv_acc);
+    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
+    for (int it = 0; it < ntiles; ++it) {
+        __syncthreads();
+        if (threadIdx.x == 0) na_place_other_tile(s_ax, geo, qbox, it, false);
+        __syncthreads();
+        if (threadIdx.x < NA_TILE)
+            na_query_slot(s_ax, geo, qbox, geo.cur_lo, geo.cur_hi, threadIdx.x,
+                          s_qtok + threadIdx.x, s_qwin + threadIdx.x * 6, nullptr);
+        const bool full = geo.full;
+        for (int h = hk * group; h < (hk + 1) * group; ++h) {
+            __syncthreads();  // s_qtok ready; previous head's lse/delta no longer read
+            if (threadIdx.x < NA_TILE) {
+                const int tk = s_qtok[threadIdx.x];
+                const long long at = b * l_sb + (long long)tk * l_st + h * l_sh;
+                const float x = tk >= 0 ? lse[at] : NA_INF;
+                s_lse[threadIdx.x] = x == -NA_INF ? NA_INF : x;
+                s_delta[threadIdx.x] = tk >= 0 ? delta[at] : 0.f;
+            }
+            const T* qbase = q + b * q_sb + h * q_sh;
+            const T* dobase = dout + b * do_sb + h * do_sh;
+            for (int c0 = 0; c0 < NA_TILE; c0 += CH) {
+                __syncthreads();
+                na_stage_rows<T, HD>(sQ, qbase, s_qtok + c0, CH, q_st, d_qk, vec);
+                na_stage_rows<T, HD>(sDO, dobase, s_qtok + c0, CH, do_st, d_v, vec);
+                __syncthreads();
+                float s[NT][4], dp[NT][4];
+                na_zero(s);
+                na_mma_abt<T, HD, NT>(s, sK + row0 * LD, sQ, d_qk);
+                na_logits<NT, false>(s, scale, softcap, inv_cap, full, s_qwin, s_kc, row0, c0, geo, none);
+                na_zero(dp);
+                na_mma_abt<T, HD, NT>(dp, sV + row0 * LD, sDO, d_v);
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int col = c0 + n * 8 + 2 * t + (e & 1);
+                        na_grad_logit(s[n][e], dp[n][e], s_lse[col], s_delta[col], softcap, inv_cap);
+                    }
+                na_mma_pb<T, HD, NT>(dv_acc, s, sDO, d_v);
+                na_mma_pb<T, HD, NT>(dk_acc, dp, sQ, d_qk);
+            }
+        }
+    }
+    na_store_rows<T, HD>(dk + b * dk_sb + hk * dk_sh, dk_acc, s_ktok, row0, dk_st, d_qk, scale,
+                         scale);
+    na_store_rows<T, HD>(dv + b * dv_sb + hk * dv_sh, dv_acc, s_ktok, row0, dv_st, d_v, 1.f, 1.f);
+}
