@@ -15,7 +15,7 @@ from .problem import AttnProblem, TensorSpec
 from .varlen import attention_varlen, attention_with_kvcache
 
 # Compat surfaces and modules, reachable as cudnn_attn.flash_api etc.
-from . import flash_api, flash_attention, nn  # noqa: E402,F401  (after the core they build on)
+from . import flash_api, flash_attention, neighborhood, nn, ops  # noqa: E402,F401  (after the core)
 
 __version__ = "0.1.0"
 

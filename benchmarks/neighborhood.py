@@ -1,0 +1,293 @@
+"""GPU benchmark: fused neighborhood attention (the CuPy engine) vs FlexAttention, NATTEN and dense SDPA.
+
+Run from the repository root on a CUDA machine:  python benchmarks/neighborhood.py [--quick]
+Without CUDA it says so and exits 0, writing nothing.
+
+Problems (non-causal, stride 1, dilation 1; B=1, H = 2048 / D, fp16/bf16, D in {64, 128}):
+1-D L=32768 k=2048, 2-D 128x128 k=31x31, 3-D 32x32x32 k=7x7x7. Forward and backward, useful
+TFLOP/s = 4 * B * H * N * |window| * D / time (|window| = prod(kernel); backward 2.5x that). For
+each we time
+  * ours:        cudnn_attn.neighborhood.na{n}d (heads-last), served by the cupy backend (the
+                 dispatcher's choice is checked; another engine is recorded as an error)
+  * flex:        torch.nn.attention.flex_attention, compiled, with the block mask of the NATTEN rule
+                 (``natten_mask_mod`` below), [B, H, N, D]
+  * natten-flex: natten.na{n}d(..., backend="flex-fna", torch_compile=True), when natten imports
+  * sdpa-cudnn / sdpa-flash: dense SDPA on the same tokens (sdpa_kernel); their TFLOP/s count the
+                 dense 4 * B * H * N^2 * D, so compare them by milliseconds
+A peer that cannot run is recorded as an error string, never a crash. Target (issue 4): H200,
+bf16, D=128, 2-D 128x128 k=31x31 forward: ours >= 250 TFLOP/s and >= 1.5x Flex.
+JSON: benchmarks/results/neighborhood-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import warnings
+
+import _report  # benchmarks/_report.py (this script's folder is on sys.path)
+import torch
+
+PROBLEMS = {  # rank: (spatial shape, kernel size)
+    1: ((32768,), (2048,)),
+    2: ((128, 128), (31, 31)),
+    3: ((32, 32, 32), (7, 7, 7)),
+}
+HIDDEN = 2048
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+TARGET_TFLOPS, TARGET_VS_FLEX = 250.0, 1.5  # bf16, D=128, 2-D 128x128 k=31x31, forward
+ENGINES = ("ours", "flex", "natten-flex", "sdpa-cudnn", "sdpa-flash")
+DEVICE, OURS_BACKEND = "cuda", "cupy"  # module constants so a CPU smoke run can swap them
+
+
+def natten_mask_mod(spatial, kernel, dilation=None, causal=None):
+    """A Flex ``mask_mod`` of NATTEN's rule (stride 1) on the row-major flattening of ``spatial``.
+
+    Per axis (length L, kernel k, dilation d): the key must share the query's dilation group
+    ``g = i % d``; inside the group (length ``Lg = ceil((L - g) / d)``) the query ``qi = i // d``
+    sees ``[c - k//2, c + (k - 1 - k//2)]`` with ``c = clamp(qi, k//2, Lg - 1 - (k - 1 - k//2))``,
+    or, when causal, ``[max(qi - k + 1, 0), qi]``. Works on broadcastable index tensors.
+    """
+    rank = len(spatial)
+    dilation = dilation or (1,) * rank
+    causal = causal or (False,) * rank
+    strides = [math.prod(spatial[a + 1:]) for a in range(rank)]
+
+    def axis(i, j, length, k, d, c):
+        g = i % d
+        qi, kj = i // d, j // d
+        same_group = (j % d) == g
+        if c:
+            return same_group & (kj <= qi) & (kj >= torch.clamp(qi - k + 1, min=0))
+        wl, wr = k // 2, k - 1 - k // 2
+        group_len = (length - g + d - 1) // d
+        centre = torch.minimum(torch.clamp(qi, min=wl), group_len - 1 - wr)
+        return same_group & (kj >= centre - wl) & (kj <= centre + wr)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        visible = None
+        for a in range(rank):
+            i = (q_idx // strides[a]) % spatial[a]
+            j = (kv_idx // strides[a]) % spatial[a]
+            v = axis(i, j, spatial[a], kernel[a], dilation[a], causal[a])
+            visible = v if visible is None else visible & v
+        return visible
+
+    return mask_mod
+
+
+def na_flops(batch, heads, spatial, kernel, dim, direction):
+    f = 4.0 * batch * heads * math.prod(spatial) * math.prod(kernel) * dim
+    return f * (2.5 if direction == "bwd" else 1.0)
+
+
+def dense_flops(batch, heads, tokens, dim, direction):
+    return 4.0 * batch * heads * tokens * tokens * dim * (2.5 if direction == "bwd" else 1.0)
+
+
+def timed(fn, args):
+    """Median ms per call, about 50 ms per timed batch."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    number = max(1, min(100, int(0.05 / max(time.perf_counter() - start, 1e-6))))
+    return _report.time_ms(fn, warmup=args.warmup, repeats=args.repeats, number=number,
+                           sync=torch.cuda.synchronize)
+
+
+def _error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _leaves(tensors):
+    return [t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+def engines(rank, spatial, kernel, q, k, v):
+    """``{engine: forward closure}`` (each over its own leaf tensors) or ``{engine: error}``.
+
+    ``q, k, v`` are heads-last ``[B, *spatial, H, D]``. A closure returns the output, heads-last
+    for ours/natten, heads-first for the others. (Closures bind their leaves as default arguments:
+    the names are reused from engine to engine.)
+    """
+    import cudnn_attn as ca
+    from cudnn_attn import neighborhood
+
+    batch, heads, dim, tokens = q.shape[0], q.shape[-2], q.shape[-1], math.prod(spatial)
+    heads_first = [t.reshape(batch, tokens, heads, dim).transpose(1, 2).contiguous() for t in (q, k, v)]
+    fns = {}
+
+    try:
+        flat = [t.reshape(batch, tokens, heads, dim) for t in (q, k, v)]
+        verdict = ca.explain(*flat, mask=ca.Neighborhood(spatial, kernel), layout="bshd")
+        if verdict.selected != OURS_BACKEND:
+            raise RuntimeError(f"the dispatcher picks {verdict.selected!r}, not {OURS_BACKEND}: "
+                               f"{verdict.get(OURS_BACKEND)}")
+        na = getattr(neighborhood, f"na{rank}d")
+        ours = _leaves((q, k, v))
+        fns["ours"] = (ours, lambda ours=ours: na(*ours, kernel))
+    except Exception as exc:  # noqa: BLE001 - a peer failure is a result, not a crash
+        fns["ours"] = _error(exc)
+
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        mask_mod = natten_mask_mod(spatial, kernel)
+        try:
+            block_mask = create_block_mask(mask_mod, None, None, tokens, tokens, device=q.device,
+                                           _compile=True)
+        except TypeError:  # older torch: no _compile
+            block_mask = create_block_mask(mask_mod, None, None, tokens, tokens, device=q.device)
+        flex = torch.compile(flex_attention, dynamic=False)
+        leaves = _leaves(heads_first)
+        fns["flex"] = (leaves, lambda leaves=leaves: flex(*leaves, block_mask=block_mask))
+    except Exception as exc:  # noqa: BLE001
+        fns["flex"] = _error(exc)
+
+    try:
+        import natten
+
+        warnings.filterwarnings("ignore", module=r"torch\.nn\.attention\.flex_attention")
+        if hasattr(natten, "allow_flex_compile"):
+            natten.allow_flex_compile(True, backprop=True)
+        nat = getattr(natten, f"na{rank}d")
+        leaves = _leaves((q, k, v))
+        fns["natten-flex"] = (leaves, lambda leaves=leaves: nat(*leaves, kernel, backend="flex-fna",
+                                                                torch_compile=True))
+    except Exception as exc:  # noqa: BLE001 - includes natten not installed
+        fns["natten-flex"] = _error(exc)
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+        leaves = _leaves(heads_first)
+
+        def dense(leaves=leaves, backend=backend):
+            with sdpa_kernel(backend):
+                return sdpa(*leaves)
+
+        fns[name] = (leaves, dense)
+    return fns
+
+
+def bench_problem(rank, dtype_name, dim, args):
+    """One row per direction for problem ``rank`` in ``dtype_name`` with head dim ``dim``."""
+    spatial, kernel = PROBLEMS[rank]
+    batch, heads, tokens = 1, HIDDEN // dim, math.prod(spatial)
+    dtype = DTYPES[dtype_name]
+    q, k, v = (torch.randn(batch, *spatial, heads, dim, device=DEVICE, dtype=dtype)
+               for _ in range(3))
+    name = f"{rank}-D {'x'.join(map(str, spatial))} k={'x'.join(map(str, kernel))}"
+    rows = {d: {"problem": name, "rank": rank, "dtype": dtype_name, "D": dim, "H": heads,
+                "B": batch, "dir": d, "errors": {}} for d in ("fwd", "bwd")}
+    outputs = {}
+    for engine, entry in engines(rank, spatial, kernel, q, k, v).items():
+        if isinstance(entry, str):
+            for row in rows.values():
+                row["errors"][engine] = entry
+            continue
+        leaves, forward = entry
+        dense = engine.startswith("sdpa")
+        try:
+            out = forward()
+            outputs[engine] = out.detach()
+            work = dense_flops(batch, heads, tokens, dim, "fwd") if dense else \
+                na_flops(batch, heads, spatial, kernel, dim, "fwd")
+            ms = timed(forward, args)
+            rows["fwd"][f"{engine}_ms"], rows["fwd"][f"{engine}_tflops"] = ms, work / ms / 1e9
+        except Exception as exc:  # noqa: BLE001
+            rows["fwd"]["errors"][engine] = rows["bwd"]["errors"][engine] = _error(exc)
+            continue
+        try:
+            dout = torch.randn_like(out)
+
+            def backward(out=out, leaves=leaves, dout=dout):
+                return torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+            work = dense_flops(batch, heads, tokens, dim, "bwd") if dense else \
+                na_flops(batch, heads, spatial, kernel, dim, "bwd")
+            ms = timed(backward, args)
+            rows["bwd"][f"{engine}_ms"], rows["bwd"][f"{engine}_tflops"] = ms, work / ms / 1e9
+        except Exception as exc:  # noqa: BLE001
+            rows["bwd"]["errors"][engine] = _error(exc)
+        del out
+    if "ours" in outputs and "flex" in outputs:  # a speed figure is only worth a right answer
+        flex_out = outputs["flex"].transpose(1, 2).reshape(outputs["ours"].shape)
+        rows["fwd"]["max|ours-flex|"] = (outputs["ours"].float() - flex_out.float()).abs().max().item()
+    for row in rows.values():
+        if row.get("ours_ms") and row.get("flex_ms"):
+            row["ours/flex"] = row["flex_ms"] / row["ours_ms"]  # speedup over Flex
+    del q, k, v, outputs
+    torch.cuda.empty_cache()
+    return list(rows.values())
+
+
+def target_verdict(rows):
+    """``(met, text)`` for the issue's target row (None when it was not measured)."""
+    row = next((r for r in rows if r["rank"] == 2 and r["dtype"] == "bf16" and r["D"] == 128
+                and r["dir"] == "fwd"), None)
+    if row is None or row.get("ours_tflops") is None:
+        reason = "not run" if row is None else row["errors"].get("ours", "ours did not run")
+        return None, f"target NOT MEASURED (bf16, D=128, 2-D 128x128 k=31x31 forward): {reason}"
+    tflops, speedup = row["ours_tflops"], row.get("ours/flex")
+    met = tflops >= TARGET_TFLOPS and speedup is not None and speedup >= TARGET_VS_FLEX
+    flex = "Flex did not run" if speedup is None else f"{speedup:.2f}x Flex"
+    return met, (f"target {'MET' if met else 'MISSED'} (bf16, D=128, 2-D 128x128 k=31x31 forward): "
+                 f"{tflops:.1f} TFLOP/s (>= {TARGET_TFLOPS}), {flex} (>= {TARGET_VS_FLEX}x)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dims", type=int, nargs="+", choices=(1, 2, 3), default=[1, 2, 3],
+                        help="problem ranks (default 1 2 3)")
+    parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DTYPES))
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--quick", action="store_true",
+                        help="the target row only: 2-D, bf16, D=128, 3 repeats")
+    parser.add_argument("--no-json", action="store_true", help="print only, write no results file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("benchmarks/neighborhood.py needs a CUDA GPU; torch sees none here. "
+              "Nothing was run or written.")
+        return 0
+    if args.quick:
+        args.dims, args.dtypes, args.head_dims, args.repeats, args.warmup = [2], ["bf16"], [128], 3, 2
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}\n")
+
+    rows = []
+    for rank in args.dims:
+        for dtype_name in args.dtypes:
+            for dim in args.head_dims:
+                rows += bench_problem(rank, dtype_name, dim, args)
+    columns = ["problem", "dtype", "D", "dir", "ours_ms", "ours_tflops", "flex_tflops",
+               "natten-flex_tflops", "sdpa-cudnn_ms", "sdpa-flash_ms", "ours/flex", "max|ours-flex|"]
+    _report.print_table(rows, columns)
+    print("TFLOP/s: useful (neighborhood) FLOPs for ours/flex/natten-flex; sdpa-* run dense "
+          "attention on the same tokens (compare by ms)")
+    errors = sorted({(engine, msg) for row in rows for engine, msg in row["errors"].items()})
+    for engine, msg in errors:
+        print(f"  {engine}: {msg}")
+    met, text = target_verdict(rows)
+    print(f"\n{text}")
+    if not args.no_json:
+        path = _report.write_json("neighborhood", {
+            "options": vars(args), "device": torch.cuda.get_device_name(),
+            "problems": {str(r): {"spatial": s, "kernel": k} for r, (s, k) in PROBLEMS.items()},
+            "hidden": HIDDEN, "engines": ENGINES, "rows": rows,
+            "target": {"tflops >=": TARGET_TFLOPS, "vs flex >=": TARGET_VS_FLEX, "met": met,
+                       "text": text}})
+        print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""``NeighborhoodAttention1D/2D/3D`` (NATTEN 0.17-style modules) and the fused/unfused switch.
+
+NATTEN 0.17 runs the unfused path (qk -> softmax -> dropout -> av) unless ``natten.use_fused_na()``
+was called. Here the same process-wide switch exists (``use_fused_na`` / ``is_fna_enabled``), and
+each module can override it with its ``use_fused`` attribute (``None`` follows the switch).
+Re-exported by ``cudnn_attn.neighborhood``.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import nn
+
+from . import _na_unfused
+from .masks import _as_bool, _check_int, _per_axis
+
+__all__ = [
+    "NeighborhoodAttention1D",
+    "NeighborhoodAttention2D",
+    "NeighborhoodAttention3D",
+    "is_fna_enabled",
+    "is_fused_na_enabled",
+    "use_fused_na",
+]
+
+_FUSED_NA = False
+
+
+def use_fused_na(mode: bool = True) -> None:
+    """Make every module whose ``use_fused`` is ``None`` take the fused path (``mode=False``: the
+    unfused path, the default). As ``natten.use_fused_na`` in NATTEN 0.17."""
+    global _FUSED_NA
+    if not isinstance(mode, bool):
+        raise TypeError(f"mode must be a bool, got {mode!r}")
+    _FUSED_NA = mode
+
+
+def is_fna_enabled() -> bool:
+    """Whether ``use_fused_na()`` switched the modules to the fused path (default ``False``)."""
+    return _FUSED_NA
+
+
+is_fused_na_enabled = is_fna_enabled  # NATTEN 0.17's name
+
+
+def _functional():
+    from . import neighborhood  # late: neighborhood re-exports this module
+    return neighborhood
+
+
+class _NeighborhoodAttention(nn.Module):
+    """Neighborhood self-attention layer over ``[B, *spatial, embed_dim]`` inputs.
+
+    Args:
+        embed_dim: channels ``C``; num_heads ``H`` (``C % H == 0``, ``head_dim = C // H``).
+        kernel_size, stride, dilation: int or per-axis tuple (NATTEN 0.21 rule, per axis).
+        is_causal: bool or per-axis tuple.
+        rel_pos_bias: learn an RPB ``rpb`` ``[H, 2k-1 per axis]`` (NATTEN 0.17: trunc-normal,
+            std 0.02), added after scaling. Needs odd kernels and no causal axis.
+        qkv_bias: bias of the fused ``qkv`` Linear ``C -> 3C``; ``proj`` is ``C -> C``.
+        qk_scale: softmax scale (default ``head_dim ** -0.5``).
+        attn_drop: dropout on the attention weights (training only); proj_drop: after ``proj``.
+        use_fused: keyword-only. ``None`` (default) follows ``use_fused_na()``/``is_fna_enabled()``;
+            ``True``/``False`` forces the fused/unfused path for this module. Also an attribute.
+
+    Paths (see ``uses_fused``):
+        * unfused: heads-first ``q * scale``, ``qk`` (+ rpb), softmax, ``attn_drop``, ``av``. Any
+          stride (the torch composite runs strided windows; the CUDA unfused kernels need
+          stride 1) and any kernel size.
+        * fused: ``na{rank}d(q, k, v, ..., scale, rpb)``. It has no attention weights, so a call
+          in training mode with ``attn_drop > 0`` or with ``return_attn_weights=True`` takes the
+          unfused path instead (exact either way; NATTEN 0.17 silently skipped the dropout).
+
+    ``forward(x, return_attn_weights=False)`` returns ``[B, *spatial, C]``, or ``(out, weights)``
+    with ``weights`` the softmax probabilities before dropout, ``[B, H, *spatial, prod(kernel)]``
+    (NATTEN 0.17's ``attn`` layout; causally cut slots are 0).
+
+    Equivalent PyTorch (per head, tokens flattened, ``visible``/``bias`` the neighborhood mask and
+    the rpb per query/key pair)::
+
+        q, k, v = qkv(x).chunk(3, -1)
+        w = torch.softmax((scale * q @ k.T + bias).masked_fill(~visible, -inf), -1)
+        out = proj(dropout(w) @ v)
+    """
+
+    rank = 0
+
+    def __init__(self, embed_dim, num_heads, kernel_size, stride=1, dilation=1, is_causal=False,
+                 rel_pos_bias=False, qkv_bias=True, qk_scale=None, attn_drop=0.0, proj_drop=0.0,
+                 *, use_fused: bool | None = None):
+        super().__init__()
+        embed_dim = _check_int("embed_dim", embed_dim, 1)
+        num_heads = _check_int("num_heads", num_heads, 1)
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        rank = self.rank
+        self.kernel_size = _per_axis("kernel_size", kernel_size, rank, lambda n, v: _check_int(n, v, 2))
+        self.stride = _per_axis("stride", stride, rank, lambda n, v: _check_int(n, v, 1))
+        self.dilation = _per_axis("dilation", dilation, rank, lambda n, v: _check_int(n, v, 1))
+        self.is_causal = _per_axis("is_causal", is_causal, rank, _as_bool)
+        for k, s in zip(self.kernel_size, self.stride):
+            if s > k:
+                raise ValueError(f"stride must be <= kernel_size on every axis, got stride="
+                                 f"{self.stride}, kernel_size={self.kernel_size}")
+        if use_fused is not None and not isinstance(use_fused, bool):
+            raise TypeError(f"use_fused must be None or a bool, got {use_fused!r}")
+        for name, p in (("attn_drop", attn_drop), ("proj_drop", proj_drop)):
+            if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
+                raise ValueError(f"{name} must be a float in [0, 1), got {p!r}")
+        if qk_scale is not None and (isinstance(qk_scale, bool)
+                                     or not isinstance(qk_scale, numbers.Real)):
+            raise TypeError(f"qk_scale must be None or a float, got {qk_scale!r}")
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.head_dim = embed_dim // num_heads
+        self.scale = float(qk_scale) if qk_scale is not None else self.head_dim ** -0.5
+        self.use_fused = use_fused
+        self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bool(qkv_bias))
+        self.proj = nn.Linear(embed_dim, embed_dim)
+        self.attn_drop_rate = float(attn_drop)
+        self.attn_drop = nn.Dropout(self.attn_drop_rate)
+        self.proj_drop = nn.Dropout(float(proj_drop))
+        if rel_pos_bias:
+            if any(k % 2 == 0 for k in self.kernel_size) or any(self.is_causal):
+                raise ValueError(f"rel_pos_bias needs odd kernel sizes and no causal axis, got "
+                                 f"kernel_size={self.kernel_size}, is_causal={self.is_causal}")
+            self.rpb = nn.Parameter(torch.zeros(num_heads, *(2 * k - 1 for k in self.kernel_size)))
+            nn.init.trunc_normal_(self.rpb, std=0.02, a=-2.0, b=2.0)
+        else:
+            self.register_parameter("rpb", None)
+
+    def uses_fused(self, return_attn_weights: bool = False) -> bool:
+        """Whether the next ``forward`` takes the fused path."""
+        if return_attn_weights or (self.training and self.attn_drop_rate > 0):
+            return False
+        return is_fna_enabled() if self.use_fused is None else self.use_fused
+
+    def forward(self, x: torch.Tensor, return_attn_weights: bool = False):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != self.rank + 2 or x.shape[-1] != self.embed_dim:
+            raise ValueError(f"x must be [B, *spatial ({self.rank} axes), {self.embed_dim}], got "
+                             f"shape {tuple(x.shape)}")
+        B, spatial, H, hd = x.shape[0], tuple(x.shape[1:-1]), self.num_heads, self.head_dim
+        q, k, v = self.qkv(x).reshape(B, *spatial, 3, H, hd).unbind(-3)
+        functional = _functional()
+        weights = None
+        params = (self.kernel_size, self.stride, self.dilation, self.is_causal)
+        if self.uses_fused(return_attn_weights):
+            na = getattr(functional, f"na{self.rank}d")
+            out = na(q, k, v, *params, scale=self.scale, rpb=self.rpb)
+        else:
+            geom = functional._geometry(spatial, *params)
+            q, k, v = (t.reshape(B, -1, H, hd).transpose(1, 2) for t in (q, k, v))
+            attn = _na_unfused.qk(q * self.scale, k, geom, self.rpb)
+            weights = torch.softmax(attn, -1)  # a causal row always keeps its own query
+            out = _na_unfused.av(self.attn_drop(weights), v, geom).transpose(1, 2)
+        out = self.proj_drop(self.proj(out.reshape(B, *spatial, self.embed_dim)))
+        if return_attn_weights:
+            return out, weights.unflatten(2, spatial)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+                f"kernel_size={self.kernel_size}, stride={self.stride}, dilation={self.dilation}, "
+                f"is_causal={self.is_causal}, rel_pos_bias={self.rpb is not None}, "
+                f"use_fused={self.use_fused}")
+
+
+class NeighborhoodAttention1D(_NeighborhoodAttention):
+    __doc__ = "1-D " + _NeighborhoodAttention.__doc__
+    rank = 1
+
+
+class NeighborhoodAttention2D(_NeighborhoodAttention):
+    __doc__ = "2-D " + _NeighborhoodAttention.__doc__
+    rank = 2
+
+
+class NeighborhoodAttention3D(_NeighborhoodAttention):
+    __doc__ = "3-D " + _NeighborhoodAttention.__doc__
+    rank = 3
+
