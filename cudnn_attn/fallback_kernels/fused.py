@@ -332,7 +332,9 @@ def run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale,
             np.int32(_aligned((q, k, v, dout), q.dtype))]
     common = [*_strides(q), *_strides(k), *_strides(v), *_strides(dout)]
     table_dev = table.on(q.device)
-    if tuple(delta.stride()) != tuple(lse.stride()):
+    # Only dimensions longer than 1 are indexed, so only their strides must agree (torch keeps
+    # any stride on a size-1 dimension, e.g. one query head).
+    if any(a != b for a, b, n in zip(delta.stride(), lse.stride(), lse.shape) if n > 1):
         raise ValueError("delta must have lse's strides")
     with _OnTorchStream(q.device) as ctx:
         grid = launch_grid(table.table, qb, Hq, B, True)
