@@ -2,20 +2,31 @@
 
 Engines, in priority order: cuDNN-frontend SDPA graphs (``graphs/``), CuPy RawKernels for
 neighborhood attention (``fallback_kernels/``), and a pure-PyTorch engine that runs anywhere
-(``reference.py``). Importing this package never needs a GPU, CuPy or cuDNN.
+(``torch_engine/``). Importing this package never needs a GPU, CuPy or cuDNN.
 """
 
+import importlib
+
 from .api import Explanation, attention, explain
-from .attributes import (SdpaAttributes, SdpaBackwardAttributes, scaled_dot_product_flash_attention,
-                         scaled_dot_product_flash_attention_backward)
+from .compat.cudnn_frontend.attributes import (SdpaAttributes, SdpaBackwardAttributes,
+                                               scaled_dot_product_flash_attention,
+                                               scaled_dot_product_flash_attention_backward)
 from .dispatch import NotSupportedError
 from .graphs.cache import graph_cache
 from .masks import Alibi, Causal, Mask, Neighborhood, Padding, SlidingWindow
 from .problem import AttnProblem, TensorSpec
 from .varlen import attention_varlen, attention_with_kvcache
 
-# Compat surfaces and modules, reachable as cudnn_attn.flash_api etc.
-from . import flash_api, flash_attention, neighborhood, nn, ops  # noqa: E402,F401  (after the core)
+# Surfaces reachable as attributes (cudnn_attn.neighborhood, ...) load on first use.
+_LAZY_MODULES = ("neighborhood", "ops", "flash_api", "flash_attention", "nn", "graphs",
+                 "fallback_kernels", "compat", "cli")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 

@@ -71,7 +71,7 @@ class Backend(Protocol):
 def _registry() -> tuple:
     from .fallback_kernels.backend import CupyBackend
     from .graphs.backend import CudnnBackend
-    from .reference import TorchBackend
+    from .torch_engine.backend import TorchBackend
 
     return (CudnnBackend(), CupyBackend(), TorchBackend())
 

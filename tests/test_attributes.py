@@ -8,8 +8,9 @@ import oracle
 import pytest
 import torch
 
-from cudnn_attn import Alibi, Causal, Padding, SlidingWindow, attributes, dispatch
-from cudnn_attn.attributes import SdpaAttributes, SdpaBackwardAttributes
+from cudnn_attn import Alibi, Causal, Padding, SlidingWindow, dispatch
+from cudnn_attn.compat.cudnn_frontend import attributes
+from cudnn_attn.compat.cudnn_frontend.attributes import SdpaAttributes, SdpaBackwardAttributes
 from cudnn_attn.masks import mask_parts
 
 F64 = torch.float64

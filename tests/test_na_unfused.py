@@ -272,7 +272,7 @@ class _BruteForceKernels:
 
 @pytest.fixture
 def kernel_routing(monkeypatch):
-    from cudnn_attn import _na_unfused
+    from cudnn_attn.compat.natten import unfused as _na_unfused
 
     calls = []
     fake = _BruteForceKernels()

@@ -44,10 +44,10 @@ import operator
 
 import torch
 
-from . import dispatch
-from ._tiles import Visibility
-from .masks import Alibi, Causal, Padding, SlidingWindow, mask_parts
-from .problem import AttnProblem
+from ... import dispatch
+from ...torch_engine.tiles import Visibility
+from ...masks import Alibi, Causal, Padding, SlidingWindow, mask_parts
+from ...problem import AttnProblem
 
 __all__ = ["SdpaAttributes", "SdpaBackwardAttributes", "scaled_dot_product_flash_attention",
            "scaled_dot_product_flash_attention_backward"]

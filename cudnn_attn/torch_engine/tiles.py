@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .masks import Causal, Neighborhood, Padding, SlidingWindow
+from ..masks import Causal, Neighborhood, Padding, SlidingWindow
 
 # Smallest query tile worth a matmul on CPU; below it per-tile overhead dominates.
 MIN_TILE_QUERIES = 64

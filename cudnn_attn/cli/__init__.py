@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 # parse_mask/progress are re-exported for the subcommands' users and tests.
-from ._cli_graphs import add_cache_parser, add_explain_parser, parse_mask, progress  # noqa: F401
-from ._cli_kernels import add_kernels_parser
+from .graphs import add_cache_parser, add_explain_parser, parse_mask, progress  # noqa: F401
+from .kernels import add_kernels_parser
 
 # Max abs error allowed against the float64 brute force, per input dtype (outputs are O(1)).
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}

@@ -13,8 +13,8 @@ import numbers
 import torch
 from torch import nn
 
-from . import _na_unfused
-from .masks import _as_bool, _check_int, _per_axis
+from . import unfused as _na_unfused
+from ...masks import _as_bool, _check_int, _per_axis
 
 __all__ = [
     "NeighborhoodAttention1D",
@@ -46,7 +46,7 @@ is_fused_na_enabled = is_fna_enabled  # NATTEN 0.17's name
 
 
 def _functional():
-    from . import neighborhood  # late: neighborhood re-exports this module
+    from . import functional as neighborhood  # late: neighborhood re-exports this module
     return neighborhood
 
 

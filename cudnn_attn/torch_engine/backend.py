@@ -15,11 +15,11 @@ from typing import Optional
 
 import torch
 
-from . import _cpu_fused
-from ._layout import cols, compute_dtype, lse_dtype, lse_layout, lse_rows, rows_of, uncols, unrows
-from ._tiles import Tiles, Visibility, build_tiles, choose_tile_shape, neighborhood_axis, sequence_axis
-from .masks import Causal, Neighborhood, SlidingWindow, mask_parts
-from .problem import AttnProblem
+from . import cpu_fused as _cpu_fused
+from .layouts import cols, compute_dtype, lse_dtype, lse_layout, lse_rows, rows_of, uncols, unrows
+from .tiles import Tiles, Visibility, build_tiles, choose_tile_shape, neighborhood_axis, sequence_axis
+from ..masks import Causal, Neighborhood, SlidingWindow, mask_parts
+from ..problem import AttnProblem
 
 __all__ = ["TorchBackend", "TorchPlan"]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._tiles import neighborhood_axis
+from ...torch_engine.tiles import neighborhood_axis
 
 __all__ = [
     "NaGeometry",
@@ -179,7 +179,7 @@ def _kernel_module():
     if not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None:
         return None
     try:
-        from .fallback_kernels import unfused
+        from ...fallback_kernels import unfused
     except ImportError:
         return None
     return unfused

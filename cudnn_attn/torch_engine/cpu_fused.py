@@ -11,9 +11,9 @@ import math
 
 import torch
 
-from ._layout import lse_dtype
-from .masks import Causal, mask_parts
-from .problem import AttnProblem
+from .layouts import lse_dtype
+from ..masks import Causal, mask_parts
+from ..problem import AttnProblem
 
 
 def whole_problem_ok(problem: AttnProblem) -> bool:
@@ -121,7 +121,7 @@ def _additive_mask(problem, hidden, extra, n, T, W, dtype):
 
 def tile_forward(plan, problem, q, k, v, bias):
     """Forward through the fused kernel, one chunk of tiles per call."""
-    from ._layout import cols, compute_dtype, lse_layout, rows_of, unrows
+    from .layouts import cols, compute_dtype, lse_layout, rows_of, unrows
 
     dtype = compute_dtype(problem.dtype)
     q3, k3, v3 = rows_of(problem, q, dtype), cols(problem, k, dtype), cols(problem, v, dtype)
@@ -149,7 +149,7 @@ def tile_forward(plan, problem, q, k, v, bias):
 
 def tile_backward(plan, problem, q, k, v, bias, out, lse, dout):
     """Backward through the fused kernel's backward, from the saved LSE."""
-    from ._layout import cols, compute_dtype, lse_rows, rows_of, uncols, unrows
+    from .layouts import cols, compute_dtype, lse_rows, rows_of, uncols, unrows
 
     dtype = compute_dtype(problem.dtype)
     B, Hkv, G, T = problem.batch, problem.heads_kv, problem.group_size, plan.tiles.size

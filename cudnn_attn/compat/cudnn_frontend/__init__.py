@@ -1,0 +1,1 @@
+"""The cuDNN frontend's SDPA attribute builder (``attributes``)."""

@@ -1,0 +1,1 @@
+"""FlashAttention's APIs: ``mha`` (the C++ ``mha_*`` entry points of PyTorch's ``flash_api.h``)."""
