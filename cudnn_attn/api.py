@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Iterator, Mapping, Optional
 
 import torch
 
 from . import dispatch
+from .caches import LRU
 from .masks import Alibi
 from .problem import AttnProblem
+from .runtime import DropoutState, Inputs
 
 __all__ = ["attention", "explain", "Explanation"]
 
-# Recently seen call signatures -> (problem, backend, plan). A hit skips validation and dispatch,
-# which is most of the per-call cost on small problems.
-_CALL_CACHE: OrderedDict = OrderedDict()
-_CALL_CACHE_SIZE = 256
+# Recently used call signatures -> (problem, plan). A hit skips validation and dispatch, which is
+# most of the per-call cost on small problems.
+_CALLS = LRU("api.calls", maxsize=256)
+
+
+def _scalar_key(x):
+    # True == 1 == 1.0 hash alike; the type keeps a valid call from vouching for an invalid one.
+    return (type(x), x)
 
 
 def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse, backend):
@@ -33,7 +38,8 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
                 k.shape, k.stride(), k.dtype, k.device, k.requires_grad,
                 v.shape, v.stride(), v.dtype, v.device, v.requires_grad,
                 type(q), type(k), type(v),
-                mask, bias_key, scale, dropout_p, softcap, layout, return_lse, backend,
+                mask, bias_key, _scalar_key(scale), _scalar_key(dropout_p), _scalar_key(softcap),
+                layout, _scalar_key(return_lse), backend,
                 torch.are_deterministic_algorithms_enabled())
     except (AttributeError, TypeError):
         return None
@@ -43,7 +49,7 @@ def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
     try:
         key = _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
                          backend)
-        cached = _CALL_CACHE.get(key) if key is not None else None
+        cached = _CALLS.get(key) if key is not None else None
     except TypeError:  # unhashable argument: let validation explain it
         key, cached = None, None
     if cached is not None:
@@ -51,29 +57,34 @@ def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
     problem = AttnProblem.from_tensors(q, k, v, mask=mask, bias=bias, scale=scale,
                                        dropout_p=dropout_p, softcap=softcap, layout=layout,
                                        return_lse=return_lse)
-    chosen = dispatch.select(problem, backend)
-    entry = (problem, chosen, chosen.plan(problem))
+    entry = (problem, dispatch.plan_for(problem, backend)[1])
     if key is not None:
-        _CALL_CACHE[key] = entry
-        if len(_CALL_CACHE) > _CALL_CACHE_SIZE:
-            _CALL_CACHE.popitem(last=False)
+        _CALLS.put(key, entry)
     return entry
 
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, problem, plan, generator, q, k, v, bias):
-        out, lse, saved = plan.forward(problem, q, k, v, bias, generator)
-        ctx.problem, ctx.plan, ctx.saved = problem, plan, saved
+    def forward(ctx, problem, plan, dropout, q, k, v, bias):
+        out, lse = plan.forward(problem, Inputs(q, k, v, bias, dropout))
+        ctx.problem, ctx.plan, ctx.dropout = problem, plan, dropout
         ctx.save_for_backward(q, k, v, bias, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, bias, out, lse = ctx.saved_tensors
-        dq, dk, dv, dbias = ctx.plan.backward(ctx.problem, q, k, v, bias, out, lse, dout,
-                                              ctx.saved, dlse)
+        dq, dk, dv, dbias = ctx.plan.backward(ctx.problem, Inputs(q, k, v, bias, ctx.dropout),
+                                              out, lse, dout, dlse)
         return None, None, None, dq, dk, dv, dbias
+
+
+def run(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool):
+    """``(out, lse)`` of one call through ``plan``, differentiable when the problem needs it."""
+    if problem.requires_grad and torch.is_grad_enabled():
+        return _AttentionFunction.apply(problem, plan, inputs.dropout, inputs.q, inputs.k,
+                                        inputs.v, inputs.bias)
+    return plan.forward(problem, inputs, need_lse=need_lse)
 
 
 def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
@@ -111,14 +122,11 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softc
         lse = s.logsumexp(-1)
         out = torch.dropout(torch.softmax(s, -1).nan_to_num(0.0), dropout_p, True) @ v
     """
-    problem, _, plan = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
-                                return_lse, backend)
+    problem, plan = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
+                             return_lse, backend)
     bias_tensor = bias if isinstance(bias, torch.Tensor) else None
-    if problem.requires_grad and torch.is_grad_enabled():
-        out, lse = _AttentionFunction.apply(problem, plan, generator, q, k, v, bias_tensor)
-    else:
-        out, lse, _ = plan.forward(problem, q, k, v, bias_tensor, generator,
-                                   need_lse=return_lse)
+    dropout = DropoutState.draw(generator) if problem.dropout_p > 0 else None
+    out, lse = run(problem, plan, Inputs(q, k, v, bias_tensor, dropout), return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -163,7 +171,7 @@ def explain(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap
         dispatch.get_backend(backend)
     verdicts: dict = {}
     chosen = None
-    for name, reasons in dispatch.verdicts(problem).items():
+    for name, reasons in dispatch.verdicts(problem).items():  # pure: builds nothing
         eligible = backend in ("auto", name)
         if reasons:
             verdicts[name] = reasons

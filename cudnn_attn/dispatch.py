@@ -10,50 +10,30 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping, Protocol, runtime_checkable
+from typing import Protocol
 
+from .caches import LRU
+from .errors import NotSupportedError, format_reasons
 from .problem import AttnProblem
 
 __all__ = ["NotSupportedError", "Backend", "BACKENDS", "BACKEND_NAMES", "get_backend", "select",
-           "verdicts", "format_reasons"]
+           "plan_for", "verdicts", "format_reasons"]
 
 logger = logging.getLogger("cudnn_attn")
 if "CUDNN_ATTN_LOG_LEVEL" in os.environ:
     logger.setLevel(os.environ["CUDNN_ATTN_LOG_LEVEL"].upper())
 
 
-class NotSupportedError(NotImplementedError):
-    """A valid call that no (or not the requested) backend can run.
-
-    ``reasons`` maps each backend name that was considered to its list of reasons.
-    """
-
-    def __init__(self, problem: AttnProblem, reasons: Mapping[str, list[str]], forced: str = ""):
-        self.problem = problem
-        self.reasons = dict(reasons)
-        head = (f"backend={forced!r} cannot run this attention call" if forced
-                else "no backend can run this attention call")
-        super().__init__(f"{head}:\n  {problem.describe()}\n{format_reasons(self.reasons)}")
-
-
-def format_reasons(reasons: Mapping[str, list[str] | str]) -> str:
-    lines = []
-    for name, verdict in reasons.items():
-        if isinstance(verdict, str):
-            lines.append(f"  {name:<6} {verdict}")
-        else:
-            lines.append(f"  {name:<6} cannot run:")
-            lines.extend(f"           - {reason}" for reason in verdict)
-    return "\n".join(lines)
-
-
-@runtime_checkable
 class Backend(Protocol):
-    """What every engine provides. Plans are cached by the backend, keyed on ``problem.plan_key``.
+    """What every engine provides. Plans are cached by the engine, keyed on ``problem.plan_key``.
 
-    ``plan(problem)`` returns an object with
-    ``forward(problem, q, k, v, bias, generator, need_lse=True) -> (out, lse, saved)`` and
-    ``backward(problem, q, k, v, bias, out, lse, dout, saved) -> (dq, dk, dv, dbias)``.
+    ``supports(problem)`` is pure: no graph build, no compile. ``plan(problem)`` builds (or fetches)
+    what the problem needs and may still decline by raising ``NotSupportedError`` (cuDNN's
+    build-time "not supported"); dispatch then takes the next engine and remembers the decline.
+    A plan has ``forward(problem, inputs, need_lse=True) -> (out, lse)`` and
+    ``backward(problem, inputs, out, lse, dout, dlse=None) -> (dq, dk, dv, dbias)``, with
+    ``inputs`` a ``runtime.Inputs`` and lse ``[B, H_q, S_q]`` (natural log, float32; float64 for
+    float64 inputs; ``-inf`` on rows that see no key).
     """
 
     name: str
@@ -89,26 +69,63 @@ def get_backend(name: str):
         raise ValueError(f"backend must be 'auto' or one of {BACKEND_NAMES}, got {name!r}") from None
 
 
+# (engine, decline key) -> reasons of a plan build the engine declined.
+_DECLINED = LRU("dispatch.declined", maxsize=1024)
+
+
+def _decline_key(engine, problem: AttnProblem) -> tuple:
+    return (engine.name, problem.plan_key, problem.requires_grad, problem.return_lse)
+
+
+def reasons_of(engine, problem: AttnProblem) -> list[str]:
+    """``engine.supports(problem)`` plus any decline remembered from an earlier plan build."""
+    reasons = engine.supports(problem)
+    if not reasons:
+        reasons = list(_DECLINED.get(_decline_key(engine, problem), ()))
+    return reasons
+
+
 def verdicts(problem: AttnProblem) -> dict[str, list[str]]:
     """Every backend's reasons for ``problem``, in priority order."""
-    return {b.name: b.supports(problem) for b in BACKENDS}
+    return {b.name: reasons_of(b, problem) for b in BACKENDS}
+
+
+def _try_plan(engine, problem: AttnProblem):
+    """``engine.plan(problem)``, or ``None`` after remembering the reasons it declined with."""
+    try:
+        return engine.plan(problem)
+    except NotSupportedError as exc:
+        found = exc.reasons.get(engine.name) or [str(exc)]
+        _DECLINED.put(_decline_key(engine, problem), tuple(found))
+        return None
+
+
+def plan_for(problem: AttnProblem, backend: str = "auto"):
+    """``(engine, plan)`` for ``problem``: the forced engine, or the first in priority order
+    whose ``supports()`` is empty and whose plan build does not decline."""
+    if backend != "auto":
+        chosen = get_backend(backend)
+        reasons = reasons_of(chosen, problem)
+        plan = None if reasons else _try_plan(chosen, problem)
+        if plan is None:
+            reasons = reasons or reasons_of(chosen, problem)
+            raise NotSupportedError(problem, {chosen.name: reasons}, forced=chosen.name)
+        return chosen, plan
+    collected = {}
+    for candidate in BACKENDS:
+        reasons = reasons_of(candidate, problem)
+        if not reasons:
+            plan = _try_plan(candidate, problem)
+            if plan is not None:
+                if logger.isEnabledFor(logging.DEBUG):
+                    logger.debug("selected %s for %s (skipped: %s)", candidate.name,
+                                 problem.describe(), collected or "none")
+                return candidate, plan
+            reasons = reasons_of(candidate, problem)
+        collected[candidate.name] = reasons
+    raise NotSupportedError(problem, collected)
 
 
 def select(problem: AttnProblem, backend: str = "auto"):
-    """The backend that runs ``problem``: the forced one, or the first in priority order."""
-    if backend != "auto":
-        chosen = get_backend(backend)
-        reasons = chosen.supports(problem)
-        if reasons:
-            raise NotSupportedError(problem, {chosen.name: reasons}, forced=chosen.name)
-        return chosen
-    collected = {}
-    for candidate in BACKENDS:
-        reasons = candidate.supports(problem)
-        if not reasons:
-            if logger.isEnabledFor(logging.DEBUG):
-                logger.debug("selected %s for %s (skipped: %s)", candidate.name,
-                             problem.describe(), collected or "none")
-            return candidate
-        collected[candidate.name] = reasons
-    raise NotSupportedError(problem, collected)
+    """The engine that runs ``problem`` (see ``plan_for``; its plan is built and cached)."""
+    return plan_for(problem, backend)[0]

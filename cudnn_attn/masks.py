@@ -20,6 +20,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from . import _checks
+
 __all__ = [
     "Mask",
     "MaskSet",
@@ -51,14 +53,6 @@ class Mask:
 def _check_alignment(alignment: str) -> None:
     if alignment not in ALIGNMENTS:
         raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -99,22 +93,8 @@ class SlidingWindow(Mask):
 
     def __post_init__(self):
         for name in ("left", "right"):
-            _check_int(name, getattr(self, name), -1)
+            _checks.integer(name, getattr(self, name), -1)
         _check_alignment(self.alignment)
-
-
-def _per_axis(name: str, value, ndim: int, cast) -> tuple:
-    if isinstance(value, (tuple, list)):
-        if len(value) != ndim:
-            raise ValueError(f"{name} must have {ndim} entries (one per axis), got {value!r}")
-        return tuple(cast(name, v) for v in value)
-    return (cast(name, value),) * ndim
-
-
-def _as_bool(name: str, value) -> bool:
-    if not isinstance(value, (bool, int)) or value not in (0, 1):
-        raise TypeError(f"{name} must be a bool or a tuple of bools, got {value!r}")
-    return bool(value)
 
 
 @dataclass(frozen=True, init=False)
@@ -143,16 +123,16 @@ class Neighborhood(Mask):
 
     def __init__(self, spatial_shape, kernel_size, stride=1, dilation=1, is_causal=False):
         if isinstance(spatial_shape, (tuple, list)):
-            shape = tuple(_check_int("spatial_shape", n, 1) for n in spatial_shape)
+            shape = tuple(_checks.integer("spatial_shape", n, 1) for n in spatial_shape)
         else:
-            shape = (_check_int("spatial_shape", spatial_shape, 1),)
+            shape = (_checks.integer("spatial_shape", spatial_shape, 1),)
         if not 1 <= len(shape) <= 3:
             raise ValueError(f"spatial_shape must have 1, 2 or 3 axes, got {spatial_shape!r}")
         ndim = len(shape)
-        kernel = _per_axis("kernel_size", kernel_size, ndim, lambda n, v: _check_int(n, v, 2))
-        strides = _per_axis("stride", stride, ndim, lambda n, v: _check_int(n, v, 1))
-        dilations = _per_axis("dilation", dilation, ndim, lambda n, v: _check_int(n, v, 1))
-        causal = _per_axis("is_causal", is_causal, ndim, _as_bool)
+        kernel = _checks.per_axis("kernel_size", kernel_size, ndim, lambda n, v: _checks.integer(n, v, 2))
+        strides = _checks.per_axis("stride", stride, ndim, lambda n, v: _checks.integer(n, v, 1))
+        dilations = _checks.per_axis("dilation", dilation, ndim, lambda n, v: _checks.integer(n, v, 1))
+        causal = _checks.per_axis("is_causal", is_causal, ndim, _checks.boolean)
         for axis, (length, k, s, d) in enumerate(zip(shape, kernel, strides, dilations)):
             if s > k:
                 raise ValueError(f"stride must be <= kernel_size on every axis; axis {axis}: "
@@ -185,7 +165,7 @@ def _as_lengths(name: str, value) -> tuple[int, ...]:
         value = value.tolist()
     if not isinstance(value, Sequence) or isinstance(value, str):
         raise TypeError(f"{name} must be a sequence of ints or a 1-D integer tensor, got {value!r}")
-    return tuple(_check_int(name, n, 0) for n in value)
+    return tuple(_checks.integer(name, n, 0) for n in value)
 
 
 @dataclass(frozen=True, init=False)

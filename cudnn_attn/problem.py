@@ -14,12 +14,13 @@ from typing import Optional
 
 import torch
 
+from . import _checks
+from ._checks import FLOAT_DTYPES
 from .masks import Alibi, Causal, Mask, Neighborhood, Padding, SlidingWindow, mask_parts
 
 __all__ = ["TensorSpec", "AttnProblem", "LAYOUTS", "FLOAT_DTYPES"]
 
 LAYOUTS = ("bhsd", "bshd")
-FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -33,14 +34,6 @@ class TensorSpec:
     @staticmethod
     def of(t: torch.Tensor) -> "TensorSpec":
         return TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype)
-
-
-def _tensor_arg(name: str, t) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float64, float32, float16 or bfloat16, got {t.dtype}")
-    return t
 
 
 def _check_bias_shape(bias: torch.Tensor, full: tuple[int, int, int, int]) -> None:
@@ -125,7 +118,7 @@ class AttnProblem:
     def from_tensors(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
                      layout="bhsd", return_lse=False) -> "AttnProblem":
         """Validate the arguments of ``attention()`` and describe the call."""
-        q, k, v = _tensor_arg("q", q), _tensor_arg("k", k), _tensor_arg("v", v)
+        q, k, v = (_checks.tensor(n, t, floating=True) for n, t in (("q", q), ("k", k), ("v", v)))
         if not (q.dtype == k.dtype == v.dtype):
             raise TypeError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, "
                             f"v={v.dtype}")
@@ -165,7 +158,7 @@ class AttnProblem:
             alibi = bias
             alibi.slope_table(B, Hq)  # validates the slope shape
         elif bias is not None:
-            bias = _tensor_arg("bias", bias)
+            bias = _checks.tensor("bias", bias, floating=True)
             if bias.device != q.device:
                 raise ValueError(f"bias must be on q's device {q.device}, got {bias.device}")
             _check_bias_shape(bias, (B, Hq, Sq, Skv))

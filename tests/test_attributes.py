@@ -228,13 +228,13 @@ def test_causal_setters_share_one_alignment_last_wins():
 
 def test_translation_reaches_the_dispatcher(monkeypatch):
     seen = []
-    real = dispatch.select
+    real = dispatch.plan_for
 
     def spy(problem, backend="auto"):
         seen.append(problem)
         return real(problem, backend)
 
-    monkeypatch.setattr(dispatch, "select", spy)
+    monkeypatch.setattr(dispatch, "plan_for", spy)
     q, k, v, _ = make_inputs(case("x", Sq=4, Skv=8).values[0])
     attrs = (SdpaAttributes().set_causal_mask_bottom_right(True).set_sliding_window(2, -1)
              .set_padding_mask([4, 3], [8, 6]).set_alibi_mask(True).set_attn_scale(0.25)

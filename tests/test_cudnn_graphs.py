@@ -16,7 +16,6 @@ import importlib.util
 import json
 import math
 import re
-from collections import OrderedDict
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from common import Problem
 
 import cudnn_attn as ca
 from cudnn_attn import api, dispatch
+from cudnn_attn.caches import clear_caches
 from cudnn_attn.graphs import _runtime
 from cudnn_attn.graphs import backend as cudnn_backend
 from cudnn_attn.graphs._spec import GraphOptions, PagedKV, analyze, padded_rows
@@ -562,9 +562,9 @@ def fake_cudnn(monkeypatch):
     monkeypatch.setattr(cudnn_backend, "build_graph", build)
     monkeypatch.setattr(_runtime, "handle_for", lambda device: None)
     monkeypatch.setattr(engine, "supports", lambda problem: analyze(problem)[1])
-    monkeypatch.setattr(api, "_CALL_CACHE", OrderedDict())
+    clear_caches()  # no plan, call or decline from before the fake engine
     yield fresh, built
-    engine.clear()
+    clear_caches()
 
 
 PLAN_CASES = [

@@ -143,20 +143,22 @@ class CupyPlan:
         t = t if problem.layout == "bshd" else t.transpose(1, 2)
         return t if t.stride(-1) == 1 else t.contiguous()
 
-    def forward(self, problem, q, k, v, bias, generator, need_lse=True):
-        """``(out, lse, None)``: out in the call's layout and dtype, lse ``[B, H, S_q]`` fp32
+    def forward(self, problem, inputs, need_lse=True):
+        """``(out, lse)``: out in the call's layout and dtype, lse ``[B, H, S_q]`` fp32
         (natural log; ``-inf`` and out 0 on rows that see no key)."""
+        q, k, v = inputs.q, inputs.k, inputs.v
         out = torch.empty(self.o_shape, dtype=problem.dtype, device=q.device)
         lse = torch.empty((problem.batch, problem.heads_q, problem.seq_q), dtype=torch.float32,
                           device=q.device)
         tok = functools.partial(self._tokens, problem)
         fused.run_forward(tok(q), tok(k), tok(v), tok(out), lse.transpose(1, 2), self.table,
                           self.boxes, problem.scale, problem.softcap or 0.0)
-        return out, lse, None
+        return out, lse
 
-    def backward(self, problem, q, k, v, bias, out, lse, dout, saved, dlse=None):
+    def backward(self, problem, inputs, out, lse, dout, dlse=None):
         """``(dq, dk, dv, None)`` from the forward's LSE; ``dlse`` (the gradient reaching the
         returned LSE) enters as ``delta = rowsum(dO * O) - dlse``."""
+        q, k, v = inputs.q, inputs.k, inputs.v
         tok = functools.partial(self._tokens, problem)
         o_t, do_t = tok(out), tok(dout)
         delta = (do_t.float() * o_t.float()).sum(-1).transpose(1, 2).contiguous()  # [B, H, S]

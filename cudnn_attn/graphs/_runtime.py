@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["handle_for", "workspace", "ScalarCache", "LengthCache", "aligned", "philox_state"]
+__all__ = ["handle_for", "workspace", "ScalarCache", "LengthCache", "aligned", "philox_tensors"]
 
 _local = threading.local()
 
@@ -107,9 +107,7 @@ class LengthCache(_Bounded):
         return lens[0], lens[1], empty_dev
 
 
-def philox_state(generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pass-by-value Philox ``(seed, offset)`` drawn from ``generator`` (or torch's default)."""
-    source = generator.device if generator is not None else "cpu"
-    seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator, device=source))
-    return (torch.full((1, 1, 1, 1), seed, dtype=torch.int64),
-            torch.zeros((1, 1, 1, 1), dtype=torch.int64))
+def philox_tensors(state) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's pass-by-value Philox ``(seed, offset)`` tensors of a call's ``DropoutState``."""
+    return (torch.full((1, 1, 1, 1), state.seed, dtype=torch.int64),
+            torch.full((1, 1, 1, 1), state.offset, dtype=torch.int64))

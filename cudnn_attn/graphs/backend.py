@@ -1,29 +1,28 @@
 """The cuDNN backend: declines what cuDNN cannot run (with reasons), runs the rest as cached
 cuDNN-frontend SDPA graphs on torch's current stream.
 
-``supports(problem)`` = availability (cudnn importable, a CUDA device) + ``cudnn_reasons`` (every
-rule knowable without a GPU) + a CUDA-device check; on a GPU it then builds the graphs the call
-needs (through ``graph_cache``), so a ``cudnnGraphNotSupportedError`` at any build stage is one
-more reason and the dispatcher moves on. ``plan(problem)`` returns a ``CudnnPlan`` whose
-``forward`` / ``backward`` follow the ``Backend`` protocol of ``cudnn_attn.dispatch``.
+``supports(problem)`` is pure: availability (cudnn importable, a CUDA device) + ``cudnn_reasons``
+(every rule knowable without a GPU) + a CUDA-device check. ``plan(problem)`` builds the graphs the
+call needs (through ``graph_cache``); a ``cudnnGraphNotSupportedError`` at any build stage raises
+``NotSupportedError`` and the dispatcher moves on to the next engine, remembering the decline.
+The plan's ``forward`` / ``backward`` follow the protocol of ``cudnn_attn.dispatch``.
 
 The backward is cuDNN's deterministic one while ``torch.use_deterministic_algorithms(True)`` is
-on (read when a call's plan is made). Dropout draws a Philox seed from the call's ``generator``
-and the backward replays it.
+on (read when a call's plan is made). Dropout runs cuDNN's Philox stream at the call's
+``DropoutState`` (seed, offset); the backward replays it.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import threading
-from collections import OrderedDict
 from typing import Optional
 
 import torch
 
 from .._probe import cuda_missing, module_missing
-from ..dispatch import NotSupportedError
+from ..caches import LRU
+from ..errors import NotSupportedError
 from ..problem import AttnProblem
 from . import _runtime
 from ._spec import GraphSpec, analyze, problem_lengths
@@ -49,9 +48,7 @@ class CudnnBackend:
     name = "cudnn"
 
     def __init__(self):
-        self._plans: OrderedDict = OrderedDict()
-        self._declined: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
+        self._plans = LRU("cudnn.plans", PLAN_CACHE_SIZE)
 
     def availability(self) -> list[str]:
         reasons = module_missing("cudnn", "cu12") + cuda_missing()
@@ -63,53 +60,22 @@ class CudnnBackend:
         reasons = self.availability()
         if problem.device.type != "cuda":
             reasons.append(f"cuDNN runs CUDA tensors; these are on {problem.device}")
-        spec, rules = analyze(problem)  # pure Python: every rule knowable without a GPU
-        reasons += rules
-        if reasons:
-            return reasons
-        key = _plan_key(problem, spec)
-        with self._lock:
-            declined = self._declined.get(key)
-        if declined is not None:
-            return list(declined)
-        try:
-            self._plan(problem, spec, key).prepare(problem)
-        except NotSupportedError as exc:
-            found = exc.reasons.get(self.name) or [str(exc)]
-            with self._lock:
-                self._declined[key] = tuple(found)
-                _trim(self._declined)
-            return list(found)
-        return []
+        return reasons + analyze(problem)[1]  # pure Python: every rule knowable without a GPU
 
     def plan(self, problem: AttnProblem) -> "CudnnPlan":
+        """The plan with every graph ``problem``'s calls need built; ``NotSupportedError`` when
+        cuDNN declines one (at any build stage)."""
         spec, reasons = analyze(problem)
         if reasons:
             raise NotSupportedError(problem, {self.name: reasons}, forced=self.name)
-        return self._plan(problem, spec, _plan_key(problem, spec))
-
-    def _plan(self, problem, spec: GraphSpec, key) -> "CudnnPlan":
-        with self._lock:
-            plan = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
-                return plan
-        plan = CudnnPlan(problem, spec)
-        with self._lock:
-            plan = self._plans.setdefault(key, plan)
-            _trim(self._plans)
+        plan = self._plans.get_or_create(_plan_key(problem, spec),
+                                          lambda: CudnnPlan(problem, spec))
+        plan.prepare(problem)
         return plan
 
     def clear(self) -> None:
-        """Forget plans and declines (graphs stay in ``graph_cache``)."""
-        with self._lock:
-            self._plans.clear()
-            self._declined.clear()
-
-
-def _trim(table: OrderedDict) -> None:
-    while len(table) > PLAN_CACHE_SIZE:
-        table.popitem(last=False)
+        """Forget plans (graphs stay in ``graph_cache``)."""
+        self._plans.clear()
 
 
 def _plan_key(problem: AttnProblem, spec: GraphSpec) -> tuple:
@@ -122,15 +88,6 @@ def _graph(problem: AttnProblem, spec: GraphSpec, backward: bool) -> BuiltGraph:
     tag = "sdpa_backward" if backward else "sdpa_forward"
     key = make_key((tag, spec), problem.device)
     return graph_cache.get_or_build(key, lambda: build_graph(problem, spec, backward))
-
-
-class _Saved:
-    """What the backward needs beyond the autograd-saved tensors."""
-
-    __slots__ = ("stats", "seed", "offset", "empty")
-
-    def __init__(self, stats, seed, offset, empty):
-        self.stats, self.seed, self.offset, self.empty = stats, seed, offset, empty
 
 
 class CudnnPlan:
@@ -188,18 +145,18 @@ class CudnnPlan:
         return rows, empty[:, None, :, None]
 
     # -- Backend protocol ------------------------------------------------------------------------
-    def forward(self, problem, q, k, v, bias, generator, need_lse=True):
-        """``(out, lse, saved)``: out in the call's layout and dtype; lse ``[B, H, S_q]`` fp32
+    def forward(self, problem, inputs, need_lse=True):
+        """``(out, lse)``: out in the call's layout and dtype; lse ``[B, H, S_q]`` fp32
         (natural log; ``-inf`` and out 0 on rows that see no key), ``None`` unless
         ``need_lse``."""
+        q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
         s, device = self.spec, q.device
         built = self._get(problem, "stats" if need_lse else "plain")
         handle = _runtime.handle_for(device)
         buffers, empty = self._common(problem, q, k, v, bias, device)
-        seed = offset = None
         if s.dropout_p > 0:
-            seed, offset = _runtime.philox_state(generator)
-            buffers[UID.DROPOUT_SEED], buffers[UID.DROPOUT_OFFSET] = seed, offset
+            buffers[UID.DROPOUT_SEED], buffers[UID.DROPOUT_OFFSET] = \
+                _runtime.philox_tensors(inputs.dropout)
         out = torch.empty(self.o_shape, dtype=problem.dtype, device=device)
         buffers[UID.O] = out
         stats = None
@@ -211,31 +168,29 @@ class CudnnPlan:
         if stats is None:
             if empty is not None:
                 out.masked_fill_(self._empty_views(empty)[0], 0)
-            return out, None, _Saved(None, seed, offset, empty)
+            return out, None
         lse = stats.view(s.batch, s.heads_q, s.seq_q)
-        raw = None
         if empty is not None:
             rows, stat_rows = self._empty_views(empty)
             out.masked_fill_(rows, 0)
-            raw = stats
             lse = stats.masked_fill(stat_rows, -math.inf).view(s.batch, s.heads_q, s.seq_q)
-        return out, lse, _Saved(raw, seed, offset, empty)
+        return out, lse
 
-    def backward(self, problem, q, k, v, bias, out, lse, dout, saved, dlse=None):
+    def backward(self, problem, inputs, out, lse, dout, dlse=None):
         """``(dq, dk, dv, dbias)`` from the forward's LSE; ``dlse`` (the gradient reaching the
         returned LSE) enters through ``delta = rowsum(dO * O) - dlse``."""
+        q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
         s, device = self.spec, q.device
         built = self._get(problem, "backward")
         handle = _runtime.handle_for(device)
-        buffers, empty = self._common(problem, q, k, v, bias, device)
-        stats = saved.stats if saved is not None and saved.stats is not None else \
-            lse.reshape(s.batch, s.heads_q, s.seq_q, 1)
-        if saved is not None and saved.empty is not None:
-            # exp(S - (+inf)) = 0: rows that see no key contribute nothing, whatever cuDNN
-            # wrote for them in the forward (FlashAttention's convention).
-            stats = stats.masked_fill(self._empty_views(saved.empty)[1], math.inf)
+        buffers, _ = self._common(problem, q, k, v, bias, device)
+        # exp(S - (+inf)) = 0: rows that see no key (lse -inf) contribute nothing, whatever
+        # cuDNN wrote for them in the forward (FlashAttention's convention).
+        stats = lse.reshape(s.batch, s.heads_q, s.seq_q, 1).to(torch.float32)
+        stats = stats.masked_fill(stats == -math.inf, math.inf)
         if s.dropout_p > 0:
-            buffers[UID.DROPOUT_SEED], buffers[UID.DROPOUT_OFFSET] = saved.seed, saved.offset
+            buffers[UID.DROPOUT_SEED], buffers[UID.DROPOUT_OFFSET] = \
+                _runtime.philox_tensors(inputs.dropout)
         dout = _like_layout(dout, self.o_shape)
         if dlse is not None:
             out = _fold_dlse(out, dout, dlse, s.layout)

@@ -207,13 +207,14 @@ class TorchPlan:
         return t.on(device).k_idx[lo:hi]
 
     # -- forward / backward ---------------------------------------------------------------------
-    def forward(self, problem, q, k, v, bias, generator, need_lse=True):
-        """``(out, lse, dropout_state)``: out in the call's layout and dtype, lse [B, H, S_q]
-        (``None`` allowed when ``need_lse`` is false and nothing will run backward)."""
+    def forward(self, problem, inputs, need_lse=True):
+        """``(out, lse)``: out in the call's layout and dtype, lse [B, H, S_q] (``None`` allowed
+        when ``need_lse`` is false and nothing will run backward)."""
+        q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
         if self.fused_ok:
-            return (*_cpu_fused.whole_problem(problem, q, k, v, need_lse), None)
+            return _cpu_fused.whole_problem(problem, q, k, v, need_lse)
         if self.fused_tiles:
-            return (*_cpu_fused.tile_forward(self, problem, q, k, v, bias), None)
+            return _cpu_fused.tile_forward(self, problem, q, k, v, bias)
         dtype = compute_dtype(problem.dtype)
         qs = rows_of(problem, q, dtype, problem.scale)
         k3, v3 = cols(problem, k, dtype), cols(problem, v, dtype)
@@ -221,7 +222,7 @@ class TorchPlan:
         rows = self.tiles.count * T
         out_t = qs.new_empty(BH, rows, G, problem.dim_v)
         lse_t = qs.new_empty(BH, rows, G)
-        dropout = _Dropout(problem, generator, qs.device)
+        dropout = _Dropout(problem.dropout_p, inputs.dropout, qs.device)
         for lo, hi in self.chunks(problem):
             n = hi - lo
             keys = self.keys_of(lo, hi, qs.device)
@@ -239,13 +240,14 @@ class TorchPlan:
         inverse = self.tiles.on(qs.device).inverse
         out = unrows(problem, out_t.index_select(1, inverse)).to(problem.dtype)
         lse = lse_layout(problem, lse_t.index_select(1, inverse))
-        return out, lse.to(lse_dtype(problem.dtype)), dropout.state
+        return out, lse.to(lse_dtype(problem.dtype))
 
-    def backward(self, problem, q, k, v, bias, out, lse, dout, dropout_state, dlse=None):
+    def backward(self, problem, inputs, out, lse, dout, dlse=None):
         """Gradients ``(dq, dk, dv, dbias)`` from the saved LSE (dbias None unless it needs one).
 
         ``dlse`` (optional) is the gradient reaching the returned LSE; d lse / d s = p.
         """
+        q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
         if self.fused_tiles and dlse is None and not problem.bias_requires_grad:
             return _cpu_fused.tile_backward(self, problem, q, k, v, bias, out, lse, dout)
         dtype = compute_dtype(problem.dtype)
@@ -264,7 +266,7 @@ class TorchPlan:
         dbias_full = None
         if problem.bias_requires_grad:
             dbias_full = qs.new_zeros(B, problem.heads_q, problem.seq_q, problem.seq_kv)
-        dropout = _Dropout(problem, None, qs.device, state=dropout_state)
+        dropout = _Dropout(problem.dropout_p, inputs.dropout, qs.device)
         for lo, hi in self.chunks(problem):
             n = hi - lo
             keys = self.keys_of(lo, hi, qs.device)
@@ -380,22 +382,18 @@ def _reduce_to(full, shape):
 # ---------------------------------------------------------------------------------------------
 
 class _Dropout:
-    def __init__(self, problem, generator, device, state=None):
-        self.p = problem.dropout_p
+    """Keep masks drawn chunk by chunk from a private generator that the ``DropoutState`` seeds,
+    so the backward (and any replay of the same state) regenerates the forward's masks."""
+
+    def __init__(self, p: float, state, device):
+        self.p = p
         self.generator = None
-        self.state = None
-        if self.p == 0:
+        if p == 0:
             return
-        gen = torch.Generator(device=device)
-        if state is not None:
-            gen.set_state(state)
-        else:
-            # The user's generator (or the global one) seeds a private stream we can replay.
-            source = generator.device if generator is not None else "cpu"
-            seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator, device=source))
-            gen.manual_seed(seed)
-            self.state = gen.get_state()
-        self.generator = gen
+        if state is None:
+            raise ValueError("a dropout call needs its DropoutState")
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(_stream_seed(state))
 
     def keep(self, p):
         """Scaled keep mask for the next chunk (``None`` without dropout)."""
@@ -407,3 +405,8 @@ class _Dropout:
     def apply(self, p):
         keep = self.keep(p)
         return p if keep is None else p * keep
+
+
+def _stream_seed(state) -> int:
+    """One generator seed per (seed, offset): offsets select distinct streams of one seed."""
+    return (state.seed + state.offset * 0x9E3779B97F4A7C15) % (2 ** 63)

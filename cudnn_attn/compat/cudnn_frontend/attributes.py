@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import math
 import numbers
 import operator
@@ -48,6 +47,7 @@ from ... import dispatch
 from ...torch_engine.tiles import Visibility
 from ...masks import Alibi, Causal, Padding, SlidingWindow, mask_parts
 from ...problem import AttnProblem
+from ...runtime import DropoutState, Inputs
 
 __all__ = ["SdpaAttributes", "SdpaBackwardAttributes", "scaled_dot_product_flash_attention",
            "scaled_dot_product_flash_attention_backward"]
@@ -380,25 +380,19 @@ def _translate(attrs: _Attributes, q, k):
     return mask, bias
 
 
-def _generator(seed: int, offset: int) -> torch.Generator:
-    # A stable (cross-process) 63-bit seed for the pair, so (seed, offset) pins the mask.
-    digest = hashlib.blake2b(f"{seed}:{offset}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
-
-
 def _problem(attrs, q, k, v, need_stats):
     mask, bias = _translate(attrs, q, k)
-    dropout_p, generator = 0.0, None
+    dropout_p, dropout = 0.0, None
     if attrs.dropout is not None and attrs.dropout[0] == "philox" and attrs.dropout[1] > 0:
-        dropout_p, generator = attrs.dropout[1], _generator(*attrs.dropout[2:])
+        dropout_p, dropout = attrs.dropout[1], DropoutState(*attrs.dropout[2:])
     problem = AttnProblem.from_tensors(q, k, v, mask=mask, bias=bias, scale=attrs.attn_scale,
                                        dropout_p=dropout_p, layout="bhsd", return_lse=need_stats)
     if getattr(attrs, "deterministic", False):
         # A deterministic backward is a different plan (plan_key includes the flag).
         problem = dataclasses.replace(problem, deterministic=True)
-    plan = dispatch.select(problem).plan(problem)
+    plan = dispatch.plan_for(problem)[1]
     tensor_bias = bias if isinstance(bias, torch.Tensor) else None
-    return problem, plan, tensor_bias, generator
+    return problem, plan, Inputs(q, k, v, tensor_bias, dropout)
 
 
 def _check_attrs(attrs, cls, fn):
@@ -427,8 +421,8 @@ def scaled_dot_product_flash_attention(q, k, v, attrs: SdpaAttributes):
         problem, bias = _dense_problem(attrs, q, k, v)
         o, lse = _dense_forward(problem, attrs, q, k, v, bias)
     else:
-        problem, plan, bias, generator = _problem(attrs, q, k, v, need)
-        o, lse, _ = plan.forward(problem, q, k, v, bias, generator, need_lse=need)
+        problem, plan, inputs = _problem(attrs, q, k, v, need)
+        o, lse = plan.forward(problem, inputs, need_lse=need)
     return o, (lse.unsqueeze(-1) if need else None)
 
 
@@ -450,12 +444,8 @@ def scaled_dot_product_flash_attention_backward(q, k, v, o, dO, stats,
     if attrs.dropout is not None and attrs.dropout[0] == "mask":
         problem, bias = _dense_problem(attrs, q, k, v)
         return _dense_backward(problem, attrs, q, k, v, bias, o, dO, lse)
-    problem, plan, bias, generator = _problem(attrs, q, k, v, True)
-    saved = None
-    if generator is not None:
-        # Regenerate the forward's dropout state: the same (seed, offset) replays the same draw.
-        _, _, saved = plan.forward(problem, q, k, v, bias, generator, need_lse=False)
-    dq, dk, dv, _ = plan.backward(problem, q, k, v, bias, o, lse, dO, saved)
+    problem, plan, inputs = _problem(attrs, q, k, v, True)
+    dq, dk, dv, _ = plan.backward(problem, inputs, o, lse, dO)
     return dq, dk, dv
 
 

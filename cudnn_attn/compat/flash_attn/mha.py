@@ -26,9 +26,9 @@ Conventions of this implementation (where FlashAttention leaves room or differs)
 * ``softmax_lse`` is float32 (float64 for float64 inputs), ``[B, H, S_q]``; varlen: ``[H,
   total_q]``. A row that sees no key gets ``out = 0`` and ``lse = -inf`` (FlashAttention writes
   ``+inf``); the backward accepts either.
-* ``philox_seed`` is a 0-d int64 CPU tensor holding the seed drawn from ``gen_`` (or the default
-  generator of q's device); ``philox_offset`` is a 0-d int64 tensor holding 0. The engines' dropout
-  streams are derived from the seed alone, so ``mha_bwd`` regenerates exactly the forward's keep
+* ``philox_seed`` / ``philox_offset`` are 0-d int64 CPU tensors: the call's dropout stream
+  (``DropoutState``), drawn from ``gen_`` (or the default CPU generator). Every engine derives its
+  keep masks from these two numbers alone, so ``mha_bwd`` regenerates exactly the forward's keep
   mask from them (pass them back unchanged). Without dropout both are 0.
 * ``return_softmax`` works with or without dropout and returns ``p`` ``[B, H, S_q, S_k]`` in q's
   dtype (varlen: ``[B, H, max_seqlen_q, max_seqlen_k]``, zero past each sequence): the attention
@@ -62,14 +62,11 @@ from ... import dispatch
 from ...dispatch import NotSupportedError
 from ...masks import Alibi, Causal, SlidingWindow
 from ...problem import AttnProblem
+from ...runtime import DropoutState, Inputs
 from ...varlen import _cu_lengths, _gather_pages, _index_tensor, _pad, _slots, _tensor, _with_padding
 
 __all__ = ["mha_fwd", "mha_varlen_fwd", "mha_bwd", "mha_varlen_bwd"]
 
-_SEED_RANGE = 2 ** 62
-# Engines whose dropout replay state this module rebuilds from the seed without running anything
-# (the torch engine: a torch.Generator state). Others replay the forward to get it.
-_DIRECT_REPLAY = {"torch"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,18 +167,18 @@ def _seed_arg(name: str, value) -> int:
         if value.numel() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
             raise ValueError(f"{name} must be a one-element integer tensor (as mha_fwd returns), "
                              f"got {value.dtype} of shape {tuple(value.shape)}")
-        return int(value.reshape(()).item())
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        value = int(value.reshape(()).item())
+    elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int64 tensor from mha_fwd, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 (as mha_fwd returns), got {value}")
     return int(value)
 
 
-def _philox(philox_seed, philox_offset) -> int:
-    offset = _seed_arg("philox_offset", philox_offset)
-    if offset != 0:
-        raise ValueError(f"philox_offset must be the 0 that mha_fwd returns (this library's "
-                         f"dropout streams start at their seed), got {offset}")
-    return _seed_arg("philox_seed", philox_seed)
+def _philox(philox_seed, philox_offset) -> DropoutState:
+    """The dropout stream ``mha_fwd`` returned, as the engines' ``DropoutState``."""
+    return DropoutState(_seed_arg("philox_seed", philox_seed),
+                        _seed_arg("philox_offset", philox_offset))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,43 +219,20 @@ def _dropout_engine(problem: AttnProblem):
     return dispatch.select(probe), probe
 
 
-def _draw_seed(gen_, device) -> int:
-    source = gen_.device if gen_ is not None else device
-    return int(torch.randint(0, _SEED_RANGE, (1,), generator=gen_, device=source))
-
-
-def _stream(seed: int) -> torch.Generator:
-    """The generator handed to the engine: it derives its private dropout stream from it."""
-    return torch.Generator().manual_seed(seed)
-
-
-def _replay_state(backend, plan, problem, q, k, v, seed: int):
-    """The engine's ``saved`` dropout state for the stream of ``seed``."""
-    if backend.name in _DIRECT_REPLAY:
-        # reference._Dropout: one draw from the call's generator seeds a private generator on
-        # the device, whose state is what its backward replays.
-        inner = int(torch.randint(0, _SEED_RANGE, (1,), generator=_stream(seed)))
-        gen = torch.Generator(device=q.device)
-        gen.manual_seed(inner)
-        return gen.get_state()
-    _, _, saved = plan.forward(problem, q, k, v, None, _stream(seed))
-    return saved
-
-
 def _forward(q, k, v, mask, alibi, opts: _Options, return_softmax, gen_):
-    """bshd q/k/v -> ``(out, lse, seed, probs or None)`` on the selected engine."""
+    """bshd q/k/v -> ``(out, lse, dropout state, probs or None)`` on the selected engine."""
     problem = _problem(q, k, v, mask, alibi, opts)
-    generator, seed = None, 0
+    dropout = DropoutState(0, 0)
     if opts.p_dropout > 0:
-        seed = _draw_seed(gen_, q.device)
-        generator = _stream(seed)
+        dropout = DropoutState.draw(gen_)
         backend, problem = _dropout_engine(problem)
     else:
         backend = dispatch.select(problem)
+    inputs = Inputs(q, k, v, None, dropout if opts.p_dropout > 0 else None)
     with torch.no_grad():
         if not return_softmax:
-            out, lse, _ = backend.plan(problem).forward(problem, q, k, v, None, generator)
-            return out, lse, seed, None
+            out, lse = backend.plan(problem).forward(problem, inputs)
+            return out, lse, dropout, None
         # One call computes out and the weights: p @ [v | I] = [out | p].
         seq_k, dim_v = k.shape[1], v.shape[3]
         eye = torch.eye(seq_k, dtype=v.dtype, device=v.device)
@@ -274,18 +248,18 @@ def _forward(q, k, v, mask, alibi, opts: _Options, return_softmax, gen_):
                 raise NotSupportedError(aug, {backend.name: [why, *reasons]}, forced=backend.name)
         else:
             backend = dispatch.select(aug)
-        out_aug, lse, _ = backend.plan(aug).forward(aug, q, k, v_aug, None, generator)
-    return out_aug[..., :dim_v], lse, seed, out_aug[..., dim_v:].permute(0, 2, 1, 3)
+        inputs.v = v_aug
+        out_aug, lse = backend.plan(aug).forward(aug, inputs)
+    return out_aug[..., :dim_v], lse, dropout, out_aug[..., dim_v:].permute(0, 2, 1, 3)
 
 
-def _backward(dout, q, k, v, out, lse, mask, alibi, opts: _Options, deterministic, seed):
+def _backward(dout, q, k, v, out, lse, mask, alibi, opts: _Options, deterministic, dropout):
     """bshd tensors -> ``(dq, dk, dv)`` through the selected engine's backward."""
     problem = _problem(q, k, v, mask, alibi, opts)
     problem = dataclasses.replace(
         problem, requires_grad=True,
         deterministic=deterministic or torch.are_deterministic_algorithms_enabled())
-    dropout = opts.p_dropout > 0
-    if dropout:
+    if opts.p_dropout > 0:
         backend, _ = _dropout_engine(problem)
         reasons = backend.supports(problem)
         if reasons:
@@ -294,20 +268,17 @@ def _backward(dout, q, k, v, out, lse, mask, alibi, opts: _Options, deterministi
     else:
         backend = dispatch.select(problem)
     plan = backend.plan(problem)
-    # Rows that see no key: -inf (this library) or +inf (FlashAttention). The torch engine zeroes
-    # rows with lse = -inf; the others compute exp(s - lse), which +inf makes 0.
-    if backend.name == "torch":
-        lse = lse.masked_fill(lse == math.inf, -math.inf)
-    else:
-        lse = lse.masked_fill(lse == -math.inf, math.inf)
+    # Rows that see no key: FlashAttention writes +inf, the engines take -inf.
+    lse = lse.masked_fill(lse == math.inf, -math.inf)
+    inputs = Inputs(q, k, v, None, dropout if opts.p_dropout > 0 else None)
     with torch.no_grad():
-        saved = _replay_state(backend, plan, problem, q, k, v, seed) if dropout else None
-        dq, dk, dv, _ = plan.backward(problem, q, k, v, None, out, lse, dout, saved)
+        dq, dk, dv, _ = plan.backward(problem, inputs, out, lse, dout)
     return dq, dk, dv
 
 
-def _seed_tensors(seed: int):
-    return torch.tensor(seed, dtype=torch.int64), torch.tensor(0, dtype=torch.int64)
+def _seed_tensors(dropout: DropoutState):
+    return (torch.tensor(dropout.seed, dtype=torch.int64),
+            torch.tensor(dropout.offset, dtype=torch.int64))
 
 
 def _into(buf, value: torch.Tensor) -> torch.Tensor:
@@ -352,9 +323,9 @@ def mha_fwd(q, k, v, out_, alibi_slopes_, p_dropout, softmax_scale, is_causal, w
     alibi = _alibi(alibi_slopes_, batch, heads, q.device)
     _like("out_", out_, (batch, seq_q, heads, v.shape[3]), q, optional=True)
 
-    out, lse, seed, probs = _forward(q, k, v, mask, alibi, opts, return_softmax, gen_)
+    out, lse, dropout, probs = _forward(q, k, v, mask, alibi, opts, return_softmax, gen_)
     p = probs.contiguous() if probs is not None else q.new_empty(0)
-    return (_into(out_, out), q, k, v, lse.contiguous(), *_seed_tensors(seed), p)
+    return (_into(out_, out), q, k, v, lse.contiguous(), *_seed_tensors(dropout), p)
 
 
 def mha_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, alibi_slopes_, p_dropout,
@@ -379,9 +350,9 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, alibi_slopes_, p_dro
     mask = _fa_mask(opts, k.shape[1], seq_q == k.shape[1], alibi_slopes_ is not None)
     deterministic = _flag("deterministic", deterministic)
     alibi = _alibi(alibi_slopes_, batch, heads, q.device)
-    seed = _philox(philox_seed, philox_offset)
+    dropout = _philox(philox_seed, philox_offset)
 
-    grads = _backward(dout, q, k, v, out, lse, mask, alibi, opts, deterministic, seed)
+    grads = _backward(dout, q, k, v, out, lse, mask, alibi, opts, deterministic, dropout)
     softmax_d = _softmax_d(dout, out, q.dtype).permute(0, 2, 1).contiguous()
     return (*(_into(b, g) for b, g in zip(bufs, grads)), softmax_d)
 
@@ -562,13 +533,13 @@ def mha_varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, block_t
     _like("out_", out_, (q.shape[0], q.shape[1], v.shape[-1]), q, optional=True)
 
     kp, vp = _varlen_keys(k, v, lens_k, full_k, table, pack)
-    out, lse, seed, probs = _forward(pack.pad_q(q), kp, vp, mask, alibi, opts, return_softmax,
+    out, lse, dropout, probs = _forward(pack.pad_q(q), kp, vp, mask, alibi, opts, return_softmax,
                                      gen_)
     p = q.new_empty(0)
     if probs is not None:
         p = probs[:, :, :pack.max_q, :pack.max_k].contiguous()
     return (_into(out_, pack.unpad(out, pack.slots_q)), q, k, v, pack.lse_packed(lse),
-            *_seed_tensors(seed), p)
+            *_seed_tensors(dropout), p)
 
 
 def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q, cu_seqlens_k,
@@ -596,11 +567,11 @@ def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q,
     mask = pack.mask(opts, alibi_slopes_ is not None)
     deterministic = _flag("deterministic", deterministic)
     alibi = _alibi(alibi_slopes_, pack.batch, q.shape[1], q.device)
-    seed = _philox(philox_seed, philox_offset)
+    dropout = _philox(philox_seed, philox_offset)
 
     grads = _backward(pack.pad_q(dout), pack.pad_q(q), pack.pad_k(k), pack.pad_k(v),
                       pack.pad_q(out), pack.lse_padded(lse), mask, alibi, opts, deterministic,
-                      seed)
+                      dropout)
     slots = (pack.slots_q, pack.slots_k, pack.slots_k)
     softmax_d = _softmax_d(dout, out, q.dtype).t().contiguous()
     return (*(_into(b, pack.unpad(g, s)) for b, g, s in zip(bufs, grads, slots)), softmax_d)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from . import unfused as _na_unfused
-from ...masks import _as_bool, _check_int, _per_axis
+from ..._checks import boolean as _as_bool, integer as _check_int, per_axis as _per_axis
 
 __all__ = [
     "NeighborhoodAttention1D",

@@ -1,0 +1,128 @@
+"""The argument validators every surface uses: one family, one wording.
+
+Each raises ``TypeError`` for a value of the wrong kind and ``ValueError`` for a value of the right
+kind out of range, naming the argument and the value. ``prefix`` (e.g. ``"na2d_qk_forward: "``)
+lets an op layer say which op complained. Never ``assert`` on user input.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable, Optional, Sequence
+
+import torch
+
+__all__ = ["FLOAT_DTYPES", "INDEX_DTYPES", "tensor", "index_tensor", "like", "shape", "integer",
+           "flag", "boolean", "real", "per_axis", "softmax_scale"]
+
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def tensor(name: str, t, *, ndim: Optional[int] = None, what: str = "", floating: bool = False,
+           prefix: str = "") -> torch.Tensor:
+    """``t`` is a tensor (of ``ndim`` dims, described by ``what``; a float dtype if ``floating``)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{prefix}{name} must be a torch.Tensor, got {type(t).__name__}")
+    if floating and t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{prefix}{name} must be float64, float32, float16 or bfloat16, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        layout = f" {what}" if what else ""
+        raise ValueError(f"{prefix}{name} must be {ndim}-D{layout}, got shape {tuple(t.shape)}")
+    return t
+
+
+def index_tensor(name: str, t, *, ndim: int, device: torch.device, prefix: str = "") -> torch.Tensor:
+    """An int32/int64 tensor of ``ndim`` dims on ``device`` or the CPU."""
+    tensor(name, t, prefix=prefix)
+    if t.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{prefix}{name} must be int32 or int64, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{prefix}{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if t.device != device and t.device.type != "cpu":
+        raise ValueError(f"{prefix}{name} must be on {device} (or the CPU), got {t.device}")
+    return t
+
+
+def shape(name: str, t: torch.Tensor, expected: Sequence[int], what: str = "",
+          prefix: str = "") -> torch.Tensor:
+    """``t`` has exactly ``expected`` as its shape (``what`` names the layout in the message)."""
+    if tuple(t.shape) != tuple(expected):
+        label = f"{what} = " if what else ""
+        raise ValueError(f"{prefix}{name} must have shape {label}{tuple(expected)}, got "
+                         f"{tuple(t.shape)}")
+    return t
+
+
+def like(name: str, t, ref: torch.Tensor, ref_name: str, *, expected: Optional[Sequence[int]] = None,
+         what: str = "", any_float: bool = False, prefix: str = "") -> torch.Tensor:
+    """``t`` is a tensor with ``ref``'s dtype (any float dtype with ``any_float``) and device,
+    and the shape ``expected`` when given."""
+    tensor(name, t, prefix=prefix)
+    if expected is not None:
+        shape(name, t, expected, what, prefix)
+    if any_float:
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{prefix}{name} must be a float tensor, got {t.dtype}")
+    elif t.dtype != ref.dtype:
+        raise TypeError(f"{prefix}{name} has dtype {t.dtype}, but {ref_name} has {ref.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{prefix}{name} is on {t.device}, but {ref_name} is on {ref.device}")
+    return t
+
+
+def integer(name: str, value, minimum: Optional[int] = None, *, maximum: Optional[int] = None,
+            tensors: bool = False, prefix: str = "") -> int:
+    """A Python int (a 0-d integer tensor too with ``tensors``) in ``[minimum, maximum]``."""
+    if tensors and isinstance(value, torch.Tensor) and value.dim() == 0 \
+            and value.dtype in INDEX_DTYPES:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{prefix}{name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{prefix}{name} must be >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{prefix}{name} must be <= {maximum}, got {value!r}")
+    return int(value)
+
+
+def flag(name: str, value, prefix: str = "") -> bool:
+    """Strictly a ``bool``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{prefix}{name} must be a bool, got {value!r}")
+    return value
+
+
+def boolean(name: str, value, prefix: str = "") -> bool:
+    """A ``bool`` or the ints 0/1 (NATTEN's per-axis flags accept both)."""
+    if not isinstance(value, (bool, int)) or value not in (0, 1):
+        raise TypeError(f"{prefix}{name} must be a bool or a tuple of bools, got {value!r}")
+    return bool(value)
+
+
+def real(name: str, value, *, ok: Callable[[float], bool] = lambda x: True, bound: str = "",
+         error: type = ValueError, prefix: str = "") -> float:
+    """A finite real number (not a bool) for which ``ok`` holds; ``bound`` words the range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or not ok(value):
+        raise error(f"{prefix}{name} must be a finite number{bound}, got {value!r}")
+    return float(value)
+
+
+def per_axis(name: str, value, ndim: int, cast: Callable, prefix: str = "") -> tuple:
+    """A scalar repeated on every axis, or a tuple/list of exactly ``ndim`` entries; each entry
+    goes through ``cast(name, entry)``."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != ndim:
+            raise ValueError(f"{prefix}{name} must have {ndim} entries (one per axis), got {value!r}")
+        return tuple(cast(name, v) for v in value)
+    return (cast(name, value),) * ndim
+
+
+def softmax_scale(name: str, value, head_dim: int, *, error: type = ValueError,
+                  prefix: str = "") -> float:
+    """``head_dim ** -0.5`` for ``None``, else a finite number."""
+    if value is None:
+        return head_dim ** -0.5
+    return real(name, value, error=error, prefix=prefix)
