@@ -8,7 +8,7 @@ import torch
 
 from . import dispatch
 from .caches import LRU
-from .masks import Alibi
+from .masks import Alibi, RelPosBias
 from .problem import AttnProblem
 from .runtime import DropoutState, Inputs
 
@@ -29,6 +29,9 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
     (validation then explains what is wrong)."""
     if isinstance(bias, torch.Tensor):
         bias_key = (bias.shape, bias.stride(), bias.dtype, bias.device, bias.requires_grad)
+    elif isinstance(bias, RelPosBias):
+        t = bias.table
+        bias_key = ("rpb", t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
     elif bias is None or isinstance(bias, Alibi):
         bias_key = bias
     else:
@@ -65,25 +68,25 @@ def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, problem, plan, dropout, q, k, v, bias):
-        out, lse = plan.forward(problem, Inputs(q, k, v, bias, dropout))
-        ctx.problem, ctx.plan, ctx.dropout = problem, plan, dropout
+    def forward(ctx, problem, plan, dropout, dropout_mask, q, k, v, bias):
+        out, lse = plan.forward(problem, Inputs(q, k, v, bias, dropout, dropout_mask))
+        ctx.problem, ctx.plan, ctx.dropout, ctx.dropout_mask = problem, plan, dropout, dropout_mask
         ctx.save_for_backward(q, k, v, bias, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, bias, out, lse = ctx.saved_tensors
-        dq, dk, dv, dbias = ctx.plan.backward(ctx.problem, Inputs(q, k, v, bias, ctx.dropout),
-                                              out, lse, dout, dlse)
-        return None, None, None, dq, dk, dv, dbias
+        inputs = Inputs(q, k, v, bias, ctx.dropout, ctx.dropout_mask)
+        dq, dk, dv, dbias = ctx.plan.backward(ctx.problem, inputs, out, lse, dout, dlse)
+        return None, None, None, None, dq, dk, dv, dbias
 
 
 def run(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool):
     """``(out, lse)`` of one call through ``plan``, differentiable when the problem needs it."""
     if problem.requires_grad and torch.is_grad_enabled():
-        return _AttentionFunction.apply(problem, plan, inputs.dropout, inputs.q, inputs.k,
-                                        inputs.v, inputs.bias)
+        return _AttentionFunction.apply(problem, plan, inputs.dropout, inputs.dropout_mask,
+                                        inputs.q, inputs.k, inputs.v, inputs.bias)
     return plan.forward(problem, inputs, need_lse=need_lse)
 
 
@@ -98,8 +101,9 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softc
             reads kv head ``h // (H_q // H_kv)`` (GQA/MQA).
         v: values, ``[B, H_kv, S_kv, D_v]`` (or bshd); ``D_v`` may differ from ``D_qk``.
         mask: ``Causal``, ``SlidingWindow``, ``Neighborhood``, ``Padding`` or an ``&`` of them.
-        bias: a float tensor broadcastable to ``[B, H_q, S_q, S_kv]`` added to the scores, or
-            ``Alibi(slopes=None)``.
+        bias: a float tensor broadcastable to ``[B, H_q, S_q, S_kv]`` added to the scores,
+            ``Alibi(slopes=None)``, or ``RelPosBias(table)`` (NATTEN's relative positional bias,
+            with a ``Neighborhood`` mask).
         scale: softmax scale; ``D_qk ** -0.5`` by default.
         dropout_p: probability of dropping an attention weight (kept ones scale by
             ``1 / (1 - dropout_p)``); ``generator`` makes it reproducible.
@@ -124,7 +128,8 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softc
     """
     problem, plan = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
                              return_lse, backend)
-    bias_tensor = bias if isinstance(bias, torch.Tensor) else None
+    bias_tensor = bias.table if isinstance(bias, RelPosBias) else \
+        bias if isinstance(bias, torch.Tensor) else None
     dropout = DropoutState.draw(generator) if problem.dropout_p > 0 else None
     out, lse = run(problem, plan, Inputs(q, k, v, bias_tensor, dropout), return_lse)
     return (out, lse) if return_lse else out

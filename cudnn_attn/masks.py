@@ -30,6 +30,7 @@ __all__ = [
     "Neighborhood",
     "Padding",
     "Alibi",
+    "RelPosBias",
     "ALIGNMENTS",
     "mask_parts",
     "alibi_slopes",
@@ -270,3 +271,27 @@ class Alibi:
             raise ValueError(f"Alibi slopes of shape {tuple(table.shape)} do not match batch={batch}, "
                              f"heads={heads}; expected [{heads}] or [{batch}, {heads}]")
         return table
+
+
+# ---------------------------------------------------------------------------------------------
+# Relative positional bias (NATTEN)
+# ---------------------------------------------------------------------------------------------
+
+class RelPosBias:
+    """NATTEN's relative positional bias, for a ``Neighborhood`` mask: ``table`` is
+    ``[H_q, 2k_0-1, ..., 2k_{n-1}-1]``, and the score of query ``i`` and key ``j`` gains
+    ``table[h, (j_0 - i_0) // d_0 + k_0 - 1, ...]`` (per-axis coordinates, dilation ``d``).
+    Pass it as ``bias=RelPosBias(table)``; the table is differentiable.
+
+    Equivalent PyTorch (1-D, no dilation)::
+
+        s = s + table[h, (j - i) + k - 1]    # for every visible (i, j)
+    """
+
+    __slots__ = ("table",)
+
+    def __init__(self, table):
+        self.table = _checks.tensor("RelPosBias table", table, floating=True)
+
+    def __repr__(self) -> str:
+        return f"RelPosBias(table={list(self.table.shape)})"

@@ -16,7 +16,7 @@ import torch
 
 from . import _checks
 from ._checks import FLOAT_DTYPES
-from .masks import Alibi, Causal, Mask, Neighborhood, Padding, SlidingWindow, mask_parts
+from .masks import Alibi, Causal, Mask, Neighborhood, Padding, RelPosBias, SlidingWindow, mask_parts
 
 __all__ = ["TensorSpec", "AttnProblem", "LAYOUTS", "FLOAT_DTYPES"]
 
@@ -36,12 +36,25 @@ class TensorSpec:
         return TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def _check_bias_shape(bias: torch.Tensor, full: tuple[int, int, int, int]) -> None:
+def _check_bias_shape(bias: torch.Tensor, full: tuple[int, int, int, int], name="bias") -> None:
     ok = bias.dim() <= 4 and all(
         b in (1, f) for b, f in zip(reversed(bias.shape), reversed(full)))
     if not ok:
-        raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to "
+        raise ValueError(f"{name} of shape {tuple(bias.shape)} does not broadcast to "
                          f"[B, H, S_q, S_kv] = {list(full)}")
+
+
+def _check_rpb(table: torch.Tensor, mask, heads: int, q: torch.Tensor) -> TensorSpec:
+    hoods = [m for m in mask_parts(mask) if isinstance(m, Neighborhood)]
+    if len(hoods) != 1:
+        raise ValueError("RelPosBias needs exactly one Neighborhood mask in mask=")
+    expected = (heads, *(2 * k - 1 for k in hoods[0].kernel_size))
+    if tuple(table.shape) != expected:
+        raise ValueError(f"RelPosBias table must have shape [H, 2k-1, ...] = {expected}, got "
+                         f"{tuple(table.shape)}")
+    if table.device != q.device:
+        raise ValueError(f"RelPosBias table must be on q's device {q.device}, got {table.device}")
+    return TensorSpec.of(table)
 
 
 @dataclass(frozen=True)
@@ -64,6 +77,10 @@ class AttnProblem:
     mask: Optional[Mask] = None
     bias: Optional[TensorSpec] = None
     alibi: Optional[Alibi] = None
+    rpb: Optional[TensorSpec] = None           # RelPosBias table (with a Neighborhood mask)
+    # An explicit dropout mask (cuDNN builder's set_dropout(mask, scale)): p * mask * scale.
+    dropout_mask: Optional[TensorSpec] = None
+    dropout_scale: float = 1.0
     scale: float = 1.0
     dropout_p: float = 0.0
     softcap: Optional[float] = None
@@ -80,8 +97,8 @@ class AttnProblem:
         parts = tuple(("padding",) if isinstance(m, Padding) else m for m in mask_parts(self.mask))
         key = (self.batch, self.heads_q, self.heads_kv, self.seq_q, self.seq_kv, self.dim_qk,
                self.dim_v, self.dtype, self.device, self.layout, self.q, self.k, self.v, parts,
-               self.bias, self.alibi is not None, self.softcap is not None, self.dropout_p > 0,
-               self.deterministic)
+               self.bias, self.alibi is not None, self.rpb, self.dropout_mask,
+               self.softcap is not None, self.dropout_p > 0, self.deterministic)
         object.__setattr__(self, "plan_key", key)
 
     # -- convenience views used by every backend ----------------------------------------------
@@ -106,6 +123,8 @@ class AttnProblem:
         masks = " & ".join(repr(m) for m in mask_parts(self.mask)) or "none"
         extras = [f"bias={list(self.bias.shape)}" if self.bias else "",
                   "alibi" if self.alibi else "",
+                  f"rpb={list(self.rpb.shape)}" if self.rpb else "",
+                  f"dropout_mask={list(self.dropout_mask.shape)}" if self.dropout_mask else "",
                   f"softcap={self.softcap}" if self.softcap else "",
                   f"dropout_p={self.dropout_p}" if self.dropout_p else ""]
         return (f"q=[B={self.batch}, H={self.heads_q}, S={self.seq_q}, D={self.dim_qk}] "
@@ -116,8 +135,13 @@ class AttnProblem:
     # -- construction and validation ----------------------------------------------------------
     @staticmethod
     def from_tensors(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
-                     layout="bhsd", return_lse=False) -> "AttnProblem":
-        """Validate the arguments of ``attention()`` and describe the call."""
+                     layout="bhsd", return_lse=False, dropout_mask=None,
+                     dropout_scale=1.0) -> "AttnProblem":
+        """Validate the arguments of ``attention()`` and describe the call.
+
+        ``dropout_mask`` (a float tensor broadcastable to ``[B, H_q, S_q, S_kv]``, exclusive with
+        ``dropout_p``) multiplies the attention weights, times ``dropout_scale``.
+        """
         q, k, v = (_checks.tensor(n, t, floating=True) for n, t in (("q", q), ("k", k), ("v", v)))
         if not (q.dtype == k.dtype == v.dtype):
             raise TypeError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, "
@@ -153,10 +177,13 @@ class AttnProblem:
                             f"Padding or their & combination), got {type(mask).__name__}")
         _check_masks(mask, B, Sq, Skv, isinstance(bias, Alibi))
 
-        alibi, bias_spec, bias_grad = None, None, False
+        alibi, bias_spec, rpb_spec, bias_grad = None, None, None, False
         if isinstance(bias, Alibi):
             alibi = bias
             alibi.slope_table(B, Hq)  # validates the slope shape
+        elif isinstance(bias, RelPosBias):
+            rpb_spec = _check_rpb(bias.table, mask, Hq, q)
+            bias_grad = bias.table.requires_grad
         elif bias is not None:
             bias = _checks.tensor("bias", bias, floating=True)
             if bias.device != q.device:
@@ -176,12 +203,24 @@ class AttnProblem:
                     or not math.isfinite(softcap) or softcap < 0:
                 raise ValueError(f"softcap must be None or a finite number >= 0, got {softcap!r}")
             softcap = float(softcap) or None  # FlashAttention's convention: 0 means off
+        mask_spec = None
+        if dropout_mask is not None:
+            dropout_mask = _checks.tensor("dropout_mask", dropout_mask, floating=True)
+            if dropout_mask.device != q.device:
+                raise ValueError(f"dropout_mask must be on q's device {q.device}, got "
+                                 f"{dropout_mask.device}")
+            _check_bias_shape(dropout_mask, (B, Hq, Sq, Skv), "dropout_mask")
+            if dropout_p:
+                raise ValueError(f"dropout_mask and dropout_p={dropout_p} are exclusive")
+            mask_spec = TensorSpec.of(dropout_mask)
+            dropout_scale = _checks.real("dropout_scale", dropout_scale)
 
         return AttnProblem(
             batch=B, heads_q=Hq, heads_kv=Hkv, seq_q=Sq, seq_kv=Skv, dim_qk=Dqk,
             dim_v=v.shape[3], dtype=q.dtype, device=q.device, layout=layout,
             q=TensorSpec.of(q), k=TensorSpec.of(k), v=TensorSpec.of(v), mask=mask,
-            bias=bias_spec, alibi=alibi, scale=float(scale), dropout_p=float(dropout_p),
+            bias=bias_spec, alibi=alibi, rpb=rpb_spec, dropout_mask=mask_spec,
+            dropout_scale=float(dropout_scale), scale=float(scale), dropout_p=float(dropout_p),
             softcap=softcap, return_lse=bool(return_lse),
             requires_grad=q.requires_grad or k.requires_grad or v.requires_grad or bias_grad,
             bias_requires_grad=bias_grad,

@@ -50,7 +50,8 @@ class Inputs:
     """The tensors of one call, in the call's layout.
 
     ``bias`` is the additive bias tensor (``problem.bias``) or the relative positional bias table
-    (``problem.rpb``); ``dropout`` is set exactly when ``problem.dropout_p > 0``.
+    (``problem.rpb``); ``dropout`` is set exactly when ``problem.dropout_p > 0``;
+    ``dropout_mask`` exactly when ``problem.dropout_mask`` is.
     """
 
     q: torch.Tensor
@@ -58,3 +59,4 @@ class Inputs:
     v: torch.Tensor
     bias: Optional[torch.Tensor] = None
     dropout: Optional[DropoutState] = None
+    dropout_mask: Optional[torch.Tensor] = None

@@ -98,7 +98,7 @@ class TorchPlan:
         self.fused_tiles = _cpu_fused.tiles_ok(problem)
         # The fused path's additive masks depend on nothing per call here: build them once.
         per_call = (self.dynamic_lines or self.visibility.has_padding or problem.bias is not None
-                    or problem.alibi is not None)
+                    or problem.alibi is not None or problem.rpb is not None)
         small = t.count * t.size * problem.group_size * t.num_keys <= MAX_CACHED_MASK
         self.additive_masks = None if per_call or not small else {}
 
@@ -135,15 +135,41 @@ class TorchPlan:
             return None
         return hidden if hidden.dim() == 4 else hidden[None]
 
+    def pairs_of(self, problem, full, lo, hi, keys, dtype):
+        """Entries of a tensor broadcastable to [B, H, S_q, S_kv] at the (query, key) pairs of
+        tiles [lo, hi), as [B|1, Hkv|1, n, T, G|1, W]."""
+        qi = self.tiles.on(full.device).q_idx[lo:hi]
+        kj = keys[:, None, :] if keys.dim() == 2 else keys.view(1, 1, -1)
+        b4 = full.reshape((1,) * (4 - full.dim()) + tuple(full.shape))
+        b4 = b4.expand(b4.shape[0], b4.shape[1], problem.seq_q, problem.seq_kv)
+        return _heads_to_groups(b4[:, :, qi[:, :, None], kj].to(dtype), problem)
+
+    def rpb_index(self, problem, lo, hi, keys, device):
+        """Flat RelPosBias entry of each (query, key) pair of tiles [lo, hi) ([n|1, T, W])."""
+        hood = problem.neighborhood
+        qi = self.tiles.on(device).q_idx[lo:hi][:, :, None]
+        kj = keys[:, None, :] if keys.dim() == 2 else keys.view(1, 1, -1)
+        index = torch.zeros((), dtype=torch.long, device=device)
+        for axis, (_, k, _, d, _) in enumerate(hood.axes()):
+            inner = math.prod(hood.spatial_shape[axis + 1:])
+            offset = (kj // inner % hood.spatial_shape[axis]
+                      - qi // inner % hood.spatial_shape[axis]).div(d, rounding_mode="floor")
+            # Hidden pairs may fall outside the table: clamp them (their weight is 0 anyway).
+            entry = (offset + k - 1).clamp_(0, 2 * k - 2)
+            index = index * (2 * k - 1) + entry
+        return index
+
     def bias_of(self, problem, bias, lo, hi, keys, device, dtype):
-        """Additive bias (tensor and/or ALiBi) as [B|1, Hkv, n, T, G, W], or None."""
+        """Additive bias (tensor, RelPosBias and/or ALiBi) as [B|1, Hkv, n, T, G, W], or None."""
         qi = self.tiles.on(device).q_idx[lo:hi]
         total = None
         kj = keys[:, None, :] if keys.dim() == 2 else keys.view(1, 1, -1)
-        if bias is not None:
-            b4 = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
-            full = b4.expand(b4.shape[0], b4.shape[1], problem.seq_q, problem.seq_kv)
-            total = _heads_to_groups(full[:, :, qi[:, :, None], kj].to(dtype), problem)
+        if problem.bias is not None:
+            total = self.pairs_of(problem, bias, lo, hi, keys, dtype)
+        elif problem.rpb is not None:
+            entries = bias.reshape(problem.heads_q, -1)[:, self.rpb_index(problem, lo, hi, keys,
+                                                                          device)]
+            total = _heads_to_groups(entries[None].to(dtype), problem)
         if problem.alibi is not None:
             slopes = problem.alibi.slope_table(problem.batch, problem.heads_q).to(device, dtype)
             aligned = qi[:, :, None] + self.visibility.offset(self._alibi_alignment(), device,
@@ -222,7 +248,7 @@ class TorchPlan:
         rows = self.tiles.count * T
         out_t = qs.new_empty(BH, rows, G, problem.dim_v)
         lse_t = qs.new_empty(BH, rows, G)
-        dropout = _Dropout(problem.dropout_p, inputs.dropout, qs.device)
+        dropout = _Dropout(problem, inputs, qs.device)
         for lo, hi in self.chunks(problem):
             n = hi - lo
             keys = self.keys_of(lo, hi, qs.device)
@@ -231,7 +257,9 @@ class TorchPlan:
             shift = _finite(peak)
             p = _exp_shifted(s, shift, hidden, dead=peak == -math.inf)
             total = p.sum(-1)
-            p = dropout.apply(p)
+            keep = dropout.keep(self, p, lo, hi, keys)
+            if keep is not None:
+                p = p * keep
             o = _times_keys(p.view(BH, n, T * G, -1), _gather_keys(v3, keys, self.tiles, n),
                             keys, self.tiles)
             total = total.view(BH, n * T, G)
@@ -263,10 +291,12 @@ class TorchPlan:
         lse3 = lse_rows(problem, lse.to(dtype))
         dq_t = qs.new_zeros(BH, self.tiles.count * T, G * problem.dim_qk)
         dk, dv = torch.zeros_like(k3), torch.zeros_like(v3)
-        dbias_full = None
-        if problem.bias_requires_grad:
+        dbias_full = drpb = None
+        if problem.bias_requires_grad and problem.rpb is not None:
+            drpb = qs.new_zeros(problem.heads_q, math.prod(problem.rpb.shape[1:]))
+        elif problem.bias_requires_grad:
             dbias_full = qs.new_zeros(B, problem.heads_q, problem.seq_q, problem.seq_kv)
-        dropout = _Dropout(problem.dropout_p, inputs.dropout, qs.device)
+        dropout = _Dropout(problem, inputs, qs.device)
         for lo, hi in self.chunks(problem):
             n = hi - lo
             keys = self.keys_of(lo, hi, qs.device)
@@ -274,7 +304,7 @@ class TorchPlan:
             qg, kg, s, tanh, hidden = self._scores(problem, qs, k3, bias, lo, hi, keys)
             lse_g = lse3.index_select(1, rows_idx).view(s.shape[:-1])
             p = _exp_shifted(s, _finite(lse_g), hidden, dead=lse_g == -math.inf)
-            keep = dropout.keep(p)
+            keep = dropout.keep(self, p, lo, hi, keys)
             dog = do3.index_select(1, rows_idx).view(BH, n, T * G, -1)
             vg = _gather_keys(v3, keys, self.tiles, n)
             dp = _times_keys(dog, vg, keys, self.tiles, transpose=True).view_as(p)
@@ -285,6 +315,8 @@ class TorchPlan:
             ds = dp.sub_(delta.index_select(1, rows_idx).view(s.shape[:-1])[..., None]).mul_(p)
             if dbias_full is not None:
                 _scatter_dbias(dbias_full, ds, rows_idx, keys, problem, n, T)
+            if drpb is not None:
+                _scatter_drpb(drpb, ds, self.rpb_index(problem, lo, hi, keys, qs.device))
             if tanh is not None:
                 ds.mul_(1 - tanh * tanh)
             ds = ds.view(BH, n, T * G, -1)
@@ -296,6 +328,8 @@ class TorchPlan:
         dbias = None
         if dbias_full is not None:
             dbias = _reduce_to(dbias_full, problem.bias.shape).to(problem.bias.dtype)
+        elif drpb is not None:
+            dbias = drpb.view(problem.rpb.shape).to(problem.rpb.dtype)
         return (unrows(problem, dq).to(problem.dtype), uncols(problem, dk).to(problem.dtype),
                 uncols(problem, dv).to(problem.dtype), dbias)
 
@@ -369,6 +403,13 @@ def _scatter_dbias(dbias_full, ds, rows_idx, keys, problem, n, T):
     dbias_full.view(B * Hkv * G, -1).index_add_(1, flat, grads)
 
 
+def _scatter_drpb(drpb, ds, index):
+    """drpb [H, R] += ds [B, Hkv, n, T, G, W] summed over the batch, at each pair's entry."""
+    B, Hkv, n, T, G, W = ds.shape
+    grads = ds.sum(0).permute(0, 3, 1, 2, 4).reshape(Hkv * G, n * T * W)
+    drpb.index_add_(1, index.expand(n, T, W).reshape(-1), grads)
+
+
 def _reduce_to(full, shape):
     """Sum a [B, H, S_q, S_kv] gradient down to a broadcast bias shape."""
     lead = full.dim() - len(shape)
@@ -382,29 +423,31 @@ def _reduce_to(full, shape):
 # ---------------------------------------------------------------------------------------------
 
 class _Dropout:
-    """Keep masks drawn chunk by chunk from a private generator that the ``DropoutState`` seeds,
-    so the backward (and any replay of the same state) regenerates the forward's masks."""
+    """Dropout keep masks, chunk by chunk: either the explicit ``dropout_mask`` of the call
+    (times ``dropout_scale``) at each tile's pairs, or a private generator seeded by the call's
+    ``DropoutState``, so the backward (and any replay of the same state) regenerates the
+    forward's masks."""
 
-    def __init__(self, p: float, state, device):
-        self.p = p
+    def __init__(self, problem, inputs, device):
+        self.problem, self.p = problem, problem.dropout_p
         self.generator = None
-        if p == 0:
-            return
-        if state is None:
-            raise ValueError("a dropout call needs its DropoutState")
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(_stream_seed(state))
+        self.mask = None
+        if problem.dropout_mask is not None:
+            self.mask, self.scale = inputs.dropout_mask, problem.dropout_scale
+        elif self.p > 0:
+            if inputs.dropout is None:
+                raise ValueError("a dropout call needs its DropoutState")
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(_stream_seed(inputs.dropout))
 
-    def keep(self, p):
-        """Scaled keep mask for the next chunk (``None`` without dropout)."""
+    def keep(self, plan, p, lo, hi, keys):
+        """Scaled keep mask of tiles [lo, hi), broadcastable to ``p`` (``None``: keep all)."""
+        if self.mask is not None:
+            return plan.pairs_of(self.problem, self.mask, lo, hi, keys, p.dtype) * self.scale
         if self.generator is None:
             return None
         draw = torch.rand(p.shape, generator=self.generator, device=p.device, dtype=p.dtype)
         return (draw >= self.p).to(p.dtype) / (1.0 - self.p)
-
-    def apply(self, p):
-        keep = self.keep(p)
-        return p if keep is None else p * keep
 
 
 def _stream_seed(state) -> int:

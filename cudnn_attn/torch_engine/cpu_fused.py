@@ -19,7 +19,8 @@ from ..problem import AttnProblem
 def whole_problem_ok(problem: AttnProblem) -> bool:
     if problem.device.type != "cpu" or problem.dim_qk != problem.dim_v:
         return False
-    if problem.bias or problem.alibi or problem.softcap or problem.dropout_p:
+    if (problem.bias or problem.alibi or problem.rpb or problem.softcap or problem.dropout_p
+            or problem.dropout_mask):
         return False
     parts = mask_parts(problem.mask)
     if not parts:
@@ -62,7 +63,8 @@ def _sdpa_out_only(problem, q, k, v):
 def tiles_ok(problem: AttnProblem) -> bool:
     """The kernel needs one head dim for q/k/v and knows no softcap or replayable dropout."""
     return (problem.device.type == "cpu" and problem.dim_qk == problem.dim_v
-            and problem.softcap is None and problem.dropout_p == 0)
+            and problem.softcap is None and problem.dropout_p == 0
+            and problem.dropout_mask is None)
 
 
 def _operands(plan, problem, tensors, lo, hi):
