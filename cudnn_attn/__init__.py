@@ -8,12 +8,13 @@ neighborhood attention (``fallback_kernels/``), and a pure-PyTorch engine that r
 import importlib
 
 from .api import Explanation, attention, explain
+from .caches import clear_caches
 from .compat.cudnn_frontend.attributes import (SdpaAttributes, SdpaBackwardAttributes,
                                                scaled_dot_product_flash_attention,
                                                scaled_dot_product_flash_attention_backward)
 from .dispatch import NotSupportedError
 from .graphs.cache import graph_cache
-from .masks import Alibi, Causal, Mask, Neighborhood, Padding, SlidingWindow
+from .masks import Alibi, Causal, Mask, Neighborhood, Padding, RelPosBias, SlidingWindow
 from .problem import AttnProblem, TensorSpec
 from .varlen import attention_varlen, attention_with_kvcache
 
@@ -44,6 +45,8 @@ __all__ = [
     "Neighborhood",
     "Padding",
     "Alibi",
+    "RelPosBias",
+    "clear_caches",
     "SdpaAttributes",
     "SdpaBackwardAttributes",
     "scaled_dot_product_flash_attention",

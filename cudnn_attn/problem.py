@@ -18,9 +18,14 @@ from . import _checks
 from ._checks import FLOAT_DTYPES
 from .masks import Alibi, Causal, Mask, Neighborhood, Padding, RelPosBias, SlidingWindow, mask_parts
 
-__all__ = ["TensorSpec", "AttnProblem", "LAYOUTS", "FLOAT_DTYPES"]
+__all__ = ["TensorSpec", "AttnProblem", "LAYOUTS", "FLOAT_DTYPES", "accumulator_dtype"]
 
 LAYOUTS = ("bhsd", "bshd")
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of accumulators and of the lse: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,11 @@ causal problems go through PyTorch's fused CPU kernel when it gives the same res
 from __future__ import annotations
 
 import math
-import threading
-from collections import OrderedDict
 from typing import Optional
 
 import torch
 
+from ..caches import LRU
 from . import cpu_fused as _cpu_fused
 from .layouts import cols, compute_dtype, lse_dtype, lse_layout, lse_rows, rows_of, uncols, unrows
 from .tiles import Tiles, Visibility, build_tiles, choose_tile_shape, neighborhood_axis, sequence_axis
@@ -39,8 +38,7 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self):
-        self._plans: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
+        self._plans = LRU("torch.plans", PLAN_CACHE_SIZE)
 
     def availability(self) -> list[str]:
         return []
@@ -49,18 +47,7 @@ class TorchBackend:
         return []
 
     def plan(self, problem: AttnProblem) -> "TorchPlan":
-        key = problem.plan_key
-        with self._lock:
-            plan = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
-                return plan
-        plan = TorchPlan(problem)
-        with self._lock:
-            self._plans[key] = plan
-            if len(self._plans) > PLAN_CACHE_SIZE:
-                self._plans.popitem(last=False)
-        return plan
+        return self._plans.get_or_create(problem.plan_key, lambda: TorchPlan(problem))
 
 
 class TorchPlan:

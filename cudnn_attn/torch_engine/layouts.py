@@ -9,14 +9,7 @@ from __future__ import annotations
 
 import torch
 
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; everything else is computed in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from ..problem import accumulator_dtype as compute_dtype, accumulator_dtype as lse_dtype  # noqa: F401
 
 
 def rows_of(problem, t, dtype, scale=None):
