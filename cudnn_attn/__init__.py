@@ -9,9 +9,6 @@ import importlib
 
 from .api import Explanation, attention, explain
 from .caches import clear_caches
-from .compat.cudnn_frontend.attributes import (SdpaAttributes, SdpaBackwardAttributes,
-                                               scaled_dot_product_flash_attention,
-                                               scaled_dot_product_flash_attention_backward)
 from .dispatch import NotSupportedError
 from .graphs.cache import graph_cache
 from .masks import Alibi, Causal, Mask, Neighborhood, Padding, RelPosBias, SlidingWindow
@@ -23,10 +20,21 @@ _LAZY_MODULES = ("neighborhood", "ops", "flash_api", "flash_attention", "nn", "g
                  "fallback_kernels", "compat", "cli")
 
 
+# The cuDNN attribute builder's names, from compat/cudnn_frontend on first use.
+_BUILDER_NAMES = ("SdpaAttributes", "SdpaBackwardAttributes", "scaled_dot_product_flash_attention",
+                  "scaled_dot_product_flash_attention_backward")
+
+
 def __getattr__(name: str):
     if name in _LAZY_MODULES:
         return importlib.import_module(f".{name}", __name__)
+    if name in _BUILDER_NAMES:
+        return getattr(importlib.import_module(".compat.cudnn_frontend", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_MODULES) | set(_BUILDER_NAMES))
 
 
 __version__ = "0.1.0"

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..caches import LRU
-from . import cpu_fused as _cpu_fused
+from . import cpu_sdpa
 from .layouts import cols, compute_dtype, lse_dtype, lse_layout, lse_rows, rows_of, uncols, unrows
 from .tiles import Tiles, Visibility, build_tiles, choose_tile_shape, neighborhood_axis, sequence_axis
 from ..masks import Causal, Neighborhood, SlidingWindow, mask_parts
@@ -81,8 +81,8 @@ class TorchPlan:
         # Stored inverted: the hot loop fills hidden pairs, so this saves a pass per call.
         t.hidden = None if t.static_mask is None else ~t.static_mask
         # plan_key pins what these depend on: bias/alibi/softcap/dropout presence, dims, device.
-        self.fused_ok = _cpu_fused.whole_problem_ok(problem)
-        self.fused_tiles = _cpu_fused.tiles_ok(problem)
+        self.fused_ok = cpu_sdpa.whole_problem_ok(problem)
+        self.fused_tiles = cpu_sdpa.tiles_ok(problem)
         # The fused path's additive masks depend on nothing per call here: build them once.
         per_call = (self.dynamic_lines or self.visibility.has_padding or problem.bias is not None
                     or problem.alibi is not None or problem.rpb is not None)
@@ -225,9 +225,9 @@ class TorchPlan:
         when ``need_lse`` is false and nothing will run backward)."""
         q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
         if self.fused_ok:
-            return _cpu_fused.whole_problem(problem, q, k, v, need_lse)
+            return cpu_sdpa.whole_problem(problem, q, k, v, need_lse)
         if self.fused_tiles:
-            return _cpu_fused.tile_forward(self, problem, q, k, v, bias)
+            return cpu_sdpa.tile_forward(self, problem, q, k, v, bias)
         dtype = compute_dtype(problem.dtype)
         qs = rows_of(problem, q, dtype, problem.scale)
         k3, v3 = cols(problem, k, dtype), cols(problem, v, dtype)
@@ -264,7 +264,7 @@ class TorchPlan:
         """
         q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
         if self.fused_tiles and dlse is None and not problem.bias_requires_grad:
-            return _cpu_fused.tile_backward(self, problem, q, k, v, bias, out, lse, dout)
+            return cpu_sdpa.tile_backward(self, problem, q, k, v, bias, out, lse, dout)
         dtype = compute_dtype(problem.dtype)
         B, Hkv, G, T = problem.batch, problem.heads_kv, problem.group_size, self.tiles.size
         BH = B * Hkv

@@ -1,1 +1,5 @@
-"""The cuDNN frontend's SDPA attribute builder (``attributes``)."""
+"""The cuDNN frontend's SDPA attribute builder, translated into the problem model."""
+
+from .attributes import (SdpaAttributes, SdpaBackwardAttributes,  # noqa: F401
+                         scaled_dot_product_flash_attention,
+                         scaled_dot_product_flash_attention_backward)

@@ -1,4 +1,4 @@
-"""PyTorch's fused CPU attention kernel, used wherever it computes exactly what we would.
+"""PyTorch's SDPA CPU kernel, used wherever it computes exactly what we would.
 
 Two uses: a whole problem (no mask or plain causal), and batches of tiles, where the tile's
 visibility, bias and ALiBi arrive as one additive float mask. The kernel runs the softmax in cache
