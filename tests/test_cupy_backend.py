@@ -13,7 +13,8 @@ import pytest
 import torch
 from oracle import build_visibility
 
-from cudnn_attn.fallback_kernels import fused
+from cudnn_attn import geometry
+from cudnn_attn.fallback_kernels import fused, tile_shapes
 from cudnn_attn.fallback_kernels.backend import CupyBackend, problem_table
 from cudnn_attn.masks import Alibi, Causal, Neighborhood, Padding, SlidingWindow
 from cudnn_attn.problem import AttnProblem
@@ -93,7 +94,7 @@ def test_band_tables_match_masks():
 
 
 def test_neighborhood_table():
-    t = fused.neighborhood_table((7, 9), (3, 4), (1, 2), (2, 1), (False, True))
+    t = geometry.neighborhood_table((7, 9), (3, 4), (1, 2), (2, 1), (False, True))
     assert t == [0, 7, 7, 3, 1, 2, 0, -1, -1, 0, 0, 9, 9, 4, 2, 1, 1, -1, -1, 0,
                  1, 1, 1, 1, 1, 1, 0, -1, -1, 0]
 
@@ -101,10 +102,10 @@ def test_neighborhood_table():
 def _axis_matrix(ax):
     """Dense [L_q, L_kv] visibility of one table axis from the Python mirror of the rule."""
     mode, lq, lkv = ax[0], ax[1], ax[2]
-    d = ax[5] if mode == fused.MODE_NEIGHBORHOOD else 1
+    d = ax[5] if mode == geometry.MODE_NEIGHBORHOOD else 1
     m = np.zeros((lq, lkv), dtype=bool)
     for i in range(lq):
-        lo, hi = fused.axis_window(ax, i // d, fused.group_len(lq, d, i % d))
+        lo, hi = geometry.axis_window(ax, i // d, geometry.group_len(lq, d, i % d))
         for t in range(lo, hi):
             m[i, t * d + i % d] = True
     return m
@@ -112,7 +113,7 @@ def _axis_matrix(ax):
 
 def _table_visibility(table):
     vis = np.ones((1, 1), dtype=bool)
-    for ax in fused._axes(table):
+    for ax in geometry.table_axes(table):
         vis = np.kron(vis, _axis_matrix(ax)).astype(bool)
     return vis
 
@@ -134,7 +135,7 @@ def test_mirror_rule_matches_oracle(spec):
     expected = build_visibility(1, int(np.prod(shape)), int(np.prod(shape)),
                                 neighborhood=dict(spatial_shape=shape, kernel_size=k, stride=s,
                                                   dilation=d, is_causal=c))[0].numpy()
-    assert (_table_visibility(fused.neighborhood_table(*spec)) == expected).all()
+    assert (_table_visibility(geometry.neighborhood_table(*spec)) == expected).all()
 
 
 BANDS = [(17, 17, -1, -1, 0), (9, 23, -1, 0, 14), (23, 9, -1, 0, -14), (50, 50, 7, 2, 0),
@@ -146,7 +147,7 @@ def test_band_rule_matches_oracle(band):
     sq, skv, left, right, offset = band
     align = "bottom_right" if offset else "top_left"
     expected = build_visibility(1, sq, skv, window=(left, right, align))[0].numpy()
-    assert (_table_visibility(fused.band_table(*band)) == expected).all()
+    assert (_table_visibility(geometry.band_table(*band)) == expected).all()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,22 +172,22 @@ def _token(c, g, d, lens):
 
 def _walk(table, own_box, other_box, own_queries):
     """Every (query, key) pair a launch treats as visible, with the block/tile that did it."""
-    axes = fused._axes(table)
-    own_box, other_box = fused._pad3(own_box), fused._pad3(other_box)
+    axes = geometry.table_axes(table)
+    own_box, other_box = fused.pad3(own_box), fused.pad3(other_box)
     grid = fused.launch_grid(table, own_box, 1, 1, own_queries)[0]
     pairs = []
     for block in range(grid):
         t, idx = block, [0, 0, 0]
         for a in (2, 1, 0):
             ax = axes[a]
-            n = fused.axis_tiles(ax[1] if own_queries else ax[2], fused._dilation(ax), own_box[a])
+            n = fused.axis_tiles(ax[1] if own_queries else ax[2], geometry.axis_dilation(ax), own_box[a])
             idx[a], t = t % n, t // n
         g, d, glen, own_lo, own_hi, lo, hi, tiles = ([0] * 3 for _ in range(8))
         for a, ax in enumerate(axes):
-            d[a] = fused._dilation(ax)
+            d[a] = geometry.axis_dilation(ax)
             length = ax[1] if own_queries else ax[2]
             g[a], own_lo[a], end = fused.axis_tile_list(length, d[a], own_box[a])[idx[a]]
-            glen[a] = fused.group_len(ax[1], d[a], g[a])
+            glen[a] = geometry.group_len(ax[1], d[a], g[a])
             own_hi[a] = end
             rng = (fused.group_key_range(ax, glen[a], own_lo[a], own_hi[a]) if own_queries
                    else fused.group_query_range(ax, glen[a], own_lo[a], own_hi[a]))
@@ -200,13 +201,13 @@ def _walk(table, own_box, other_box, own_queries):
             full = True
             for a, ax in enumerate(axes):
                 if own_queries:
-                    wl1 = fused.axis_window(ax, own_hi[a] - 1, glen[a])[0]
-                    wh0 = fused.axis_window(ax, own_lo[a], glen[a])[1]
+                    wl1 = geometry.axis_window(ax, own_hi[a] - 1, glen[a])[0]
+                    wh0 = geometry.axis_window(ax, own_lo[a], glen[a])[1]
                     full &= cur_lo[a] + other_box[a] <= hi[a] and wl1 <= cur_lo[a] \
                         and cur_lo[a] + other_box[a] <= wh0
                 else:
-                    wl1 = fused.axis_window(ax, cur_hi[a] - 1, glen[a])[0]
-                    wh0 = fused.axis_window(ax, cur_lo[a], glen[a])[1]
+                    wl1 = geometry.axis_window(ax, cur_hi[a] - 1, glen[a])[0]
+                    wh0 = geometry.axis_window(ax, cur_lo[a], glen[a])[1]
                     full &= wl1 <= own_lo[a] and own_hi[a] <= wh0
             qbox, kbox = (own_box, other_box) if own_queries else (other_box, own_box)
             qs = _box_slots(qbox, *((own_lo, own_hi) if own_queries else (cur_lo, cur_hi)))
@@ -221,7 +222,7 @@ def _walk(table, own_box, other_box, own_queries):
                         continue  # absent key row of a dK/dV block: never stored
                     visible = full or all(
                         lo_ <= kc[a] < hi_ for a, (lo_, hi_) in enumerate(
-                            fused.axis_window(axes[a], qc[a], glen[a]) for a in range(3)))
+                            geometry.axis_window(axes[a], qc[a], glen[a]) for a in range(3)))
                     if visible:
                         pairs.append((_token(qc, g, d, lens_q), _token(kc, g, d, lens_kv)))
     return pairs
@@ -239,10 +240,10 @@ def _check_walk(table, expected, qbox, kbox):
 
 @pytest.mark.parametrize("spec", NEIGHBORHOODS, ids=str)
 def test_tile_walk_visits_every_visible_pair_once(spec):
-    table = fused.neighborhood_table(*spec)
+    table = geometry.neighborhood_table(*spec)
     expected = _table_visibility(table)
     rank = len(spec[0])
-    boxes = fused._boxes(64, rank)
+    boxes = tile_shapes.box_shapes(64, rank)
     for qbox, kbox in [fused.choose_tiles(tuple(table), rank), (boxes[0], boxes[-1]),
                        (boxes[-1], boxes[len(boxes) // 2])]:
         _check_walk(table, expected, qbox, kbox)
@@ -250,7 +251,7 @@ def test_tile_walk_visits_every_visible_pair_once(spec):
 
 @pytest.mark.parametrize("band", BANDS, ids=str)
 def test_band_tile_walk(band):
-    table = fused.band_table(*band)
+    table = geometry.band_table(*band)
     _check_walk(table, _table_visibility(table), (64,), (64,))
 
 
@@ -258,15 +259,15 @@ def test_key_box_contains_every_visible_key():
     """The skipping rule itself: a query tile's key range holds every key any of its queries
     sees (brute force over the oracle's visibility)."""
     shape, k, s, d, c = (19, 29), (8, 8), (1, 1), (2, 3), (True, False)
-    table = fused.neighborhood_table(shape, k, s, d, c)
+    table = geometry.neighborhood_table(shape, k, s, d, c)
     vis = build_visibility(1, 19 * 29, 19 * 29, neighborhood=dict(
         spatial_shape=shape, kernel_size=k, stride=s, dilation=d, is_causal=c))[0].numpy()
-    axes = fused._axes(table)
+    axes = geometry.table_axes(table)
     for tile_axis0, tile_axis1 in itertools.product(
             fused.axis_tile_list(19, 2, 8), fused.axis_tile_list(29, 3, 8)):
         ranges = []
         for ax, (g, q0, q1), dd in zip(axes, (tile_axis0, tile_axis1), (2, 3)):
-            lo, hi = fused.group_key_range(ax, fused.group_len(ax[1], dd, g), q0, q1)
+            lo, hi = fused.group_key_range(ax, geometry.group_len(ax[1], dd, g), q0, q1)
             ranges.append((g, q0, q1, lo, hi, dd))
         (g0, a0, b0, lo0, hi0, d0), (g1, a1, b1, lo1, hi1, d1) = ranges
         for i0 in range(a0, b0):
@@ -279,20 +280,20 @@ def test_key_box_contains_every_visible_key():
 
 
 def test_choose_tiles_minimises_visited_keys():
-    table = fused.neighborhood_table((64, 64), (7, 7), (1, 1), (1, 1), (False, False))
+    table = geometry.neighborhood_table((64, 64), (7, 7), (1, 1), (1, 1), (False, False))
     qbox, kbox = fused.choose_tiles(tuple(table), 2)
     best = fused.forward_tokens(table, qbox, kbox)
-    for q in fused._boxes(64, 2):
-        for k in fused._boxes(64, 2):
+    for q in tile_shapes.box_shapes(64, 2):
+        for k in tile_shapes.box_shapes(64, 2):
             assert fused.forward_tokens(table, q, k) >= best
     assert qbox == (8, 8)  # a square box wins for a square window
 
 
 def test_launch_grid_counts_tiles_per_group():
-    table = fused.neighborhood_table((10, 7), (3, 3), (1, 1), (3, 2), (False, False))
+    table = geometry.neighborhood_table((10, 7), (3, 3), (1, 1), (3, 2), (False, False))
     # axis 0: groups of 4, 3, 3 positions -> 1 tile each with side 4; axis 1: 4 and 3 -> 2 tiles
     assert fused.launch_grid(table, (4, 16), 5, 2) == (3 * 2, 5, 2)
-    assert fused.launch_grid(fused.band_table(100, 300), (64,), 1, 1, own_queries=False) == (5, 1, 1)
+    assert fused.launch_grid(geometry.band_table(100, 300), (64,), 1, 1, own_queries=False) == (5, 1, 1)
 
 
 def test_smem_fits_and_head_dim_bucket():

@@ -6,9 +6,9 @@ here) of the forward, backward-dQ and backward-dK/dV kernels are compiled with g
 driven by ``fallback_kernels.fused`` itself: ``na_forward``/``na_backward`` for neighborhoods and
 ``run_forward``/``run_backward`` for bands, so the geometry table, tile choice, grid, strides,
 shared-memory size and every packed argument come from the module. Only the device plumbing is
-replaced: ``_function`` (returns the host kernel, which type-checks each argument), ``_ptr`` (a
-tensor stays a tensor; None stays ``np.uint64(0)``), ``_OnTorchStream`` and the CUDA-device check
-of ``_tokens``.
+replaced: ``fused._function`` (returns the host kernel, which type-checks each argument),
+``launch.kernel_arg`` (a tensor stays a tensor; None stays ``np.uint64(0)``), ``launch.TorchStream``
+and the CUDA-device check of ``fused._tokens``.
 
 References: ``oracle.reference_attention`` in float64 with visibility from ``oracle`` (the
 neighborhood rule or ``build_visibility`` for bands); gradients by float64 autograd.
@@ -22,7 +22,9 @@ import pytest
 import torch
 from host_cuda import build
 
+from cudnn_attn import geometry
 from cudnn_attn.fallback_kernels import fused as F
+from cudnn_attn.fallback_kernels import launch
 
 HEAD_DIMS = (32, 64)
 TOL = {"rtol": 2e-4, "atol": 2e-5}
@@ -56,6 +58,12 @@ def _host_tokens(t, rank, name):
     return F._last_contiguous(t.reshape(t.shape[0], -1, t.shape[-2], t.shape[-1]))
 
 
+def _host_launch(monkeypatch):
+    """launch.py's device plumbing replaced: tensors stay tensors, no CuPy stream."""
+    monkeypatch.setattr(launch, "kernel_arg", lambda t: np.uint64(0) if t is None else t.detach())
+    monkeypatch.setattr(launch, "TorchStream", _NoStream)
+
+
 @pytest.fixture
 def launches(lib, monkeypatch):
     """Route fused.py's launches to the host library; returns the list of launches made."""
@@ -72,8 +80,7 @@ def launches(lib, monkeypatch):
         return launch
 
     monkeypatch.setattr(F, "_function", function)
-    monkeypatch.setattr(F, "_ptr", lambda t: np.uint64(0) if t is None else t.detach())
-    monkeypatch.setattr(F, "_OnTorchStream", _NoStream)
+    _host_launch(monkeypatch)
     monkeypatch.setattr(F, "_tokens", _host_tokens)
     return calls
 
@@ -200,14 +207,14 @@ BAND_CASES = {
 
 def _band(Sq, Skv, mask):
     if mask is None:
-        return F.band_table(Sq, Skv), {}
+        return geometry.band_table(Sq, Skv), {}
     if mask == "causal-br":
-        return F.band_table(Sq, Skv, -1, 0, Skv - Sq), {"causal": "bottom_right"}
+        return geometry.band_table(Sq, Skv, -1, 0, Skv - Sq), {"causal": "bottom_right"}
     if mask == "causal-tl":
-        return F.band_table(Sq, Skv, -1, 0, 0), {"causal": "top_left"}
+        return geometry.band_table(Sq, Skv, -1, 0, 0), {"causal": "top_left"}
     left, right, align = mask
     offset = Skv - Sq if align == "bottom_right" else 0
-    return F.band_table(Sq, Skv, left, right, offset), {"window": mask}
+    return geometry.band_table(Sq, Skv, left, right, offset), {"window": mask}
 
 
 def _heads_first(shape, g):
@@ -224,14 +231,13 @@ def test_band_forward_backward(launches, name):
     q, k = _heads_first((B, Sq, H, Dqk), g), _heads_first((B, Skv, Hkv, Dqk), g)
     v, dout = _heads_first((B, Skv, Hkv, Dv), g), _heads_first((B, Sq, H, Dv), g)
     table, vis_kw = _band(Sq, Skv, mask)
-    dtab = F.DeviceTable(table)
     boxes = F.choose_tiles(tuple(table), 1)
     scale = 1.0 / math.sqrt(Dqk)
     nan = lambda *s: torch.full(s, math.nan)
 
     out = nan(B, H, Sq, Dv).transpose(1, 2)
     lse = nan(B, H, Sq).transpose(1, 2)
-    F.run_forward(q, k, v, out, lse, dtab, boxes, scale, softcap or 0.0)
+    F.run_forward(q, k, v, out, lse, table, boxes, scale, softcap or 0.0)
     vis = oracle.build_visibility(1, Sq, Skv, **vis_kw)
     r_out, r_lse, r_dq, r_dk, r_dv = reference(q, k, v, dout, vis, scale, softcap)
     check("out", out, r_out)
@@ -242,7 +248,7 @@ def test_band_forward_backward(launches, name):
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous().transpose(1, 2)
     dq, dk, dv = (nan(B, h, S, D).transpose(1, 2)
                   for h, S, D in ((H, Sq, Dqk), (Hkv, Skv, Dqk), (Hkv, Skv, Dv)))
-    F.run_backward(q, k, v, dout, lse, delta, dq, dk, dv, dtab, boxes, scale, softcap or 0.0)
+    F.run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale, softcap or 0.0)
     check("dq", dq, r_dq)
     check("dk", dk, r_dk)
     check("dv", dv, r_dv)
@@ -265,8 +271,7 @@ def test_real_threads_match_oracle(request, tmp_path_factory, monkeypatch):
     real = build.host_library(request, tmp_path_factory, F, exprs, real_threads=True)
     monkeypatch.setattr(F, "_function", lambda kernel, dtype, hd, dev: real[
         build.export_name(F._expression(kernel, dtype, hd))])
-    monkeypatch.setattr(F, "_ptr", lambda t: np.uint64(0) if t is None else t.detach())
-    monkeypatch.setattr(F, "_OnTorchStream", _NoStream)
+    _host_launch(monkeypatch)
     monkeypatch.setattr(F, "_tokens", _host_tokens)
     g = torch.Generator().manual_seed(7)
     q, k, v, dout = (rand((1, 21, 2, 8), g) for _ in range(4))

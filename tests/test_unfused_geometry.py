@@ -1,6 +1,6 @@
 """CPU: the pure-Python side of the unfused NA kernels (``fallback_kernels.unfused``).
 
-The geometry table must match ``common.cu``'s ``NaAxis`` record field for field, the launch grid
+The geometry table (``cudnn_attn.geometry``) must match ``common.cu``'s ``NaAxis`` record field for field, the launch grid
 must cover every element, the variant list must name every instance, every instance must compile
 for sm_80 and sm_90 with NVRTC without spilling, and the launchers must refuse bad input before
 touching CUDA.
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cudnn_attn.fallback_kernels import _loader
+from cudnn_attn import geometry
 from cudnn_attn.fallback_kernels import unfused as U
 
 
@@ -23,30 +24,31 @@ def _common_cu() -> str:
 def test_axis_fields_follow_common_cu():
     body = re.search(r"struct NaAxis \{(.*?)\};", _common_cu(), re.DOTALL).group(1)
     fields = tuple(re.findall(r"int (\w+);", body))
-    assert fields == U.AXIS_FIELD_NAMES
+    assert fields == geometry.AXIS_FIELD_NAMES
     assert re.search(r"#define NA_AXIS_FIELDS (\d+)", _common_cu()).group(1) == str(len(fields))
-    assert re.search(r"#define NA_MAX_AXES (\d+)", _common_cu()).group(1) == str(U.MAX_AXES)
+    assert re.search(r"#define NA_MAX_AXES (\d+)", _common_cu()).group(1) == str(geometry.MAX_AXES)
     assert "#define NA_AXIS_NEIGHBORHOOD 0" in _common_cu()
     assert "#define NA_AXIS_BAND 1" in _common_cu()
 
 
 def _records(table):
-    n = len(U.AXIS_FIELD_NAMES)
+    n = len(geometry.AXIS_FIELD_NAMES)
     assert len(table) == 3 * n
-    return [dict(zip(U.AXIS_FIELD_NAMES, table[a * n:(a + 1) * n])) for a in range(3)]
+    return [dict(zip(geometry.AXIS_FIELD_NAMES, table[a * n:(a + 1) * n])) for a in range(3)]
 
 
 def test_geometry_table_1d():
-    a0, a1, a2 = _records(U.geometry_table((8,), (3,), (2,), (True,)))
-    assert a0 == {"mode": 0, "len_q": 8, "len_kv": 8, "kernel": 3, "stride": 1, "dilation": 2, "causal": 1, "left": 0,
-                      "right": 0, "offset": 0}
+    a0, a1, a2 = _records(U.stride1_table((8,), (3,), (2,), (True,)))
+    # left/right/offset are band fields; neighborhood axes carry the band defaults (ignored).
+    assert a0 == {"mode": 0, "len_q": 8, "len_kv": 8, "kernel": 3, "stride": 1, "dilation": 2, "causal": 1, "left": -1,
+                  "right": -1, "offset": 0}
     unused = {"mode": 1, "len_q": 1, "len_kv": 1, "kernel": 1, "stride": 1, "dilation": 1, "causal": 0, "left": -1,
                   "right": -1, "offset": 0}
     assert a1 == unused and a2 == unused
 
 
 def test_geometry_table_3d_per_axis():
-    recs = _records(U.geometry_table((5, 6, 7), (3, 4, 5), (1, 1, 1), (False, True, False)))
+    recs = _records(U.stride1_table((5, 6, 7), (3, 4, 5), (1, 1, 1), (False, True, False)))
     assert [r["mode"] for r in recs] == [0, 0, 0]
     assert [r["len_q"] for r in recs] == [5, 6, 7] == [r["len_kv"] for r in recs]
     assert [r["kernel"] for r in recs] == [3, 4, 5]
@@ -56,7 +58,7 @@ def test_geometry_table_3d_per_axis():
 
 def test_geometry_table_rank_error():
     with pytest.raises(ValueError, match="kernel_size"):
-        U.geometry_table((2, 2, 2, 2), (2, 2, 2, 2), (1,) * 4, (False,) * 4)
+        U.stride1_table((2, 2, 2, 2), (2, 2, 2, 2), (1,) * 4, (False,) * 4)
 
 
 def test_rpb_shape():

@@ -48,7 +48,7 @@ class HostLaunch:
     def __init__(self, ref, spatial, kernel_size, dilation, is_causal):
         U._check_geometry(spatial, kernel_size, dilation, is_causal)
         self.dtype = ref.dtype
-        self.table = torch.tensor(U.geometry_table(spatial, kernel_size, dilation, is_causal),
+        self.table = torch.tensor(U.stride1_table(spatial, kernel_size, dilation, is_causal),
                                   dtype=torch.int32)
 
     def __call__(self, name, grid, threads, tensors, scalars):
@@ -256,7 +256,7 @@ def test_argument_packing_is_checked(lib):
     k = lib[build.export_name("na_neighbor_gather<float>")]
     assert k.signature == ("pf4", "pf4", "pf4", "pi4", "i4", "i4")
     w, b, out = (torch.zeros(2, 3, 4) for _ in range(3))
-    table = torch.tensor(U.geometry_table((3,), (2,), (1,), (False,)), dtype=torch.int32)
+    table = torch.tensor(U.stride1_table((3,), (2,), (1,), (False,)), dtype=torch.int32)
     with pytest.raises(TypeError, match="scalar"):
         k((1,), (32,), (w, b, out, table, np.int64(2), np.int32(4)))
     with pytest.raises(TypeError, match="dtype"):

@@ -25,7 +25,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     return 1 if spilling else 0
 
 
-def add_kernels_parser(sub: Any) -> None:
+def add_parser(sub: Any) -> None:
     kernels = sub.add_parser("kernels", help="compile the CuPy kernels with NVRTC (no GPU needed) "
                                              "and print registers/spills")
     kernels.add_argument("--arch", action="append", default=None,

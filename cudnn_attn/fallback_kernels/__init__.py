@@ -1,6 +1,9 @@
 """CuPy RawKernels for the masks cuDNN cannot express (neighborhood attention first).
 
-The CUDA C lives in ``*.cu`` files shipped as package data; ``_loader`` compiles them with NVRTC.
+The CUDA C lives in ``*.cu`` files shipped as package data; ``_loader`` compiles them with NVRTC,
+``launch`` hands torch tensors to them (DLPack, torch's current stream, device tables), ``limits``
+declares what they can run: ``kernel_reasons(device)`` says why they cannot run on a device (empty
+when they can). ``fused`` and ``unfused`` launch them; ``backend`` is the ``"cupy"`` engine.
 ``compile_all(arch)`` compiles every kernel variant the package can launch for one architecture
 and reports registers and spills; it needs the NVRTC library but no GPU::
 
@@ -15,11 +18,13 @@ from __future__ import annotations
 import importlib
 
 from ._loader import CompileRecord, KernelCompileError, compile_program, compile_records
+from .limits import LIMITS, kernel_reasons
 
 # Modules that launch kernels; each exposes SOURCE, DEFINES and variants().
 KERNEL_MODULES = ("fused", "unfused")
 
-__all__ = ["compile_all", "kernel_variants", "CompileRecord", "KernelCompileError"]
+__all__ = ["compile_all", "kernel_variants", "kernel_reasons", "LIMITS", "CompileRecord",
+           "KernelCompileError"]
 
 
 def kernel_variants() -> dict:

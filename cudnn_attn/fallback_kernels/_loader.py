@@ -10,12 +10,13 @@ library (``nvidia-cuda-nvrtc-cu12``, loaded through CuPy), never a GPU; loading 
 
 from __future__ import annotations
 
-import functools
 import re
 import threading
 from dataclasses import dataclass
 from importlib import resources
 from typing import Mapping, Sequence
+
+from ..caches import LRU, memoize
 
 COMMON_SOURCE = "common.cu"
 NVRTC_OPTIONS = ("-std=c++17", "--ptxas-options=-v")
@@ -68,7 +69,7 @@ def _define_block(defines: Mapping[str, object]) -> str:
     return "\n".join(lines) + "\n"
 
 
-@functools.lru_cache(maxsize=None)
+@memoize("fallback_kernels.sources")
 def _read(name: str) -> str:
     return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
 
@@ -84,7 +85,8 @@ class KernelCompileError(RuntimeError):
 
 
 _COMPILE_LOCK = threading.Lock()
-_PROGRAMS: dict = {}
+# Compiled programs: (source, defines, expressions, arch) -> CompiledProgram.
+_PROGRAMS = LRU("fallback_kernels.programs", None)
 
 
 def compile_program(source: str, defines: Mapping[str, object], expressions: Sequence[str],
@@ -113,8 +115,7 @@ def compile_program(source: str, defines: Mapping[str, object], expressions: Seq
                                       nvrtc.getProgramLog(prog))
         finally:
             nvrtc.destroyProgram(prog)
-        _PROGRAMS[key] = program
-        return program
+        return _PROGRAMS.put(key, program)
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
@@ -158,8 +159,8 @@ def compile_records(program: CompiledProgram,
     return records
 
 
-# Functions loaded on a device: (source, defines, expressions, arch, device, expression) -> Function.
-_FUNCTIONS: dict = {}
+# Functions loaded on a device: (source, defines, expressions, device, expression) -> Function.
+_FUNCTIONS = LRU("fallback_kernels.functions", None)
 
 
 def device_arch(device_index: int) -> str:
@@ -188,7 +189,6 @@ def get_function(source: str, defines: Mapping[str, object], expressions: Sequen
         # Every function of the module is resolved now, so the module object lives as long as
         # they do (each Function keeps a reference to it).
         loaded = {e: module.get_function(program.lowered[e]) for e in expressions}
-    with _COMPILE_LOCK:
-        for e, f in loaded.items():
-            _FUNCTIONS.setdefault(key[:-1] + (e,), f)
-        return _FUNCTIONS[key]
+    for e, f in loaded.items():
+        _FUNCTIONS.put(key[:-1] + (e,), f)
+    return _FUNCTIONS.get(key, loaded[expression])

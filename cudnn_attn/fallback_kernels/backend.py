@@ -2,38 +2,31 @@
 
 It serves ``Neighborhood`` problems (1/2/3-D, per-axis kernel/stride/dilation/causal) and the
 1-D band masks (dense, ``Causal``, ``SlidingWindow``, with softcap) that cuDNN declines, in either
-layout, fp16/bf16/fp32, head dims up to 128, GQA/MQA and ``D_v != D_qk``. Plans are cached per
-``plan_key``; each holds its geometry table, uploaded once per device.
+layout, fp16/bf16/fp32, head dims up to 128, GQA/MQA and ``D_v != D_qk``: the envelope is
+``limits.LIMITS``, and ``supports()`` derives its reasons from it (``limits.kernel_reasons`` for the
+machine, ``limits.problem_reasons`` for the problem, ``problem_table`` for the mask). Plans are
+cached per ``plan_key`` in a registered LRU; each holds its geometry table (uploaded once per
+device by ``launch.device_table``).
 """
 
 from __future__ import annotations
 
 import functools
-import threading
-from collections import OrderedDict
 
 import torch
 
-from .._probe import cuda_missing, module_missing
-from ..masks import Causal, Neighborhood, Padding, SlidingWindow, mask_parts
+from ..caches import LRU
+from ..geometry import band_table, neighborhood_table
+from ..masks import Causal, Padding, SlidingWindow, mask_parts
 from ..problem import AttnProblem
 from . import fused
-from .tiles import FUSED_DTYPES, MAX_HEAD_DIM
+from .limits import kernel_reasons, machine_reasons, problem_reasons
 
 __all__ = ["CupyBackend", "CupyPlan", "problem_table"]
 
 PLAN_CACHE_SIZE = 128
-
-
-@functools.lru_cache(maxsize=1)
-def _nvrtc_missing() -> list[str]:
-    try:
-        from cupy.cuda import nvrtc
-
-        nvrtc.getVersion()
-    except Exception as exc:  # cupy without a loadable NVRTC library
-        return [f"the NVRTC library cannot be loaded through CuPy: {exc}"]
-    return []
+# One registered cache for every instance (a registry name maps to one LRU).
+_PLANS = LRU("cupy.plans", PLAN_CACHE_SIZE)
 
 
 def problem_table(problem: AttnProblem) -> tuple[list[int] | None, list[str]]:
@@ -46,8 +39,8 @@ def problem_table(problem: AttnProblem) -> tuple[list[int] | None, list[str]]:
         if others:
             return None, ["Neighborhood combined with other masks ("
                           + ", ".join(type(m).__name__ for m in others) + ") is not supported"]
-        return fused.neighborhood_table(hood.spatial_shape, hood.kernel_size, hood.stride,
-                                        hood.dilation, hood.is_causal), []
+        return neighborhood_table(hood.spatial_shape, hood.kernel_size, hood.stride,
+                                  hood.dilation, hood.is_causal), []
     left, right, alignments = -1, -1, set()
     for m in parts:
         if isinstance(m, Causal):
@@ -64,7 +57,7 @@ def problem_table(problem: AttnProblem) -> tuple[list[int] | None, list[str]]:
     if len(alignments) > 1:
         return None, ["Causal/SlidingWindow masks with mixed alignments are not supported"]
     offset = problem.seq_kv - problem.seq_q if alignments == {"bottom_right"} else 0
-    return fused.band_table(problem.seq_q, problem.seq_kv, left, right, offset), []
+    return band_table(problem.seq_q, problem.seq_kv, left, right, offset), []
 
 
 class CupyBackend:
@@ -73,53 +66,17 @@ class CupyBackend:
     name = "cupy"
 
     def __init__(self):
-        self._plans: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
+        self._plans = _PLANS
 
     def availability(self) -> list[str]:
-        reasons = module_missing("cupy", "cu12") + cuda_missing()
-        if not module_missing("cupy", "cu12"):
-            reasons += _nvrtc_missing()
-        return reasons
+        return machine_reasons()
 
     def supports(self, problem: AttnProblem) -> list[str]:
-        reasons = self.availability()
-        if problem.device.type != "cuda":
-            reasons.append(f"the CuPy kernels run CUDA tensors; these are on {problem.device}")
-        elif torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability(problem.device)
-            if major < 8:
-                reasons.append(f"the fused kernels need compute capability >= 8.0 (mma.sync "
-                               f"bf16), device has {major}.{minor}")
-        if problem.dtype not in FUSED_DTYPES:
-            reasons.append(f"dtype {problem.dtype} is not supported (float16, bfloat16, float32)")
-        if max(problem.dim_qk, problem.dim_v) > MAX_HEAD_DIM:
-            reasons.append(f"head dim {max(problem.dim_qk, problem.dim_v)} exceeds "
-                           f"{MAX_HEAD_DIM}")
-        if problem.dropout_p > 0:
-            reasons.append("dropout is not supported")
-        if problem.bias is not None:
-            reasons.append("a bias tensor is not supported")
-        if problem.alibi is not None:
-            reasons.append("ALiBi is not supported")
-        if problem.padding is not None:
-            reasons.append("Padding masks are not supported")
-        reasons += problem_table(problem)[1]
-        return reasons
+        return (kernel_reasons(problem.device) + problem_reasons(problem)
+                + problem_table(problem)[1])
 
     def plan(self, problem: AttnProblem) -> "CupyPlan":
-        key = problem.plan_key
-        with self._lock:
-            plan = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
-                return plan
-        plan = CupyPlan(problem)
-        with self._lock:
-            plan = self._plans.setdefault(key, plan)
-            while len(self._plans) > PLAN_CACHE_SIZE:
-                self._plans.popitem(last=False)
-        return plan
+        return self._plans.get_or_create(problem.plan_key, lambda: CupyPlan(problem))
 
 
 class CupyPlan:
@@ -129,10 +86,10 @@ class CupyPlan:
         table, reasons = problem_table(problem)
         if reasons:
             raise ValueError("; ".join(reasons))
-        self.table = fused.DeviceTable(table)
+        self.table = tuple(table)
         hood = problem.neighborhood
         rank = hood.ndim if hood is not None else 1
-        self.boxes = fused.choose_tiles(tuple(table), rank)
+        self.boxes = fused.choose_tiles(self.table, rank)
         self.o_shape = ((problem.batch, problem.heads_q, problem.seq_q, problem.dim_v)
                         if problem.layout == "bhsd"
                         else (problem.batch, problem.seq_q, problem.heads_q, problem.dim_v))

@@ -2,10 +2,11 @@
 
 One kernel family serves every mask the CuPy backend runs: up to three axes, each either a NATTEN
 0.21 neighborhood (kernel, stride, dilation, causal) or a 1-D band (dense, causal, sliding window;
-``S_q != S_kv`` allowed). The mask travels as a *geometry table*: 3 axes x 10 int32 in ``NaAxis``
-field order (``common.cu``), built here in pure Python. Tiles are boxes of ``QUERY_TILE`` queries /
-``KEY_TILE`` keys inside one dilation group per axis; this module also mirrors the kernels' window
-and range rules in Python, which is what the CPU tests check the skipping rule with.
+``S_q != S_kv`` allowed). The mask travels as a *geometry table* (``cudnn_attn.geometry``: 3 axes x
+10 int32 in ``NaAxis`` field order). Tiles are boxes of ``FUSED_QUERY_TILE`` queries /
+``FUSED_KEY_TILE`` keys inside one dilation group per axis; this module mirrors the kernels' tile
+walk (key and query ranges, tile enumeration) in Python on top of ``geometry.axis_window``, which
+is what the CPU tests check the skipping rule with. Launches go through ``launch``.
 
 Tensors are token-major views ``[B, S, H, D]`` with any strides (last dim contiguous), so both
 heads-last (NATTEN, ``bshd``) and heads-first (``bhsd``) inputs run without copies.
@@ -13,27 +14,27 @@ heads-last (NATTEN, ``bshd``) and heads-first (``bhsd``) inputs run without copi
 
 from __future__ import annotations
 
-import functools
-import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
-from . import _loader
-from .tiles import KEY_TILE, MAX_HEAD_DIM, QUERY_TILE, _boxes, check_tile_sizes
+from ..caches import memoize
+from ..geometry import (MAX_AXES, axis_dilation, axis_window, group_len, neighborhood_table,
+                        table_axes)
+from . import _loader, launch
+from .limits import MAX_HEAD_DIM
+from .tile_shapes import FUSED_KEY_TILE, FUSED_QUERY_TILE, box_shapes, check_tile_sizes
 
-__all__ = ["SOURCE", "DEFINES", "variants", "na_forward", "na_backward", "neighborhood_table",
-           "band_table", "choose_tiles", "launch_grid", "head_dim_bucket", "smem_bytes",
-           "forward_tokens", "backward_tokens"]
+__all__ = ["SOURCE", "DEFINES", "variants", "na_forward", "na_backward", "run_forward",
+           "run_backward", "choose_tiles", "launch_grid", "head_dim_bucket", "smem_bytes",
+           "forward_tokens"]
 
 SOURCE = "fused_attention.cu"
-DEFINES = {"QUERY_TILE": QUERY_TILE, "KEY_TILE": KEY_TILE}
+DEFINES = {"QUERY_TILE": FUSED_QUERY_TILE, "KEY_TILE": FUSED_KEY_TILE}
 KERNELS = ("na_fused_forward", "na_fused_backward_dq", "na_fused_backward_dkdv")
 CTYPES = {torch.float32: "float", torch.float16: "na_half", torch.bfloat16: "na_bf16"}
 HEAD_DIMS = (32, 64, 128)
 THREADS = 128
-AXES, FIELDS = 3, 10
-MODE_NEIGHBORHOOD, MODE_BAND = 0, 1
 # Other-side rows staged per step (NaChunk in the .cu): keys (forward, dQ) or queries (dK/dV).
 _CHUNK = {"na_fused_forward": (64, 32), "na_fused_backward_dq": (64, 16),
           "na_fused_backward_dkdv": (32, 16)}  # (16-bit, fp32)
@@ -68,75 +69,26 @@ def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int) -> int:
     elem = 2 if dtype in (torch.float16, torch.bfloat16) else 4
     ld = head_dim + 8 if elem == 2 else head_dim
     chunk = _CHUNK[kernel][0 if elem == 2 else 1]
-    rows = _OWN_ROWS[kernel] * QUERY_TILE + 2 * chunk
+    rows = _OWN_ROWS[kernel] * FUSED_QUERY_TILE + 2 * chunk
     total = rows * ld * elem + _META_BYTES[kernel]
     assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
     return total
 
 
 # ---------------------------------------------------------------------------------------------
-# Geometry table and its Python mirror
+# Python mirror of the kernels' tile walk (the window rule itself is geometry.axis_window)
 # ---------------------------------------------------------------------------------------------
 
-_UNUSED = [MODE_BAND, 1, 1, 1, 1, 1, 0, -1, -1, 0]
-
-
-def neighborhood_table(spatial_shape: Sequence[int], kernel_size: Sequence[int],
-                       stride: Sequence[int], dilation: Sequence[int],
-                       is_causal: Sequence[bool]) -> list[int]:
-    """The 30 int32 of a 1/2/3-D neighborhood (rank-sized tuples); unused axes are length-1 bands."""
-    rows = [[MODE_NEIGHBORHOOD, L, L, k, s, d, int(bool(c)), -1, -1, 0]
-            for L, k, s, d, c in zip(spatial_shape, kernel_size, stride, dilation, is_causal)]
-    if not 1 <= len(rows) <= AXES:
-        raise ValueError(f"spatial_shape must have 1 to 3 axes, got {tuple(spatial_shape)}")
-    return [x for row in rows + [_UNUSED] * (AXES - len(rows)) for x in row]
-
-
-def band_table(seq_q: int, seq_kv: int, left: int = -1, right: int = -1,
-               offset: int = 0) -> list[int]:
-    """A 1-D band: key j visible from query i iff ``i + offset - left <= j <= i + offset + right``
-    (``-1``: that side unbounded). Dense = (-1, -1), causal = (-1, 0)."""
-    return [MODE_BAND, seq_q, seq_kv, 1, 1, 1, 0, left, right, offset] + _UNUSED * (AXES - 1)
-
-
-def _axes(table: Sequence[int]) -> list[tuple]:
-    return [tuple(table[a * FIELDS:(a + 1) * FIELDS]) for a in range(AXES)]
-
-
-def _dilation(ax) -> int:
-    return ax[5] if ax[0] == MODE_NEIGHBORHOOD else 1
-
-
-def group_len(length: int, d: int, g: int) -> int:
-    return (length - g + d - 1) // d
-
-
-def axis_window(ax, idx: int, glen: int) -> tuple[int, int]:
-    """Keys [lo, hi) (group coordinates) of query ``idx`` of a group of ``glen`` (na_group_window)."""
-    mode, _, len_kv, k, s, _, causal, left, right, offset = ax
-    if mode == MODE_BAND:
-        aligned = idx + offset
-        lo = 0 if left < 0 else max(aligned - left, 0)
-        hi = len_kv if right < 0 else min(aligned + right + 1, len_kv)
-        lo = min(lo, len_kv)
-        return lo, max(hi, lo)
-    if causal:
-        leader = min((idx // s) * s + s - 1, glen - 1)
-        return max(leader - k + 1, 0), min(idx + 1, glen)
-    wl, wr = k // 2, k // 2 + (k % 2) - 1
-    leader = min((idx // s) * s + s // 2, glen - 1)
-    start = max(leader - wl, 0) + (glen - wr - leader - 1 if leader + wr >= glen else 0)
-    return start, start + k
-
-
 def group_key_range(ax, glen: int, q0: int, q1: int) -> tuple[int, int]:
+    """Keys [lo, hi) of a group that the queries [q0, q1) see (na_group_key_range)."""
     lo0, _ = axis_window(ax, q0, glen)
     _, hi1 = axis_window(ax, q1 - 1, glen)
     return lo0, max(hi1, lo0)
 
 
 def group_query_range(ax, glen_q: int, k0: int, k1: int) -> tuple[int, int]:
-    """Queries [lo, hi) of a group that see any key of [k0, k1) (monotone windows)."""
+    """Queries [lo, hi) of a group that see any key of [k0, k1) (monotone windows;
+    na_group_query_range)."""
     lo = next((i for i in range(glen_q) if axis_window(ax, i, glen_q)[1] > k0), glen_q)
     hi = next((i for i in range(lo, glen_q) if axis_window(ax, i, glen_q)[0] >= k1), glen_q)
     return lo, hi
@@ -160,15 +112,16 @@ def launch_grid(table: Sequence[int], box: Sequence[int], heads: int, batch: int
                 own_queries: bool = True) -> tuple[int, int, int]:
     """Blocks of a launch: tiles (product over axes) x heads x batch. ``box`` is the own tile
     shape (rank-sized or 3 entries); ``own_queries`` False for the dK/dV kernel (key tiles)."""
-    box = _pad3(box)
+    box = pad3(box)
     n = 1
-    for ax, t in zip(_axes(table), box):
-        n *= axis_tiles(ax[1] if own_queries else ax[2], _dilation(ax), t)
+    for ax, t in zip(table_axes(table), box):
+        n *= axis_tiles(ax[1] if own_queries else ax[2], axis_dilation(ax), t)
     return (n, heads, batch)
 
 
-def _pad3(box: Sequence[int]) -> tuple[int, int, int]:
-    return tuple(box) + (1,) * (AXES - len(box))
+def pad3(box: Sequence[int]) -> tuple[int, int, int]:
+    """A rank-sized box as the kernels' three sides (missing axes 1)."""
+    return tuple(box) + (1,) * (MAX_AXES - len(box))
 
 
 def forward_tokens(table: Sequence[int], query_box: Sequence[int],
@@ -176,35 +129,22 @@ def forward_tokens(table: Sequence[int], query_box: Sequence[int],
     """Key slots the forward visits over all query tiles (per batch and head): the per-axis
     sums of visited key tiles multiply, because the boxes factorise over axes."""
     total = 1
-    for ax, qt, kt in zip(_axes(table), _pad3(query_box), _pad3(key_box)):
-        d, axis_sum = _dilation(ax), 0
+    for ax, qt, kt in zip(table_axes(table), pad3(query_box), pad3(key_box)):
+        d, axis_sum = axis_dilation(ax), 0
         for g, q0, q1 in axis_tile_list(ax[1], d, qt):
             lo, hi = group_key_range(ax, group_len(ax[1], d, g), q0, q1)
             axis_sum += -(-(hi - lo) // kt)
         total *= axis_sum * kt
-    return total * QUERY_TILE
+    return total * FUSED_QUERY_TILE
 
 
-def backward_tokens(table: Sequence[int], query_box: Sequence[int],
-                    key_box: Sequence[int]) -> int:
-    """Query slots the dK/dV kernel visits over all key tiles (per batch and kv head)."""
-    total = 1
-    for ax, qt, kt in zip(_axes(table), _pad3(query_box), _pad3(key_box)):
-        d, axis_sum = _dilation(ax), 0
-        for g, k0, k1 in axis_tile_list(ax[2], d, kt):
-            lo, hi = group_query_range(ax, group_len(ax[1], d, g), k0, k1)
-            axis_sum += -(-max(hi - lo, 0) // qt)
-        total *= axis_sum * qt
-    return total * KEY_TILE
-
-
-@functools.lru_cache(maxsize=512)
+@memoize("fallback_kernels.fused.choose_tiles", maxsize=512)
 def choose_tiles(table: tuple, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Default (query box, key box) for a rank: the pair visiting the fewest key slots in the
     forward (ties: the first in ``valid_tile_sizes`` order, i.e. larger leading sides)."""
     best = None
-    for qt in _boxes(QUERY_TILE, rank):
-        for kt in _boxes(KEY_TILE, rank):
+    for qt in box_shapes(FUSED_QUERY_TILE, rank):
+        for kt in box_shapes(FUSED_KEY_TILE, rank):
             cost = forward_tokens(table, qt, kt)
             if best is None or cost < best[0]:
                 best = (cost, qt, kt)
@@ -215,35 +155,17 @@ def choose_tiles(table: tuple, rank: int) -> tuple[tuple[int, ...], tuple[int, .
 # Launching
 # ---------------------------------------------------------------------------------------------
 
-_ATTR_SET: set = set()
-
-
+@memoize("fallback_kernels.fused.functions")
 def _function(kernel: str, dtype: torch.dtype, head_dim: int, device_index: int):
+    """The loaded kernel, opted in to its dynamic shared memory (needed above 48 KB)."""
     from cupy.cuda import driver
 
-    expressions = [v.expression for v in variants()]
-    expression = _expression(kernel, dtype, head_dim)
-    fn = _loader.get_function(SOURCE, DEFINES, expressions, expression, device_index)
-    key = (expression, device_index)
-    if key not in _ATTR_SET:
-        # Above 48 KB of dynamic shared memory a kernel must opt in before its launch.
-        driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                smem_bytes(kernel, dtype, head_dim))
-        _ATTR_SET.add(key)
+    expressions = tuple(v.expression for v in variants())
+    fn = _loader.get_function(SOURCE, DEFINES, expressions, _expression(kernel, dtype, head_dim),
+                              device_index)
+    driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            smem_bytes(kernel, dtype, head_dim))
     return fn
-
-
-def _ptr(t: Optional[torch.Tensor]):
-    """A kernel pointer argument via DLPack (16-bit types travel as raw int16 storage)."""
-    import cupy
-    import numpy as np
-
-    if t is None:
-        return np.uint64(0)
-    t = t.detach()
-    if t.element_size() == 2:
-        t = t.view(torch.int16)
-    return cupy.from_dlpack(t)
 
 
 def _strides(t: torch.Tensor) -> list:
@@ -259,30 +181,9 @@ def _aligned(tensors, dtype) -> int:
                    for t in tensors))
 
 
-class _OnTorchStream:
-    """CuPy's current device and stream set to torch's current stream of ``device``, so DLPack
-    exchange and launches are ordered with the surrounding torch work."""
-
-    def __init__(self, device):
-        import cupy
-
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
-        self._device = cupy.cuda.Device(self.index)
-        self.stream = cupy.cuda.ExternalStream(
-            torch.cuda.current_stream(self.index).cuda_stream, self.index)
-
-    def __enter__(self):
-        self._device.__enter__()
-        self.stream.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.stream.__exit__(*exc)
-        self._device.__exit__(*exc)
-
-
-def _launch(kernel, dtype, head_dim, grid, args, ctx: _OnTorchStream):
+def _launch(kernel, dtype, head_dim, grid, tensors, scalars, ctx: "launch.TorchStream"):
     fn = _function(kernel, dtype, head_dim, ctx.index)
+    args = [launch.kernel_arg(t) for t in tensors] + list(scalars)
     fn(grid, (THREADS, 1, 1), args, shared_mem=smem_bytes(kernel, dtype, head_dim),
        stream=ctx.stream)
 
@@ -291,30 +192,26 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _table_tensor(table: Sequence[int], device) -> torch.Tensor:
-    return torch.tensor(list(table), dtype=torch.int32, device=device)
-
-
 def run_forward(q, k, v, out, lse, table, boxes, scale, softcap=0.0, rpb=None) -> None:
     """Launch the forward on token-major views: q/k/v/out ``[B, S, H, D]``, lse ``[B, S, H]``
-    fp32 (any strides, last dim contiguous). ``table``: a :class:`DeviceTable`; ``boxes`` =
-    (query box, key box)."""
+    fp32 (any strides, last dim contiguous). ``table``: the geometry table (``geometry``);
+    ``boxes`` = (query box, key box)."""
     import numpy as np
 
     B, _, Hq, Dqk = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
     hd = head_dim_bucket(Dqk, Dv)
-    qb, kb = _pad3(boxes[0]), _pad3(boxes[1])
-    grid = launch_grid(table.table, qb, Hq, B, True)
-    table_dev = table.on(q.device)
-    with _OnTorchStream(q.device) as ctx:
-        args = [_ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(lse), _ptr(table_dev), _ptr(rpb),
-                *_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(lse),
+    qb, kb = pad3(boxes[0]), pad3(boxes[1])
+    grid = launch_grid(table, qb, Hq, B, True)
+    table_dev = launch.device_table(table, q.device)
+    with launch.TorchStream(q.device) as ctx:
+        tensors = [q, k, v, out, lse, table_dev, rpb]
+        scalars = [*_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(lse),
                 np.int32(Hq), np.int32(Hkv), np.int32(Dqk), np.int32(Dv),
                 *(np.int32(x) for x in qb), *(np.int32(x) for x in kb),
                 np.float32(scale), np.float32(softcap or 0.0),
                 np.int32(_aligned((q, k, v), q.dtype))]
-        _launch("na_fused_forward", q.dtype, hd, grid, args, ctx)
+        _launch("na_fused_forward", q.dtype, hd, grid, tensors, scalars, ctx)
 
 
 def run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale,
@@ -325,52 +222,35 @@ def run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale,
     B, _, Hq, Dqk = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
     hd = head_dim_bucket(Dqk, Dv)
-    qb, kb = _pad3(boxes[0]), _pad3(boxes[1])
+    qb, kb = pad3(boxes[0]), pad3(boxes[1])
     tail = [np.int32(Hq), np.int32(Hkv), np.int32(Dqk), np.int32(Dv),
             *(np.int32(x) for x in qb), *(np.int32(x) for x in kb),
             np.float32(scale), np.float32(softcap or 0.0),
             np.int32(_aligned((q, k, v, dout), q.dtype))]
     common = [*_strides(q), *_strides(k), *_strides(v), *_strides(dout)]
-    table_dev = table.on(q.device)
+    table_dev = launch.device_table(table, q.device)
     # Only dimensions longer than 1 are indexed, so only their strides must agree (torch keeps
     # any stride on a size-1 dimension, e.g. one query head).
     if any(a != b for a, b, n in zip(delta.stride(), lse.stride(), lse.shape) if n > 1):
         raise ValueError("delta must have lse's strides")
-    with _OnTorchStream(q.device) as ctx:
-        grid = launch_grid(table.table, qb, Hq, B, True)
+    with launch.TorchStream(q.device) as ctx:
+        grid = launch_grid(table, qb, Hq, B, True)
         _launch("na_fused_backward_dq", q.dtype, hd, grid,
-                [_ptr(q), _ptr(k), _ptr(v), _ptr(dout), _ptr(lse), _ptr(delta), _ptr(dq),
-                 _ptr(table_dev), *common, *_strides(dq), *_strides(lse), *tail], ctx)
-        grid = launch_grid(table.table, kb, Hkv, B, False)
+                [q, k, v, dout, lse, delta, dq, table_dev],
+                [*common, *_strides(dq), *_strides(lse), *tail], ctx)
+        grid = launch_grid(table, kb, Hkv, B, False)
         _launch("na_fused_backward_dkdv", q.dtype, hd, grid,
-                [_ptr(q), _ptr(k), _ptr(v), _ptr(dout), _ptr(lse), _ptr(delta), _ptr(dk),
-                 _ptr(dv), _ptr(table_dev), *common, *_strides(dk), *_strides(dv),
-                 *_strides(lse), *tail], ctx)
-
-
-class DeviceTable:
-    """A geometry table uploaded once per device (plans keep one)."""
-
-    def __init__(self, table: Sequence[int]):
-        self.table = list(table)
-        self._on: dict = {}
-
-    def on(self, device) -> torch.Tensor:
-        key = str(device)
-        t = self._on.get(key)
-        if t is None:
-            t = _table_tensor(self.table, device)
-            self._on[key] = t
-        return t
+                [q, k, v, dout, lse, delta, dk, dv, table_dev],
+                [*common, *_strides(dk), *_strides(dv), *_strides(lse), *tail], ctx)
 
 
 # ---------------------------------------------------------------------------------------------
 # NATTEN-style entry points (heads-last), used by the op layer and the neighborhood API
 # ---------------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=256)
-def _table_for(shape, kernel_size, stride, dilation, is_causal) -> DeviceTable:
-    return DeviceTable(neighborhood_table(shape, kernel_size, stride, dilation, is_causal))
+def _table_for(shape, kernel_size, stride, dilation, is_causal) -> tuple[int, ...]:
+    return tuple(neighborhood_table(shape, kernel_size, stride, dilation,
+                                    tuple(bool(c) for c in is_causal)))
 
 
 def _tokens(t: torch.Tensor, rank: int, name: str) -> torch.Tensor:
@@ -411,9 +291,8 @@ def na_forward(query, key, value, *, kernel_size, stride, dilation, is_causal, s
     if q.dtype not in CTYPES or not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"query/key/value must share a dtype among float32/float16/bfloat16, got "
                         f"{query.dtype}, {key.dtype}, {value.dtype}")
-    dt = _table_for(spatial, tuple(kernel_size), tuple(stride), tuple(dilation),
-                    tuple(bool(c) for c in is_causal))
-    boxes = _boxes_for(rank, max(q.shape[-1], v.shape[-1]), q.dtype, dt.table, query_tile,
+    table = _table_for(spatial, kernel_size, stride, dilation, is_causal)
+    boxes = _boxes_for(rank, max(q.shape[-1], v.shape[-1]), q.dtype, table, query_tile,
                        key_tile)
     B, _, H, _ = q.shape
     out_shape = (*query.shape[:-1], value.shape[-1])
@@ -431,7 +310,7 @@ def na_forward(query, key, value, *, kernel_size, stride, dilation, is_causal, s
     l3 = lse.view(B, -1, H)
     if rpb is not None:
         rpb = rpb.detach().to(torch.float32).contiguous()
-    run_forward(q, k, v, o4, l3, dt, boxes, scale, softcap or 0.0, rpb)
+    run_forward(q, k, v, o4, l3, table, boxes, scale, softcap or 0.0, rpb)
     return out, lse
 
 
@@ -445,9 +324,8 @@ def na_backward(query, key, value, out, lse, dout, *, kernel_size, stride, dilat
     spatial = tuple(query.shape[1:1 + rank])
     q, k, v = (_tokens(t, rank, n) for t, n in ((query, "query"), (key, "key"), (value, "value")))
     o4, do4 = _tokens(out, rank, "out"), _tokens(dout, rank, "dout")
-    dt = _table_for(spatial, tuple(kernel_size), tuple(stride), tuple(dilation),
-                    tuple(bool(c) for c in is_causal))
-    boxes = _boxes_for(rank, max(q.shape[-1], v.shape[-1]), q.dtype, dt.table, query_tile,
+    table = _table_for(spatial, kernel_size, stride, dilation, is_causal)
+    boxes = _boxes_for(rank, max(q.shape[-1], v.shape[-1]), q.dtype, table, query_tile,
                        key_tile)
     B, _, H, _ = q.shape
     l3 = lse.reshape(B, -1, H).to(torch.float32).contiguous()
@@ -456,5 +334,5 @@ def na_backward(query, key, value, out, lse, dout, *, kernel_size, stride, dilat
     dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     run_backward(q, k, v, do4, l3, delta, dq.view(q.shape), dk.view(k.shape), dv.view(v.shape),
-                 dt, boxes, scale, softcap or 0.0)
+                 table, boxes, scale, softcap or 0.0)
     return dq, dk, dv

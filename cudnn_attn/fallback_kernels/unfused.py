@@ -24,11 +24,12 @@ repeatable; launches go on torch's current stream, tensors cross to CuPy through
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
+from ..geometry import MAX_AXES, neighborhood_table
+from . import launch
 from ._loader import KernelVariant, get_function
 
 SOURCE = "unfused.cu"
@@ -42,13 +43,6 @@ DEFINES = {"NA_UNFUSED_THREADS": THREADS, "NA_RPB_THREADS": RPB_THREADS}
 _DTYPES = {torch.float64: "double", torch.float32: "float", torch.float16: "na_half",
            torch.bfloat16: "na_bf16"}
 _KERNELS = ("na_neighbor_dot", "na_neighbor_gather", "na_inverse_gather", "na_rpb_backward")
-
-# NaAxis (common.cu) field order; modes: 0 neighborhood, 1 band.
-AXIS_FIELD_NAMES = ("mode", "len_q", "len_kv", "kernel", "stride", "dilation", "causal", "left",
-                    "right", "offset")
-AXIS_FIELDS = len(AXIS_FIELD_NAMES)
-MAX_AXES = 3
-_UNUSED_AXIS = (1, 1, 1, 1, 1, 1, 0, -1, -1, 0)
 
 
 def variants() -> list[KernelVariant]:
@@ -65,23 +59,11 @@ def _expressions() -> tuple[str, ...]:
 # Pure-Python geometry (CPU-testable)
 # ---------------------------------------------------------------------------------------------
 
-def geometry_table(spatial_shape, kernel_size, dilation, is_causal) -> tuple[int, ...]:
-    """The ``3 x 10`` int32 geometry the kernels read (flattened), for stride-1 neighborhoods.
-
-    Axes past ``len(kernel_size)`` are length-1 bands, which the kernels treat as one slot and
-    one token.
-
-        >>> geometry_table((8,), (3,), (1,), (False,))[:10]
-        (0, 8, 8, 3, 1, 1, 0, 0, 0, 0)
-    """
-    rank = len(kernel_size)
-    if not 1 <= rank <= MAX_AXES:
-        raise ValueError(f"kernel_size must have 1 to 3 entries, got {kernel_size!r}")
-    table = []
-    for L, k, d, c in zip(spatial_shape, kernel_size, dilation, is_causal):
-        table.extend((0, int(L), int(L), int(k), 1, int(d), int(bool(c)), 0, 0, 0))
-    table.extend(_UNUSED_AXIS * (MAX_AXES - rank))
-    return tuple(table)
+def stride1_table(spatial_shape, kernel_size, dilation, is_causal) -> tuple[int, ...]:
+    """The geometry table (``geometry.neighborhood_table``) of a stride-1 neighborhood: NATTEN
+    0.17's ops have no stride."""
+    return tuple(neighborhood_table(spatial_shape, kernel_size, (1,) * len(kernel_size),
+                                    dilation, is_causal))
 
 
 def launch_grid(per_head: int, batch_heads: int, threads: int = THREADS) -> tuple[int, int]:
@@ -158,38 +140,8 @@ def _rank(kernel_size) -> int:
 # Launching
 # ---------------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=256)
-def _device_table(table: tuple, device_index: int) -> torch.Tensor:
-    # Built once per geometry and device: no host copy per call. The one-off synchronize makes
-    # the copy visible to kernels on any stream, not only the one current at creation.
-    device = torch.device("cuda", device_index)
-    result = torch.tensor(table, dtype=torch.int32, device=device)
-    torch.cuda.current_stream(device).synchronize()
-    return result
-
-
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _as_cupy(t: torch.Tensor):
-    import cupy
-
-    # DLPack refuses tensors that require grad (autograd Functions hand those in); the kernels
-    # only read/write storage, so a detached view is the same memory.
-    t = t.detach()
-    # CuPy has no bfloat16: 16-bit tensors cross as int16 (the kernels only see a pointer).
-    if t.element_size() == 2:
-        t = t.view(torch.int16)
-    return cupy.from_dlpack(t)
-
-
-def _cupy_stream(cupy, torch_stream, device_index):
-    # CuPy 14 deprecates ExternalStream for the CUDA stream protocol, which torch streams speak.
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None and hasattr(torch_stream, "__cuda_stream__"):
-        return from_external(torch_stream)
-    return cupy.cuda.ExternalStream(torch_stream.cuda_stream, device_index)
 
 
 class _Launch:
@@ -197,25 +149,19 @@ class _Launch:
 
     def __init__(self, ref: torch.Tensor, spatial, kernel_size, dilation, is_causal):
         _check_geometry(spatial, kernel_size, dilation, is_causal)
-        self.device_index = ref.device.index if ref.device.index is not None else \
-            torch.cuda.current_device()
+        self.device = ref.device
         self.dtype = ref.dtype
-        self.table = _device_table(geometry_table(spatial, kernel_size, dilation, is_causal),
-                                   self.device_index)
+        self.table = launch.device_table(stride1_table(spatial, kernel_size, dilation, is_causal),
+                                         ref.device)
 
     def __call__(self, name: str, grid: tuple, threads: int, tensors, scalars):
         if 0 in grid:
             return
-        import cupy
-
         expression = f"{name}<{_DTYPES[self.dtype]}>"
-        fn = get_function(SOURCE, DEFINES, _expressions(), expression, self.device_index)
-        torch_stream = torch.cuda.current_stream(self.device_index)
-        with cupy.cuda.Device(self.device_index):
-            stream = _cupy_stream(cupy, torch_stream, self.device_index)
-            with stream:
-                args = [_as_cupy(t) for t in tensors] + [_as_cupy(self.table)] + list(scalars)
-                fn(grid, (threads,), tuple(args), stream=stream)
+        with launch.TorchStream(self.device) as ctx:
+            fn = get_function(SOURCE, DEFINES, _expressions(), expression, ctx.index)
+            args = [launch.kernel_arg(t) for t in (*tensors, self.table)] + list(scalars)
+            fn(grid, (threads,), tuple(args), stream=ctx.stream)
 
 
 def _i32(x):

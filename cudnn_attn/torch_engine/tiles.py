@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from ..geometry import band_window, neighborhood_positions
 from ..masks import Causal, Neighborhood, Padding, SlidingWindow
 
 # Smallest query tile worth a matmul on CPU; below it per-tile overhead dominates.
@@ -49,21 +50,10 @@ class AxisWindows:
 
 def neighborhood_axis(length: int, kernel: int, stride: int, dilation: int,
                       causal: bool) -> AxisWindows:
-    """NATTEN 0.21's per-axis neighbor rule, in dilation-group-contiguous order."""
+    """NATTEN 0.21's per-axis neighbor rule (``geometry.neighborhood_positions``), in
+    dilation-group-contiguous order."""
     i = torch.arange(length)
-    group, idx = i % dilation, i // dilation
-    group_len = (length - group + dilation - 1) // dilation          # members of i's group
-    left, right = kernel // 2, kernel // 2 + kernel % 2 - 1
-    if causal:
-        leader = torch.minimum((idx // stride) * stride + stride - 1, group_len - 1)
-        start = (leader - kernel + 1).clamp(min=0)
-        end = torch.minimum(idx + 1, group_len)
-    else:
-        # The stride group's centre query decides the window; shift it inside at the borders.
-        leader = torch.minimum((idx // stride) * stride + stride // 2, group_len - 1)
-        start = (leader - left).clamp(min=0) + (leader + right >= group_len) * (
-            group_len - right - leader - 1)
-        end = start + kernel
+    group, idx, start, end = neighborhood_positions(length, kernel, stride, dilation, causal)
     sizes = torch.bincount(group, minlength=dilation)
     offset = torch.cumsum(sizes, 0) - sizes                         # first slot of each group
     position = offset[group] + idx                                 # original -> reordered
@@ -76,8 +66,14 @@ def neighborhood_axis(length: int, kernel: int, stride: int, dilation: int,
     return AxisWindows(lo, hi, order, order)
 
 
+def _band_bounds(mask) -> tuple[int, int]:
+    """``(left, right)`` of a Causal/SlidingWindow mask as a band (``-1``: unbounded)."""
+    return (-1, 0) if isinstance(mask, Causal) else (mask.left, mask.right)
+
+
 def sequence_axis(seq_q: int, seq_kv: int, masks, padded: bool) -> AxisWindows:
-    """The 1-D run of keys each query may see under causal/window masks (identity order)."""
+    """The 1-D run of keys each query may see under causal/window masks (identity order): the
+    intersection of their ``geometry.band_window`` runs."""
     i = torch.arange(seq_q)
     lo = torch.zeros(seq_q, dtype=torch.long)
     hi = torch.full((seq_q,), seq_kv, dtype=torch.long)
@@ -86,15 +82,10 @@ def sequence_axis(seq_q: int, seq_kv: int, masks, padded: bool) -> AxisWindows:
             continue
         if m.alignment == "bottom_right" and padded:
             continue  # the offset depends on per-batch lengths: keep every key, mask per call
-        aligned = i + (seq_kv - seq_q if m.alignment == "bottom_right" else 0)
-        left, right = (-1, 0) if isinstance(m, Causal) else (m.left, m.right)
-        if left >= 0:
-            lo = torch.maximum(lo, aligned - left)
-        if right >= 0:
-            hi = torch.minimum(hi, aligned + right + 1)
-    lo = lo.clamp(0, seq_kv)
-    hi = torch.maximum(hi.clamp(0, seq_kv), lo)
-    return AxisWindows(lo, hi, torch.arange(seq_q), torch.arange(seq_kv))
+        offset = seq_kv - seq_q if m.alignment == "bottom_right" else 0
+        m_lo, m_hi = band_window(i, seq_kv, *_band_bounds(m), offset)
+        lo, hi = torch.maximum(lo, m_lo), torch.minimum(hi, m_hi)
+    return AxisWindows(lo, torch.maximum(hi, lo), torch.arange(seq_q), torch.arange(seq_kv))
 
 
 def _tile_starts(length: int, tile: int) -> torch.Tensor:
@@ -304,7 +295,7 @@ class Visibility:
         result = None
         for m in self.line_masks:
             aligned = qi + self.offset(m.alignment, qi.device, padding)
-            left, right = (-1, 0) if isinstance(m, Causal) else (m.left, m.right)
+            left, right = _band_bounds(m)
             ok = None
             if left >= 0:
                 ok = kj >= aligned - left

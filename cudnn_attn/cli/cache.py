@@ -1,0 +1,157 @@
+"""``cudnn-attn cache info|warm|clear``: the graph cache's counters, warm-up and files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .specs import build_inputs, default_device
+
+
+def _print_info(info: dict) -> None:
+    width = max(map(len, info))
+    for key, value in info.items():
+        print(f"  {key:<{width}}  {round(value, 6) if isinstance(value, float) else value}")
+
+
+def cmd_cache_info(args: argparse.Namespace) -> int:
+    """Print the process cache counters and what the cache directory holds."""
+    from cudnn_attn.graphs.cache import SUFFIX, GraphCache, default_cache_dir, graph_cache
+
+    directory = args.dir or default_cache_dir()
+    print("graph_cache (this process):")
+    _print_info(graph_cache.info())
+    files = sorted(directory.glob("*" + SUFFIX)) if directory.is_dir() else []
+    print(f"cache dir: {directory}{'' if directory.is_dir() else ' (does not exist)'}")
+    if files:
+        probe = GraphCache()
+        accepted = probe.load(directory)
+        size = sum(f.stat().st_size for f in files)
+        print(f"  files: {len(files)} ({size} bytes), usable here: {accepted}, "
+              f"rejected: {probe.info()['rejected_files']}")
+    else:
+        print("  files: 0")
+    return 0
+
+
+def progress(items: Sequence[Any], desc: str) -> tuple[Any, Callable[[str], None]]:
+    """``(iterator, write)``: a tqdm bar when tqdm is installed, else ``[i/N]`` prefixed lines."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        state = {"i": 0}
+
+        def plain() -> Any:
+            for i, item in enumerate(items, 1):
+                state["i"] = i
+                yield item
+
+        return plain(), lambda line: print(f"{desc} [{state['i']}/{len(items)}] {line}", flush=True)
+    bar = tqdm(items, desc=desc, unit="problem")
+    return bar, bar.write
+
+
+def read_config(path: str) -> list[dict]:
+    """Problems of a warm-up config: ``{"defaults": {...}, "problems": [...]}`` or a list."""
+    with open(path, encoding="utf-8") as fh:
+        config = json.load(fh)
+    if isinstance(config, list):
+        config = {"problems": config}
+    if not isinstance(config, dict) or not isinstance(config.get("problems"), list):
+        raise ValueError(f"{path}: expected a list of problems or {{'problems': [...]}}")
+    unknown = sorted(set(config) - {"defaults", "problems"})
+    if unknown:
+        raise ValueError(f"{path}: unknown top-level keys {unknown}")
+    defaults = config.get("defaults") or {}
+    return [{**defaults, **p} if isinstance(p, dict) else p for p in config["problems"]]
+
+
+def warm_one(backend: Any, spec: dict, device: str) -> str:
+    """Build one problem's plan through the graph cache; a line saying what happened."""
+    import cudnn_attn as ca
+    from cudnn_attn.graphs.cache import graph_cache
+
+    q, k, v, kwargs = build_inputs(spec, device)
+    problem = ca.AttnProblem.from_tensors(q, k, v, **kwargs)
+    before = graph_cache.info()
+    reasons = backend.supports(problem)  # on a GPU the cudnn backend builds here already
+    if reasons:
+        return f"cannot build on {backend.name}: " + "; ".join(reasons)
+    try:
+        plan = backend.plan(problem)
+        if callable(getattr(plan, "prepare", None)):  # plans that build their graphs lazily
+            plan.prepare(problem)
+    except ca.NotSupportedError as exc:
+        return f"cannot build on {backend.name}: {exc}"
+    after = graph_cache.info()
+    built, loaded = after["builds"] - before["builds"], after["loads"] - before["loads"]
+    return f"ok ({built} built, {loaded} loaded, {after['hits'] - before['hits']} cached)"
+
+
+def cmd_cache_warm(args: argparse.Namespace) -> int:
+    """Build every problem of a config through the graph cache, optionally saving the plans."""
+    from cudnn_attn.dispatch import get_backend
+    from cudnn_attn.graphs.cache import graph_cache
+
+    try:
+        specs = read_config(args.config)
+    except (OSError, ValueError) as exc:
+        print(f"cudnn-attn cache warm: {exc}", file=sys.stderr)
+        return 2
+    if args.load:
+        print(f"loaded {graph_cache.load(args.load)} graph file(s) from {args.load}")
+    backend, device = get_backend(args.backend), args.device or default_device()
+    items, write = progress(specs, "warm")
+    invalid = failed = 0
+    for index, spec in enumerate(items):
+        name = spec.get("name") if isinstance(spec, dict) else None
+        name = name or f"problem {index}"
+        try:
+            status = warm_one(backend, spec, device)
+        except (ValueError, TypeError) as exc:
+            invalid += 1
+            status = f"invalid: {exc}"
+        except Exception as exc:  # a real build failure: report it, keep warming the rest
+            failed += 1
+            status = f"FAILED: {type(exc).__name__}: {exc}"
+        write(f"{name}: {status}")
+    print("graph_cache:")
+    _print_info(graph_cache.info())
+    if args.save:
+        print(f"saved {graph_cache.save(args.save)} graph file(s) to {args.save}")
+    return 2 if invalid else 1 if failed else 0
+
+
+def cmd_cache_clear(args: argparse.Namespace) -> int:
+    """Empty the process cache and delete the graph files of the cache directory."""
+    from cudnn_attn.graphs.cache import clear_dir, default_cache_dir, graph_cache
+
+    directory = args.dir or default_cache_dir()
+    graph_cache.clear()
+    print(f"removed {clear_dir(directory)} graph file(s) from {directory}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    """``cudnn-attn cache info|warm|clear``."""
+    from pathlib import Path
+
+    cache = sub.add_parser("cache", help="the graph cache: info, warm-up, clear")
+    csub = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
+    info = csub.add_parser("info", help="counters and the cache directory")
+    info.add_argument("--dir", type=Path, help="cache directory (default: the user cache dir)")
+    info.set_defaults(func=cmd_cache_info)
+    warm = csub.add_parser("warm", help="build the problems of a JSON config through the cache")
+    warm.add_argument("config", help='JSON: {"defaults": {...}, "problems": [{"shape": '
+                      '[B,H,S,D], "dtype": "bf16", "mask": "causal", ...}]}')
+    warm.add_argument("--backend", default="cudnn", help="backend to build on (default: cudnn)")
+    warm.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    warm.add_argument("--load", type=Path, help="load saved graphs from DIR first")
+    warm.add_argument("--save", type=Path, help="save the built graphs to DIR")
+    warm.set_defaults(func=cmd_cache_warm)
+    clear = csub.add_parser("clear", help="empty the cache and delete its files")
+    clear.add_argument("--dir", type=Path, help="cache directory (default: the user cache dir)")
+    clear.set_defaults(func=cmd_cache_clear)

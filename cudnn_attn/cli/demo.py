@@ -1,0 +1,110 @@
+"""``cudnn-attn demo``: representative problems on ``backend="auto"``, checked against a float64
+brute force whose visibility comes from ``cudnn_attn.geometry``."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import timeit
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# Max abs error allowed against the float64 brute force, per input dtype (outputs are O(1)).
+TOLERANCE = {"float64": 1e-10, "float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}
+
+
+def brute_force(q: Any, k: Any, v: Any, visible: Any) -> Any:
+    """Dense float64 softmax attention over ``visible`` ([S_q, S_kv] bool), bhsd layout, on the CPU."""
+    import torch
+
+    q, k, v = (t.detach().to("cpu", torch.float64) for t in (q, k, v))
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@dataclass(frozen=True)
+class DemoProblem:
+    name: str
+    shape: tuple[int, int, int, int]  # B, H, S, D (bhsd)
+    mask: Callable[[], Any]  # builds the cudnn_attn mask object
+    visible: Callable[[], Any]  # builds the brute-force [S, S] bool mask
+
+
+def demo_problems() -> list[DemoProblem]:
+    """The representative problems ``cudnn-attn demo`` runs."""
+    import cudnn_attn as ca
+    from cudnn_attn.geometry import band_mask, neighborhood_mask
+
+    return [
+        DemoProblem("causal LM  B2 H8 S512 D64", (2, 8, 512, 64), ca.Causal, lambda: band_mask(512, 512, -1, 0)),
+        DemoProblem(
+            "sliding window (128, 0)  B1 H8 S2048 D64",
+            (1, 8, 2048, 64),
+            lambda: ca.SlidingWindow(128, 0),
+            lambda: band_mask(2048, 2048, 128, 0),
+        ),
+        DemoProblem(
+            "neighborhood 2-D 32x32 k7x7  B1 H4 D32",
+            (1, 4, 32 * 32, 32),
+            lambda: ca.Neighborhood((32, 32), (7, 7)),
+            lambda: neighborhood_mask((32, 32), (7, 7)),
+        ),
+    ]
+
+
+def median_ms(fn: Callable[[], Any], repeats: int, sync: Callable[[], Any] | None = None) -> float:
+    """Median wall time of ``fn`` in milliseconds over ``repeats`` runs, after one warm-up call."""
+
+    def call() -> None:
+        fn()
+        if sync is not None:
+            sync()
+
+    call()
+    return 1e3 * statistics.median(timeit.repeat(call, number=1, repeat=repeats))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run each demo problem on backend="auto", check it against float64, print a table."""
+    import torch
+
+    import cudnn_attn as ca
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype or ("float16" if device.startswith("cuda") else "float32"))
+    tol = TOLERANCE[str(dtype).removeprefix("torch.")]
+    sync = torch.cuda.synchronize if device.startswith("cuda") else None
+    gen = torch.Generator().manual_seed(args.seed)
+
+    print(f"device {device}, dtype {str(dtype).removeprefix('torch.')}, tolerance {tol:g}, "
+          f"median of {args.repeats} runs")
+    header = f"{'problem':<42} {'backend':<8} {'max abs err':>12} {'time ms':>10}  check"
+    print(header + "\n" + "-" * len(header))
+    failures = 0
+    for problem in demo_problems():
+        q, k, v = (torch.randn(problem.shape, generator=gen).to(device, dtype) for _ in range(3))
+        mask = problem.mask()
+        explanation = ca.explain(q, k, v, mask=mask, backend="auto")
+        chosen = next((name for name, verdict in explanation.items() if verdict == "selected"), "?")
+        out = ca.attention(q, k, v, mask=mask, backend="auto")
+        err = (out.to("cpu", torch.float64) - brute_force(q, k, v, problem.visible())).abs().max().item()
+        ms = median_ms(lambda: ca.attention(q, k, v, mask=mask, backend="auto"), args.repeats, sync)  # noqa: B023
+        ok = err <= tol
+        failures += not ok
+        print(f"{problem.name:<42} {chosen:<8} {err:>12.3e} {ms:>10.2f}  {'ok' if ok else 'FAIL'}")
+    if failures:
+        print(f"\n{failures} problem(s) exceeded the tolerance {tol:g}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def add_parser(sub: Any) -> None:
+    demo = sub.add_parser("demo", help="run representative problems on backend='auto' and check them")
+    demo.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    demo.add_argument("--dtype", choices=sorted(TOLERANCE),
+                      help="input dtype (default: float16 on cuda, float32 on cpu)")
+    demo.add_argument("--repeats", type=int, default=5, help="timed runs per problem (default: 5)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed for the inputs (default: 0)")
+    demo.set_defaults(func=cmd_demo)

@@ -1,0 +1,29 @@
+"""``cudnn-attn info``: versions, GPU facts and each backend's availability."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Print versions, GPU facts and each backend's availability (with reasons when unusable)."""
+    from cudnn_attn import _env
+    from cudnn_attn.dispatch import BACKENDS
+
+    facts = _env.collect()
+    width = max(len(key) for key in facts)
+    for key, value in facts.items():
+        print(f"{key:<{width}}  {'-' if value is None else value}")
+    print("\nbackends (priority order):")
+    for backend in BACKENDS:
+        reasons = backend.availability()
+        print(f"  {backend.name:<6} {'available' if not reasons else 'unavailable'}")
+        for reason in reasons:
+            print(f"         - {reason}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    info = sub.add_parser("info", help="versions, GPU and backend availability")
+    info.set_defaults(func=cmd_info)
