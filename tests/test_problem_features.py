@@ -132,3 +132,20 @@ def test_dropout_state_replays_and_offsets_select_streams():
         DropoutState(-1)
     with pytest.raises(TypeError, match="generator"):
         DropoutState.draw("x")
+
+
+def test_engines_that_cannot_apply_a_feature_say_so():
+    from cudnn_attn.fallback_kernels.limits import problem_reasons
+
+    q = torch.randn(1, 2, 9, 4)
+    hood = ca.Neighborhood(9, 3)
+    table = torch.zeros(2, 5, requires_grad=True)
+    grad_rpb = AttnProblem.from_tensors(q, q, q, mask=hood, bias=RelPosBias(table))
+    assert any("RelPosBias" in r and "gradient" in r for r in problem_reasons(grad_rpb))
+    strided = AttnProblem.from_tensors(q, q, q, mask=ca.Neighborhood(9, 3, stride=2),
+                                       bias=RelPosBias(table.detach()))
+    assert any("stride" in r for r in problem_reasons(strided))
+    inference = AttnProblem.from_tensors(q, q, q, mask=hood, bias=RelPosBias(table.detach()))
+    assert problem_reasons(inference) == []
+    masked = AttnProblem.from_tensors(q, q, q, dropout_mask=torch.ones(9, 9))
+    assert any("dropout mask" in r for r in problem_reasons(masked))

@@ -108,8 +108,11 @@ class CupyPlan:
         lse = torch.empty((problem.batch, problem.heads_q, problem.seq_q), dtype=torch.float32,
                           device=q.device)
         tok = functools.partial(self._tokens, problem)
+        rpb = None
+        if problem.rpb is not None:  # the kernel reads a contiguous fp32 table
+            rpb = inputs.bias.detach().to(torch.float32).contiguous()
         fused.run_forward(tok(q), tok(k), tok(v), tok(out), lse.transpose(1, 2), self.table,
-                          self.boxes, problem.scale, problem.softcap or 0.0)
+                          self.boxes, problem.scale, problem.softcap or 0.0, rpb)
         return out, lse
 
     def backward(self, problem, inputs, out, lse, dout, dlse=None):

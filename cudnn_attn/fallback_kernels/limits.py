@@ -32,6 +32,8 @@ class Limits:
     bias_tensor: bool = False
     alibi: bool = False
     padding: bool = False
+    dropout_mask: bool = False
+    rel_pos_bias: str = "forward only, stride 1"   # the fused forward adds it; no gradient
     masks: str = "one Neighborhood, or 1-D bands (dense, Causal, SlidingWindow) of one alignment"
 
 
@@ -99,4 +101,12 @@ def problem_reasons(problem) -> list[str]:
         reasons.append("ALiBi is not supported")
     if problem.padding is not None and not LIMITS.padding:
         reasons.append("Padding masks are not supported")
+    if problem.dropout_mask is not None and not LIMITS.dropout_mask:
+        reasons.append("an explicit dropout mask is not supported")
+    if problem.rpb is not None:
+        if problem.requires_grad:
+            reasons.append(f"RelPosBias runs {LIMITS.rel_pos_bias}: its gradient is not "
+                           "computed by the fused kernels")
+        if any(s > 1 for s in problem.neighborhood.stride):
+            reasons.append(f"RelPosBias runs {LIMITS.rel_pos_bias}: stride > 1 is not supported")
     return reasons
