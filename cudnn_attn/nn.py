@@ -9,13 +9,13 @@ cheaply (the attention-weight matrix).
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _checks
 from .api import attention
 from .dispatch import get_backend
 from .masks import Alibi, Mask
@@ -25,20 +25,11 @@ __all__ = ["MultiheadAttention"]
 _UNSET = object()
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value!r}")
-    return int(value)
-
-
 def _probability(name: str, value) -> float:
+    """A float in ``[0, 1)``: TypeError for a non-number, ValueError out of range."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float in [0, 1), got {value!r}")
-    if not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
-    return float(value)
+    return _checks.real(name, value, ok=lambda p: 0.0 <= p < 1.0, bound=" in [0, 1)")
 
 
 def _check_mask(name: str, mask):
@@ -117,27 +108,25 @@ class MultiheadAttention(nn.Module):
                  softcap: float | None = None, batch_first: bool = True, backend: str = "auto",
                  device=None, dtype=None):
         super().__init__()
-        embed_dim = _positive_int("embed_dim", embed_dim)
-        num_heads = _positive_int("num_heads", num_heads)
+        embed_dim = _checks.integer("embed_dim", embed_dim, 1)
+        num_heads = _checks.integer("num_heads", num_heads, 1)
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim must be divisible by num_heads, got embed_dim={embed_dim}, "
                              f"num_heads={num_heads}")
-        num_kv_heads = num_heads if num_kv_heads is None else _positive_int("num_kv_heads",
-                                                                            num_kv_heads)
+        num_kv_heads = num_heads if num_kv_heads is None else _checks.integer("num_kv_heads",
+                                                                              num_kv_heads, 1)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads must be a multiple of num_kv_heads (GQA/MQA), got "
                              f"num_heads={num_heads}, num_kv_heads={num_kv_heads}")
         if kdim is not None:
-            kdim = _positive_int("kdim", kdim)
+            kdim = _checks.integer("kdim", kdim, 1)
             if not cross_attention:
                 raise ValueError(f"kdim={kdim} is only meaningful with cross_attention=True "
                                  f"(self-attention projects the query input)")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
-                                  or not math.isfinite(scale)):
-            raise ValueError(f"scale must be None or a finite float, got {scale!r}")
-        if softcap is not None and (isinstance(softcap, bool)
-                                    or not isinstance(softcap, numbers.Real) or softcap < 0):
-            raise ValueError(f"softcap must be None or a float >= 0, got {softcap!r}")
+        if scale is not None:
+            _checks.real("scale", scale)
+        if softcap is not None:
+            _checks.real("softcap", softcap, ok=lambda c: c >= 0, bound=" >= 0")
         if alibi is True:
             alibi = Alibi()
         elif alibi is False or alibi is None:
@@ -228,8 +217,7 @@ class MultiheadAttention(nn.Module):
     # -----------------------------------------------------------------------------------------
 
     def _input(self, name: str, x, width: int) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        _checks.tensor(name, x)
         if x.dim() != 3 or x.shape[-1] != width:
             order = "[B, S, E]" if self.batch_first else "[S, B, E]"
             raise ValueError(f"{name} must be 3-D {order} with E = {width}, got shape "

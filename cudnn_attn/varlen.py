@@ -10,53 +10,47 @@ problem, and autograd flows through the (index) ops that pack and unpack.
 * ``attention_with_kvcache`` — FlashAttention's ``flash_attn_with_kvcache`` without the in-place
   append: queries ``[B, S_q, H, D]`` against the first ``cache_seqlens[b]`` keys of a dense
   ``[B, S_max, H_kv, D]`` cache or a paged ``[num_blocks, page_size, H_kv, D]`` one.
+
+Helpers for surfaces (public, shared with ``compat.flash_attn``; validators come from
+``cudnn_attn._checks``):
+
+* ``cu_lengths(name, cu, total, tensor_name, device)`` — checked ``cu_seqlens`` -> lengths;
+* ``token_slots(lens, seq, device)`` — padded-buffer row of each packed token;
+* ``pad_tokens(x, lens, seq, slots)`` — ``[total, ...]`` -> ``[B, seq, ...]``, zeros past lengths;
+* ``gather_pages(k_cache, v_cache, block_table, lens)`` — dense ``[B, S, H_kv, D]`` from a paged cache;
+* ``with_padding(mask, lens_q, lens_kv, seq_q, seq_kv)`` — ``mask & Padding(...)`` when needed;
+* ``index_tensor(name, t, rank, device)`` — an int32/int64 tensor on q's device or the CPU.
 """
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
+from . import _checks
 from .api import attention
 from .masks import Alibi, Mask, Neighborhood, Padding, mask_parts
 
 __all__ = ["attention_varlen", "attention_with_kvcache"]
-
-_INDEX_DTYPES = (torch.int32, torch.int64)
-
 
 # ---------------------------------------------------------------------------------------------
 # validation helpers
 # ---------------------------------------------------------------------------------------------
 
 def _tensor(name: str, t, rank: int, what: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != rank:
-        raise ValueError(f"{name} must be {rank}-D {what}, got shape {tuple(t.shape)}")
-    return t
+    """Old signature, kept for ``compat.flash_attn.mha``: ``_checks.tensor(name, t, ndim=rank,
+    what=what)``."""
+    return _checks.tensor(name, t, ndim=rank, what=what)
 
 
-def _index_tensor(name: str, t, rank: int, device: torch.device) -> torch.Tensor:
-    """An int32/int64 tensor on ``device`` (or the CPU, which saves nothing but is allowed)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
-    if t.dim() != rank:
-        raise ValueError(f"{name} must be {rank}-D, got shape {tuple(t.shape)}")
+def index_tensor(name: str, t, rank: int, device: torch.device) -> torch.Tensor:
+    """``_checks.index_tensor`` (int32/int64, ``rank`` dims) on q's ``device`` or the CPU, with the
+    device named as q's (the wording the varlen/kvcache errors have always had)."""
+    # TODO(lead): a ``device_name=`` argument on _checks.index_tensor would make this a plain call.
+    own = t.device if isinstance(t, torch.Tensor) else device
+    _checks.index_tensor(name, t, ndim=rank, device=own)
     if t.device != device and t.device.type != "cpu":
         raise ValueError(f"{name} must be on q's device {device} (or the CPU), got {t.device}")
     return t
-
-
-def _as_int(name: str, value) -> int:
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype in _INDEX_DTYPES:
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    return int(value)
 
 
 def _check_user_mask(mask, where: str) -> None:
@@ -87,7 +81,7 @@ def _check_bias(bias, full: tuple, dims: str):
                          f"{list(full)}")
 
 
-def _with_padding(mask, lens_q, lens_kv, seq_q: int, seq_kv: int):
+def with_padding(mask, lens_q, lens_kv, seq_q: int, seq_kv: int):
     """``mask & Padding(...)``; the padding is left out when every sequence fills the batch."""
     if all(n == seq_q for n in lens_q) and all(n == seq_kv for n in lens_kv):
         return mask
@@ -99,8 +93,8 @@ def _with_padding(mask, lens_q, lens_kv, seq_q: int, seq_kv: int):
 # varlen
 # ---------------------------------------------------------------------------------------------
 
-def _cu_lengths(name: str, cu, total: int, tensor_name: str, device) -> list[int]:
-    cu = _index_tensor(name, cu, 1, device)
+def cu_lengths(name: str, cu, total: int, tensor_name: str, device) -> list[int]:
+    cu = index_tensor(name, cu, 1, device)
     if cu.numel() < 2:
         raise ValueError(f"{name} must have B + 1 >= 2 entries, got shape {tuple(cu.shape)}")
     offsets = cu.tolist()
@@ -117,7 +111,7 @@ def _cu_lengths(name: str, cu, total: int, tensor_name: str, device) -> list[int
     return lens
 
 
-def _slots(lens: list[int], seq: int, device) -> torch.Tensor:
+def token_slots(lens: list[int], seq: int, device) -> torch.Tensor:
     """Row ``b * seq + i`` of the padded ``[B * seq, ...]`` buffer for each packed token."""
     counts = torch.tensor(lens, dtype=torch.int64)
     batch = torch.repeat_interleave(torch.arange(len(lens)), counts)
@@ -126,7 +120,7 @@ def _slots(lens: list[int], seq: int, device) -> torch.Tensor:
     return slots.to(device)
 
 
-def _pad(x: torch.Tensor, lens: list[int], seq: int, slots: torch.Tensor) -> torch.Tensor:
+def pad_tokens(x: torch.Tensor, lens: list[int], seq: int, slots: torch.Tensor) -> torch.Tensor:
     """``[total, H, D]`` -> ``[B, seq, H, D]`` with zeros past each length (differentiable)."""
     batch = len(lens)
     if all(n == seq for n in lens):
@@ -169,9 +163,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                 for (a, b), (c, d) in zip(pairs(cu_seqlens_q), pairs(cu_seqlens_k))]
         out = torch.cat(outs)
     """
-    q = _tensor("q", q, 3, "[total_q, H_q, D_qk]")
-    k = _tensor("k", k, 3, "[total_k, H_kv, D_qk]")
-    v = _tensor("v", v, 3, "[total_k, H_kv, D_v]")
+    q = _checks.tensor("q", q, ndim=3, what="[total_q, H_q, D_qk]")
+    k = _checks.tensor("k", k, ndim=3, what="[total_k, H_kv, D_qk]")
+    v = _checks.tensor("v", v, ndim=3, what="[total_k, H_kv, D_v]")
     if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
         raise ValueError(f"k and v must have the same tokens and heads, got k={tuple(k.shape)}, "
                          f"v={tuple(v.shape)}")
@@ -181,12 +175,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if q.shape[1] % max(k.shape[1], 1):
         raise ValueError(f"query heads must be a multiple of kv heads (GQA/MQA), got "
                          f"H_q={q.shape[1]}, H_kv={k.shape[1]}")
-    lens_q = _cu_lengths("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q", q.device)
-    lens_k = _cu_lengths("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k", q.device)
+    lens_q = cu_lengths("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q", q.device)
+    lens_k = cu_lengths("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k", q.device)
     if len(lens_q) != len(lens_k):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got "
                          f"{len(lens_q)} and {len(lens_k)} sequences")
-    max_q, max_k = _as_int("max_seqlen_q", max_seqlen_q), _as_int("max_seqlen_k", max_seqlen_k)
+    max_q, max_k = _checks.integer("max_seqlen_q", max_seqlen_q, tensors=True), \
+        _checks.integer("max_seqlen_k", max_seqlen_k, tensors=True)
     for name, value, lens, cu_name in (("max_seqlen_q", max_q, lens_q, "cu_seqlens_q"),
                                        ("max_seqlen_k", max_k, lens_k, "cu_seqlens_k")):
         if value < max(lens):
@@ -200,11 +195,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if isinstance(bias, torch.Tensor) and (max_q == 0 or max_k == 0):
         bias = None  # no query or no key anywhere: the bias touches no score
 
-    slots_q = _slots(lens_q, seq_q, q.device)
-    slots_k = slots_q if lens_k == lens_q and seq_k == seq_q else _slots(lens_k, seq_k, q.device)
-    res = attention(_pad(q, lens_q, seq_q, slots_q), _pad(k, lens_k, seq_k, slots_k),
-                    _pad(v, lens_k, seq_k, slots_k),
-                    mask=_with_padding(mask, lens_q, lens_k, seq_q, seq_k), bias=bias,
+    slots_q = token_slots(lens_q, seq_q, q.device)
+    slots_k = slots_q if lens_k == lens_q and seq_k == seq_q else token_slots(lens_k, seq_k, q.device)
+    res = attention(pad_tokens(q, lens_q, seq_q, slots_q), pad_tokens(k, lens_k, seq_k, slots_k),
+                    pad_tokens(v, lens_k, seq_k, slots_k),
+                    mask=with_padding(mask, lens_q, lens_k, seq_q, seq_k), bias=bias,
                     scale=scale, dropout_p=dropout_p, softcap=softcap, layout="bshd",
                     return_lse=return_lse, backend=backend, generator=generator)
     out, lse = res if return_lse else (res, None)
@@ -222,11 +217,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def _cache_lengths(cache_seqlens, batch: int, capacity: int, device, where: str) -> list[int]:
     if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dim() != 0:
-        lens = _index_tensor("cache_seqlens", cache_seqlens, 1, device).tolist()
+        lens = index_tensor("cache_seqlens", cache_seqlens, 1, device).tolist()
     elif isinstance(cache_seqlens, (list, tuple)):
-        lens = [_as_int("cache_seqlens", n) for n in cache_seqlens]
+        lens = [_checks.integer("cache_seqlens", n, tensors=True) for n in cache_seqlens]
     else:
-        lens = [_as_int("cache_seqlens", cache_seqlens)] * batch
+        lens = [_checks.integer("cache_seqlens", cache_seqlens, tensors=True)] * batch
     if len(lens) != batch:
         raise ValueError(f"cache_seqlens must have one entry per batch ({batch}), got {len(lens)}")
     for b, n in enumerate(lens):
@@ -235,7 +230,7 @@ def _cache_lengths(cache_seqlens, batch: int, capacity: int, device, where: str)
     return lens
 
 
-def _gather_pages(k_cache, v_cache, block_table, lens: list[int]):
+def gather_pages(k_cache, v_cache, block_table, lens: list[int]):
     """Copy each sequence's pages (only the first ``ceil(max(lens) / page_size)``) in order."""
     num_blocks, page = k_cache.shape[0], k_cache.shape[1]
     n_blocks = max(1, -(-max(lens) // page))
@@ -290,12 +285,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         out_b = attention(q[b:b+1], k_cache[b:b+1, :n], v_cache[b:b+1, :n], layout="bshd",
                           mask=mask)        # n = cache_seqlens[b], per sequence
     """
-    q = _tensor("q", q, 4, "[B, S_q, H_q, D_qk] (bshd)")
+    q = _checks.tensor("q", q, ndim=4, what="[B, S_q, H_q, D_qk] (bshd)")
     paged = block_table is not None
     leading = "num_blocks, page_size, H_kv" if paged else "B, S_max, H_kv"
     shape = f"[{leading}, D]"
-    k_cache = _tensor("k_cache", k_cache, 4, shape)
-    v_cache = _tensor("v_cache", v_cache, 4, shape)
+    k_cache = _checks.tensor("k_cache", k_cache, ndim=4, what=shape)
+    v_cache = _checks.tensor("v_cache", v_cache, ndim=4, what=shape)
     batch, seq_q, heads_q, _ = q.shape
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache and v_cache must agree on [{leading}], got "
@@ -304,7 +299,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         raise ValueError(f"k_cache head dim must equal q head dim, got q={tuple(q.shape)}, "
                          f"k_cache={tuple(k_cache.shape)}")
     if paged:
-        block_table = _index_tensor("block_table", block_table, 2, q.device)
+        block_table = index_tensor("block_table", block_table, 2, q.device)
         if block_table.shape[0] != batch:
             raise ValueError(f"block_table must have one row per batch ({batch}), got shape "
                              f"{tuple(block_table.shape)}")
@@ -322,7 +317,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
     _check_bias(bias, (batch, heads_q, seq_q, capacity), dims)
 
     if paged:
-        k, v = _gather_pages(k_cache, v_cache, block_table, lens)
+        k, v = gather_pages(k_cache, v_cache, block_table, lens)
     else:  # only the prefix some sequence uses; at least one slot (Padding hides it)
         used = max(1, max(lens))
         k, v = k_cache[:, :used], v_cache[:, :used]
@@ -336,6 +331,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         k, v = k.masked_fill(hidden, 0), v.masked_fill(hidden, 0)
     if isinstance(bias, torch.Tensor) and bias.dim() >= 1 and bias.shape[-1] != 1:
         bias = bias[..., :seq_k]
-    return attention(q, k, v, mask=_with_padding(mask, [seq_q] * batch, lens, seq_q, seq_k),
+    return attention(q, k, v, mask=with_padding(mask, [seq_q] * batch, lens, seq_q, seq_k),
                      bias=bias, scale=scale, softcap=softcap, layout="bshd",
                      return_lse=return_lse, backend=backend)
+
+
+# Old private names, kept until ``compat.flash_attn.mha`` imports the public ones.
+_cu_lengths, _slots, _pad, _gather_pages, _with_padding, _index_tensor = (
+    cu_lengths, token_slots, pad_tokens, gather_pages, with_padding, index_tensor)

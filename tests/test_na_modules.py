@@ -141,9 +141,11 @@ def test_attention_dropout_train_and_eval():
 
 
 def test_context_switch_and_override(monkeypatch):
+    from cudnn_attn.compat.natten import functional  # the modules' fused path calls functional.na2d
+
     calls = []
-    real = N.na2d
-    monkeypatch.setattr(N, "na2d", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = functional.na2d
+    monkeypatch.setattr(functional, "na2d", lambda *a, **k: calls.append(1) or real(*a, **k))
     m = N.NeighborhoodAttention2D(8, 2, 3).eval()
     x = torch.randn(1, 5, 5, 8)
     assert not N.is_fna_enabled() and not m.uses_fused()

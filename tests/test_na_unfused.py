@@ -272,12 +272,11 @@ class _BruteForceKernels:
 
 @pytest.fixture
 def kernel_routing(monkeypatch):
-    from cudnn_attn.compat.natten import unfused as _na_unfused
+    from cudnn_attn.torch_engine import neighborhood_ops
 
     calls = []
     fake = _BruteForceKernels()
-    monkeypatch.setattr(_na_unfused, "_kernel_module", lambda: fake)
-    monkeypatch.setattr(_na_unfused, "_use_kernels", lambda x, geom: calls.append(1) or True)
+    monkeypatch.setattr(neighborhood_ops, "unfused_engine", lambda x: calls.append(1) or fake)
     return calls
 
 

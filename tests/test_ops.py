@@ -468,9 +468,10 @@ class _KernelStandIn:
 @pytest.fixture
 def kernel_stand_in(monkeypatch):
     import cudnn_attn.fallback_kernels as package
+    from cudnn_attn.torch_engine import neighborhood_ops
 
     stand_in = _KernelStandIn()
-    monkeypatch.setattr(ops, "_use_kernels", lambda t: True)
+    monkeypatch.setattr(neighborhood_ops, "kernels_serve", lambda t: True)
     for name in ("fused", "unfused"):
         monkeypatch.setitem(__import__("sys").modules, f"cudnn_attn.fallback_kernels.{name}", stand_in)
         monkeypatch.setattr(package, name, stand_in, raising=False)

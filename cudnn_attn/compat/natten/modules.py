@@ -3,18 +3,19 @@
 NATTEN 0.17 runs the unfused path (qk -> softmax -> dropout -> av) unless ``natten.use_fused_na()``
 was called. Here the same process-wide switch exists (``use_fused_na`` / ``is_fna_enabled``), and
 each module can override it with its ``use_fused`` attribute (``None`` follows the switch).
-Re-exported by ``cudnn_attn.neighborhood``.
+Re-exported by ``cudnn_attn.neighborhood`` (this module imports :mod:`.functional`, never the
+other way round).
 """
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import nn
 
-from . import unfused as _na_unfused
-from ..._checks import boolean as _as_bool, integer as _check_int, per_axis as _per_axis
+from . import functional
+from ... import _checks
+from ...torch_engine import neighborhood_ops as _engine
+from .common import geometry
 
 __all__ = [
     "NeighborhoodAttention1D",
@@ -32,9 +33,7 @@ def use_fused_na(mode: bool = True) -> None:
     """Make every module whose ``use_fused`` is ``None`` take the fused path (``mode=False``: the
     unfused path, the default). As ``natten.use_fused_na`` in NATTEN 0.17."""
     global _FUSED_NA
-    if not isinstance(mode, bool):
-        raise TypeError(f"mode must be a bool, got {mode!r}")
-    _FUSED_NA = mode
+    _FUSED_NA = _checks.flag("mode", mode)
 
 
 def is_fna_enabled() -> bool:
@@ -43,11 +42,6 @@ def is_fna_enabled() -> bool:
 
 
 is_fused_na_enabled = is_fna_enabled  # NATTEN 0.17's name
-
-
-def _functional():
-    from . import functional as neighborhood  # late: neighborhood re-exports this module
-    return neighborhood
 
 
 class _NeighborhoodAttention(nn.Module):
@@ -91,30 +85,27 @@ class _NeighborhoodAttention(nn.Module):
                  rel_pos_bias=False, qkv_bias=True, qk_scale=None, attn_drop=0.0, proj_drop=0.0,
                  *, use_fused: bool | None = None):
         super().__init__()
-        embed_dim = _check_int("embed_dim", embed_dim, 1)
-        num_heads = _check_int("num_heads", num_heads, 1)
+        embed_dim = _checks.integer("embed_dim", embed_dim, 1)
+        num_heads = _checks.integer("num_heads", num_heads, 1)
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         rank = self.rank
-        self.kernel_size = _per_axis("kernel_size", kernel_size, rank, lambda n, v: _check_int(n, v, 2))
-        self.stride = _per_axis("stride", stride, rank, lambda n, v: _check_int(n, v, 1))
-        self.dilation = _per_axis("dilation", dilation, rank, lambda n, v: _check_int(n, v, 1))
-        self.is_causal = _per_axis("is_causal", is_causal, rank, _as_bool)
+        at_least = lambda low: lambda n, v: _checks.integer(n, v, low)  # noqa: E731
+        self.kernel_size = _checks.per_axis("kernel_size", kernel_size, rank, at_least(2))
+        self.stride = _checks.per_axis("stride", stride, rank, at_least(1))
+        self.dilation = _checks.per_axis("dilation", dilation, rank, at_least(1))
+        self.is_causal = _checks.per_axis("is_causal", is_causal, rank, _checks.boolean)
         for k, s in zip(self.kernel_size, self.stride):
             if s > k:
                 raise ValueError(f"stride must be <= kernel_size on every axis, got stride="
                                  f"{self.stride}, kernel_size={self.kernel_size}")
-        if use_fused is not None and not isinstance(use_fused, bool):
-            raise TypeError(f"use_fused must be None or a bool, got {use_fused!r}")
-        for name, p in (("attn_drop", attn_drop), ("proj_drop", proj_drop)):
-            if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p < 1.0:
-                raise ValueError(f"{name} must be a float in [0, 1), got {p!r}")
-        if qk_scale is not None and (isinstance(qk_scale, bool)
-                                     or not isinstance(qk_scale, numbers.Real)):
-            raise TypeError(f"qk_scale must be None or a float, got {qk_scale!r}")
+        if use_fused is not None:
+            _checks.flag("use_fused", use_fused)
+        attn_drop, proj_drop = (_checks.real(name, p, ok=lambda x: 0.0 <= x < 1.0, bound=" in [0, 1)")
+                                for name, p in (("attn_drop", attn_drop), ("proj_drop", proj_drop)))
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
-        self.scale = float(qk_scale) if qk_scale is not None else self.head_dim ** -0.5
+        self.scale = _checks.softmax_scale("qk_scale", qk_scale, self.head_dim, error=TypeError)
         self.use_fused = use_fused
         self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bool(qkv_bias))
         self.proj = nn.Linear(embed_dim, embed_dim)
@@ -137,25 +128,23 @@ class _NeighborhoodAttention(nn.Module):
         return is_fna_enabled() if self.use_fused is None else self.use_fused
 
     def forward(self, x: torch.Tensor, return_attn_weights: bool = False):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        _checks.tensor("x", x)
         if x.dim() != self.rank + 2 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"x must be [B, *spatial ({self.rank} axes), {self.embed_dim}], got "
                              f"shape {tuple(x.shape)}")
         B, spatial, H, hd = x.shape[0], tuple(x.shape[1:-1]), self.num_heads, self.head_dim
         q, k, v = self.qkv(x).reshape(B, *spatial, 3, H, hd).unbind(-3)
-        functional = _functional()
         weights = None
         params = (self.kernel_size, self.stride, self.dilation, self.is_causal)
         if self.uses_fused(return_attn_weights):
             na = getattr(functional, f"na{self.rank}d")
             out = na(q, k, v, *params, scale=self.scale, rpb=self.rpb)
         else:
-            geom = functional._geometry(spatial, *params)
+            geom = geometry(spatial, *params)
             q, k, v = (t.reshape(B, -1, H, hd).transpose(1, 2) for t in (q, k, v))
-            attn = _na_unfused.qk(q * self.scale, k, geom, self.rpb)
+            attn = _engine.qk(q * self.scale, k, geom, self.rpb)
             weights = torch.softmax(attn, -1)  # a causal row always keeps its own query
-            out = _na_unfused.av(self.attn_drop(weights), v, geom).transpose(1, 2)
+            out = _engine.av(self.attn_drop(weights), v, geom).transpose(1, 2)
         out = self.proj_drop(self.proj(out.reshape(B, *spatial, self.embed_dim)))
         if return_attn_weights:
             return out, weights.unflatten(2, spatial)

@@ -19,8 +19,10 @@ without causal masking only, added after scaling.
 spatial axis, as libnatten's Python layer passes them; a plain int/bool applies to every axis.
 Per axis ``kernel_size * dilation <= length``; the unfused ops take odd kernel sizes only
 (NATTEN 0.17), the fused op any size >= 2.
-On CUDA, when the cupy backend can run, the ops launch the package's RawKernels; elsewhere (CPU
-included) they run the torch engine through :mod:`cudnn_attn.neighborhood`.
+Which implementation serves a tensor is decided in one place,
+``cudnn_attn.torch_engine.neighborhood_ops`` (``unfused_engine`` / ``fused_kernels``): the CuPy
+RawKernels on CUDA when they can run, else the torch engine (the fused op then goes through
+``cudnn_attn.attention`` like ``na{n}d``).
 
 Equivalent PyTorch of ``na1d_qk_forward`` then ``na1d_av_forward`` (non-causal, no rpb)::
 
@@ -31,54 +33,33 @@ Equivalent PyTorch of ``na1d_qk_forward`` then ``na1d_av_forward`` (non-causal, 
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
-import numbers
 
 import torch
 
-from ..._probe import module_missing
+from ... import _checks
 from ...fallback_kernels.tiles import FUSED_DTYPES, check_tile_sizes, valid_tile_sizes
 from ...masks import Neighborhood
+from ...torch_engine.neighborhood_ops import NaGeometry, fused_kernels, unfused_engine
+from .common import check_rpb, neighborhood_attention
 
 __all__ = [f"na{n}d_{op}" for op in ("forward", "qk_forward", "qk_backward", "av_forward",
                                      "av_backward") for n in (1, 2, 3)] + ["valid_tile_sizes"]
 
-UNFUSED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-
 
 # ----------------------------------------------------------------------------------------------------
-# Validation
+# Validation (``cudnn_attn._checks`` with the op's name as prefix)
 # ----------------------------------------------------------------------------------------------------
 
 
 def _tensor(op: str, name: str, t, rank: int) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != rank + 3:
-        raise ValueError(f"{op}: {name} must have {rank + 3} dims for a {rank}-D problem, got shape "
-                         f"{tuple(t.shape)}")
-    return t
+    return _checks.tensor(name, t, ndim=rank + 3, what=f"for a {rank}-D problem", prefix=f"{op}: ")
 
 
 def _like(op: str, name: str, t, shape, ref: torch.Tensor, ref_name: str) -> torch.Tensor:
-    """Check ``t`` is a tensor of ``shape`` with ``ref``'s dtype and device."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{op}: {name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.dtype != ref.dtype:
-        raise TypeError(f"{op}: {name} has dtype {t.dtype}, but {ref_name} has {ref.dtype}")
-    if t.device != ref.device:
-        raise ValueError(f"{op}: {name} is on {t.device}, but {ref_name} is on {ref.device}")
-    return t
-
-
-def _dtype(op: str, name: str, t: torch.Tensor, allowed) -> None:
-    if t.dtype not in allowed:
-        raise TypeError(f"{op}: {name} has dtype {t.dtype}; supported: "
-                        f"{', '.join(str(d) for d in allowed)}")
+    """``t`` is a tensor of ``shape`` with ``ref``'s dtype and device."""
+    return _checks.like(name, t, ref, ref_name, expected=shape, prefix=f"{op}: ")
 
 
 def _geometry(op: str, spatial, kernel_size, dilation, is_causal, *, odd: bool = False):
@@ -92,33 +73,6 @@ def _geometry(op: str, spatial, kernel_size, dilation, is_causal, *, odd: bool =
     return nb.kernel_size, nb.dilation, nb.is_causal
 
 
-def _rpb_shape(heads: int, kernel) -> tuple[int, ...]:
-    return (heads, *(2 * k - 1 for k in kernel))
-
-
-def _check_rpb(op: str, name: str, rpb, heads: int, kernel, causal, ref: torch.Tensor, ref_name: str):
-    _like(op, name, rpb, _rpb_shape(heads, kernel), ref, ref_name)
-    if any(k % 2 == 0 for k in kernel):
-        raise ValueError(f"{op}: {name} needs odd kernel sizes, got kernel_size={kernel}")
-    if any(causal):
-        raise ValueError(f"{op}: {name} cannot be combined with causal masking, got is_causal={causal}")
-
-
-@functools.lru_cache(maxsize=None)
-def _kernels_usable() -> bool:
-    """True when the cupy backend reports no reason against itself (CuPy, CUDA, kernels)."""
-    if module_missing("cupy", "cu12"):
-        return False
-    from ...dispatch import get_backend
-
-    return not get_backend("cupy").availability()
-
-
-def _use_kernels(t: torch.Tensor) -> bool:
-    """The CuPy RawKernels serve CUDA tensors when they can run; the torch engine the rest."""
-    return t.is_cuda and _kernels_usable()
-
-
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -126,12 +80,6 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 def _write(out: torch.Tensor, result: torch.Tensor) -> None:
     if result is not out:
         out.copy_(result)
-
-
-def _neighborhood(rank: int, name: str):
-    from . import functional as neighborhood  # deferred: the op layer must import without the engine's extras
-
-    return getattr(neighborhood, f"na{rank}d{name}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -158,7 +106,9 @@ def _forward(output, query, key, value, rpb, kernel_size, dilation, is_causal, a
     op = f"na{rank}d_forward"
     for name, t in (("query", query), ("key", key), ("value", value)):
         _tensor(op, name, t, rank)
-    _dtype(op, "query", query, FUSED_DTYPES)
+    if query.dtype not in FUSED_DTYPES:
+        raise TypeError(f"{op}: query has dtype {query.dtype}; supported: "
+                        f"{', '.join(str(d) for d in FUSED_DTYPES)}")
     batch, *spatial, heads, dim = query.shape
     heads_kv = key.shape[-2]
     _like(op, "key", key, (batch, *spatial, heads_kv, dim), query, "query")
@@ -169,35 +119,33 @@ def _forward(output, query, key, value, rpb, kernel_size, dilation, is_causal, a
     _like(op, "output", output, (batch, *spatial, heads, dim_v), query, "query")
     kernel, dil, causal = _geometry(op, spatial, kernel_size, dilation, is_causal)
     if rpb is not None:
-        _check_rpb(op, "rpb", rpb, heads, kernel, causal, query, "query")
-    if attn_scale is None:
-        attn_scale = dim ** -0.5
-    elif isinstance(attn_scale, bool) or not isinstance(attn_scale, numbers.Real):
-        raise TypeError(f"{op}: attn_scale must be a float or None, got {attn_scale!r}")
+        check_rpb(rpb, heads, kernel, causal, query, same_dtype=True, prefix=f"{op}: ")
+    attn_scale = _checks.softmax_scale("attn_scale", attn_scale, dim, error=TypeError,
+                                       prefix=f"{op}: ")
     tiles = (None, None)
     if query_tile_size is not None or key_tile_size is not None or not valid_tile_sizes(
             rank, max(dim, dim_v), query.dtype):
         tiles = check_tile_sizes(rank, max(dim, dim_v), query.dtype, query_tile_size, key_tile_size)
 
-    if _use_kernels(query):
-        from ...fallback_kernels import fused
-
+    fused = fused_kernels(query)
+    if fused is not None:
         out = output if output.stride(-1) == 1 else None
         result, _ = fused.na_forward(
             *map(_last_dim_contiguous, (query, key, value)), kernel_size=kernel, stride=(1,) * rank,
             dilation=dil, is_causal=causal, scale=float(attn_scale), rpb=rpb, query_tile=tiles[0],
             key_tile=tiles[1], out=out)
     else:
+        geom = NaGeometry(tuple(spatial), kernel, (1,) * rank, dil, causal)
         with torch.no_grad():
-            result = _neighborhood(rank, "")(query, key, value, kernel, stride=1, dilation=dil,
-                                             is_causal=causal, scale=float(attn_scale), rpb=rpb)
+            result, _ = neighborhood_attention(query, key, value, geom, attn_scale, rpb)
+        result = result.reshape(output.shape)
     _write(output, result)
 
 
 def _unfused_inputs(op, rank, query, key, kernel_size, dilation, is_causal):
     """Check heads-first query/key of one shape; return (geometry, attn shape)."""
-    _tensor(op, "query", query, rank)
-    _dtype(op, "query", query, UNFUSED_DTYPES)
+    _checks.tensor("query", query, ndim=rank + 3, what=f"for a {rank}-D problem", floating=True,
+                   prefix=f"{op}: ")
     _like(op, "key", key, query.shape, query, "query")
     batch, heads, *spatial, _ = query.shape
     kernel, dil, causal = _geometry(op, spatial, kernel_size, dilation, is_causal, odd=True)
@@ -206,8 +154,8 @@ def _unfused_inputs(op, rank, query, key, kernel_size, dilation, is_causal):
 
 def _attn_value(op, rank, attn, value, kernel_size, dilation, is_causal):
     """Check attn ``[B, H, *spatial, prod(k)]`` against value ``[B, H, *spatial, D_v]``."""
-    _tensor(op, "value", value, rank)
-    _dtype(op, "value", value, UNFUSED_DTYPES)
+    _checks.tensor("value", value, ndim=rank + 3, what=f"for a {rank}-D problem", floating=True,
+                   prefix=f"{op}: ")
     batch, heads, *spatial, _ = value.shape
     geometry = _geometry(op, spatial, kernel_size, dilation, is_causal, odd=True)
     _like(op, "attn", attn, (batch, heads, *spatial, math.prod(geometry[0])), value, "value")
@@ -228,16 +176,11 @@ def _qk_forward(attn, query, key, rpb, kernel_size, dilation, is_causal, *, rank
                                                         is_causal)
     _like(op, "attn", attn, attn_shape, query, "query")
     if rpb is not None:
-        _check_rpb(op, "rpb", rpb, query.shape[1], kernel, causal, query, "query")
-    if _use_kernels(query):
-        from ...fallback_kernels import unfused
-
-        result = unfused.qk_forward(query.contiguous(), key.contiguous(),
-                                    None if rpb is None else rpb.contiguous(), kernel, dil, causal,
-                                    attn=attn)
-    else:
-        with torch.no_grad():
-            result = _neighborhood(rank, "_qk")(query, key, kernel, dil, is_causal=causal, rpb=rpb)
+        check_rpb(rpb, query.shape[1], kernel, causal, query, name="rpb", same_dtype=True,
+                  prefix=f"{op}: ")
+    result = unfused_engine(query).qk_forward(query.contiguous(), key.contiguous(),
+                                              None if rpb is None else rpb.contiguous(), kernel, dil,
+                                              causal, attn=attn)
     _write(attn, result)
 
 
@@ -255,21 +198,11 @@ def _qk_backward(d_query, d_key, d_rpb, d_attn, query, key, kernel_size, dilatio
     _like(op, "d_query", d_query, query.shape, query, "query")
     _like(op, "d_key", d_key, key.shape, query, "query")
     if d_rpb is not None:
-        _check_rpb(op, "d_rpb", d_rpb, query.shape[1], kernel, causal, query, "query")
-    if _use_kernels(query):
-        from ...fallback_kernels import unfused
-
-        dq, dk, drpb = unfused.qk_backward(d_attn.contiguous(), query.contiguous(), key.contiguous(),
-                                           kernel, dil, causal, d_rpb is not None)
-    else:
-        with torch.enable_grad():
-            q, k = (t.detach().requires_grad_(True) for t in (query, key))
-            # The bias gradient does not depend on the bias value: a zero rpb makes autograd give it.
-            rpb = None if d_rpb is None else torch.zeros_like(d_rpb, requires_grad=True)
-            attn = _neighborhood(rank, "_qk")(q, k, kernel, dil, is_causal=causal, rpb=rpb)
-            dq, dk, *drpb = torch.autograd.grad(attn, [q, k] + ([rpb] if rpb is not None else []),
-                                                d_attn, allow_unused=True)
-            drpb = drpb[0] if drpb else None
+        check_rpb(d_rpb, query.shape[1], kernel, causal, query, name="d_rpb", same_dtype=True,
+                  prefix=f"{op}: ")
+    dq, dk, drpb = unfused_engine(query).qk_backward(
+        d_attn.contiguous(), query.contiguous(), key.contiguous(), kernel, dil, causal,
+        d_rpb is not None)
     _write(d_query, _zeros_if_none(dq, d_query))
     _write(d_key, _zeros_if_none(dk, d_key))
     if d_rpb is not None:
@@ -291,14 +224,8 @@ def _av_forward(output, attn, value, kernel_size, dilation, is_causal, *, rank):
     op = f"na{rank}d_av_forward"
     kernel, dil, causal = _attn_value(op, rank, attn, value, kernel_size, dilation, is_causal)
     _like(op, "output", output, value.shape, value, "value")
-    if _use_kernels(value):
-        from ...fallback_kernels import unfused
-
-        result = unfused.av_forward(attn.contiguous(), value.contiguous(), kernel, dil, causal,
-                                    out=output)
-    else:
-        with torch.no_grad():
-            result = _neighborhood(rank, "_av")(attn, value, kernel, dil, is_causal=causal)
+    result = unfused_engine(value).av_forward(attn.contiguous(), value.contiguous(), kernel, dil,
+                                              causal, out=output)
     _write(output, result)
 
 
@@ -313,16 +240,8 @@ def _av_backward(d_attn, d_value, d_out, attn, value, kernel_size, dilation, is_
     _like(op, "d_out", d_out, value.shape, value, "value")
     _like(op, "d_attn", d_attn, attn.shape, value, "value")
     _like(op, "d_value", d_value, value.shape, value, "value")
-    if _use_kernels(value):
-        from ...fallback_kernels import unfused
-
-        da, dv = unfused.av_backward(d_out.contiguous(), attn.contiguous(), value.contiguous(), kernel,
-                                     dil, causal)
-    else:
-        with torch.enable_grad():
-            a, v = (t.detach().requires_grad_(True) for t in (attn, value))
-            out = _neighborhood(rank, "_av")(a, v, kernel, dil, is_causal=causal)
-            da, dv = torch.autograd.grad(out, (a, v), d_out, allow_unused=True)
+    da, dv = unfused_engine(value).av_backward(d_out.contiguous(), attn.contiguous(),
+                                               value.contiguous(), kernel, dil, causal)
     _write(d_attn, _zeros_if_none(da, d_attn))
     _write(d_value, _zeros_if_none(dv, d_value))
 

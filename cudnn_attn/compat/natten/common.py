@@ -1,0 +1,100 @@
+"""What NATTEN's surfaces share: geometry from NATTEN arguments, the one rpb check, and the fused
+neighborhood call (heads-last, optional rpb) translated into one ``cudnn_attn.attention`` call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import _checks, masks
+from ...api import attention
+from ...masks import Neighborhood
+from ...torch_engine.neighborhood_ops import NaGeometry, av, kernels_serve, qk
+
+__all__ = ["check_rpb", "geometry", "lse_dtype", "neighborhood_attention", "unfused_geometry"]
+
+
+def geometry(spatial, kernel_size, stride, dilation, is_causal) -> NaGeometry:
+    """Per-axis tuples of one call; ``masks.Neighborhood`` validates every rule."""
+    nb = Neighborhood(tuple(spatial), kernel_size, stride, dilation, is_causal)
+    return NaGeometry(nb.spatial_shape, nb.kernel_size, nb.stride, nb.dilation, nb.is_causal)
+
+
+def unfused_geometry(spatial, kernel_size, dilation, is_causal, prefix: str = "") -> NaGeometry:
+    """Stride-1 geometry with odd kernel sizes (NATTEN 0.17's unfused ops)."""
+    geom = geometry(spatial, kernel_size, 1, dilation, is_causal)
+    if any(k % 2 == 0 for k in geom.kernel):
+        raise ValueError(f"{prefix}kernel_size must be odd for the unfused ops (NATTEN 0.17), got "
+                         f"{kernel_size!r}")
+    return geom
+
+
+def check_rpb(rpb, heads: int, kernel, causal, ref: torch.Tensor, ref_name: str = "query", *,
+              name: str = "rpb", same_dtype: bool = False, prefix: str = "") -> torch.Tensor:
+    """NATTEN 0.17's relative positional bias ``[heads, 2*k-1 per axis]``: a float tensor on
+    ``ref``'s device (of ``ref``'s dtype with ``same_dtype``), odd kernel sizes, no causal axis."""
+    _checks.like(name, rpb, ref, ref_name, expected=(heads, *(2 * k - 1 for k in kernel)),
+                 what="[heads, 2*kernel_size-1 per axis]", any_float=not same_dtype, prefix=prefix)
+    if any(k % 2 == 0 for k in kernel):
+        raise ValueError(f"{prefix}{name} needs odd kernel sizes (NATTEN 0.17), got "
+                         f"kernel_size={tuple(kernel)}")
+    if any(causal):
+        raise ValueError(f"{prefix}{name} cannot be combined with causal masking, got "
+                         f"is_causal={tuple(causal)}")
+    return rpb
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def neighborhood_attention(query, key, value, geom: NaGeometry, scale: float, rpb=None):
+    """Heads-last ``[B, *spatial, H(_kv), D]`` in (validated), ``([B, S, H, D_v], [B, S, H])`` out."""
+    B, H, D = query.shape[0], query.shape[-2], query.shape[-1]
+    S = geom.num_tokens
+    if rpb is not None:
+        return _na_rpb(query, key, value, geom, scale, rpb)
+    nb = Neighborhood(geom.shape, geom.kernel, geom.stride, geom.dilation, geom.causal)
+    out, lse = attention(query.reshape(B, S, H, D), key.reshape(B, S, *key.shape[-2:]),
+                         value.reshape(B, S, *value.shape[-2:]), mask=nb, scale=scale,
+                         layout="bshd", return_lse=True)
+    return out, lse.transpose(1, 2)
+
+
+def _na_rpb(query, key, value, geom: NaGeometry, scale, rpb):
+    """NA with RPB through dispatch: one ``attention`` call with a ``RelPosBias``."""
+    if not hasattr(masks, "RelPosBias"):  # TODO(lead): drop once RelPosBias lands
+        return _na_rpb_legacy(query, key, value, geom, scale, rpb)
+    B, H, D = query.shape[0], query.shape[-2], query.shape[-1]
+    S = geom.num_tokens
+    nb = Neighborhood(geom.shape, geom.kernel, geom.stride, geom.dilation, geom.causal)
+    out, lse = attention(query.reshape(B, S, H, D), key.reshape(B, S, *key.shape[-2:]),
+                         value.reshape(B, S, *value.shape[-2:]), mask=nb,
+                         bias=masks.RelPosBias(rpb), scale=scale, layout="bshd", return_lse=True)
+    return out, lse.transpose(1, 2)
+
+
+def _na_rpb_legacy(query, key, value, geom: NaGeometry, scale, rpb):
+    """TODO(lead): drop once RelPosBias lands. The CuPy fused kernel when no gradient is needed,
+    else the exact unfused composite (logits + rpb -> softmax -> av, O(S * k) memory)."""
+    B, H = query.shape[0], query.shape[-2]
+    S = geom.num_tokens
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, rpb))
+    if not grad and all(s == 1 for s in geom.stride) and kernels_serve(query):
+        from ...fallback_kernels.tiles import FUSED_DTYPES, MAX_HEAD_DIM
+        if query.dtype in FUSED_DTYPES and max(query.shape[-1], value.shape[-1]) <= MAX_HEAD_DIM:
+            from ...fallback_kernels import fused
+            out, lse = fused.na_forward(query, key, value, kernel_size=geom.kernel,
+                                        stride=geom.stride, dilation=geom.dilation,
+                                        is_causal=geom.causal, scale=scale, rpb=rpb)
+            return out.reshape(B, S, H, -1), lse.reshape(B, S, H)
+    work = query.dtype if query.dtype in (torch.float64, torch.float32) else torch.float32
+    q, k, v = (t.reshape(B, S, t.shape[-2], t.shape[-1]).transpose(1, 2).to(work)
+               for t in (query, key, value))
+    group = H // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    logits = qk(q * scale, k, geom, rpb.to(work))
+    lse = logits.logsumexp(-1)  # non-causal: every row has prod(kernel) valid slots
+    out = av(torch.softmax(logits, -1), v, geom)
+    return out.transpose(1, 2).to(query.dtype), lse.transpose(1, 2).to(lse_dtype(query.dtype))
