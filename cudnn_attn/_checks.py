@@ -33,15 +33,17 @@ def tensor(name: str, t, *, ndim: Optional[int] = None, what: str = "", floating
     return t
 
 
-def index_tensor(name: str, t, *, ndim: int, device: torch.device, prefix: str = "") -> torch.Tensor:
-    """An int32/int64 tensor of ``ndim`` dims on ``device`` or the CPU."""
+def index_tensor(name: str, t, *, ndim: int, device: torch.device, device_name: str = "",
+                 prefix: str = "") -> torch.Tensor:
+    """An int32/int64 tensor of ``ndim`` dims on ``device`` (called ``device_name``) or the CPU."""
     tensor(name, t, prefix=prefix)
     if t.dtype not in INDEX_DTYPES:
         raise TypeError(f"{prefix}{name} must be int32 or int64, got {t.dtype}")
     if t.dim() != ndim:
         raise ValueError(f"{prefix}{name} must be {ndim}-D, got shape {tuple(t.shape)}")
     if t.device != device and t.device.type != "cpu":
-        raise ValueError(f"{prefix}{name} must be on {device} (or the CPU), got {t.device}")
+        where = f"{device_name} {device}" if device_name else str(device)
+        raise ValueError(f"{prefix}{name} must be on {where} (or the CPU), got {t.device}")
     return t
 
 

@@ -45,12 +45,7 @@ def _tensor(name: str, t, rank: int, what: str) -> torch.Tensor:
 def index_tensor(name: str, t, rank: int, device: torch.device) -> torch.Tensor:
     """``_checks.index_tensor`` (int32/int64, ``rank`` dims) on q's ``device`` or the CPU, with the
     device named as q's (the wording the varlen/kvcache errors have always had)."""
-    # TODO(lead): a ``device_name=`` argument on _checks.index_tensor would make this a plain call.
-    own = t.device if isinstance(t, torch.Tensor) else device
-    _checks.index_tensor(name, t, ndim=rank, device=own)
-    if t.device != device and t.device.type != "cpu":
-        raise ValueError(f"{name} must be on q's device {device} (or the CPU), got {t.device}")
-    return t
+    return _checks.index_tensor(name, t, ndim=rank, device=device, device_name="q's device")
 
 
 def _check_user_mask(mask, where: str) -> None:

@@ -1,7 +1,7 @@
 """The torch engine: exact attention forward (with LSE) and backward on any device and dtype.
 
 It is what CPU users run and the oracle the GPU engines are tested against. Work is organised in
-tiles (see ``_tiles``): a tile of queries is scored against the box of keys its masks allow, in
+tiles (see ``tiles``): a tile of queries is scored against the box of keys its masks allow, in
 float32 (float64 for float64 inputs), one batched matmul per chunk of tiles. Unmasked and plain
 causal problems go through PyTorch's fused CPU kernel when it gives the same result.
 """

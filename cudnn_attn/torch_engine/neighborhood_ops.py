@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..caches import memoize
+from ..fallback_kernels.limits import kernel_reasons
 from .tiles import neighborhood_axis
 
 __all__ = [
@@ -56,21 +57,6 @@ __all__ = [
 
 # Elements of one gathered chunk (B * H * queries * K * D) before the loop moves on.
 CHUNK_ELEMENTS = 1 << 24
-
-try:
-    from ..fallback_kernels import kernel_reasons
-except ImportError:  # TODO(lead): kernel_reasons lands from wt-kernels; drop this shim then.
-    @memoize("torch_engine.neighborhood_ops.cupy_availability", 1)
-    def _cupy_availability() -> tuple:
-        from .._probe import module_missing
-        if module_missing("cupy", "cu12"):
-            return tuple(module_missing("cupy", "cu12"))
-        from ..dispatch import get_backend  # deferred: dispatch imports the engines
-        return tuple(get_backend("cupy").availability())
-
-    def kernel_reasons(device=None) -> list[str]:
-        """Why the CuPy kernels cannot run (today's check: the cupy backend's availability)."""
-        return list(_cupy_availability())
 
 
 def kernels_serve(t: torch.Tensor) -> bool:

@@ -8,7 +8,7 @@ import torch
 
 from ... import _checks, masks
 from ...api import attention
-from ...masks import Neighborhood
+from ...masks import Neighborhood, RelPosBias
 from ...torch_engine.neighborhood_ops import NaGeometry, av, kernels_serve, qk
 
 __all__ = ["check_rpb", "geometry", "lse_dtype", "neighborhood_attention", "unfused_geometry"]
@@ -63,38 +63,12 @@ def neighborhood_attention(query, key, value, geom: NaGeometry, scale: float, rp
 
 def _na_rpb(query, key, value, geom: NaGeometry, scale, rpb):
     """NA with RPB through dispatch: one ``attention`` call with a ``RelPosBias``."""
-    if not hasattr(masks, "RelPosBias"):  # TODO(lead): drop once RelPosBias lands
-        return _na_rpb_legacy(query, key, value, geom, scale, rpb)
     B, H, D = query.shape[0], query.shape[-2], query.shape[-1]
     S = geom.num_tokens
     nb = Neighborhood(geom.shape, geom.kernel, geom.stride, geom.dilation, geom.causal)
     out, lse = attention(query.reshape(B, S, H, D), key.reshape(B, S, *key.shape[-2:]),
                          value.reshape(B, S, *value.shape[-2:]), mask=nb,
-                         bias=masks.RelPosBias(rpb), scale=scale, layout="bshd", return_lse=True)
+                         bias=RelPosBias(rpb), scale=scale, layout="bshd", return_lse=True)
     return out, lse.transpose(1, 2)
 
 
-def _na_rpb_legacy(query, key, value, geom: NaGeometry, scale, rpb):
-    """TODO(lead): drop once RelPosBias lands. The CuPy fused kernel when no gradient is needed,
-    else the exact unfused composite (logits + rpb -> softmax -> av, O(S * k) memory)."""
-    B, H = query.shape[0], query.shape[-2]
-    S = geom.num_tokens
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, rpb))
-    if not grad and all(s == 1 for s in geom.stride) and kernels_serve(query):
-        from ...fallback_kernels.tiles import FUSED_DTYPES, MAX_HEAD_DIM
-        if query.dtype in FUSED_DTYPES and max(query.shape[-1], value.shape[-1]) <= MAX_HEAD_DIM:
-            from ...fallback_kernels import fused
-            out, lse = fused.na_forward(query, key, value, kernel_size=geom.kernel,
-                                        stride=geom.stride, dilation=geom.dilation,
-                                        is_causal=geom.causal, scale=scale, rpb=rpb)
-            return out.reshape(B, S, H, -1), lse.reshape(B, S, H)
-    work = query.dtype if query.dtype in (torch.float64, torch.float32) else torch.float32
-    q, k, v = (t.reshape(B, S, t.shape[-2], t.shape[-1]).transpose(1, 2).to(work)
-               for t in (query, key, value))
-    group = H // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    logits = qk(q * scale, k, geom, rpb.to(work))
-    lse = logits.logsumexp(-1)  # non-causal: every row has prod(kernel) valid slots
-    out = av(torch.softmax(logits, -1), v, geom)
-    return out.transpose(1, 2).to(query.dtype), lse.transpose(1, 2).to(lse_dtype(query.dtype))
