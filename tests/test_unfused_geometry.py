@@ -37,7 +37,7 @@ def _records(table):
     return [dict(zip(geometry.AXIS_FIELD_NAMES, table[a * n:(a + 1) * n])) for a in range(3)]
 
 
-def test_geometry_table_1d():
+def test_stride1_table_1d():
     a0, a1, a2 = _records(U.stride1_table((8,), (3,), (2,), (True,)))
     # left/right/offset are band fields; neighborhood axes carry the band defaults (ignored).
     assert a0 == {"mode": 0, "len_q": 8, "len_kv": 8, "kernel": 3, "stride": 1, "dilation": 2, "causal": 1, "left": -1,
@@ -47,7 +47,7 @@ def test_geometry_table_1d():
     assert a1 == unused and a2 == unused
 
 
-def test_geometry_table_3d_per_axis():
+def test_stride1_table_3d_per_axis():
     recs = _records(U.stride1_table((5, 6, 7), (3, 4, 5), (1, 1, 1), (False, True, False)))
     assert [r["mode"] for r in recs] == [0, 0, 0]
     assert [r["len_q"] for r in recs] == [5, 6, 7] == [r["len_kv"] for r in recs]
@@ -56,7 +56,7 @@ def test_geometry_table_3d_per_axis():
     assert all(r["stride"] == 1 for r in recs)
 
 
-def test_geometry_table_rank_error():
+def test_stride1_table_rank_error():
     with pytest.raises(ValueError, match="kernel_size"):
         U.stride1_table((2, 2, 2, 2), (2, 2, 2, 2), (1,) * 4, (False,) * 4)
 

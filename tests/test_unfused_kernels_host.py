@@ -6,7 +6,7 @@ driven through the real launchers of ``fallback_kernels.unfused`` (``qk_forward`
 ``av_forward``, ``av_backward``): only ``_Launch`` (which needs CuPy and a device) is replaced by
 one that hands the same (grid, block, tensors + geometry table + scalars) to the host kernel, which
 checks every packed argument against the kernel's parameter types. The launchers' pure-Python
-``geometry_table`` and ``launch_grid`` are therefore exercised as they are.
+``stride1_table`` (``geometry.neighborhood_table``) and ``launch_grid`` are therefore exercised as they are.
 
 References: float64 brute force on the dtype-rounded inputs, with the NATTEN 0.17 slot layout built
 from ``oracle.na_axis_neighbors`` (never from the library). Invalid slots of ``attn``/``d_attn``

@@ -19,7 +19,7 @@ Equivalent PyTorch (1-D, ``keys[i, t]`` / ``valid[i, t]`` the slot tables)::
     out = (attn.masked_fill(~valid, 0)[..., None] * value[:, :, keys]).sum(-2)         # av_forward
 
 Every output element is computed by one thread in a fixed order, so results are bitwise
-repeatable; launches go on torch's current stream, tensors cross to CuPy through DLPack.
+repeatable; launches go through ``launch`` (torch's current stream, tensors through DLPack).
 """
 
 from __future__ import annotations
