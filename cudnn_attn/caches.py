@@ -15,7 +15,8 @@ from typing import Any, Callable, Hashable
 
 __all__ = ["LRU", "memoize", "clear_caches", "cache_sizes"]
 
-_REGISTRY: "weakref.WeakValueDictionary[str, LRU]" = weakref.WeakValueDictionary()
+# Every live LRU (two instances may share a name; both are reached).
+_REGISTRY: "weakref.WeakSet[LRU]" = weakref.WeakSet()
 _MISSING = object()
 
 
@@ -35,7 +36,7 @@ class LRU:
         self._data: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
-        _REGISTRY[name] = self
+        _REGISTRY.add(self)
 
     def get(self, key: Hashable, default: Any = None) -> Any:
         with self._lock:
@@ -114,10 +115,13 @@ def memoize(name: str, maxsize: int | None = None):
 
 def clear_caches() -> None:
     """Empty every registered cache: plans, declines, graphs, compiled kernels, tables."""
-    for cache in list(_REGISTRY.values()):
+    for cache in list(_REGISTRY):
         cache.clear()
 
 
 def cache_sizes() -> dict[str, int]:
-    """Entries per registered cache, by name."""
-    return {name: len(cache) for name, cache in sorted(_REGISTRY.items())}
+    """Entries per registered cache, by name (instances sharing a name are added up)."""
+    sizes: dict[str, int] = {}
+    for cache in list(_REGISTRY):
+        sizes[cache.name] = sizes.get(cache.name, 0) + len(cache)
+    return dict(sorted(sizes.items()))

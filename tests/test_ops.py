@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from cudnn_attn import ops
-from cudnn_attn.fallback_kernels import tiles
+from cudnn_attn.fallback_kernels import tile_shapes as tiles
 
 B, H, D = 2, 2, 8
 
@@ -264,10 +264,10 @@ def test_valid_tile_sizes_content(rank):
         assert pairs and len(set(pairs)) == len(pairs)
         for q_tile, k_tile in pairs:
             assert len(q_tile) == len(k_tile) == rank
-            assert math.prod(q_tile) == tiles.QUERY_TILE and math.prod(k_tile) == tiles.KEY_TILE
+            assert math.prod(q_tile) == tiles.FUSED_QUERY_TILE and math.prod(k_tile) == tiles.FUSED_KEY_TILE
         # every power-of-two box of the tile volume is there
-        n_boxes = math.comb(int(math.log2(tiles.QUERY_TILE)) + rank - 1, rank - 1)
-        assert len(pairs) == n_boxes * math.comb(int(math.log2(tiles.KEY_TILE)) + rank - 1, rank - 1)
+        n_boxes = math.comb(int(math.log2(tiles.FUSED_QUERY_TILE)) + rank - 1, rank - 1)
+        assert len(pairs) == n_boxes * math.comb(int(math.log2(tiles.FUSED_KEY_TILE)) + rank - 1, rank - 1)
     assert ops.valid_tile_sizes(rank, 64, torch.float64) == []
     assert ops.valid_tile_sizes(rank, 129, torch.float16) == []
 

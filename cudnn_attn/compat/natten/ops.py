@@ -39,7 +39,8 @@ import math
 import torch
 
 from ... import _checks
-from ...fallback_kernels.tiles import FUSED_DTYPES, check_tile_sizes, valid_tile_sizes
+from ...fallback_kernels.limits import FUSED_DTYPES
+from ...fallback_kernels.tile_shapes import check_tile_sizes, valid_tile_sizes
 from ...masks import Neighborhood
 from ...torch_engine.neighborhood_ops import NaGeometry, fused_kernels, unfused_engine
 from .common import check_rpb, neighborhood_attention
@@ -62,7 +63,7 @@ def _like(op: str, name: str, t, shape, ref: torch.Tensor, ref_name: str) -> tor
     return _checks.like(name, t, ref, ref_name, expected=shape, prefix=f"{op}: ")
 
 
-def _geometry(op: str, spatial, kernel_size, dilation, is_causal, *, odd: bool = False):
+def _checked_kernel_args(op: str, spatial, kernel_size, dilation, is_causal, *, odd: bool = False):
     """Rank-sized (kernel, dilation, causal) tuples, checked against the spatial shape."""
     try:
         nb = Neighborhood(tuple(spatial), kernel_size, 1, dilation, is_causal)
@@ -117,7 +118,7 @@ def _forward(output, query, key, value, rpb, kernel_size, dilation, is_causal, a
     if heads % heads_kv:
         raise ValueError(f"{op}: query heads ({heads}) must be a multiple of key heads ({heads_kv})")
     _like(op, "output", output, (batch, *spatial, heads, dim_v), query, "query")
-    kernel, dil, causal = _geometry(op, spatial, kernel_size, dilation, is_causal)
+    kernel, dil, causal = _checked_kernel_args(op, spatial, kernel_size, dilation, is_causal)
     if rpb is not None:
         check_rpb(rpb, heads, kernel, causal, query, same_dtype=True, prefix=f"{op}: ")
     attn_scale = _checks.softmax_scale("attn_scale", attn_scale, dim, error=TypeError,
@@ -148,7 +149,7 @@ def _unfused_inputs(op, rank, query, key, kernel_size, dilation, is_causal):
                    prefix=f"{op}: ")
     _like(op, "key", key, query.shape, query, "query")
     batch, heads, *spatial, _ = query.shape
-    kernel, dil, causal = _geometry(op, spatial, kernel_size, dilation, is_causal, odd=True)
+    kernel, dil, causal = _checked_kernel_args(op, spatial, kernel_size, dilation, is_causal, odd=True)
     return (kernel, dil, causal), (batch, heads, *spatial, math.prod(kernel))
 
 
@@ -157,7 +158,7 @@ def _attn_value(op, rank, attn, value, kernel_size, dilation, is_causal):
     _checks.tensor("value", value, ndim=rank + 3, what=f"for a {rank}-D problem", floating=True,
                    prefix=f"{op}: ")
     batch, heads, *spatial, _ = value.shape
-    geometry = _geometry(op, spatial, kernel_size, dilation, is_causal, odd=True)
+    geometry = _checked_kernel_args(op, spatial, kernel_size, dilation, is_causal, odd=True)
     _like(op, "attn", attn, (batch, heads, *spatial, math.prod(geometry[0])), value, "value")
     return geometry
 
