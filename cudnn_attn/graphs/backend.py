@@ -14,14 +14,13 @@ on (read when a call's plan is made). Dropout runs cuDNN's Philox stream at the 
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
 import torch
 
 from .._probe import cuda_missing, module_missing
-from ..caches import LRU
+from ..caches import LRU, memoize
 from ..errors import NotSupportedError
 from ..problem import AttnProblem
 from . import _runtime
@@ -33,13 +32,13 @@ __all__ = ["CudnnBackend", "CudnnPlan"]
 PLAN_CACHE_SIZE = 128
 
 
-@functools.lru_cache(maxsize=1)
+@memoize("cudnn.import_error", 1)
 def _import_error() -> list[str]:
     try:
         import cudnn  # noqa: F401
     except Exception as exc:  # installed but unloadable (missing shared libraries, ...)
-        return [f"cudnn failed to import: {exc}"]
-    return []
+        return (f"cudnn failed to import: {exc}",)
+    return ()
 
 
 class CudnnBackend:
@@ -53,7 +52,7 @@ class CudnnBackend:
     def availability(self) -> list[str]:
         reasons = module_missing("cudnn", "cu12") + cuda_missing()
         if not reasons:  # import only where it can run: the import costs about a second
-            reasons = _import_error()
+            reasons = list(_import_error())
         return reasons
 
     def supports(self, problem: AttnProblem) -> list[str]:
