@@ -248,7 +248,10 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
             elif bias_dims[2] != problem.seq_q or bias_dims[3] != problem.seq_kv:
                 reasons.append(f"cuDNN computes dBias only for a bias spanning S_q and S_kv, "
                                f"got shape {tuple(problem.bias.shape)}")
-    dropout = problem.dropout_p > 0 or options.dropout_mask
+    # The explicit (mask, scale) dropout form: a builder option, or the problem's own
+    # ``dropout_mask`` (read with getattr: older problem models have no such field).
+    mask_dropout = options.dropout_mask or getattr(problem, "dropout_mask", None) is not None
+    dropout = problem.dropout_p > 0 or mask_dropout
 
     if band is not None and band.alignment == "bottom_right":
         used = {"bias": bias_dims is not None, "alibi": alibi, "dropout": dropout}
@@ -283,7 +286,7 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
         reasons.append("cuDNN's SDPA backward does not support S_q = S_kv = 1")
 
     deterministic = backward and (options.deterministic or problem.deterministic)
-    _option_reasons(problem, options, padding, backward, reasons)
+    _option_reasons(problem, options, mask_dropout, backward, reasons)
     if target_sm is not None:
         _arch_reasons(problem, target_sm, backward, deterministic, options.ragged,
                       dict(dbias=problem.bias_requires_grad, dropout=dropout, alibi=alibi),
@@ -301,13 +304,13 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
         padding=padding or synthetic, synthetic_padding=synthetic, alibi=alibi,
         bias_dim=bias_dims, bias_stride=bias_stride, bias_dtype=bias_dtype,
         dbias=bool(problem.bias_requires_grad and backward), dropout_p=problem.dropout_p,
-        dropout_mask=options.dropout_mask, stats=True, deterministic=deterministic,
+        dropout_mask=mask_dropout, stats=True, deterministic=deterministic,
         ragged=options.ragged, max_total_seq_len_q=options.max_total_seq_len_q,
         max_total_seq_len_kv=options.max_total_seq_len_kv, paged=options.paged)
     return spec, []
 
 
-def _option_reasons(problem, options: GraphOptions, padding: bool, backward: bool,
+def _option_reasons(problem, options: GraphOptions, mask_dropout: bool, backward: bool,
                     reasons: list) -> None:
     if options.ragged:
         if problem.padding is None:
@@ -316,7 +319,7 @@ def _option_reasons(problem, options: GraphOptions, padding: bool, backward: boo
             reasons.append("ragged (packed) layouts are token-major: use layout='bshd'")
     elif options.max_total_seq_len_q is not None or options.max_total_seq_len_kv is not None:
         reasons.append("max_total_seq_len_q/kv applies to ragged (packed) layouts only")
-    if options.dropout_mask and problem.dropout_p > 0:
+    if mask_dropout and problem.dropout_p > 0:
         reasons.append("dropout takes either a probability (Philox) or a mask, not both")
     paged = options.paged
     if paged is not None:

@@ -138,6 +138,24 @@ class CudnnPlan:
             buffers[UID.SEQ_LEN_Q], buffers[UID.SEQ_LEN_KV] = seq_q, seq_kv
         return buffers, empty
 
+    def _dropout_buffers(self, problem, inputs, buffers: dict, backward: bool) -> None:
+        """Philox ``(seed, offset)`` of the call's ``DropoutState``, or the explicit mask form
+        (``problem.dropout_mask``): the ``[B, H_q, S_q, S_kv]`` mask in q's dtype and
+        pass-by-value ``scale`` (and ``1 / scale`` for the backward)."""
+        s = self.spec
+        if s.dropout_mask:
+            keep = inputs.dropout_mask
+            full = (s.batch, s.heads_q, s.seq_q, s.seq_kv)
+            buffers[UID.DROPOUT_MASK] = _runtime.aligned(
+                keep.to(device=inputs.q.device, dtype=problem.dtype).expand(full).contiguous())
+            scale = float(problem.dropout_scale)
+            buffers[UID.DROPOUT_SCALE] = self._scales.get(scale)
+            if backward:
+                buffers[UID.DROPOUT_SCALE_INV] = self._scales.get(1.0 / scale)
+        elif s.dropout_p > 0:
+            buffers[UID.DROPOUT_SEED], buffers[UID.DROPOUT_OFFSET] = \
+                _runtime.philox_tensors(inputs.dropout)
+
     def _empty_views(self, empty):
         """``empty`` [B, S_q] broadcast against out (call layout) and stats [B, H, S_q, 1]."""
         rows = empty[:, :, None, None] if self.spec.layout == "bshd" else empty[:, None, :, None]
@@ -153,9 +171,7 @@ class CudnnPlan:
         built = self._get(problem, "stats" if need_lse else "plain")
         handle = _runtime.handle_for(device)
         buffers, empty = self._common(problem, q, k, v, bias, device)
-        if s.dropout_p > 0:
-            buffers[UID.DROPOUT_SEED], buffers[UID.DROPOUT_OFFSET] = \
-                _runtime.philox_tensors(inputs.dropout)
+        self._dropout_buffers(problem, inputs, buffers, backward=False)
         out = torch.empty(self.o_shape, dtype=problem.dtype, device=device)
         buffers[UID.O] = out
         stats = None
@@ -187,9 +203,7 @@ class CudnnPlan:
         # cuDNN wrote for them in the forward (FlashAttention's convention).
         stats = lse.reshape(s.batch, s.heads_q, s.seq_q, 1).to(torch.float32)
         stats = stats.masked_fill(stats == -math.inf, math.inf)
-        if s.dropout_p > 0:
-            buffers[UID.DROPOUT_SEED], buffers[UID.DROPOUT_OFFSET] = \
-                _runtime.philox_tensors(inputs.dropout)
+        self._dropout_buffers(problem, inputs, buffers, backward=True)
         dout = _like_layout(dout, self.o_shape)
         if dlse is not None:
             out = _fold_dlse(out, dout, dlse, s.layout)
