@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import torch
 
+from .caches import memoize
 
-@functools.lru_cache(maxsize=None)
+
 def module_missing(module: str, extra_hint: str) -> list[str]:
-    """A reason if ``module`` cannot be imported (checked without importing it)."""
+    """A reason if ``module`` cannot be imported (checked without importing it); a new list
+    on each call (the look-up itself is memoized)."""
+    return list(_module_missing(module, extra_hint))
+
+
+@memoize("probe.module_missing")
+def _module_missing(module: str, extra_hint: str) -> tuple:
     if importlib.util.find_spec(module) is None:
-        return [f"{module} is not installed (pip install 'cudnn-attn[{extra_hint}]')"]
-    return []
+        return (f"{module} is not installed (pip install 'cudnn-attn[{extra_hint}]')",)
+    return ()
 
 
 def cuda_missing() -> list[str]:

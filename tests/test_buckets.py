@@ -69,7 +69,7 @@ def test_random_requests_hit_a_bounded_set_of_keys():
         problem = ca.AttnProblem.from_tensors(padded.q, padded.k, padded.v, mask=padded.mask)
         raw.add((len(lens), max(lens)))
         keys.add(problem.plan_key)
-        assert policy.bucket_problem(problem) == padded.shape
+        assert policy.bucket(len(lens), max(lens)) == padded.shape
     bound = len(policy.batch_buckets) * len(policy.seq_buckets)  # q and kv buckets coincide here
     assert bound == 5 * 5
     assert len(keys) <= bound
@@ -146,7 +146,7 @@ def test_padding_preserves_gradients():
             torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
 
 
-def test_4d_batch_with_lengths_and_seq_len_tensors():
+def test_4d_batch_with_lengths():
     g = torch.Generator().manual_seed(2)
     q = torch.randn(3, 2, 20, 8, generator=g, dtype=torch.float64)
     k = torch.randn(3, 2, 24, 8, generator=g, dtype=torch.float64)
@@ -155,9 +155,8 @@ def test_4d_batch_with_lengths_and_seq_len_tensors():
     padded = pad_to_bucket(BucketPolicy(min_seq=8, max_seq=32, batch_buckets=[4]), q, k, v,
                            seq_lens_q=lens_q, seq_lens_kv=lens_kv)
     assert padded.shape == (4, 32, 32)
-    sq, skv = padded.seq_len_tensors()
-    assert sq.dtype == torch.int32 and sq.tolist() == [20, 3, 11, 1]
-    assert skv.tolist() == [24, 5, 0, 1]
+    assert padded.seq_lens_q == (20, 3, 11, 1)
+    assert padded.seq_lens_kv == (24, 5, 0, 1)
     out = ca.attention(padded.q, padded.k, padded.v, mask=padded.mask, backend="torch")
     ref = ca.attention(q, k, v, mask=ca.Padding(lens_q, lens_kv), backend="torch")
     for b, o in enumerate(padded.unpad(out)):

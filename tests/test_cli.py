@@ -14,14 +14,15 @@ import torch
 
 import cudnn_attn as ca
 from cudnn_attn import cli
-from cudnn_attn.graphs.cache import SUFFIX, GraphCache, graph_cache, serializable
+from cudnn_attn.graphs.cache import SUFFIX, GraphCache, graph_cache, register_deserializer
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
 
 
-@serializable("test-cli-blob")
 class CliBlob:
+    serial_kind = "test-cli-blob"
+
     def __init__(self, data: bytes):
         self.data = data
 
@@ -31,6 +32,9 @@ class CliBlob:
     @classmethod
     def from_bytes(cls, data: bytes) -> CliBlob:
         return cls(data)
+
+
+register_deserializer(CliBlob.serial_kind, CliBlob.from_bytes)
 
 
 def run_cli(capsys, *argv) -> tuple[int, str, str]:

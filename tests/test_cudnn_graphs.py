@@ -672,3 +672,19 @@ def test_importing_the_package_does_not_import_cudnn():
             "    assert 'cudnn' not in sys.modules, 'a CPU call imported cudnn'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(
         __file__).resolve().parents[1]))
+
+
+def test_problem_dropout_mask_selects_the_mask_dropout_graph():
+    # A problem carrying an explicit dropout mask (AttnProblem.dropout_mask, the attribute
+    # builder's set_dropout(mask, scale)) maps onto the mask-dropout graph, as the option does.
+    q, k, v = qkv()
+    problem = ca.AttnProblem.from_tensors(q, k, v)
+    if not hasattr(problem, "dropout_mask"):  # before the problem model has the field
+        object.__setattr__(problem, "dropout_mask", problem.q)
+    spec, reasons = analyze(problem, target_sm=90, backward=True)
+    assert reasons == [] and spec.dropout_mask
+    assert spec == analyze(ca.AttnProblem.from_tensors(q, k, v), target_sm=90, backward=True,
+                           options=GraphOptions(dropout_mask=True))[0]
+    both = ca.AttnProblem.from_tensors(q, k, v, dropout_p=0.1)
+    object.__setattr__(both, "dropout_mask", problem.q)
+    assert any("not both" in r for r in analyze(both, target_sm=90)[1])

@@ -22,7 +22,7 @@ from cudnn_attn.graphs.cache import (
     default_cache_dir,
     encode_key,
     make_key,
-    serializable,
+    register_deserializer,
 )
 
 ENV = {"gpu_name": "Test GPU", "compute_capability": "9.0", "sm_count": 132,
@@ -30,9 +30,10 @@ ENV = {"gpu_name": "Test GPU", "compute_capability": "9.0", "sm_count": 132,
 WAIT = 10.0  # seconds: generous upper bound for events that should fire at once
 
 
-@serializable("test-blob")
 class Blob:
     """A small serializable value standing in for a cuDNN plan (those serialize only on a GPU)."""
+
+    serial_kind = "test-blob"
 
     def __init__(self, data: bytes):
         self.data = data
@@ -45,6 +46,9 @@ class Blob:
         if data.startswith(b"BAD"):
             raise ValueError("unparseable blob")
         return cls(data)
+
+
+register_deserializer(Blob.serial_kind, Blob.from_bytes)
 
 
 class Unserializable:
@@ -415,3 +419,14 @@ def test_process_wide_cache_exists():
     assert isinstance(cache_mod.graph_cache, GraphCache)
     assert set(cache_mod.graph_cache.info()) >= {"hits", "misses", "evictions", "size", "maxsize",
                                                  "build_seconds"}
+
+
+def test_clear_caches_empties_the_process_wide_graph_cache():
+    from cudnn_attn.caches import clear_caches
+    from cudnn_attn.graphs.cache import graph_cache
+
+    key = ("test-clear-caches", 1)
+    graph_cache.get_or_build(key, lambda: "built")
+    assert key in graph_cache
+    clear_caches()
+    assert key not in graph_cache

@@ -1,24 +1,33 @@
 """Per-call plumbing of the cuDNN engine: handles, workspaces, and the small runtime inputs.
 
-* One cuDNN handle per (thread, device), re-bound to torch's current stream on every call
+* One cuDNN handle per (thread, device), kept in the registered LRU ``cudnn.handles`` (so
+  ``clear_caches()`` drops them), re-bound to torch's current stream on every call
   (``cudnn.set_stream`` skips the driver call when the stream is unchanged).
 * Workspaces come from torch's caching allocator, so they follow torch's stream semantics.
 * Runtime values are graph inputs, never graph attributes: the softmax scale (pass-by-value
   fp32), the padding lengths (``[B, 1, 1, 1]`` int32 on the device), the Philox seed/offset
-  (pass-by-value int64). Small bounded caches keep their host-side cost off the hot path.
+  (pass-by-value int64). Small bounded caches (``caches.LRU``) keep their host-side cost off the
+  hot path.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from typing import Optional
 
 import torch
 
+from ..caches import LRU
+
 __all__ = ["handle_for", "workspace", "ScalarCache", "LengthCache", "aligned", "philox_tensors"]
 
-_local = threading.local()
+# (thread id, device index) -> (handle, cudnn.set_stream). A handle is only ever used by the
+# thread that created it; a dead thread's id reused by a new thread reuses its handle safely.
+_HANDLES = LRU("cudnn.handles", None)
+# (dtype, value) -> pass-by-value (1, 1, 1, 1) host tensor.
+_SCALARS = LRU("cudnn.scalars", 256)
+# (spec, lens_q, lens_kv, device) -> device seq_len_q, seq_len_kv and the empty-row mask.
+_LENGTHS = LRU("cudnn.lengths", 256)
 
 
 def _raw_stream(index: int) -> int:
@@ -30,16 +39,14 @@ def _raw_stream(index: int) -> int:
 
 def handle_for(device: torch.device):
     """This thread's cuDNN handle for ``device``, bound to torch's current stream there."""
-    handles = getattr(_local, "handles", None)
-    if handles is None:
-        handles = _local.handles = {}
     index = device.index if device.index is not None else torch.cuda.current_device()
-    entry = handles.get(index)
+    key = (threading.get_ident(), index)
+    entry = _HANDLES.get(key)
     if entry is None:
         import cudnn
 
         with torch.cuda.device(index):  # a handle binds the current device
-            entry = handles[index] = (cudnn.create_handle(), cudnn.set_stream)
+            entry = _HANDLES.put(key, (cudnn.create_handle(), cudnn.set_stream))
     handle, set_stream = entry
     set_stream(handle, _raw_stream(index))  # skips the driver call when the stream is unchanged
     return handle
@@ -58,43 +65,29 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return copy.copy_(t)
 
 
-class _Bounded:
-    def __init__(self, maxsize: int):
-        self._maxsize = maxsize
-        self._items: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
+class ScalarCache:
+    """Pass-by-value ``(1, 1, 1, 1)`` host tensors, one per value (shared LRU
+    ``cudnn.scalars``)."""
 
-    def _get(self, key, make):
-        item = self._items.get(key)
-        if item is None:
-            item = make()
-            with self._lock:
-                self._items[key] = item
-                if len(self._items) > self._maxsize:
-                    self._items.popitem(last=False)
-        return item
-
-
-class ScalarCache(_Bounded):
-    """Pass-by-value ``(1, 1, 1, 1)`` host tensors, one per value."""
-
-    def __init__(self, dtype: torch.dtype = torch.float32, maxsize: int = 64):
-        super().__init__(maxsize)
+    def __init__(self, dtype: torch.dtype = torch.float32):
         self._dtype = dtype
 
     def get(self, value) -> torch.Tensor:
-        return self._get(value, lambda: torch.full((1, 1, 1, 1), value, dtype=self._dtype))
+        dtype = self._dtype
+        return _SCALARS.get_or_create((dtype, value),
+                                      lambda: torch.full((1, 1, 1, 1), value, dtype=dtype))
 
 
-class LengthCache(_Bounded):
-    """Per padding-length tuple: device ``seq_len_q``/``seq_len_kv`` and the empty-row mask."""
+class LengthCache:
+    """Per padding-length tuple: device ``seq_len_q``/``seq_len_kv`` and the empty-row mask
+    (shared LRU ``cudnn.lengths``, keyed by the graph spec too)."""
 
-    def __init__(self, spec, maxsize: int = 64):
-        super().__init__(maxsize)
+    def __init__(self, spec):
         self._spec = spec
 
     def get(self, lens_q: tuple, lens_kv: tuple, device: torch.device):
-        return self._get((lens_q, lens_kv, device), lambda: self._make(lens_q, lens_kv, device))
+        return _LENGTHS.get_or_create((self._spec, lens_q, lens_kv, device),
+                                      lambda: self._make(lens_q, lens_kv, device))
 
     def _make(self, lens_q, lens_kv, device):
         from ._spec import padded_rows

@@ -1,10 +1,8 @@
 """From an ``AttnProblem`` to the cuDNN SDPA graph it needs (``GraphSpec``), or to the reasons
 cuDNN cannot run it. Everything here is knowable without a GPU and without importing ``cudnn``.
 
-The rules mirror the cuDNN frontend 1.32 validators (``_sdpa_validate.py`` and the C++
-``sdpa_support_surface.h`` / ``scaled_dot_product_flash_attention.h``) plus the gaps the
-reference (``shared/reference/cudnn-frontend.md`` section 4.2) lists as "accepted although
-unsupported". Mask semantics (see ``cudnn_attn.masks``):
+The engine's limits live in ``limits.LIMITS`` (one place); every reason here is derived from
+them. Mask semantics (see ``cudnn_attn.masks``):
 
 * cuDNN's diagonal band keeps key ``j`` of query ``i`` iff ``i' - L < j <= i' + R``: the left bound
   is exclusive, so FlashAttention's inclusive ``left`` becomes ``L = left + 1``; ``R = right``;
@@ -22,20 +20,10 @@ import torch
 
 from ..masks import Causal, SlidingWindow, alibi_slopes, mask_parts
 from ..problem import AttnProblem
+from .limits import BACKWARD_HEAD_DIM, LIMITS, MAX_HEAD_DIM
 
 __all__ = ["Band", "PagedKV", "GraphOptions", "GraphSpec", "analyze", "cudnn_reasons",
-           "device_sm", "MAX_HEAD_DIM", "BACKWARD_HEAD_DIM"]
-
-IO_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-BIAS_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-# Largest head dim any cuDNN backend engine serves (forward; FROST's D512 is a JIT side path).
-MAX_HEAD_DIM = 256
-# Backward head-dim limit per SM major (C++ validator of sdpa_backward, verified for 80..120).
-BACKWARD_HEAD_DIM = {8: 128, 9: 256, 10: 128, 12: 128}
-# cuDNN masks the padded tail of the last 128-wide key tile only with a padding mask
-# (cudnn-frontend #160, PyTorch #196678: NaN dQ with a bias and S_kv % 128 == 64).
-KEY_TILE = 128
-
+           "device_sm", "MAX_HEAD_DIM", "BACKWARD_HEAD_DIM", "LIMITS"]
 
 @dataclass(frozen=True)
 class Band:
@@ -216,20 +204,22 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
     if target_sm is None:
         target_sm = device_sm(problem.device)
     reasons: list[str] = []
-    dtype = IO_DTYPES.get(problem.dtype)
+    lim = LIMITS
+    dtype = lim.io_dtypes.get(problem.dtype)
     if dtype is None:
-        reasons.append(f"cuDNN SDPA takes float16 or bfloat16 inputs, got {problem.dtype}")
-    if problem.neighborhood is not None:
+        names = " or ".join(lim.io_dtypes.values())
+        reasons.append(f"cuDNN SDPA takes {names} inputs, got {problem.dtype}")
+    if problem.neighborhood is not None and not lim.neighborhood_masks:
         reasons.append("Neighborhood masks are not expressible as cuDNN SDPA attributes")
-    if problem.softcap is not None:
+    if problem.softcap is not None and not lim.softcap:
         reasons.append("softcap needs a cuDNN score_mod subgraph, which excludes the built-in "
                        "masks, padding and ALiBi; this engine does not build one")
     d_qk, d_v = problem.dim_qk, problem.dim_v
-    if d_qk % 8 or d_v % 8:
-        reasons.append(f"cuDNN needs head dims that are multiples of 8, got D_qk={d_qk}, "
-                       f"D_v={d_v}")
-    if max(d_qk, d_v) > MAX_HEAD_DIM:
-        reasons.append(f"cuDNN's SDPA engines serve head dims up to {MAX_HEAD_DIM}, got "
+    if d_qk % lim.head_dim_multiple or d_v % lim.head_dim_multiple:
+        reasons.append(f"cuDNN needs head dims that are multiples of {lim.head_dim_multiple}, "
+                       f"got D_qk={d_qk}, D_v={d_v}")
+    if max(d_qk, d_v) > lim.max_head_dim:
+        reasons.append(f"cuDNN's SDPA engines serve head dims up to {lim.max_head_dim}, got "
                        f"D_qk={d_qk}, D_v={d_v}")
     for name in ("q", "k", "v"):
         stride = getattr(problem, name).stride
@@ -242,7 +232,7 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
     band = _band(problem, padding, alibi, reasons)
     bias_dims = bias_stride = bias_dtype = None
     if problem.bias is not None:
-        bias_dtype = BIAS_DTYPES.get(problem.bias.dtype)
+        bias_dtype = lim.bias_dtypes.get(problem.bias.dtype)
         if bias_dtype is None or (bias_dtype != "float32" and problem.bias.dtype != problem.dtype):
             reasons.append(f"a cuDNN bias must be {problem.dtype} (as q) or float32, got "
                            f"{problem.bias.dtype}")
@@ -258,11 +248,15 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
             elif bias_dims[2] != problem.seq_q or bias_dims[3] != problem.seq_kv:
                 reasons.append(f"cuDNN computes dBias only for a bias spanning S_q and S_kv, "
                                f"got shape {tuple(problem.bias.shape)}")
-    dropout = problem.dropout_p > 0 or options.dropout_mask
+    # The explicit (mask, scale) dropout form: a builder option, or the problem's own
+    # ``dropout_mask`` (read with getattr: older problem models have no such field).
+    mask_dropout = options.dropout_mask or getattr(problem, "dropout_mask", None) is not None
+    dropout = problem.dropout_p > 0 or mask_dropout
 
     if band is not None and band.alignment == "bottom_right":
-        extras = [n for n, on in (("a bias", bias_dims is not None), ("ALiBi", alibi),
-                                  ("dropout", dropout)) if on]
+        used = {"bias": bias_dims is not None, "alibi": alibi, "dropout": dropout}
+        names = {"bias": "a bias", "alibi": "ALiBi", "dropout": "dropout"}
+        extras = [names[f] for f in lim.bottom_right_excludes if used[f]]
         if extras:
             reasons.append("cuDNN's bottom-right diagonal cannot be combined with "
                            + ", ".join(extras))
@@ -274,23 +268,25 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
         reasons.append(f"cuDNN's sliding window needs S_q <= S_kv without padding, got "
                        f"S_q={problem.seq_q}, S_kv={problem.seq_kv}")
     if alibi:
-        if band is None or band.right != 0:
+        if lim.alibi_needs_causal and (band is None or band.right != 0):
             reasons.append("cuDNN's ALiBi needs a causal mask (diagonal right bound 0)")
         slopes = problem.alibi.slopes
-        if slopes is not None:
+        if slopes is not None and not lim.alibi_custom_slopes:
             table = problem.alibi.slope_table(problem.batch, problem.heads_q)
             default = torch.tensor([alibi_slopes(problem.heads_q)], dtype=torch.float64)
             if not torch.allclose(table, default.expand_as(table), rtol=1e-6, atol=0):
                 reasons.append("cuDNN's ALiBi uses the standard slopes only; custom slopes "
                                "were given")
-    if problem.seq_q == 1 and band is not None and problem.heads_q != problem.heads_kv:
+    if not lim.decode_band_gqa and problem.seq_q == 1 and band is not None \
+            and problem.heads_q != problem.heads_kv:
         reasons.append("cuDNN gives wrong results for decode (S_q = 1) with causal masking and "
                        "H_q != H_kv (cuDNN 9.18.1 release notes)")
-    if backward and problem.seq_q == 1 and problem.seq_kv == 1:
+    if backward and not lim.backward_single_token and problem.seq_q == 1 \
+            and problem.seq_kv == 1:
         reasons.append("cuDNN's SDPA backward does not support S_q = S_kv = 1")
 
     deterministic = backward and (options.deterministic or problem.deterministic)
-    _option_reasons(problem, options, padding, backward, reasons)
+    _option_reasons(problem, options, mask_dropout, backward, reasons)
     if target_sm is not None:
         _arch_reasons(problem, target_sm, backward, deterministic, options.ragged,
                       dict(dbias=problem.bias_requires_grad, dropout=dropout, alibi=alibi),
@@ -298,7 +294,7 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
     if reasons:
         return None, reasons
 
-    synthetic = (bias_dims is not None and not padding and problem.seq_kv % KEY_TILE != 0)
+    synthetic = (bias_dims is not None and not padding and problem.seq_kv % lim.key_tile != 0)
     spec = GraphSpec(
         dtype=dtype, batch=problem.batch, heads_q=problem.heads_q, heads_kv=problem.heads_kv,
         seq_q=problem.seq_q, seq_kv=problem.seq_kv, dim_qk=d_qk, dim_v=d_v,
@@ -308,13 +304,13 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
         padding=padding or synthetic, synthetic_padding=synthetic, alibi=alibi,
         bias_dim=bias_dims, bias_stride=bias_stride, bias_dtype=bias_dtype,
         dbias=bool(problem.bias_requires_grad and backward), dropout_p=problem.dropout_p,
-        dropout_mask=options.dropout_mask, stats=True, deterministic=deterministic,
+        dropout_mask=mask_dropout, stats=True, deterministic=deterministic,
         ragged=options.ragged, max_total_seq_len_q=options.max_total_seq_len_q,
         max_total_seq_len_kv=options.max_total_seq_len_kv, paged=options.paged)
     return spec, []
 
 
-def _option_reasons(problem, options: GraphOptions, padding: bool, backward: bool,
+def _option_reasons(problem, options: GraphOptions, mask_dropout: bool, backward: bool,
                     reasons: list) -> None:
     if options.ragged:
         if problem.padding is None:
@@ -323,13 +319,13 @@ def _option_reasons(problem, options: GraphOptions, padding: bool, backward: boo
             reasons.append("ragged (packed) layouts are token-major: use layout='bshd'")
     elif options.max_total_seq_len_q is not None or options.max_total_seq_len_kv is not None:
         reasons.append("max_total_seq_len_q/kv applies to ragged (packed) layouts only")
-    if options.dropout_mask and problem.dropout_p > 0:
+    if mask_dropout and problem.dropout_p > 0:
         reasons.append("dropout takes either a probability (Philox) or a mask, not both")
     paged = options.paged
     if paged is not None:
         if problem.padding is None:
             reasons.append("paged KV caches need per-sequence lengths (a Padding mask)")
-        if backward:
+        if backward and not LIMITS.paged_backward:
             reasons.append("cuDNN has no SDPA backward for paged KV caches")
         if paged.page_size < 1 or paged.page_size & (paged.page_size - 1):
             reasons.append(f"the KV page size must be a power of two, got {paged.page_size}")
@@ -342,24 +338,21 @@ def _option_reasons(problem, options: GraphOptions, padding: bool, backward: boo
 
 def _arch_reasons(problem, sm: int, backward: bool, deterministic: bool, ragged: bool,
                   features: dict, reasons: list) -> None:
+    lim = LIMITS
     major = sm // 10
-    if major < 8:
-        reasons.append(f"cuDNN SDPA (float16/bfloat16) needs sm_80 or newer, target is sm_{sm}")
+    if major < lim.min_sm_major:
+        reasons.append(f"cuDNN SDPA ({'/'.join(lim.io_dtypes.values())}) needs "
+                       f"sm_{lim.min_sm_major}0 or newer, target is sm_{sm}")
         return
     d_qk, d_v = problem.dim_qk, problem.dim_v
-    if backward:
-        limit = BACKWARD_HEAD_DIM.get(major, 128)
-        allowed = max(d_qk, d_v) <= limit
-        if major == 10:  # Blackwell: 192/128 and 256/256 have dedicated kernels
-            allowed = allowed or (d_qk, d_v) in ((192, 128), (256, 256))
-        if not allowed:
-            reasons.append(f"cuDNN's SDPA backward on sm_{sm} serves head dims up to {limit}, "
-                           f"got D_qk={d_qk}, D_v={d_v}")
-    if backward and ragged and major in (8, 12):
+    if backward and not lim.backward_head_dims_ok(major, d_qk, d_v):
+        reasons.append(f"cuDNN's SDPA backward on sm_{sm} serves head dims up to "
+                       f"{lim.backward_head_dim_limit(major)}, got D_qk={d_qk}, D_v={d_v}")
+    if backward and ragged and major in lim.ragged_backward_lse_majors:
         reasons.append(f"cuDNN's packed (ragged) backward on sm_{sm} cannot read a packed LSE")
-    if backward and ragged and major == 10 and features["dbias"]:
+    if backward and ragged and major in lim.ragged_dbias_excluded_majors and features["dbias"]:
         reasons.append(f"cuDNN computes no dBias with ragged layouts on sm_{sm}")
-    if backward and deterministic and major == 10:
+    if backward and deterministic and major in lim.deterministic_feature_majors:
         used = [name for name, on in features.items() if on]
         if used:
             reasons.append(f"cuDNN's deterministic backward on sm_{sm} excludes "

@@ -14,14 +14,13 @@ on (read when a call's plan is made). Dropout runs cuDNN's Philox stream at the 
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
 import torch
 
 from .._probe import cuda_missing, module_missing
-from ..caches import LRU
+from ..caches import LRU, memoize
 from ..errors import NotSupportedError
 from ..problem import AttnProblem
 from . import _runtime
@@ -33,13 +32,13 @@ __all__ = ["CudnnBackend", "CudnnPlan"]
 PLAN_CACHE_SIZE = 128
 
 
-@functools.lru_cache(maxsize=1)
+@memoize("cudnn.import_error", 1)
 def _import_error() -> list[str]:
     try:
         import cudnn  # noqa: F401
     except Exception as exc:  # installed but unloadable (missing shared libraries, ...)
-        return [f"cudnn failed to import: {exc}"]
-    return []
+        return (f"cudnn failed to import: {exc}",)
+    return ()
 
 
 class CudnnBackend:
@@ -53,7 +52,7 @@ class CudnnBackend:
     def availability(self) -> list[str]:
         reasons = module_missing("cudnn", "cu12") + cuda_missing()
         if not reasons:  # import only where it can run: the import costs about a second
-            reasons = _import_error()
+            reasons = list(_import_error())
         return reasons
 
     def supports(self, problem: AttnProblem) -> list[str]:
@@ -139,6 +138,24 @@ class CudnnPlan:
             buffers[UID.SEQ_LEN_Q], buffers[UID.SEQ_LEN_KV] = seq_q, seq_kv
         return buffers, empty
 
+    def _dropout_buffers(self, problem, inputs, buffers: dict, backward: bool) -> None:
+        """Philox ``(seed, offset)`` of the call's ``DropoutState``, or the explicit mask form
+        (``problem.dropout_mask``): the ``[B, H_q, S_q, S_kv]`` mask in q's dtype and
+        pass-by-value ``scale`` (and ``1 / scale`` for the backward)."""
+        s = self.spec
+        if s.dropout_mask:
+            keep = inputs.dropout_mask
+            full = (s.batch, s.heads_q, s.seq_q, s.seq_kv)
+            buffers[UID.DROPOUT_MASK] = _runtime.aligned(
+                keep.to(device=inputs.q.device, dtype=problem.dtype).expand(full).contiguous())
+            scale = float(problem.dropout_scale)
+            buffers[UID.DROPOUT_SCALE] = self._scales.get(scale)
+            if backward:
+                buffers[UID.DROPOUT_SCALE_INV] = self._scales.get(1.0 / scale)
+        elif s.dropout_p > 0:
+            buffers[UID.DROPOUT_SEED], buffers[UID.DROPOUT_OFFSET] = \
+                _runtime.philox_tensors(inputs.dropout)
+
     def _empty_views(self, empty):
         """``empty`` [B, S_q] broadcast against out (call layout) and stats [B, H, S_q, 1]."""
         rows = empty[:, :, None, None] if self.spec.layout == "bshd" else empty[:, None, :, None]
@@ -154,9 +171,7 @@ class CudnnPlan:
         built = self._get(problem, "stats" if need_lse else "plain")
         handle = _runtime.handle_for(device)
         buffers, empty = self._common(problem, q, k, v, bias, device)
-        if s.dropout_p > 0:
-            buffers[UID.DROPOUT_SEED], buffers[UID.DROPOUT_OFFSET] = \
-                _runtime.philox_tensors(inputs.dropout)
+        self._dropout_buffers(problem, inputs, buffers, backward=False)
         out = torch.empty(self.o_shape, dtype=problem.dtype, device=device)
         buffers[UID.O] = out
         stats = None
@@ -188,9 +203,7 @@ class CudnnPlan:
         # cuDNN wrote for them in the forward (FlashAttention's convention).
         stats = lse.reshape(s.batch, s.heads_q, s.seq_q, 1).to(torch.float32)
         stats = stats.masked_fill(stats == -math.inf, math.inf)
-        if s.dropout_p > 0:
-            buffers[UID.DROPOUT_SEED], buffers[UID.DROPOUT_OFFSET] = \
-                _runtime.philox_tensors(inputs.dropout)
+        self._dropout_buffers(problem, inputs, buffers, backward=True)
         dout = _like_layout(dout, self.o_shape)
         if dlse is not None:
             out = _fold_dlse(out, dout, dlse, s.layout)

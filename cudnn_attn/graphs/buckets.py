@@ -112,14 +112,6 @@ class BucketPolicy:
         return BucketShape(self.batch_bucket(batch), self.query_bucket(seq_q),
                            self.seq_bucket(seq_kv))
 
-    def bucket_problem(self, problem) -> BucketShape:
-        """The bucket of an ``AttnProblem``; with a ``Padding`` mask its real (max) lengths count."""
-        seq_q, seq_kv = problem.seq_q, problem.seq_kv
-        padding = problem.padding
-        if padding is not None:
-            seq_q, seq_kv = max(max(padding.seq_lens_q), 1), max(max(padding.seq_lens_kv), 1)
-        return self.bucket(problem.batch, seq_q, seq_kv)
-
     @property
     def num_shapes(self) -> int:
         """How many distinct bucketed shapes exist: the bound on graphs per dtype/head/mask."""
@@ -139,11 +131,6 @@ class Bucketed:
     batch: int  # real batch size
     shape: BucketShape
     layout: str
-
-    def seq_len_tensors(self, dtype=torch.int32) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(seq_len_q, seq_len_kv)`` as 1-D tensors on the inputs' device (cuDNN's form)."""
-        return (torch.tensor(self.seq_lens_q, dtype=dtype, device=self.q.device),
-                torch.tensor(self.seq_lens_kv, dtype=dtype, device=self.q.device))
 
     def unpad(self, out: torch.Tensor) -> list[torch.Tensor]:
         """Per request ``b``: ``out[b, :, :len_q[b]]`` (bhsd) or ``out[b, :len_q[b]]`` (bshd)."""

@@ -21,24 +21,27 @@ import hashlib
 import logging
 import os
 import threading
+import itertools
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..caches import LRU
+
 # Re-exported: the names users of the cache need come from this module.
-from .cache_files import FORMAT_VERSION, MAGIC, SUFFIX, Rejected, clear_dir, cudnn_versions, current_environment, decode_file, default_cache_dir, deserializer, encode_file, encode_key, register_deserializer, serializable
+from .cache_files import FORMAT_VERSION, MAGIC, SUFFIX, Rejected, clear_dir, cudnn_versions, current_environment, decode_file, default_cache_dir, deserializer, encode_file, encode_key, register_deserializer
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "SUFFIX", "GraphCache", "clear_dir", "cudnn_versions",
            "current_environment", "default_cache_dir", "encode_key", "graph_cache", "make_key",
-           "register_deserializer", "serializable"]
+           "register_deserializer"]
 
 logger = logging.getLogger("cudnn_attn")
 
 _MISSING = object()
+_SERIAL = itertools.count()
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,16 +105,22 @@ class GraphCache:
     * ``environment`` (a callable returning a JSON-able dict; default ``current_environment``)
       is written into saved files and must match on load.
 
+    * Entries (and loaded, not yet used file entries) live in registered ``caches.LRU`` maps
+      named ``name`` and ``name + ".stored"``, so ``cudnn_attn.clear_caches()`` empties them.
+
     Equivalent (single-threaded) Python: ``functools.lru_cache(maxsize)`` keyed by ``key``.
     """
 
-    def __init__(self, maxsize: int = 256, *, environment: Callable[[], dict] | None = None):
+    def __init__(self, maxsize: int = 256, *, environment: Callable[[], dict] | None = None,
+                 name: str | None = None):
         self._maxsize = _check_size("maxsize", maxsize)
         self._environment = environment or current_environment
         self._lock = threading.Lock()
-        self._entries: OrderedDict = OrderedDict()
+        name = name or f"graph_cache.{next(_SERIAL)}"
+        self._entries = LRU(name, max(self._maxsize, 1))
         self._building: dict = {}
-        self._stored: dict[str, tuple[str, bytes]] = {}  # loaded from disk, not yet used
+        # key text -> (kind, payload): loaded from disk, not yet used
+        self._stored = LRU(name + ".stored", None)
         self.reset_stats()
 
     # -- lookups ------------------------------------------------------------------------------
@@ -119,13 +128,10 @@ class GraphCache:
         """The value cached under ``key``, building it with ``build_fn()`` on a miss."""
         with self._lock:
             try:
-                value = self._entries[key]
-            except KeyError:
-                pass
+                value = self._entries.get(key, _MISSING)
             except TypeError:
                 raise TypeError(f"key must be hashable, got {type(key).__name__}") from None
-            else:
-                self._entries.move_to_end(key)
+            if value is not _MISSING:
                 self._hits += 1
                 return value
             build = self._building.get(key)
@@ -174,14 +180,9 @@ class GraphCache:
     def _insert(self, key, value) -> None:
         if self._maxsize == 0:
             return
-        self._entries[key] = value
-        self._entries.move_to_end(key)
-        self._evict()
-
-    def _evict(self) -> None:
-        while len(self._entries) > self._maxsize:
-            self._entries.popitem(last=False)
-            self._evictions += 1
+        before = len(self._entries) + (key not in self._entries)
+        self._entries.put(key, value)
+        self._evictions += before - len(self._entries)
 
     def __contains__(self, key) -> bool:
         with self._lock:
@@ -192,8 +193,7 @@ class GraphCache:
 
     def keys(self) -> list:
         """The cached keys, least recently used first."""
-        with self._lock:
-            return list(self._entries)
+        return self._entries.keys()
 
     # -- management ---------------------------------------------------------------------------
     @property
@@ -205,7 +205,12 @@ class GraphCache:
         maxsize = _check_size("maxsize", maxsize)
         with self._lock:
             self._maxsize = maxsize
-            self._evict()
+            before = len(self._entries)
+            if maxsize == 0:
+                self._entries.clear()
+            else:
+                self._entries.resize(maxsize)
+            self._evictions += before - len(self._entries)
 
     def clear(self) -> None:
         """Drop every entry (and every loaded, not yet used file entry). Counters are kept."""
@@ -249,8 +254,9 @@ class GraphCache:
         """
         directory = Path(directory)
         with self._lock:
-            items = list(self._entries.items())
-            stored = dict(self._stored)
+            items = [(key, self._entries.get(key, _MISSING)) for key in self._entries.keys()]
+            items = [(key, value) for key, value in items if value is not _MISSING]
+            stored = {key: self._stored.get(key) for key in self._stored.keys()}
         records = dict(stored)
         for key, value in items:
             kind = getattr(value, "serial_kind", None)
@@ -297,7 +303,9 @@ class GraphCache:
                 continue
             accepted[key_text] = (kind, payload)
         with self._lock:
-            self._stored.update(accepted)
+            for key_text, record in accepted.items():
+                self._stored.pop(key_text)
+                self._stored.put(key_text, record)
         return len(accepted)
 
     def _reject(self, what, why) -> None:
@@ -329,5 +337,5 @@ class GraphCache:
             return _MISSING
 
 
-graph_cache = GraphCache()
+graph_cache = GraphCache(name="cudnn.graph_cache")
 """The process-wide cache of built graphs (re-exported as ``cudnn_attn.graph_cache``)."""

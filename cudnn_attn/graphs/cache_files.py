@@ -2,7 +2,7 @@
 
 * ``encode_key(key)``: canonical JSON of a key (tuples, scalars, dtypes, devices, enums, frozen
   dataclasses); how a key is written to and matched in a file. Nothing is pickled.
-* ``register_deserializer(kind, from_bytes)`` / ``@serializable(kind)``: the value protocol
+* ``register_deserializer(kind, from_bytes)``: the value protocol
   (``serialize() -> bytes`` and a ``serial_kind`` naming the registered ``from_bytes``).
 * ``current_environment()``: GPU name, compute capability, SM count, cuDNN versions.
 * The file format: ``MAGIC`` | u32 format version | u32 header length | JSON header
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import hashlib
 import json
 import os
@@ -26,9 +25,11 @@ from typing import Any
 
 import torch
 
+from ..caches import memoize
+
 __all__ = ["FORMAT_VERSION", "MAGIC", "SUFFIX", "Rejected", "clear_dir", "cudnn_versions",
            "current_environment", "decode_file", "default_cache_dir", "deserializer",
-           "encode_file", "encode_key", "register_deserializer", "serializable"]
+           "encode_file", "encode_key", "register_deserializer"]
 
 FORMAT_VERSION = 1
 MAGIC = b"CUDNN_ATTN_GRAPH"  # 16 bytes
@@ -37,7 +38,7 @@ _PREFIX = struct.Struct("<II")  # format version, header length
 _DIGEST = 32  # sha256
 
 
-@functools.lru_cache(maxsize=1)
+@memoize("cudnn.versions", 1)
 def cudnn_versions() -> tuple[int | None, str | None]:
     """``(cudnn backend version, cudnn frontend version)``; ``None`` for what is not installed.
 
@@ -106,22 +107,6 @@ def register_deserializer(kind: str, from_bytes: Callable[[bytes], Any]) -> None
     if not callable(from_bytes):
         raise TypeError(f"from_bytes must be callable, got {type(from_bytes).__name__}")
     _DESERIALIZERS[kind] = from_bytes
-
-
-def serializable(kind: str):
-    """Class decorator: ``cls.serial_kind = kind`` and ``cls.from_bytes`` registered for it.
-
-    The class provides ``serialize(self) -> bytes`` and ``from_bytes(cls, data) -> instance``
-    (a classmethod or staticmethod). ``serialize`` may raise (e.g. a cuDNN plan with no GPU):
-    ``save`` then skips that entry.
-    """
-
-    def wrap(cls):
-        cls.serial_kind = kind
-        register_deserializer(kind, cls.from_bytes)
-        return cls
-
-    return wrap
 
 
 def current_environment() -> dict:

@@ -1,0 +1,264 @@
+"""The attribute objects of the cuDNN frontend's SDPA builder (``SdpaAttributes`` /
+``SdpaBackwardAttributes``) and their setters' argument checks (``cudnn_attn._checks``).
+Semantics: ``cudnn_attn.compat.cudnn_frontend.attributes``' docstring."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from ... import _checks
+
+__all__ = ["SdpaAttributes", "SdpaBackwardAttributes"]
+
+_ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def _flag(setter: str, value) -> bool:
+    return _checks.flag("value", value, prefix=f"{setter}: ")
+
+
+def _scalar(setter: str, what: str, value, *, integer: bool = False):
+    """A Python number or a 1-element tensor (cuDNN passes scalars as (1,1,1,1) tensors)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{setter}: {what} must be a number or a 1-element tensor, got a "
+                             f"tensor of shape {tuple(value.shape)}")
+        if integer and (value.dtype.is_floating_point or value.dtype.is_complex
+                        or value.dtype == torch.bool):
+            raise TypeError(f"{setter}: {what} must be an integer tensor, got {value.dtype}")
+        value = value.item()
+    prefix = f"{setter}: "
+    if integer:
+        return _checks.integer(what, value, prefix=prefix)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{prefix}{what} must be a real number, got {value!r}")
+    return _checks.real(what, value, prefix=prefix)
+
+
+def _lengths(setter: str, what: str, value) -> tuple[int, ...]:
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{setter}: {what} must be an integer tensor, got {value.dtype}")
+        if value.dim() not in (1, 4) or (value.dim() == 4 and value.shape[1:] != (1, 1, 1)):
+            raise ValueError(f"{setter}: {what} must have shape [B] or [B, 1, 1, 1], got "
+                             f"{tuple(value.shape)}")
+        value = value.reshape(-1).tolist()
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{setter}: {what} must be an integer tensor or a sequence of ints, "
+                        f"got {value!r}")
+    out = []
+    for n in value:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"{setter}: {what} must hold ints, got {value!r}")
+        if n < 0:
+            raise ValueError(f"{setter}: {what} must be >= 0, got {value!r}")
+        out.append(int(n))
+    if not out:
+        raise ValueError(f"{setter}: {what} must not be empty")
+    return tuple(out)
+
+
+def check_broadcast(what: str, t: torch.Tensor, full: tuple) -> None:
+    ok = t.dim() <= 4 and all(a in (1, b) for a, b in zip(reversed(t.shape), reversed(full)))
+    if not ok:
+        raise ValueError(f"{what} of shape {tuple(t.shape)} does not broadcast to "
+                         f"[B, H, S_q, S_kv] = {list(full)}")
+
+
+class _Attributes:
+    """Setters shared by the forward and backward attributes (see the module doc)."""
+
+    def __init__(self):
+        self.name = ""
+        self.causal: str | None = None          # None | "top_left" | "bottom_right"
+        self.window: tuple | None = None         # (left, right, alignment or None)
+        self.bias: torch.Tensor | None = None
+        self.attn_scale = 1.0                       # cuDNN: unset means no scaling
+        self.dropout: tuple | None = None        # ("philox", p, seed, offset) | ("mask", m, s)
+        self.compute_data_type = torch.float32
+        self.padding: tuple | None = None        # (seq_len_q, seq_len_kv) tuples
+        self.alibi = False
+
+    def __repr__(self) -> str:
+        fields = {k: v for k, v in vars(self).items()
+                  if not (v is None or v is False or (isinstance(v, str) and not v))}
+        if isinstance(self.bias, torch.Tensor):
+            fields["bias"] = f"tensor{list(self.bias.shape)}"
+        if self.dropout and self.dropout[0] == "mask":
+            fields["dropout"] = ("mask", f"tensor{list(self.dropout[1].shape)}", self.dropout[2])
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
+
+    def set_name(self, name):
+        """An operation name (kept for ``repr`` and logs)."""
+        if not isinstance(name, str):
+            raise TypeError(f"set_name: expected a str, got {name!r}")
+        self.name = name
+        return self
+
+    def set_causal_mask(self, value):
+        """Top-left causal: key ``j`` visible from query ``i`` iff ``j <= i``."""
+        if _flag("set_causal_mask", value):
+            self.causal = "top_left"
+        elif self.causal == "top_left":
+            self.causal = None
+        return self
+
+    def set_causal_mask_bottom_right(self, value):
+        """Bottom-right causal: ``j <= i + S_kv - S_q`` (per batch with padding)."""
+        if _flag("set_causal_mask_bottom_right", value):
+            self.causal = "bottom_right"
+        elif self.causal == "bottom_right":
+            self.causal = None
+        return self
+
+    def set_sliding_window(self, left, right, alignment=None):
+        """FlashAttention's inclusive window ``i' - left <= j <= i' + right``; ``-1`` leaves a
+        side unbounded, ``(-1, -1)`` removes the window. ``alignment`` (``"top_left"`` /
+        ``"bottom_right"``) defaults to the causal mask's alignment, top-left without one."""
+        for what, n in (("left", left), ("right", right)):  # -1: unbounded
+            _checks.integer(what, n, minimum=-1, prefix="set_sliding_window: ")
+        if alignment is not None and alignment not in _ALIGNMENTS:
+            raise ValueError(f"set_sliding_window: alignment must be None or one of "
+                             f"{_ALIGNMENTS}, got {alignment!r}")
+        self.window = None if left == right == -1 else (int(left), int(right), alignment)
+        return self
+
+    def diagonal_band_bounds(self) -> tuple[int | None, int | None]:
+        """cuDNN's ``(diagonal_band_left_bound, diagonal_band_right_bound)`` for this window and
+        causal mask (``None``: unbounded). cuDNN's left bound is exclusive: FA ``left`` -> ``left +
+        1``."""
+        bounds = [None, 0 if self.causal else None]
+        if self.window is not None:
+            left, right = self.window[:2]
+            if left >= 0:
+                bounds[0] = left + 1
+            if right >= 0:
+                bounds[1] = right if bounds[1] is None else min(bounds[1], right)
+        return bounds[0], bounds[1]
+
+    def set_bias(self, bias):
+        """Additive bias broadcastable to ``[B, H_q, S_q, S_kv]`` (``None`` removes it)."""
+        if bias is not None and not isinstance(bias, torch.Tensor):
+            raise TypeError(f"set_bias: expected a tensor or None, got {type(bias).__name__}")
+        if bias is not None and not bias.dtype.is_floating_point:
+            raise TypeError(f"set_bias: bias must be a float tensor, got {bias.dtype}")
+        self.bias = bias
+        return self
+
+    def set_attn_scale(self, scale):
+        """Scores are ``scale * q . k`` (a float or a 1-element tensor; unset: 1.0)."""
+        self.attn_scale = _scalar("set_attn_scale", "attn_scale", scale)
+        return self
+
+    def set_dropout(self, *args):
+        """``set_dropout(p, seed, offset)`` (random mask, kept weights scaled by ``1 / (1 - p)``)
+        or ``set_dropout(mask, scale[, scale_inv])`` (``P * mask * scale``); ``None`` removes it."""
+        if len(args) == 1 and args[0] is None:
+            self.dropout = None
+        elif args and isinstance(args[0], torch.Tensor):
+            self.dropout = self._mask_dropout(*args)
+        elif len(args) == 3:
+            p = _scalar("set_dropout", "probability", args[0])
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"set_dropout: probability must be in [0, 1), got {args[0]!r}")
+            seed = _scalar("set_dropout", "seed", args[1], integer=True)
+            offset = _scalar("set_dropout", "offset", args[2], integer=True)
+            self.dropout = ("philox", p, seed, offset)
+        else:
+            raise TypeError(f"set_dropout: expected (p, seed, offset) or (mask, scale[, scale_inv]), "
+                            f"got {len(args)} arguments {args!r}")
+        return self
+
+    @staticmethod
+    def _mask_dropout(mask, *rest):
+        if len(rest) not in (1, 2):
+            raise TypeError(f"set_dropout: the mask form takes (mask, scale[, scale_inv]), got "
+                            f"{1 + len(rest)} arguments")
+        if mask.dtype.is_complex:
+            raise TypeError(f"set_dropout: mask must be a bool, integer or float tensor, got "
+                            f"{mask.dtype}")
+        scale = _scalar("set_dropout", "scale", rest[0])
+        if len(rest) == 2:
+            inv = _scalar("set_dropout", "scale_inv", rest[1])
+            # The gradient is fixed by mask and scale; a mismatched scale_inv is a caller bug.
+            if abs(scale * inv - 1.0) > 1e-2:
+                raise ValueError(f"set_dropout: scale_inv must be 1 / scale, got scale={scale!r}, "
+                                 f"scale_inv={inv!r}")
+        return ("mask", mask, scale)
+
+    def set_compute_data_type(self, dtype):
+        """The compute type: ``torch.float32`` or ``cudnn.data_type.FLOAT`` only."""
+        if isinstance(dtype, torch.dtype):
+            if dtype != torch.float32:
+                raise ValueError(f"set_compute_data_type: only torch.float32 is supported, got "
+                                 f"{dtype}")
+        elif type(dtype).__module__.startswith("cudnn") or type(dtype).__name__ == "data_type":
+            import cudnn  # lazily: only a cudnn enum can bring us here
+
+            if dtype != cudnn.data_type.FLOAT:
+                raise ValueError(f"set_compute_data_type: only cudnn.data_type.FLOAT is "
+                                 f"supported, got {dtype}")
+        else:
+            raise TypeError(f"set_compute_data_type: expected torch.float32 or "
+                            f"cudnn.data_type.FLOAT, got {dtype!r}")
+        self.compute_data_type = torch.float32
+        return self
+
+    def set_padding_mask(self, seq_len_q, seq_len_kv=None):
+        """Per-batch valid lengths (``[B]`` or ``[B, 1, 1, 1]`` integer tensors, or int
+        sequences); rows ``i >= seq_len_q[b]`` see nothing, keys ``j >= seq_len_kv[b]`` are
+        hidden. ``set_padding_mask(False)`` removes it."""
+        if seq_len_q is False or seq_len_q is None:
+            if seq_len_kv is not None:
+                raise TypeError(f"set_padding_mask: got seq_len_kv={seq_len_kv!r} with "
+                                f"seq_len_q={seq_len_q!r}")
+            self.padding = None
+            return self
+        if seq_len_kv is None:
+            raise TypeError("set_padding_mask: seq_len_kv is required with seq_len_q (cuDNN "
+                            "needs both)")
+        lens_q = _lengths("set_padding_mask", "seq_len_q", seq_len_q)
+        lens_kv = _lengths("set_padding_mask", "seq_len_kv", seq_len_kv)
+        if len(lens_q) != len(lens_kv):
+            raise ValueError(f"set_padding_mask: seq_len_q and seq_len_kv need one entry per "
+                             f"batch each, got {len(lens_q)} and {len(lens_kv)}")
+        self.padding = (lens_q, lens_kv)
+        return self
+
+    def set_alibi_mask(self, value):
+        """ALiBi: adds ``-slope_h * |i' - j|`` with the paper's slopes for ``H_q`` heads."""
+        self.alibi = _flag("set_alibi_mask", value)
+        return self
+
+
+class SdpaAttributes(_Attributes):
+    """Forward attributes (cuDNN ``SDPA_attributes``); every setter returns ``self``."""
+
+    def __init__(self):
+        super().__init__()
+        self.generate_stats = True
+
+    def set_is_inference(self, value):
+        """``True``: no stats (``stats`` is returned as ``None``)."""
+        self.generate_stats = not _flag("set_is_inference", value)
+        return self
+
+    def set_generate_stats(self, value):
+        """cuDNN's newer spelling: the opposite of ``set_is_inference``."""
+        self.generate_stats = _flag("set_generate_stats", value)
+        return self
+
+
+class SdpaBackwardAttributes(_Attributes):
+    """Backward attributes (cuDNN ``SDPA_backward_attributes``); must describe the forward call."""
+
+    def __init__(self):
+        super().__init__()
+        self.deterministic = False
+
+    def set_deterministic_algorithm(self, value):
+        """Ask for a bitwise-repeatable backward (the torch engine always is)."""
+        self.deterministic = _flag("set_deterministic_algorithm", value)
+        return self

@@ -1,0 +1,128 @@
+"""Argument checks and small result helpers shared by FlashAttention's ``mha_*`` entry points.
+
+Validators come from ``cudnn_attn._checks`` (one wording: the argument's name and the value).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import torch
+
+from ... import _checks
+from ...masks import Alibi
+from ...runtime import DropoutState
+from ...varlen import _tensor
+
+__all__ = ["_Options", "_like", "_generator", "_same_dtype", "_alibi", "_philox",
+           "_seed_tensors", "_into", "_softmax_d", "_dense_qkv", "_flag"]
+
+_flag = _checks.flag
+
+
+def _window(name: str, value) -> int:
+    """A window size: an int, negative = unbounded (normalized to -1)."""
+    return max(_checks.integer(name, value), -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """The scalar arguments every ``mha_*`` takes, validated."""
+
+    p_dropout: float
+    scale: float
+    causal: bool
+    left: int
+    right: int
+    softcap: float | None
+
+    @staticmethod
+    def of(head_size, p_dropout, softmax_scale, is_causal, window_size_left, window_size_right,
+           softcap) -> _Options:
+        scale = head_size ** -0.5 if softmax_scale is None else \
+            _checks.real("softmax_scale", softmax_scale)
+        return _Options(_checks.real("p_dropout", p_dropout, ok=lambda x: 0 <= x < 1, bound=" in [0, 1)"), scale,
+                        _checks.flag("is_causal", is_causal),
+                        _window("window_size_left", window_size_left),
+                        _window("window_size_right", window_size_right),
+                        _checks.real("softcap", softcap, ok=lambda x: x >= 0, bound=" >= 0") or None)
+
+
+def _like(name: str, t, shape: tuple, ref: torch.Tensor, *, optional=False, any_float=False):
+    """``t`` is a tensor of ``shape`` on ``ref``'s (q's) device with q's dtype (any float dtype
+    with ``any_float``); ``None`` passes when ``optional`` (an output buffer)."""
+    if t is None and optional:
+        return None
+    return _checks.like(name, t, ref, "q", expected=shape, any_float=any_float)
+
+
+def _generator(gen_):
+    if gen_ is not None and not isinstance(gen_, torch.Generator):
+        raise TypeError(f"gen_ must be None or a torch.Generator, got {type(gen_).__name__}")
+    return gen_
+
+
+def _same_dtype(q, k, v) -> None:
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, "
+                        f"v={v.dtype}")
+
+
+def _alibi(slopes, batch: int, heads: int, device):
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes_ must be None or a torch.Tensor, got "
+                        f"{type(slopes).__name__}")
+    if slopes.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"alibi_slopes_ must be float32 (or float64), got {slopes.dtype}")
+    if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes_ must have shape [{heads}] or [{batch}, {heads}] "
+                         f"(num_heads or batch_size x num_heads), got {tuple(slopes.shape)}")
+    if slopes.device != device and slopes.device.type != "cpu":
+        raise ValueError(f"alibi_slopes_ must be on q's device {device}, got {slopes.device}")
+    return Alibi(slopes.detach())
+
+
+def _seed_arg(name: str, value) -> int:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
+            raise ValueError(f"{name} must be a one-element integer tensor (as mha_fwd returns), "
+                             f"got {value.dtype} of shape {tuple(value.shape)}")
+        value = int(value.reshape(()).item())
+    elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int64 tensor from mha_fwd, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 (as mha_fwd returns), got {value}")
+    return int(value)
+
+
+def _philox(philox_seed, philox_offset) -> DropoutState:
+    """The dropout stream ``mha_fwd`` returned, as the engines' ``DropoutState``."""
+    return DropoutState(_seed_arg("philox_seed", philox_seed),
+                        _seed_arg("philox_offset", philox_offset))
+
+
+def _seed_tensors(dropout: DropoutState):
+    return (torch.tensor(dropout.seed, dtype=torch.int64),
+            torch.tensor(dropout.offset, dtype=torch.int64))
+
+
+def _into(buf, value: torch.Tensor) -> torch.Tensor:
+    if buf is None:
+        return value.contiguous()
+    buf.copy_(value)
+    return buf
+
+
+def _softmax_d(dout, out, dtype) -> torch.Tensor:
+    """``rowsum(dout * out)`` in the lse dtype (float32; float64 for float64 inputs)."""
+    dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return (dout.to(dtype) * out.to(dtype)).sum(-1)
+
+
+def _dense_qkv(q, k, v):
+    return (_tensor("q", q, 4, "[batch_size, seqlen_q, num_heads, head_size]"),
+            _tensor("k", k, 4, "[batch_size, seqlen_k, num_heads_k, head_size]"),
+            _tensor("v", v, 4, "[batch_size, seqlen_k, num_heads_k, head_size_v]"))

@@ -1,0 +1,64 @@
+"""FlashAttention's dense-batch entry points ``mha_fwd`` / ``mha_bwd`` (``[B, S, H, D]``); the
+conventions are in ``cudnn_attn.compat.flash_attn.mha``'s docstring."""
+
+from __future__ import annotations
+
+from . import mha as _core
+from ._args import (_Options, _alibi, _dense_qkv, _flag, _generator, _into, _like, _philox,
+                    _same_dtype, _seed_tensors, _softmax_d)
+
+__all__ = ["mha_fwd", "mha_bwd"]
+
+
+def mha_fwd(q, k, v, out_, alibi_slopes_, p_dropout, softmax_scale, is_causal, window_size_left,
+            window_size_right, softcap, return_softmax, gen_):
+    """FlashAttention forward on ``[B, S, H, D]`` tensors.
+
+    Returns ``(out, q_padded, k_padded, v_padded, softmax_lse, philox_seed, philox_offset, p)``:
+    out ``[B, S_q, H, D_v]`` (``out_`` when given), the inputs, lse ``[B, H, S_q]``, the dropout
+    seed/offset for ``mha_bwd``, and the post-dropout weights ``[B, H, S_q, S_k]`` when
+    ``return_softmax`` (else an empty tensor). See the module docstring for the conventions.
+    """
+    q, k, v = _dense_qkv(q, k, v)
+    batch, seq_q, heads, _ = q.shape
+    opts = _Options.of(q.shape[3], p_dropout, softmax_scale, is_causal, window_size_left,
+                       window_size_right, softcap)
+    mask = _core._fa_mask(opts, k.shape[1], seq_q == k.shape[1], alibi_slopes_ is not None)
+    return_softmax = _flag("return_softmax", return_softmax)
+    gen_ = _generator(gen_)
+    alibi = _alibi(alibi_slopes_, batch, heads, q.device)
+    _like("out_", out_, (batch, seq_q, heads, v.shape[3]), q, optional=True)
+
+    out, lse, dropout, probs = _core._forward(q, k, v, mask, alibi, opts, return_softmax,
+                                              gen_)
+    p = probs.contiguous() if probs is not None else q.new_empty(0)
+    return (_into(out_, out), q, k, v, lse.contiguous(), *_seed_tensors(dropout), p)
+
+
+def mha_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, alibi_slopes_, p_dropout,
+            softmax_scale, is_causal, window_size_left, window_size_right, softcap,
+            deterministic, philox_seed, philox_offset):
+    """FlashAttention backward on ``[B, S, H, D]`` tensors: ``(dq, dk, dv, softmax_d)``.
+
+    Takes the forward's arguments, its ``out`` and ``softmax_lse``, and its ``philox_seed`` /
+    ``philox_offset`` (the same dropout mask is regenerated). ``dq_``/``dk_``/``dv_`` are written
+    and returned when given. ``softmax_d = rowsum(dout * out)``, ``[B, H, S_q]``.
+    """
+    q, k, v = _dense_qkv(q, k, v)
+    _same_dtype(q, k, v)
+    batch, seq_q, heads, _ = q.shape
+    o_shape = (batch, seq_q, heads, v.shape[3])
+    out, dout = _like("out", out, o_shape, q), _like("dout", dout, o_shape, q)
+    lse = _like("softmax_lse", softmax_lse, (batch, heads, seq_q), q, any_float=True)
+    bufs = [_like(n, b, t.shape, q, optional=True)
+            for n, b, t in (("dq_", dq_, q), ("dk_", dk_, k), ("dv_", dv_, v))]
+    opts = _Options.of(q.shape[3], p_dropout, softmax_scale, is_causal, window_size_left,
+                       window_size_right, softcap)
+    mask = _core._fa_mask(opts, k.shape[1], seq_q == k.shape[1], alibi_slopes_ is not None)
+    deterministic = _flag("deterministic", deterministic)
+    alibi = _alibi(alibi_slopes_, batch, heads, q.device)
+    dropout = _philox(philox_seed, philox_offset)
+
+    grads = _core._backward(dout, q, k, v, out, lse, mask, alibi, opts, deterministic, dropout)
+    softmax_d = _softmax_d(dout, out, q.dtype).permute(0, 2, 1).contiguous()
+    return (*(_into(b, g) for b, g in zip(bufs, grads)), softmax_d)

@@ -1,0 +1,232 @@
+"""FlashAttention's packed (varlen) entry points ``mha_varlen_fwd`` / ``mha_varlen_bwd``
+(``[total, H, D]`` with ``cu_seqlens``, optional paged K/V); packed batches run as padded batches
+with a ``Padding`` mask. Conventions: ``cudnn_attn.compat.flash_attn.mha``'s docstring."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ... import _checks
+from ...varlen import _cu_lengths, _gather_pages, _index_tensor, _pad, _slots, _tensor, _with_padding
+from . import mha as _core
+from ._args import (_Options, _alibi, _flag, _generator, _into, _like, _philox, _same_dtype,
+                    _seed_tensors, _softmax_d)
+
+__all__ = ["mha_varlen_fwd", "mha_varlen_bwd"]
+
+
+class _Packing:
+    """Lengths and padded-slot tables of a packed batch: ``[total, H, D]`` <-> ``[B, S, H, D]``."""
+
+    def __init__(self, lens_q, lens_k, max_seqlen_q, max_seqlen_k, device):
+        self.lens_q, self.lens_k = lens_q, lens_k
+        self.batch = len(lens_q)
+        for name, value, lens in (("max_seqlen_q", max_seqlen_q, lens_q),
+                                  ("max_seqlen_k", max_seqlen_k, lens_k)):
+            _checks.integer(name, value)
+            if value < max(lens):
+                raise ValueError(f"{name} must be >= the longest sequence ({max(lens)}), got "
+                                 f"{value}")
+        self.max_q, self.max_k = int(max_seqlen_q), int(max_seqlen_k)
+        # The engines need non-empty axes: an all-empty side pads to one slot Padding hides.
+        self.seq_q, self.seq_k = max(self.max_q, 1), max(self.max_k, 1)
+        self.slots_q = _slots(lens_q, self.seq_q, device)
+        self.slots_k = _slots(lens_k, self.seq_k, device)
+
+    def mask(self, opts: _Options, alibi: bool):
+        fa = _core._fa_mask(opts, self.max_k, self.lens_q == self.lens_k, alibi)
+        return _with_padding(fa, self.lens_q, self.lens_k, self.seq_q, self.seq_k)
+
+    def pad_q(self, x):
+        return _pad(x, self.lens_q, self.seq_q, self.slots_q)
+
+    def pad_k(self, x):
+        return _pad(x, self.lens_k, self.seq_k, self.slots_k)
+
+    def unpad(self, x, slots):
+        return x.reshape(-1, *x.shape[2:]).index_select(0, slots)
+
+    def lse_packed(self, lse):
+        """[B, H, S] -> FlashAttention 2's varlen [H, total_q]."""
+        heads = lse.shape[1]
+        return lse.permute(1, 0, 2).reshape(heads, -1).index_select(1, self.slots_q)
+
+    def lse_padded(self, lse):
+        """[H, total_q] -> [B, H, S] with -inf in the padding rows."""
+        heads = lse.shape[0]
+        full = lse.new_full((heads, self.batch * self.seq_q), -math.inf)
+        full[:, self.slots_q] = lse
+        return full.view(heads, self.batch, self.seq_q).permute(1, 0, 2)
+
+
+def _varlen_heads(q, k, v, paged: bool):
+    q = _tensor("q", q, 3, "[total_q, num_heads, head_size]")
+    if paged:
+        what = "[num_blocks, page_block_size, num_heads_k, head_size{}] (paged, with block_table_)"
+        k = _tensor("k", k, 4, what.format(""))
+        v = _tensor("v", v, 4, what.format("_v"))
+        if k.shape[:3] != v.shape[:3]:
+            raise ValueError(f"k and v must have the same pages, page size and heads, got "
+                             f"k={tuple(k.shape)}, v={tuple(v.shape)}")
+    else:
+        k = _tensor("k", k, 3, "[total_k, num_heads_k, head_size] (or 4-D pages with "
+                    "block_table_)")
+        v = _tensor("v", v, 3, "[total_k, num_heads_k, head_size_v]")
+        if k.shape[:2] != v.shape[:2]:
+            raise ValueError(f"k and v must have the same tokens and heads, got "
+                             f"k={tuple(k.shape)}, v={tuple(v.shape)}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k head size must equal q head size, got q={tuple(q.shape)}, "
+                         f"k={tuple(k.shape)}")
+    if q.shape[1] % max(k.shape[-2], 1):
+        raise ValueError(f"num_heads must be a multiple of num_heads_k (GQA/MQA), got "
+                         f"{q.shape[1]} and {k.shape[-2]}")
+    return q, k, v
+
+
+def _cu_total(cu) -> int:
+    """``cu[-1]`` where it can be read (the paged cache has no packed key axis to check)."""
+    if isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() and \
+            not cu.dtype.is_floating_point:
+        return int(cu[-1])
+    return 0
+
+
+def _fit(x: torch.Tensor, seq: int) -> torch.Tensor:
+    """Dim 1 cut or zero-padded to ``seq``."""
+    if x.shape[1] >= seq:
+        return x[:, :seq]
+    pad = x.new_zeros(x.shape[0], seq - x.shape[1], *x.shape[2:])
+    return torch.cat([x, pad], dim=1)
+
+
+def _hide_past(x: torch.Tensor, lens) -> torch.Tensor:
+    """Zero the slots past each length: they may hold anything (NaN included), and a hidden key's
+    weight is 0 but ``0 * NaN`` is not."""
+    past = torch.arange(x.shape[1], device=x.device)[None, :] >= \
+        torch.tensor(lens, device=x.device)[:, None]
+    return x.masked_fill(past[:, :, None, None], 0)
+
+
+def _varlen_keys(k, v, lens_k, full_k, table, pack):
+    """Each sequence's keys/values as a padded ``[B, S_k, H_k, D]`` batch (paged caches
+    gathered, keys past ``seqused_k`` left out)."""
+    if table is not None:
+        pages = _gather_pages(k, v, table, lens_k)
+        return tuple(_hide_past(_fit(x, pack.seq_k), lens_k) for x in pages)
+    if lens_k != full_k:  # only the first seqused_k[b] keys of each sequence
+        starts = torch.tensor([0, *full_k[:-1]]).cumsum(0).tolist()
+        index = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens_k)]).to(k.device)
+        k, v = k.index_select(0, index), v.index_select(0, index)
+    return pack.pad_k(k), pack.pad_k(v)
+
+
+def _used_lengths(seqused_k, lens_k, paged: bool, device) -> list[int]:
+    used = _index_tensor("seqused_k", seqused_k, 1, device).tolist()
+    if len(used) != len(lens_k):
+        raise ValueError(f"seqused_k must have one entry per sequence ({len(lens_k)}), got "
+                         f"{len(used)}")
+    for b, (n, cap) in enumerate(zip(used, lens_k)):
+        if n < 0 or (not paged and n > cap):
+            raise ValueError(f"seqused_k[{b}] = {n} must be in [0, {cap}] (the keys of "
+                             f"sequence {b} in cu_seqlens_k)")
+    return used
+
+
+def _block_table(block_table_, lens_k, page: int, device) -> torch.Tensor:
+    table = _index_tensor("block_table_", block_table_, 2, device)
+    if table.shape[0] != len(lens_k):
+        raise ValueError(f"block_table_ must have one row per sequence ({len(lens_k)}), got "
+                         f"shape {tuple(table.shape)}")
+    capacity = table.shape[1] * page
+    for b, n in enumerate(lens_k):
+        if n > capacity:
+            raise ValueError(f"sequence {b} has {n} keys but block_table_ holds "
+                             f"{table.shape[1]} pages of {page} tokens ({capacity})")
+    return table
+
+
+def _batch_lengths(q, k, cu_seqlens_q, cu_seqlens_k, paged: bool):
+    lens_q = _cu_lengths("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q", q.device)
+    # A paged cache has no packed key axis: cu_seqlens_k only gives the lengths.
+    total_k = _cu_total(cu_seqlens_k) if paged else k.shape[0]
+    lens_k = _cu_lengths("cu_seqlens_k", cu_seqlens_k, total_k, "k", q.device)
+    if len(lens_k) != len(lens_q):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got "
+                         f"{len(lens_q)} and {len(lens_k)} sequences")
+    return lens_q, lens_k
+
+
+def mha_varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table_,
+                   alibi_slopes_, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale,
+                   zero_tensors, is_causal, window_size_left, window_size_right, softcap,
+                   return_softmax, gen_):
+    """FlashAttention forward on packed sequences (``[total, H, D]`` with ``cu_seqlens``).
+
+    ``seqused_k`` (int ``[B]``) limits each sequence's keys to its first ``seqused_k[b]``.
+    ``block_table_`` (int ``[B, max_blocks]``) makes ``k``/``v`` paged caches ``[num_blocks,
+    page_size, H_k, D]`` of any page size: key ``t`` of sequence ``b`` is row ``t % page_size`` of
+    page ``block_table_[b, t // page_size]``; the key lengths are ``cu_seqlens_k``'s (or
+    ``seqused_k``). Returns ``(out [total_q, H, D_v], q, k, v, softmax_lse [H, total_q],
+    philox_seed, philox_offset, p [B, H, max_seqlen_q, max_seqlen_k] or empty)``.
+    """
+    paged = block_table_ is not None
+    q, k, v = _varlen_heads(q, k, v, paged)
+    lens_q, full_k = _batch_lengths(q, k, cu_seqlens_q, cu_seqlens_k, paged)
+    lens_k = full_k if seqused_k is None else _used_lengths(seqused_k, full_k, paged, q.device)
+    table = _block_table(block_table_, lens_k, k.shape[1], q.device) if paged else None
+    pack = _Packing(lens_q, lens_k, max_seqlen_q, max_seqlen_k, q.device)
+    opts = _Options.of(q.shape[-1], p_dropout, softmax_scale, is_causal, window_size_left,
+                       window_size_right, softcap)
+    _flag("zero_tensors", zero_tensors)
+    mask = pack.mask(opts, alibi_slopes_ is not None)
+    return_softmax = _flag("return_softmax", return_softmax)
+    gen_ = _generator(gen_)
+    alibi = _alibi(alibi_slopes_, pack.batch, q.shape[1], q.device)
+    _like("out_", out_, (q.shape[0], q.shape[1], v.shape[-1]), q, optional=True)
+
+    kp, vp = _varlen_keys(k, v, lens_k, full_k, table, pack)
+    out, lse, dropout, probs = _core._forward(pack.pad_q(q), kp, vp, mask, alibi, opts,
+                                              return_softmax, gen_)
+    p = q.new_empty(0)
+    if probs is not None:
+        p = probs[:, :, :pack.max_q, :pack.max_k].contiguous()
+    return (_into(out_, pack.unpad(out, pack.slots_q)), q, k, v, pack.lse_packed(lse),
+            *_seed_tensors(dropout), p)
+
+
+def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q, cu_seqlens_k,
+                   alibi_slopes_, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale,
+                   zero_tensors, is_causal, window_size_left, window_size_right, softcap,
+                   deterministic, philox_seed, philox_offset):
+    """FlashAttention backward on packed sequences: ``(dq, dk, dv, softmax_d)``.
+
+    The arguments of ``mha_varlen_fwd`` (without ``seqused_k`` and paging, as FlashAttention),
+    its ``out``, ``softmax_lse`` ``[H, total_q]`` and ``philox_seed``/``philox_offset``.
+    ``softmax_d = rowsum(dout * out)`` as ``[H, total_q]``.
+    """
+    q, k, v = _varlen_heads(q, k, v, False)
+    _same_dtype(q, k, v)
+    o_shape = (q.shape[0], q.shape[1], v.shape[-1])
+    out, dout = _like("out", out, o_shape, q), _like("dout", dout, o_shape, q)
+    lse = _like("softmax_lse", softmax_lse, (q.shape[1], q.shape[0]), q, any_float=True)
+    bufs = [_like(n, b, t.shape, q, optional=True)
+            for n, b, t in (("dq_", dq_, q), ("dk_", dk_, k), ("dv_", dv_, v))]
+    lens_q, lens_k = _batch_lengths(q, k, cu_seqlens_q, cu_seqlens_k, False)
+    pack = _Packing(lens_q, lens_k, max_seqlen_q, max_seqlen_k, q.device)
+    opts = _Options.of(q.shape[-1], p_dropout, softmax_scale, is_causal, window_size_left,
+                       window_size_right, softcap)
+    _flag("zero_tensors", zero_tensors)
+    mask = pack.mask(opts, alibi_slopes_ is not None)
+    deterministic = _flag("deterministic", deterministic)
+    alibi = _alibi(alibi_slopes_, pack.batch, q.shape[1], q.device)
+    dropout = _philox(philox_seed, philox_offset)
+
+    grads = _core._backward(pack.pad_q(dout), pack.pad_q(q), pack.pad_k(k), pack.pad_k(v),
+                            pack.pad_q(out), pack.lse_padded(lse), mask, alibi, opts,
+                            deterministic, dropout)
+    slots = (pack.slots_q, pack.slots_k, pack.slots_k)
+    softmax_d = _softmax_d(dout, out, q.dtype).t().contiguous()
+    return (*(_into(b, pack.unpad(g, s)) for b, g, s in zip(bufs, grads, slots)), softmax_d)
