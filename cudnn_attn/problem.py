@@ -140,11 +140,13 @@ class AttnProblem:
     # -- construction and validation ----------------------------------------------------------
     @staticmethod
     def from_tensors(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
-                     layout="bhsd", return_lse=False, dropout_mask=None,
+                     layout="bhsd", return_lse=False, alibi=None, dropout_mask=None,
                      dropout_scale=1.0) -> "AttnProblem":
         """Validate the arguments of ``attention()`` and describe the call.
 
-        ``dropout_mask`` (a float tensor broadcastable to ``[B, H_q, S_q, S_kv]``, exclusive with
+        Surfaces may also pass ``alibi`` (an ``Alibi``) next to a bias tensor: the engine adds
+        both (the cuDNN builder's ``set_bias`` + ``set_alibi_mask``).
+        ``dropout_mask`` (a bool, integer or float tensor broadcastable to ``[B, H_q, S_q, S_kv]``, exclusive with
         ``dropout_p``) multiplies the attention weights, times ``dropout_scale``.
         """
         q, k, v = (_checks.tensor(n, t, floating=True) for n, t in (("q", q), ("k", k), ("v", v)))
@@ -180,13 +182,17 @@ class AttnProblem:
         if mask is not None and not isinstance(mask, Mask):
             raise TypeError(f"mask must be a cudnn_attn mask (Causal, SlidingWindow, Neighborhood, "
                             f"Padding or their & combination), got {type(mask).__name__}")
-        _check_masks(mask, B, Sq, Skv, isinstance(bias, Alibi))
+        _check_masks(mask, B, Sq, Skv, isinstance(bias, Alibi) or alibi is not None)
 
-        alibi, bias_spec, rpb_spec, bias_grad = None, None, None, False
+        if alibi is not None and (not isinstance(alibi, Alibi) or isinstance(bias, Alibi)):
+            raise TypeError(f"alibi must be an Alibi next to a bias tensor, got alibi={alibi!r}, "
+                            f"bias={type(bias).__name__}")
+        bias_spec, rpb_spec, bias_grad = None, None, False
         if isinstance(bias, Alibi):
-            alibi = bias
+            alibi, bias = bias, None
+        if alibi is not None:
             alibi.slope_table(B, Hq)  # validates the slope shape
-        elif isinstance(bias, RelPosBias):
+        if isinstance(bias, RelPosBias):
             rpb_spec = _check_rpb(bias.table, mask, Hq, q)
             bias_grad = bias.table.requires_grad
         elif bias is not None:
@@ -210,7 +216,7 @@ class AttnProblem:
             softcap = float(softcap) or None  # FlashAttention's convention: 0 means off
         mask_spec = None
         if dropout_mask is not None:
-            dropout_mask = _checks.tensor("dropout_mask", dropout_mask, floating=True)
+            dropout_mask = _checks.tensor("dropout_mask", dropout_mask)  # bool, int or float
             if dropout_mask.device != q.device:
                 raise ValueError(f"dropout_mask must be on q's device {q.device}, got "
                                  f"{dropout_mask.device}")

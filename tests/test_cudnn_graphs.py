@@ -678,13 +678,13 @@ def test_problem_dropout_mask_selects_the_mask_dropout_graph():
     # A problem carrying an explicit dropout mask (AttnProblem.dropout_mask, the attribute
     # builder's set_dropout(mask, scale)) maps onto the mask-dropout graph, as the option does.
     q, k, v = qkv()
-    problem = ca.AttnProblem.from_tensors(q, k, v)
-    if not hasattr(problem, "dropout_mask"):  # before the problem model has the field
-        object.__setattr__(problem, "dropout_mask", problem.q)
+    keep = torch.ones(q.shape[0], q.shape[1], q.shape[2], k.shape[2], dtype=torch.bool,
+                      device=q.device)
+    problem = ca.AttnProblem.from_tensors(q, k, v, dropout_mask=keep, dropout_scale=2.0)
     spec, reasons = analyze(problem, target_sm=90, backward=True)
     assert reasons == [] and spec.dropout_mask
     assert spec == analyze(ca.AttnProblem.from_tensors(q, k, v), target_sm=90, backward=True,
                            options=GraphOptions(dropout_mask=True))[0]
-    both = ca.AttnProblem.from_tensors(q, k, v, dropout_p=0.1)
-    object.__setattr__(both, "dropout_mask", problem.q)
+    both = ca.AttnProblem.from_tensors(q, k, v, dropout_p=0.1)  # the model refuses both itself
+    object.__setattr__(both, "dropout_mask", problem.dropout_mask)
     assert any("not both" in r for r in analyze(both, target_sm=90)[1])

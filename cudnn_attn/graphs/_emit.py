@@ -8,10 +8,10 @@ whitelisted (``pygraph`` silently swallows misspelled ones).
 
 from __future__ import annotations
 
-import functools
 from enum import IntEnum
 from typing import Any, Optional
 
+from ..caches import memoize
 from ._spec import GraphSpec
 
 __all__ = ["UID", "FORWARD_KWARGS", "BACKWARD_KWARGS", "emit", "io_uids"]
@@ -61,7 +61,7 @@ BACKWARD_KWARGS = frozenset({
     "diagonal_band_left_bound", "diagonal_band_right_bound", "dropout",
     "use_deterministic_algorithm", "max_total_seq_len_q", "max_total_seq_len_kv"})
 
-@functools.lru_cache(maxsize=1)
+@memoize("cudnn.module", maxsize=1)
 def _cudnn():
     import cudnn  # deferred: importing cudnn_attn must not need it
 

@@ -248,9 +248,8 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
             elif bias_dims[2] != problem.seq_q or bias_dims[3] != problem.seq_kv:
                 reasons.append(f"cuDNN computes dBias only for a bias spanning S_q and S_kv, "
                                f"got shape {tuple(problem.bias.shape)}")
-    # The explicit (mask, scale) dropout form: a builder option, or the problem's own
-    # ``dropout_mask`` (read with getattr: older problem models have no such field).
-    mask_dropout = options.dropout_mask or getattr(problem, "dropout_mask", None) is not None
+    # The explicit (mask, scale) dropout form: a builder option, or the problem's own.
+    mask_dropout = options.dropout_mask or problem.dropout_mask is not None
     dropout = problem.dropout_p > 0 or mask_dropout
 
     if band is not None and band.alignment == "bottom_right":

@@ -108,7 +108,7 @@ class GraphCache:
     * Entries (and loaded, not yet used file entries) live in registered ``caches.LRU`` maps
       named ``name`` and ``name + ".stored"``, so ``cudnn_attn.clear_caches()`` empties them.
 
-    Equivalent (single-threaded) Python: ``functools.lru_cache(maxsize)`` keyed by ``key``.
+    Equivalent (single-threaded) Python: a ``maxsize``-bounded LRU memo keyed by ``key``.
     """
 
     def __init__(self, maxsize: int = 256, *, environment: Callable[[], dict] | None = None,

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from ..dispatch import NotSupportedError
+from ..errors import NotSupportedError
 from ..problem import AttnProblem
 from ._emit import BACKWARD_KWARGS, FORWARD_KWARGS, UID, _cudnn, _dtype, emit, io_uids
 from ._spec import Band, GraphOptions, GraphSpec, PagedKV, analyze, cudnn_reasons

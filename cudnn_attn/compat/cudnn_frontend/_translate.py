@@ -8,11 +8,10 @@ import operator
 
 import torch
 
-from ...masks import Alibi, Causal, Padding, SlidingWindow, mask_parts
-from ...torch_engine.tiles import Visibility
+from ...masks import Alibi, Causal, Padding, SlidingWindow
 from ._attrs import check_broadcast
 
-__all__ = ["translate", "alibi_dense", "compute_dtype", "check_broadcast"]
+__all__ = ["translate", "check_broadcast"]
 
 
 def _mask_of(attrs: _Attributes, batch: int, seq_q: int, seq_kv: int):
@@ -34,28 +33,8 @@ def _mask_of(attrs: _Attributes, batch: int, seq_q: int, seq_kv: int):
     return functools.reduce(operator.and_, parts) if parts else None
 
 
-def _alignment(mask) -> str:
-    lines = [m.alignment for m in mask_parts(mask) if isinstance(m, (Causal, SlidingWindow))]
-    return lines[0] if lines else "top_left"
-
-
-def alibi_dense(mask, B, H, Sq, Skv, device, dtype) -> torch.Tensor:
-    """ALiBi as a ``[1|B, H, S_q, S_kv]`` tensor, aligned as the engine aligns it."""
-    slopes = Alibi().slope_table(B, H).to(device, dtype).view(1, H, 1, 1)
-    parts = mask_parts(mask)
-    padding = next((m for m in parts if isinstance(m, Padding)), None)
-    offset = Visibility(parts, Sq, Skv).offset(_alignment(mask), device, padding)
-    i = torch.arange(Sq, device=device)[:, None] + offset
-    dist = (i - torch.arange(Skv, device=device)).abs().to(dtype)
-    return -slopes * (dist if dist.dim() == 4 else dist[None, None])
-
-
-def compute_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def translate(attrs: _Attributes, q, k):
-    """``(mask, bias)`` for the call; ``bias`` is a tensor, an ``Alibi`` or ``None``."""
+    """``(mask, bias, alibi)`` for the call: a bias tensor or ``None``, an ``Alibi`` or ``None``."""
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -69,10 +48,4 @@ def translate(attrs: _Attributes, q, k):
             raise ValueError(f"set_bias: bias must be on q's device {q.device}, got {bias.device}")
         check_broadcast("set_bias: bias", bias, (B, H, Sq, Skv))
         bias = bias.detach()
-    if attrs.alibi:
-        if bias is None:
-            return mask, Alibi()
-        # The unified problem takes a tensor bias or ALiBi: fold ALiBi into the tensor.
-        bias = bias.to(compute_dtype(q.dtype)) + alibi_dense(mask, B, H, Sq, Skv, q.device,
-                                                              compute_dtype(q.dtype))
-    return mask, bias
+    return mask, bias, (Alibi() if attrs.alibi else None)

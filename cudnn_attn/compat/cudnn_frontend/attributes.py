@@ -21,11 +21,10 @@ Conventions (where cuDNN leaves a choice or this library differs):
   bound is ``left + 1``: see ``diagonal_band_bounds()``. Causal and window masks combine as an AND
   (cuDNN instead lets an explicit right bound > 0 override causal's bound of 0).
 * ``set_alibi_mask(True)``: the ALiBi paper's slopes for ``H_q`` heads, aligned like the causal /
-  window mask. With a bias tensor too, ALiBi is materialised and added to the bias (the problem
-  takes a bias tensor or ALiBi, not both).
-* ``set_dropout(p, seed, offset)``: a generator derived from ``(seed, offset)`` draws the mask, so
-  the same pair gives the same mask in forward and backward (the backward re-runs the forward's
-  draw). The mask is this library's, not the bits cuDNN's Philox would draw for that pair.
+  window mask; with a bias tensor too, the engine adds both.
+* ``set_dropout(p, seed, offset)``: the call's ``DropoutState(seed, offset)``: every engine draws
+  its mask from that pair alone, so forward and backward see the same mask. Only the cuDNN engine
+  draws the bits cuDNN's Philox would; the torch engine has its own stream for the pair.
 * ``set_dropout(mask, scale[, scale_inv])``: ``o = (P * mask * scale) @ V`` with ``mask``
   broadcastable to ``[B, H, S_q, S_kv]``; it becomes the problem's ``dropout_mask`` (and
   ``dropout_scale``) and runs on the selected engine like any other call. ``scale_inv`` must
@@ -37,7 +36,6 @@ Conventions (where cuDNN leaves a choice or this library differs):
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import torch
 
@@ -54,7 +52,7 @@ __all__ = ["SdpaAttributes", "SdpaBackwardAttributes", "scaled_dot_product_flash
 def _problem(attrs, q, k, v, need_stats):
     """``(problem, plan, inputs)`` of the call: dropout as Philox ``(p, seed, offset)`` or as an
     explicit ``(mask, scale)`` (``AttnProblem.dropout_mask``), run by the selected plan."""
-    mask, bias = translate(attrs, q, k)
+    mask, bias, alibi = translate(attrs, q, k)
     dropout_p, dropout, extra, keep = 0.0, None, {}, None
     if attrs.dropout is not None and attrs.dropout[0] == "philox" and attrs.dropout[1] > 0:
         dropout_p, dropout = attrs.dropout[1], DropoutState(*attrs.dropout[2:])
@@ -66,24 +64,15 @@ def _problem(attrs, q, k, v, need_stats):
         check_broadcast("set_dropout: mask", keep, (q.shape[0], q.shape[1], q.shape[2],
                                                     k.shape[2]))
         extra = dict(dropout_mask=keep, dropout_scale=attrs.dropout[2])
-    problem = AttnProblem.from_tensors(q, k, v, mask=mask, bias=bias, scale=attrs.attn_scale,
+    problem = AttnProblem.from_tensors(q, k, v, mask=mask, bias=bias, alibi=alibi,
+                                       scale=attrs.attn_scale,
                                        dropout_p=dropout_p, layout="bhsd", return_lse=need_stats,
                                        **extra)
     if getattr(attrs, "deterministic", False):
         # A deterministic backward is a different plan (plan_key includes the flag).
         problem = dataclasses.replace(problem, deterministic=True)
     plan = dispatch.plan_for(problem)[1]
-    tensor_bias = bias if isinstance(bias, torch.Tensor) else None
-    if keep is None:
-        return problem, plan, Inputs(q, k, v, tensor_bias, dropout)
-    return problem, plan, Inputs(q, k, v, tensor_bias, None, dropout_mask=keep)
-
-
-def _mask_dropout_without_problem(attrs) -> bool:
-    """TODO(lead): delete at merge. The explicit-mask form while ``AttnProblem.from_tensors``
-    cannot take ``dropout_mask`` yet (then it runs densely in ``_mask_dropout``)."""
-    return (attrs.dropout is not None and attrs.dropout[0] == "mask"
-            and "dropout_mask" not in inspect.signature(AttnProblem.from_tensors).parameters)
+    return problem, plan, Inputs(q, k, v, bias, dropout, dropout_mask=keep)
 
 
 def _check_attrs(attrs, cls, fn):
@@ -108,14 +97,8 @@ def scaled_dot_product_flash_attention(q, k, v, attrs: SdpaAttributes):
     _check_attrs(attrs, SdpaAttributes, "scaled_dot_product_flash_attention")
     q, k, v = (t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     need = attrs.generate_stats
-    if _mask_dropout_without_problem(attrs):  # TODO(lead): delete this branch at merge
-        from . import _mask_dropout
-
-        problem, bias = _mask_dropout.dense_problem(attrs, q, k, v)
-        o, lse = _mask_dropout.dense_forward(problem, attrs, q, k, v, bias)
-    else:
-        problem, plan, inputs = _problem(attrs, q, k, v, need)
-        o, lse = plan.forward(problem, inputs, need_lse=need)
+    problem, plan, inputs = _problem(attrs, q, k, v, need)
+    o, lse = plan.forward(problem, inputs, need_lse=need)
     return o, (lse.unsqueeze(-1) if need else None)
 
 
@@ -134,11 +117,6 @@ def scaled_dot_product_flash_attention_backward(q, k, v, o, dO, stats,
                              for t in (q, k, v, o, dO, stats))
     _check_backward_inputs(q, v, o, dO, stats)
     lse = stats.reshape(stats.shape[:3])
-    if _mask_dropout_without_problem(attrs):  # TODO(lead): delete this branch at merge
-        from . import _mask_dropout
-
-        problem, bias = _mask_dropout.dense_problem(attrs, q, k, v)
-        return _mask_dropout.dense_backward(problem, attrs, q, k, v, bias, o, dO, lse)
     problem, plan, inputs = _problem(attrs, q, k, v, True)
     dq, dk, dv, _ = plan.backward(problem, inputs, o, lse, dO)
     return dq, dk, dv
