@@ -30,17 +30,12 @@ from . import _checks
 from .api import attention
 from .masks import Alibi, Mask, Neighborhood, Padding, mask_parts
 
-__all__ = ["attention_varlen", "attention_with_kvcache"]
+__all__ = ["attention_varlen", "attention_with_kvcache", "cu_lengths", "token_slots", "pad_tokens",
+           "gather_pages", "with_padding", "index_tensor"]
 
 # ---------------------------------------------------------------------------------------------
 # validation helpers
 # ---------------------------------------------------------------------------------------------
-
-def _tensor(name: str, t, rank: int, what: str) -> torch.Tensor:
-    """Old signature, kept for ``compat.flash_attn.mha``: ``_checks.tensor(name, t, ndim=rank,
-    what=what)``."""
-    return _checks.tensor(name, t, ndim=rank, what=what)
-
 
 def index_tensor(name: str, t, rank: int, device: torch.device) -> torch.Tensor:
     """``_checks.index_tensor`` (int32/int64, ``rank`` dims) on q's ``device`` or the CPU, with the
@@ -330,7 +325,3 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
                      bias=bias, scale=scale, softcap=softcap, layout="bshd",
                      return_lse=return_lse, backend=backend)
 
-
-# Old private names, kept until ``compat.flash_attn.mha`` imports the public ones.
-_cu_lengths, _slots, _pad, _gather_pages, _with_padding, _index_tensor = (
-    cu_lengths, token_slots, pad_tokens, gather_pages, with_padding, index_tensor)

@@ -16,7 +16,7 @@ from typing import Mapping
 import torch
 
 __all__ = ["CudnnLimits", "LIMITS", "IO_DTYPES", "BIAS_DTYPES", "MAX_HEAD_DIM",
-           "BACKWARD_HEAD_DIM", "KEY_TILE"]
+           "BACKWARD_HEAD_DIM", "CUDNN_KEY_TILE"]
 
 
 def _frozen(d: dict) -> Mapping:
@@ -86,4 +86,4 @@ IO_DTYPES = LIMITS.io_dtypes
 BIAS_DTYPES = LIMITS.bias_dtypes
 MAX_HEAD_DIM = LIMITS.max_head_dim
 BACKWARD_HEAD_DIM = LIMITS.backward_head_dim
-KEY_TILE = LIMITS.key_tile
+CUDNN_KEY_TILE = LIMITS.key_tile

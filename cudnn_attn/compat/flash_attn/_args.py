@@ -13,7 +13,6 @@ import torch
 from ... import _checks
 from ...masks import Alibi
 from ...runtime import DropoutState
-from ...varlen import _tensor
 
 __all__ = ["_Options", "_like", "_generator", "_same_dtype", "_alibi", "_philox",
            "_seed_tensors", "_into", "_softmax_d", "_dense_qkv", "_flag"]
@@ -123,6 +122,6 @@ def _softmax_d(dout, out, dtype) -> torch.Tensor:
 
 
 def _dense_qkv(q, k, v):
-    return (_tensor("q", q, 4, "[batch_size, seqlen_q, num_heads, head_size]"),
-            _tensor("k", k, 4, "[batch_size, seqlen_k, num_heads_k, head_size]"),
-            _tensor("v", v, 4, "[batch_size, seqlen_k, num_heads_k, head_size_v]"))
+    return (_checks.tensor("q", q, ndim=4, what="[batch_size, seqlen_q, num_heads, head_size]"),
+            _checks.tensor("k", k, ndim=4, what="[batch_size, seqlen_k, num_heads_k, head_size]"),
+            _checks.tensor("v", v, ndim=4, what="[batch_size, seqlen_k, num_heads_k, head_size_v]"))

@@ -9,7 +9,8 @@ import math
 import torch
 
 from ... import _checks
-from ...varlen import _cu_lengths, _gather_pages, _index_tensor, _pad, _slots, _tensor, _with_padding
+from ... import _checks
+from ...varlen import cu_lengths, gather_pages, index_tensor, pad_tokens, token_slots, with_padding
 from . import mha as _core
 from ._args import (_Options, _alibi, _flag, _generator, _into, _like, _philox, _same_dtype,
                     _seed_tensors, _softmax_d)
@@ -32,18 +33,18 @@ class _Packing:
         self.max_q, self.max_k = int(max_seqlen_q), int(max_seqlen_k)
         # The engines need non-empty axes: an all-empty side pads to one slot Padding hides.
         self.seq_q, self.seq_k = max(self.max_q, 1), max(self.max_k, 1)
-        self.slots_q = _slots(lens_q, self.seq_q, device)
-        self.slots_k = _slots(lens_k, self.seq_k, device)
+        self.slots_q = token_slots(lens_q, self.seq_q, device)
+        self.slots_k = token_slots(lens_k, self.seq_k, device)
 
     def mask(self, opts: _Options, alibi: bool):
         fa = _core._fa_mask(opts, self.max_k, self.lens_q == self.lens_k, alibi)
-        return _with_padding(fa, self.lens_q, self.lens_k, self.seq_q, self.seq_k)
+        return with_padding(fa, self.lens_q, self.lens_k, self.seq_q, self.seq_k)
 
     def pad_q(self, x):
-        return _pad(x, self.lens_q, self.seq_q, self.slots_q)
+        return pad_tokens(x, self.lens_q, self.seq_q, self.slots_q)
 
     def pad_k(self, x):
-        return _pad(x, self.lens_k, self.seq_k, self.slots_k)
+        return pad_tokens(x, self.lens_k, self.seq_k, self.slots_k)
 
     def unpad(self, x, slots):
         return x.reshape(-1, *x.shape[2:]).index_select(0, slots)
@@ -62,18 +63,18 @@ class _Packing:
 
 
 def _varlen_heads(q, k, v, paged: bool):
-    q = _tensor("q", q, 3, "[total_q, num_heads, head_size]")
+    q = _checks.tensor("q", q, ndim=3, what="[total_q, num_heads, head_size]")
     if paged:
         what = "[num_blocks, page_block_size, num_heads_k, head_size{}] (paged, with block_table_)"
-        k = _tensor("k", k, 4, what.format(""))
-        v = _tensor("v", v, 4, what.format("_v"))
+        k = _checks.tensor("k", k, ndim=4, what=what.format(""))
+        v = _checks.tensor("v", v, ndim=4, what=what.format("_v"))
         if k.shape[:3] != v.shape[:3]:
             raise ValueError(f"k and v must have the same pages, page size and heads, got "
                              f"k={tuple(k.shape)}, v={tuple(v.shape)}")
     else:
-        k = _tensor("k", k, 3, "[total_k, num_heads_k, head_size] (or 4-D pages with "
+        k = _checks.tensor("k", k, ndim=3, what="[total_k, num_heads_k, head_size] (or 4-D pages with "
                     "block_table_)")
-        v = _tensor("v", v, 3, "[total_k, num_heads_k, head_size_v]")
+        v = _checks.tensor("v", v, ndim=3, what="[total_k, num_heads_k, head_size_v]")
         if k.shape[:2] != v.shape[:2]:
             raise ValueError(f"k and v must have the same tokens and heads, got "
                              f"k={tuple(k.shape)}, v={tuple(v.shape)}")
@@ -114,7 +115,7 @@ def _varlen_keys(k, v, lens_k, full_k, table, pack):
     """Each sequence's keys/values as a padded ``[B, S_k, H_k, D]`` batch (paged caches
     gathered, keys past ``seqused_k`` left out)."""
     if table is not None:
-        pages = _gather_pages(k, v, table, lens_k)
+        pages = gather_pages(k, v, table, lens_k)
         return tuple(_hide_past(_fit(x, pack.seq_k), lens_k) for x in pages)
     if lens_k != full_k:  # only the first seqused_k[b] keys of each sequence
         starts = torch.tensor([0, *full_k[:-1]]).cumsum(0).tolist()
@@ -124,7 +125,7 @@ def _varlen_keys(k, v, lens_k, full_k, table, pack):
 
 
 def _used_lengths(seqused_k, lens_k, paged: bool, device) -> list[int]:
-    used = _index_tensor("seqused_k", seqused_k, 1, device).tolist()
+    used = index_tensor("seqused_k", seqused_k, 1, device).tolist()
     if len(used) != len(lens_k):
         raise ValueError(f"seqused_k must have one entry per sequence ({len(lens_k)}), got "
                          f"{len(used)}")
@@ -136,7 +137,7 @@ def _used_lengths(seqused_k, lens_k, paged: bool, device) -> list[int]:
 
 
 def _block_table(block_table_, lens_k, page: int, device) -> torch.Tensor:
-    table = _index_tensor("block_table_", block_table_, 2, device)
+    table = index_tensor("block_table_", block_table_, 2, device)
     if table.shape[0] != len(lens_k):
         raise ValueError(f"block_table_ must have one row per sequence ({len(lens_k)}), got "
                          f"shape {tuple(table.shape)}")
@@ -149,10 +150,10 @@ def _block_table(block_table_, lens_k, page: int, device) -> torch.Tensor:
 
 
 def _batch_lengths(q, k, cu_seqlens_q, cu_seqlens_k, paged: bool):
-    lens_q = _cu_lengths("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q", q.device)
+    lens_q = cu_lengths("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q", q.device)
     # A paged cache has no packed key axis: cu_seqlens_k only gives the lengths.
     total_k = _cu_total(cu_seqlens_k) if paged else k.shape[0]
-    lens_k = _cu_lengths("cu_seqlens_k", cu_seqlens_k, total_k, "k", q.device)
+    lens_k = cu_lengths("cu_seqlens_k", cu_seqlens_k, total_k, "k", q.device)
     if len(lens_k) != len(lens_q):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got "
                          f"{len(lens_q)} and {len(lens_k)} sequences")
