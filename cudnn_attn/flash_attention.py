@@ -1,4 +1,4 @@
-"""``cudnn_attn.flash_attention``: the public name of ``cudnn_attn.compat.teaching`` (the same module object)."""
+"""``cudnn_attn.flash_attention`` is ``cudnn_attn.compat.teaching`` (the same module object)."""
 import sys
 from .compat.teaching import __name__ as _target  # noqa: F401  (loads the module)
 

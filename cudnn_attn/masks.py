@@ -14,7 +14,6 @@ Alignment of a query row ``i`` against ``S_kv`` keys (used by ``Causal``, ``Slid
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 

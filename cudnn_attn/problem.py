@@ -146,8 +146,8 @@ class AttnProblem:
 
         Surfaces may also pass ``alibi`` (an ``Alibi``) next to a bias tensor: the engine adds
         both (the cuDNN builder's ``set_bias`` + ``set_alibi_mask``).
-        ``dropout_mask`` (a bool, integer or float tensor broadcastable to ``[B, H_q, S_q, S_kv]``, exclusive with
-        ``dropout_p``) multiplies the attention weights, times ``dropout_scale``.
+        ``dropout_mask`` (a bool, integer or float tensor broadcastable to ``[B, H_q, S_q, S_kv]``,
+        exclusive with ``dropout_p``) multiplies the attention weights, times ``dropout_scale``.
         """
         q, k, v = (_checks.tensor(n, t, floating=True) for n, t in (("q", q), ("k", k), ("v", v)))
         if not (q.dtype == k.dtype == v.dtype):

@@ -20,7 +20,7 @@ import oracle
 import pytest
 import torch
 
-from cudnn_attn import NotSupportedError, flash_api
+from cudnn_attn import NotSupportedError, dispatch, flash_api
 from cudnn_attn.flash_api import mha_bwd, mha_fwd, mha_varlen_bwd, mha_varlen_fwd
 
 F64 = torch.float64
@@ -704,13 +704,15 @@ def test_dropout_softmax_needs_the_mask_engine(monkeypatch):
     # the widened call; an engine that cannot is a NotSupportedError, never a different mask.
     class Declines:
         name = "torch"
-        plan = flash_api.dispatch.get_backend("torch").plan
+        plan = dispatch.get_backend("torch").plan
 
         def supports(self, problem):
             return ["declines for the test"] if problem.dim_v != problem.dim_qk else []
 
-    original = flash_api._dropout_engine
-    monkeypatch.setattr(flash_api, "_dropout_engine",
+    from cudnn_attn.compat.flash_attn import _core
+
+    original = _core._dropout_engine
+    monkeypatch.setattr(_core, "_dropout_engine",
                         lambda problem: (Declines(), original(problem)[1]))
     q, k, v = _dense()
     with pytest.raises(NotSupportedError, match="return_softmax with dropout"):

@@ -39,7 +39,8 @@ def demo_problems() -> list[DemoProblem]:
     from cudnn_attn.geometry import band_mask, neighborhood_mask
 
     return [
-        DemoProblem("causal LM  B2 H8 S512 D64", (2, 8, 512, 64), ca.Causal, lambda: band_mask(512, 512, -1, 0)),
+        DemoProblem("causal LM  B2 H8 S512 D64", (2, 8, 512, 64), ca.Causal,
+                    lambda: band_mask(512, 512, -1, 0)),
         DemoProblem(
             "sliding window (128, 0)  B1 H8 S2048 D64",
             (1, 8, 2048, 64),

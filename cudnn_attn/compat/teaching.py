@@ -42,6 +42,8 @@ import numbers
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..problem import accumulator_dtype
+
 __all__ = [
     "MAX_THREADS_PER_BLOCK",
     "PORTABLE_SMEM_BUDGET",
@@ -212,13 +214,9 @@ def _tile_ranges(n: int, tile: int):
     return [(s, min(s + tile, n)) for s in range(0, n, tile)]
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _forward_tiled(Q, K, V, Bc: int, Br: int):
     B, H, N, D = Q.shape
-    acc = _acc_dtype(Q.dtype)
+    acc = accumulator_dtype(Q.dtype)
     scale = D ** -0.5
     # NaN-filled so an element the loops failed to write cannot pass for a result.
     O = torch.full_like(Q, float("nan"))
@@ -248,7 +246,7 @@ def _forward_tiled(Q, K, V, Bc: int, Br: int):
 
 def _backward_tiled(Q, K, V, O, dO, l, m, Bc: int, Br: int):
     N, D = Q.shape[-2:]
-    acc = _acc_dtype(Q.dtype)
+    acc = accumulator_dtype(Q.dtype)
     scale = D ** -0.5
     l = l.to(acc)
     m = m.to(acc)

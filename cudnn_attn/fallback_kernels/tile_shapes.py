@@ -1,9 +1,10 @@
 """Tile shapes of the fused kernel: which (query tile, key tile) pairs it can run.
 
 The fused kernel works on ``FUSED_QUERY_TILE`` queries and ``FUSED_KEY_TILE`` keys at a time (both
-fixed at compile time, the ``QUERY_TILE``/``KEY_TILE`` macros of ``fused_attention.cu``); a rank-``n`` problem shapes them into boxes whose sides are powers of two, so the
-valid pairs are every such factorisation of the two. The box shape is a launch argument, not a
-compile-time one: every pair below runs on the same compiled kernels.
+fixed at compile time, the ``QUERY_TILE``/``KEY_TILE`` macros of ``fused_attention.cu``); a
+rank-``n`` problem shapes them into boxes whose sides are powers of two, so the valid pairs are
+every such factorisation of the two. The box shape is a launch argument, not a compile-time one:
+every pair below runs on the same compiled kernels.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ import math
 import torch
 
 from ..geometry import MAX_AXES, neighborhood_table
+from ..problem import accumulator_dtype
 from . import launch
 from ._loader import KernelVariant, get_function
 
@@ -140,10 +141,6 @@ def _rank(kernel_size) -> int:
 # Launching
 # ---------------------------------------------------------------------------------------------
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 class _Launch:
     """Device, stream and geometry of one call; launches the kernel instance for ``dtype``."""
 
@@ -183,7 +180,7 @@ def _dot(launch, a, b, rpb, w, heads, invalid_neg_inf):
     _check_sizes(B, H, per_head)
     has_rpb = rpb is not None
     # Without rpb the kernel never reads that pointer; any device buffer of the right type does.
-    rpb_arg = rpb if has_rpb else torch.empty(1, dtype=_acc_dtype(a.dtype), device=a.device)
+    rpb_arg = rpb if has_rpb else torch.empty(1, dtype=accumulator_dtype(a.dtype), device=a.device)
     launch("na_neighbor_dot", launch_grid(per_head, B * H), THREADS, (a, b, rpb_arg, w),
            (_i32(B * H), _i32(heads), _i32(a.shape[-1]), _i32(has_rpb), _i32(invalid_neg_inf)))
 
@@ -233,7 +230,7 @@ def qk_forward(query, key, rpb, kernel_size, dilation, is_causal, attn=None):
         if rpb.device != query.device or not rpb.is_floating_point():
             raise TypeError(f"rpb must be a floating tensor on {query.device}, got {rpb.dtype} on "
                             f"{rpb.device}")
-        rpb = rpb.to(_acc_dtype(query.dtype)).contiguous()
+        rpb = rpb.to(accumulator_dtype(query.dtype)).contiguous()
     shape = (*query.shape[:-1], math.prod(kernel_size))
     result = _output(attn, shape, query, "attn")
     _dot(launch, query.contiguous(), key.contiguous(), rpb, result, H, True)
@@ -260,7 +257,7 @@ def qk_backward(d_attn, query, key, kernel_size, dilation, is_causal, need_rpb_g
     if need_rpb_grad:
         _check_rpb_allowed(kernel_size, is_causal)
         B, H = query.shape[:2]
-        drpb = torch.empty(rpb_shape(H, kernel_size), dtype=_acc_dtype(query.dtype),
+        drpb = torch.empty(rpb_shape(H, kernel_size), dtype=accumulator_dtype(query.dtype),
                            device=query.device)
         launch("na_rpb_backward", (min(drpb.numel(), MAX_BLOCKS),), RPB_THREADS, (d_attn, drpb),
                (_i32(B), _i32(H)))

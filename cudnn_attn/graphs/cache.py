@@ -32,7 +32,9 @@ import torch
 from ..caches import LRU
 
 # Re-exported: the names users of the cache need come from this module.
-from .cache_files import FORMAT_VERSION, MAGIC, SUFFIX, Rejected, clear_dir, cudnn_versions, current_environment, decode_file, default_cache_dir, deserializer, encode_file, encode_key, register_deserializer
+from .cache_files import (FORMAT_VERSION, MAGIC, SUFFIX, Rejected, clear_dir, cudnn_versions,
+                          current_environment, decode_file, default_cache_dir, deserializer,
+                          encode_file, encode_key, register_deserializer)
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "SUFFIX", "GraphCache", "clear_dir", "cudnn_versions",
            "current_environment", "default_cache_dir", "encode_key", "graph_cache", "make_key",

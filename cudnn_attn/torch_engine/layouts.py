@@ -7,8 +7,6 @@ dim 1 of a contiguous 3-D tensor, which is PyTorch's fast path.
 
 from __future__ import annotations
 
-import torch
-
 from ..problem import accumulator_dtype as compute_dtype, accumulator_dtype as lse_dtype  # noqa: F401
 
 

@@ -14,7 +14,7 @@ from ._attrs import check_broadcast
 __all__ = ["translate", "check_broadcast"]
 
 
-def _mask_of(attrs: _Attributes, batch: int, seq_q: int, seq_kv: int):
+def _mask_of(attrs, batch: int, seq_q: int, seq_kv: int):
     parts = []
     if attrs.causal is not None:
         parts.append(Causal(attrs.causal))
@@ -33,7 +33,7 @@ def _mask_of(attrs: _Attributes, batch: int, seq_q: int, seq_kv: int):
     return functools.reduce(operator.and_, parts) if parts else None
 
 
-def translate(attrs: _Attributes, q, k):
+def translate(attrs, q, k):
     """``(mask, bias, alibi)`` for the call: a bias tensor or ``None``, an ``Alibi`` or ``None``."""
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor):

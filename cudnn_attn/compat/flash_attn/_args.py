@@ -12,6 +12,7 @@ import torch
 
 from ... import _checks
 from ...masks import Alibi
+from ...problem import accumulator_dtype
 from ...runtime import DropoutState
 
 __all__ = ["_Options", "_like", "_generator", "_same_dtype", "_alibi", "_philox",
@@ -41,7 +42,8 @@ class _Options:
            softcap) -> _Options:
         scale = head_size ** -0.5 if softmax_scale is None else \
             _checks.real("softmax_scale", softmax_scale)
-        return _Options(_checks.real("p_dropout", p_dropout, ok=lambda x: 0 <= x < 1, bound=" in [0, 1)"), scale,
+        p = _checks.real("p_dropout", p_dropout, ok=lambda x: 0 <= x < 1, bound=" in [0, 1)")
+        return _Options(p, scale,
                         _checks.flag("is_causal", is_causal),
                         _window("window_size_left", window_size_left),
                         _window("window_size_right", window_size_right),
@@ -117,7 +119,7 @@ def _into(buf, value: torch.Tensor) -> torch.Tensor:
 
 def _softmax_d(dout, out, dtype) -> torch.Tensor:
     """``rowsum(dout * out)`` in the lse dtype (float32; float64 for float64 inputs)."""
-    dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    dtype = accumulator_dtype(dtype)
     return (dout.to(dtype) * out.to(dtype)).sum(-1)
 
 

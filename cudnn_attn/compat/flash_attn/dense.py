@@ -3,7 +3,7 @@ conventions are in ``cudnn_attn.compat.flash_attn.mha``'s docstring."""
 
 from __future__ import annotations
 
-from . import mha as _core
+from . import _core
 from ._args import (_Options, _alibi, _dense_qkv, _flag, _generator, _into, _like, _philox,
                     _same_dtype, _seed_tensors, _softmax_d)
 

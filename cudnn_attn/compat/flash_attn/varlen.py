@@ -9,9 +9,8 @@ import math
 import torch
 
 from ... import _checks
-from ... import _checks
 from ...varlen import cu_lengths, gather_pages, index_tensor, pad_tokens, token_slots, with_padding
-from . import mha as _core
+from . import _core
 from ._args import (_Options, _alibi, _flag, _generator, _into, _like, _philox, _same_dtype,
                     _seed_tensors, _softmax_d)
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from ... import _checks, masks
+from ... import _checks
 from ...api import attention
 from ...masks import Neighborhood, RelPosBias
-from ...torch_engine.neighborhood_ops import NaGeometry, av, kernels_serve, qk
+from ...problem import accumulator_dtype
+from ...torch_engine.neighborhood_ops import NaGeometry
 
 __all__ = ["check_rpb", "geometry", "lse_dtype", "neighborhood_attention", "unfused_geometry"]
 
@@ -44,8 +45,7 @@ def check_rpb(rpb, heads: int, kernel, causal, ref: torch.Tensor, ref_name: str 
     return rpb
 
 
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+lse_dtype = accumulator_dtype
 
 
 def neighborhood_attention(query, key, value, geom: NaGeometry, scale: float, rpb=None):
