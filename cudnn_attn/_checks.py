@@ -21,12 +21,16 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def tensor(name: str, t, *, ndim: Optional[int] = None, what: str = "", floating: bool = False,
-           prefix: str = "") -> torch.Tensor:
-    """``t`` is a tensor (of ``ndim`` dims, described by ``what``; a float dtype if ``floating``)."""
+           dtypes: Optional[Sequence[torch.dtype]] = None, prefix: str = "") -> torch.Tensor:
+    """``t`` is a tensor (of ``ndim`` dims, described by ``what``; a float dtype if ``floating``;
+    one of ``dtypes`` when given)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{prefix}{name} must be a torch.Tensor, got {type(t).__name__}")
     if floating and t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{prefix}{name} must be float64, float32, float16 or bfloat16, got {t.dtype}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{prefix}{name} has dtype {t.dtype}; supported: {names}")
     if ndim is not None and t.dim() != ndim:
         layout = f" {what}" if what else ""
         raise ValueError(f"{prefix}{name} must be {ndim}-D{layout}, got shape {tuple(t.shape)}")

@@ -42,6 +42,7 @@ import numbers
 import torch
 from torch.autograd.function import once_differentiable
 
+from .. import _checks
 from ..problem import accumulator_dtype
 
 __all__ = [
@@ -149,12 +150,7 @@ def _check_flag(value, name: str) -> bool:
 
 def _check_qkv(Q, K, V):
     for name, t in (("Q", Q), ("K", K), ("V", V)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [B, H, N, D], got shape {tuple(t.shape)}")
-        if t.dtype not in _SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, float32 (and float64)")
+        _checks.tensor(name, t, ndim=4, what="[B, H, N, D]", dtypes=_SUPPORTED_DTYPES)
     if not (Q.shape == K.shape == V.shape):
         raise ValueError(f"Q, K and V must have the same shape [B, H, N, D], got Q {tuple(Q.shape)}, "
                          f"K {tuple(K.shape)}, V {tuple(V.shape)}")
@@ -182,26 +178,12 @@ def _check_fits(Bc: int, Br: int, head_dim: int, dtype: torch.dtype, device, bac
 
 
 def _check_stats(name, t, Q):
-    B, H, N, _ = Q.shape
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != (B, H, N):
-        raise ValueError(f"{name} must have shape [B, H, N] = {(B, H, N)}, got {tuple(t.shape)}")
-    if not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating tensor (float32 softmax statistics), got {t.dtype}")
-    if t.device != Q.device:
-        raise ValueError(f"{name} is on {t.device}, Q on {Q.device}")
+    _checks.like(name, t, Q, "Q", expected=Q.shape[:3], what="[B, H, N]", any_float=True)
 
 
 def _check_like_q(name, t, Q):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.shape != Q.shape:
-        raise ValueError(f"{name} must have Q's shape {tuple(Q.shape)}, got {tuple(t.shape)}")
-    if t.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, float32 (and float64)")
-    if t.device != Q.device:
-        raise ValueError(f"{name} is on {t.device}, Q on {Q.device}")
+    _checks.tensor(name, t, dtypes=_SUPPORTED_DTYPES)
+    _checks.like(name, t, Q, "Q", expected=Q.shape, what="Q's shape", any_float=True)
 
 
 # ----------------------------------------------------------------------------------------------------

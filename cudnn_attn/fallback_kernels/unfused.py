@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from .. import _checks
 from ..geometry import MAX_AXES, neighborhood_table
 from ..problem import accumulator_dtype
 from . import launch
@@ -103,16 +104,10 @@ def _check_geometry(spatial, kernel_size, dilation, is_causal):
 # ---------------------------------------------------------------------------------------------
 
 def _check_tensor(name: str, t, rank: int):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _checks.tensor(name, t, ndim=rank + 3, what=f"[B, H, *spatial ({rank} dims), last]",
+                   dtypes=_DTYPES)
     if not t.is_cuda:
         raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
-    if t.dtype not in _DTYPES:
-        raise TypeError(f"{name} has dtype {t.dtype}; supported: float64, float32, float16, "
-                        f"bfloat16")
-    if t.dim() != rank + 3:
-        raise ValueError(f"{name} must be [B, H, *spatial ({rank} dims), last], got shape "
-                         f"{tuple(t.shape)}")
 
 
 def _check_like(name: str, t, shape, ref_name: str, ref):

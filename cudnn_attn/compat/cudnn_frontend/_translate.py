@@ -6,8 +6,8 @@ from __future__ import annotations
 import functools
 import operator
 
-import torch
 
+from ... import _checks
 from ...masks import Alibi, Causal, Padding, SlidingWindow
 from ._attrs import check_broadcast
 
@@ -36,10 +36,7 @@ def _mask_of(attrs, batch: int, seq_q: int, seq_kv: int):
 def translate(attrs, q, k):
     """``(mask, bias, alibi)`` for the call: a bias tensor or ``None``, an ``Alibi`` or ``None``."""
     for name, t in (("q", q), ("k", k)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D [B, H, S, D] tensor, got {tuple(t.shape)}")
+        _checks.tensor(name, t, ndim=4, what="[B, H, S, D]")
     B, H, Sq, Skv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     mask = _mask_of(attrs, B, Sq, Skv)
     bias = attrs.bias

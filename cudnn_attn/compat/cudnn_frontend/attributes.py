@@ -39,7 +39,7 @@ import dataclasses
 
 import torch
 
-from ... import dispatch
+from ... import _checks, dispatch
 from ...problem import AttnProblem
 from ...runtime import DropoutState, Inputs
 from ._attrs import SdpaAttributes, SdpaBackwardAttributes
@@ -124,8 +124,7 @@ def scaled_dot_product_flash_attention_backward(q, k, v, o, dO, stats,
 
 def _check_backward_inputs(q, v, o, dO, stats):
     for name, t in (("o", o), ("dO", dO), ("stats", stats)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _checks.tensor(name, t)
     if not isinstance(q, torch.Tensor) or not isinstance(v, torch.Tensor) \
             or q.dim() != 4 or v.dim() != 4:
         raise ValueError("q and v must be 4-D [B, H, S, D] tensors")
