@@ -12,7 +12,7 @@ from ...masks import Neighborhood, RelPosBias
 from ...problem import accumulator_dtype
 from ...torch_engine.neighborhood_ops import NaGeometry
 
-__all__ = ["check_rpb", "geometry", "lse_dtype", "neighborhood_attention", "unfused_geometry"]
+__all__ = ["check_rpb", "doc_fields", "geometry", "lse_dtype", "neighborhood_attention", "unfused_geometry"]
 
 
 def geometry(spatial, kernel_size, stride, dilation, is_causal) -> NaGeometry:
@@ -72,3 +72,10 @@ def _na_rpb(query, key, value, geom: NaGeometry, scale, rpb):
     return out, lse.transpose(1, 2)
 
 
+
+
+def doc_fields(rank: int) -> dict:
+    """The per-rank words of the na{rank}d docstrings: axis names and the rpb table's shape."""
+    axes = ("L", "X, Y", "X, Y, Z")[rank - 1]
+    rpb = ", ".join(f"2k{a}-1" for a in range(rank)) if rank > 1 else "2k-1"
+    return {"rank": rank, "axes": axes, "rpb": rpb}

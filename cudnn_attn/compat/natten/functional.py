@@ -18,7 +18,7 @@ import torch
 
 from ... import _checks
 from ...api import attention
-from .common import check_rpb, geometry, neighborhood_attention
+from .common import check_rpb, doc_fields, geometry, neighborhood_attention
 from .unfused import na1d_av, na1d_qk, na2d_av, na2d_qk, na3d_av, na3d_qk
 
 __all__ = [
@@ -172,11 +172,8 @@ def na3d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, 
 
 
 def _document():
-    axes = {1: "L", 2: "X, Y", 3: "X, Y, Z"}
-    rpbs = {1: "2k-1", 2: "2k0-1, 2k1-1", 3: "2k0-1, 2k1-1, 2k2-1"}
     for rank in (1, 2, 3):
-        fmt = {"rank": rank, "axes": axes[rank], "rpb": rpbs[rank]}
-        globals()[f"na{rank}d"].__doc__ = _FUSED_DOC.format(**fmt)
+        globals()[f"na{rank}d"].__doc__ = _FUSED_DOC.format(**doc_fields(rank))
 
 
 _document()

@@ -12,7 +12,7 @@ import torch
 
 from ... import _checks
 from ...torch_engine import neighborhood_ops as _engine
-from .common import check_rpb, unfused_geometry
+from .common import check_rpb, doc_fields, unfused_geometry
 
 __all__ = [f"na{n}d_{op}" for op in ("qk", "av") for n in (1, 2, 3)]
 
@@ -120,10 +120,8 @@ def na3d_av(attn, value, kernel_size, dilation=1, additional_values=None, is_cau
 
 
 def _document():
-    axes = {1: "L", 2: "X, Y", 3: "X, Y, Z"}
-    rpbs = {1: "2k-1", 2: "2k0-1, 2k1-1", 3: "2k0-1, 2k1-1, 2k2-1"}
     for rank in (1, 2, 3):
-        fmt = {"rank": rank, "axes": axes[rank], "rpb": rpbs[rank]}
+        fmt = doc_fields(rank)
         globals()[f"na{rank}d_qk"].__doc__ = _QK_DOC.format(**fmt)
         globals()[f"na{rank}d_av"].__doc__ = _AV_DOC.format(**fmt)
 
