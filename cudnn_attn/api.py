@@ -19,11 +19,6 @@ __all__ = ["attention", "explain", "Explanation"]
 _CALLS = LRU("api.calls", maxsize=256)
 
 
-def _scalar_key(x):
-    # True == 1 == 1.0 hash alike; the type keeps a valid call from vouching for an invalid one.
-    return (type(x), x)
-
-
 def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse, backend):
     """A flat, hashable summary of a call; ``None`` when an argument is not what it should be
     (validation then explains what is wrong)."""
@@ -36,13 +31,15 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
         bias_key = bias
     else:
         return None
+    if bool in (type(scale), type(dropout_p), type(softcap)):
+        # True == 1 == 1.0 hash alike: a valid call (scale=1.0) must not vouch for an invalid one.
+        return None
     try:
         return (q.shape, q.stride(), q.dtype, q.device, q.requires_grad,
                 k.shape, k.stride(), k.dtype, k.device, k.requires_grad,
                 v.shape, v.stride(), v.dtype, v.device, v.requires_grad,
                 type(q), type(k), type(v),
-                mask, bias_key, _scalar_key(scale), _scalar_key(dropout_p), _scalar_key(softcap),
-                layout, _scalar_key(return_lse), backend,
+                mask, bias_key, scale, dropout_p, softcap, layout, bool(return_lse), backend,
                 torch.are_deterministic_algorithms_enabled())
     except (AttributeError, TypeError):
         return None
@@ -128,10 +125,11 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softc
     """
     problem, plan = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
                              return_lse, backend)
-    bias_tensor = bias.table if isinstance(bias, RelPosBias) else \
-        bias if isinstance(bias, torch.Tensor) else None
+    if bias is not None:
+        bias = bias.table if isinstance(bias, RelPosBias) else \
+            bias if isinstance(bias, torch.Tensor) else None
     dropout = DropoutState.draw(generator) if problem.dropout_p > 0 else None
-    out, lse = run(problem, plan, Inputs(q, k, v, bias_tensor, dropout), return_lse)
+    out, lse = run(problem, plan, Inputs(q, k, v, bias, dropout), return_lse)
     return (out, lse) if return_lse else out
 
 

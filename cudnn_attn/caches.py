@@ -8,9 +8,9 @@ is an ``LRU`` or goes through ``memoize``, so ``clear_caches()`` empties them al
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import weakref
-from collections import OrderedDict
 from typing import Any, Callable, Hashable
 
 __all__ = ["LRU", "memoize", "clear_caches", "cache_sizes"]
@@ -23,40 +23,42 @@ _MISSING = object()
 class LRU:
     """A thread-safe least-recently-used map of at most ``maxsize`` entries (``None``: unbounded).
 
-    ``get`` refreshes an entry; ``put`` inserts and evicts the oldest. ``get_or_create`` runs the
-    factory outside the lock, so a slow build never blocks lookups of other keys (two threads
-    missing the same key may both build; the first result is kept).
+    ``get`` refreshes an entry; ``put`` inserts and evicts the least recently used. Each entry
+    carries the tick of its last use, so a hit is one dict lookup and a store (no reordering, no
+    lock: the per-call hot path), and eviction, rare and under the lock, finds the oldest tick.
+    ``get_or_create`` runs the factory outside the lock, so a slow build never blocks lookups of
+    other keys (two threads missing the same key may both build; the first result is kept).
     """
 
     def __init__(self, name: str, maxsize: int | None = 128):
-        if maxsize is not None and maxsize < 1:
-            raise ValueError(f"maxsize must be None or >= 1, got {maxsize!r}")
+        _check_maxsize(maxsize)
         self.name = name
         self.maxsize = maxsize
-        self._data: OrderedDict = OrderedDict()
+        self._data: dict = {}                 # key -> [tick of last use, value]
+        self._clock = itertools.count()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
         _REGISTRY.add(self)
 
     def get(self, key: Hashable, default: Any = None) -> Any:
-        with self._lock:
-            value = self._data.get(key, _MISSING)
-            if value is _MISSING:
-                self.misses += 1
-                return default
-            self.hits += 1
-            self._data.move_to_end(key)
-            return value
+        entry = self._data.get(key)
+        if entry is None:
+            self.misses += 1
+            return default
+        self.hits += 1
+        entry[0] = next(self._clock)
+        return entry[1]
 
     def put(self, key: Hashable, value: Any) -> Any:
         """Insert ``value`` unless ``key`` is present; return the value now stored."""
         with self._lock:
-            stored = self._data.setdefault(key, value)
-            self._data.move_to_end(key)
-            if self.maxsize is not None:
-                while len(self._data) > self.maxsize:
-                    self._data.popitem(last=False)
-            return stored
+            entry = self._data.get(key)
+            if entry is None:
+                entry = self._data[key] = [next(self._clock), value]
+                self._evict_to(self.maxsize)
+            else:
+                entry[0] = next(self._clock)
+            return entry[1]
 
     def get_or_create(self, key: Hashable, factory: Callable[[], Any]) -> Any:
         value = self.get(key, _MISSING)
@@ -66,7 +68,8 @@ class LRU:
 
     def pop(self, key: Hashable, default: Any = None) -> Any:
         with self._lock:
-            return self._data.pop(key, default)
+            entry = self._data.pop(key, None)
+            return default if entry is None else entry[1]
 
     def clear(self) -> None:
         with self._lock:
@@ -74,27 +77,37 @@ class LRU:
             self.hits = self.misses = 0
 
     def resize(self, maxsize: int | None) -> None:
-        if maxsize is not None and maxsize < 1:
-            raise ValueError(f"maxsize must be None or >= 1, got {maxsize!r}")
+        _check_maxsize(maxsize)
         with self._lock:
             self.maxsize = maxsize
-            while maxsize is not None and len(self._data) > maxsize:
-                self._data.popitem(last=False)
+            self._evict_to(maxsize)
+
+    def _evict_to(self, maxsize: int | None) -> None:
+        """Drop the least recently used entries beyond ``maxsize`` (caller holds the lock)."""
+        excess = 0 if maxsize is None else len(self._data) - maxsize
+        if excess > 0:
+            for key in sorted(self._data, key=lambda k: self._data[k][0])[:excess]:
+                del self._data[key]
 
     def keys(self) -> list:
+        """Keys from least to most recently used."""
         with self._lock:
-            return list(self._data)
+            return sorted(self._data, key=lambda k: self._data[k][0])
 
     def __contains__(self, key: Hashable) -> bool:
-        with self._lock:
-            return key in self._data
+        return key in self._data
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._data)
+        return len(self._data)
 
     def __repr__(self) -> str:
         return f"LRU({self.name!r}, {len(self)}/{self.maxsize})"
+
+
+def _check_maxsize(maxsize) -> None:
+    if maxsize is not None and (isinstance(maxsize, bool) or not isinstance(maxsize, int)
+                                or maxsize < 1):
+        raise ValueError(f"maxsize must be None or an int >= 1, got {maxsize!r}")
 
 
 def memoize(name: str, maxsize: int | None = None):

@@ -45,7 +45,7 @@ class DropoutState:
         return DropoutState(seed, 0)
 
 
-@dataclass
+@dataclass(slots=True)
 class Inputs:
     """The tensors of one call, in the call's layout.
 

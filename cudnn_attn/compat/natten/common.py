@@ -49,29 +49,16 @@ lse_dtype = accumulator_dtype
 
 
 def neighborhood_attention(query, key, value, geom: NaGeometry, scale: float, rpb=None):
-    """Heads-last ``[B, *spatial, H(_kv), D]`` in (validated), ``([B, S, H, D_v], [B, S, H])`` out."""
-    B, H, D = query.shape[0], query.shape[-2], query.shape[-1]
-    S = geom.num_tokens
-    if rpb is not None:
-        return _na_rpb(query, key, value, geom, scale, rpb)
-    nb = Neighborhood(geom.shape, geom.kernel, geom.stride, geom.dilation, geom.causal)
-    out, lse = attention(query.reshape(B, S, H, D), key.reshape(B, S, *key.shape[-2:]),
-                         value.reshape(B, S, *value.shape[-2:]), mask=nb, scale=scale,
-                         layout="bshd", return_lse=True)
-    return out, lse.transpose(1, 2)
-
-
-def _na_rpb(query, key, value, geom: NaGeometry, scale, rpb):
-    """NA with RPB through dispatch: one ``attention`` call with a ``RelPosBias``."""
+    """Heads-last ``[B, *spatial, H(_kv), D]`` in (validated), ``([B, S, H, D_v], [B, S, H])`` out:
+    one ``attention`` call with a ``Neighborhood`` mask (and a ``RelPosBias`` for ``rpb``)."""
     B, H, D = query.shape[0], query.shape[-2], query.shape[-1]
     S = geom.num_tokens
     nb = Neighborhood(geom.shape, geom.kernel, geom.stride, geom.dilation, geom.causal)
     out, lse = attention(query.reshape(B, S, H, D), key.reshape(B, S, *key.shape[-2:]),
                          value.reshape(B, S, *value.shape[-2:]), mask=nb,
-                         bias=RelPosBias(rpb), scale=scale, layout="bshd", return_lse=True)
+                         bias=None if rpb is None else RelPosBias(rpb), scale=scale,
+                         layout="bshd", return_lse=True)
     return out, lse.transpose(1, 2)
-
-
 
 
 def doc_fields(rank: int) -> dict:
