@@ -44,20 +44,27 @@ def test_a_declined_plan_moves_dispatch_to_the_next_engine_once(declining_cudnn)
     assert list(info.value.reasons) == ["cudnn"]
 
 
-def test_supports_and_explain_build_nothing(monkeypatch):
+def test_supports_and_verdicts_build_nothing(monkeypatch):
+    # A CUDA problem that cuDNN accepts on every rule: the old supports() built its graphs here.
+    import dataclasses
+
     from cudnn_attn.graphs import backend as cudnn_backend
 
     def forbidden(*args, **kwargs):
-        raise AssertionError("supports()/explain() built a graph")
+        raise AssertionError("supports()/verdicts() built a graph")
 
     monkeypatch.setattr(cudnn_backend, "build_graph", forbidden)
     engine = dispatch.get_backend("cudnn")
     monkeypatch.setattr(engine, "availability", lambda: [])
-    q = torch.randn(1, 2, 8, 16)
-    for name in dispatch.BACKEND_NAMES:
-        problem = ca.AttnProblem.from_tensors(q, q, q, mask=ca.Causal())
-        assert isinstance(dispatch.get_backend(name).supports(problem), list)
-    ca.explain(q, q, q, mask=ca.Causal())
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float16)
+    problem = dataclasses.replace(ca.AttnProblem.from_tensors(q, q, q, mask=ca.Causal()),
+                                  device=torch.device("cuda", 0))
+    ca.clear_caches()
+    assert engine.supports(problem) == []
+    assert dispatch.verdicts(problem)["cudnn"] == []
+    with pytest.raises(AssertionError, match="built a graph"):  # the plan is where builds happen
+        engine.plan(problem)
+    ca.clear_caches()
 
 
 def test_not_supported_error_lists_every_engine():
