@@ -26,6 +26,8 @@ _BUILDER_NAMES = ("SdpaAttributes", "SdpaBackwardAttributes", "scaled_dot_produc
 
 
 def __getattr__(name: str):
+    if name == "selftest":  # a function of the (consumer) package ``verify``
+        return importlib.import_module(".verify", __name__).selftest
     if name in _LAZY_MODULES:
         return importlib.import_module(f".{name}", __name__)
     if name in _BUILDER_NAMES:
@@ -34,7 +36,7 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_MODULES) | set(_BUILDER_NAMES))
+    return sorted(set(globals()) | set(_LAZY_MODULES) | set(_BUILDER_NAMES) | {"selftest"})
 
 
 __version__ = "0.1.0"
@@ -55,6 +57,7 @@ __all__ = [
     "Alibi",
     "RelPosBias",
     "clear_caches",
+    "selftest",
     "SdpaAttributes",
     "SdpaBackwardAttributes",
     "scaled_dot_product_flash_attention",

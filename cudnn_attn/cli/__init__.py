@@ -1,8 +1,8 @@
 """Command line (also ``python -m cudnn_attn``): one module per subcommand.
 
 ``cudnn-attn info`` (``info.py``), ``demo`` (``demo.py``), ``explain --shape B,H,S,D ...``
-(``explain.py``), ``cache info|warm|clear`` (``cache.py``) and ``kernels`` (``kernels.py``); this
-module only builds the parser and dispatches.
+(``explain.py``), ``cache info|warm|clear`` (``cache.py``), ``kernels`` (``kernels.py``) and
+``selftest`` (``selftest.py``); this module only builds the parser and dispatches.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import cache, demo, explain, info, kernels
+from . import cache, demo, explain, info, kernels, selftest
 from .cache import progress
 from .specs import parse_mask
 
 __all__ = ["build_parser", "main", "parse_mask", "progress"]
 
-SUBCOMMANDS = (info, demo, explain, cache, kernels)
+SUBCOMMANDS = (info, demo, explain, cache, kernels, selftest)
 
 
 def build_parser() -> argparse.ArgumentParser:
