@@ -78,6 +78,11 @@ def like(name: str, t, ref: torch.Tensor, ref_name: str, *, expected: Optional[S
     return t
 
 
+# Sequence lengths, window sizes and positions are int32 in every engine (cuDNN's attributes,
+# the kernels' tables); a larger value is a mistake to report, not an overflow to crash on.
+MAX_POSITION = 2 ** 31 - 1
+
+
 def integer(name: str, value, minimum: Optional[int] = None, *, maximum: Optional[int] = None,
             tensors: bool = False, prefix: str = "") -> int:
     """A Python int (a 0-d integer tensor too with ``tensors``) in ``[minimum, maximum]``."""

@@ -6,11 +6,11 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 
-from . import dispatch
+from . import _checks, dispatch
 from .caches import LRU
 from .masks import Alibi, RelPosBias
 from .problem import AttnProblem
-from .runtime import DropoutState, Inputs
+from .runtime import DropoutState, Inputs, hide_padded_rows, hide_padding
 
 __all__ = ["attention", "explain", "Explanation"]
 
@@ -31,7 +31,7 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
         bias_key = bias
     else:
         return None
-    if bool in (type(scale), type(dropout_p), type(softcap)):
+    if bool in (type(scale), type(dropout_p), type(softcap)) or type(return_lse) is not bool:
         # True == 1 == 1.0 hash alike: a valid call (scale=1.0) must not vouch for an invalid one.
         return None
     try:
@@ -39,7 +39,7 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
                 k.shape, k.stride(), k.dtype, k.device, k.requires_grad,
                 v.shape, v.stride(), v.dtype, v.device, v.requires_grad,
                 type(q), type(k), type(v),
-                mask, bias_key, scale, dropout_p, softcap, layout, bool(return_lse), backend,
+                mask, bias_key, scale, dropout_p, softcap, layout, return_lse, backend,
                 torch.are_deterministic_algorithms_enabled())
     except (AttributeError, TypeError):
         return None
@@ -54,6 +54,7 @@ def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
         key, cached = None, None
     if cached is not None:
         return cached
+    _checks.flag("return_lse", return_lse)
     problem = AttnProblem.from_tensors(q, k, v, mask=mask, bias=bias, scale=scale,
                                        dropout_p=dropout_p, softcap=softcap, layout=layout,
                                        return_lse=return_lse)
@@ -80,10 +81,13 @@ class _AttentionFunction(torch.autograd.Function):
 
 
 def run(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool):
-    """``(out, lse)`` of one call through ``plan``, differentiable when the problem needs it."""
+    """``(out, lse)`` of one call through ``plan``, differentiable when the problem needs it.
+    Positions past ``Padding`` lengths never reach the engine (``runtime.hide_padding``)."""
+    inputs = hide_padding(problem, inputs)
     if problem.requires_grad and torch.is_grad_enabled():
-        return _AttentionFunction.apply(problem, plan, inputs.dropout, inputs.dropout_mask,
-                                        inputs.q, inputs.k, inputs.v, inputs.bias)
+        out, lse = _AttentionFunction.apply(problem, plan, inputs.dropout, inputs.dropout_mask,
+                                            inputs.q, inputs.k, inputs.v, inputs.bias)
+        return hide_padded_rows(problem, out), lse
     return plan.forward(problem, inputs, need_lse=need_lse)
 
 

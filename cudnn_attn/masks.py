@@ -93,7 +93,7 @@ class SlidingWindow(Mask):
 
     def __post_init__(self):
         for name in ("left", "right"):
-            _checks.integer(name, getattr(self, name), -1)
+            _checks.integer(name, getattr(self, name), -1, maximum=_checks.MAX_POSITION)
         _check_alignment(self.alignment)
 
 
@@ -165,7 +165,7 @@ def _as_lengths(name: str, value) -> tuple[int, ...]:
         value = value.tolist()
     if not isinstance(value, Sequence) or isinstance(value, str):
         raise TypeError(f"{name} must be a sequence of ints or a 1-D integer tensor, got {value!r}")
-    return tuple(_checks.integer(name, n, 0) for n in value)
+    return tuple(_checks.integer(name, n, 0, maximum=_checks.MAX_POSITION) for n in value)
 
 
 @dataclass(frozen=True, init=False)
@@ -243,9 +243,10 @@ def _as_slopes(slopes) -> tuple | None:
         slopes = slopes.tolist()
     if not isinstance(slopes, Sequence) or not slopes:
         raise TypeError(f"Alibi slopes must be a non-empty sequence or tensor, got {slopes!r}")
-    if isinstance(slopes[0], Sequence):
-        return tuple(tuple(float(s) for s in row) for row in slopes)
-    return tuple(float(s) for s in slopes)
+    rows = slopes if isinstance(slopes[0], Sequence) else [slopes]
+    table = tuple(tuple(_checks.real("Alibi slopes", s)
+                        for s in row) for row in rows)
+    return table if isinstance(slopes[0], Sequence) else table[0]
 
 
 @dataclass(frozen=True, init=False)

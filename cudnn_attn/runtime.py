@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["DropoutState", "Inputs"]
+__all__ = ["DropoutState", "Inputs", "valid_positions", "hide_padding", "hide_padded_rows"]
 
 _SEED_BOUND = 2 ** 62
 
@@ -60,3 +60,62 @@ class Inputs:
     bias: Optional[torch.Tensor] = None
     dropout: Optional[DropoutState] = None
     dropout_mask: Optional[torch.Tensor] = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Positions past a sequence's length
+# ---------------------------------------------------------------------------------------------
+
+def valid_positions(lengths, seq: int, device) -> torch.Tensor:
+    """``[B, seq]`` bool, ``position < lengths[b]``; ``lengths`` host ints or an integer tensor
+    (moved, never read on the host, so a device tensor costs no synchronisation)."""
+    lens = lengths if isinstance(lengths, torch.Tensor) else torch.tensor(lengths)
+    return torch.arange(seq, device=device) < lens.to(device, non_blocking=True)[:, None]
+
+
+def _on_sequence_axis(valid: torch.Tensor, layout: str) -> torch.Tensor:
+    """``[B, S]`` -> broadcastable against ``[B, H, S, D]`` (bhsd) or ``[B, S, H, D]`` (bshd)."""
+    return valid[:, None, :, None] if layout == "bhsd" else valid[:, :, None, None]
+
+
+def _bias_cells(valid_q: torch.Tensor, valid_kv: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Which cells of a bias of ``shape`` (``[B|1, H|1, S_q|1, S_kv|1]``) lie inside some
+    sequence: a broadcast batch axis keeps a position any sequence uses."""
+    if shape[0] == 1:
+        valid_q, valid_kv = valid_q.any(0, keepdim=True), valid_kv.any(0, keepdim=True)
+    rows = valid_q[:, None, :, None] if shape[2] != 1 else valid_q.any(1)[:, None, None, None]
+    cols = valid_kv[:, None, None, :] if shape[3] != 1 else valid_kv.any(1)[:, None, None, None]
+    return rows & cols
+
+
+def hide_padding(problem, inputs: Inputs) -> Inputs:
+    """``inputs`` with every position past the ``Padding`` lengths replaced by 0.
+
+    Why: such positions are not tokens. Engines give them ``-inf`` scores, but a NaN or inf
+    stored there would still reach real rows through ``0 * NaN`` (``p @ v``, ``ds^T @ q``) or an
+    additive ``-inf + NaN`` mask. ``torch.where`` is differentiable (their gradient is exactly 0)
+    and costs no host synchronisation. Calls without ``Padding`` pass through untouched.
+    """
+    padding = problem.padding
+    if padding is None:
+        return inputs
+    device = inputs.q.device
+    valid_q = valid_positions(padding.seq_lens_q, problem.seq_q, device)
+    valid_kv = valid_positions(padding.seq_lens_kv, problem.seq_kv, device)
+    rows, keys = (_on_sequence_axis(v, problem.layout) for v in (valid_q, valid_kv))
+    bias = inputs.bias
+    if bias is not None and problem.bias is not None:
+        full = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        bias = torch.where(_bias_cells(valid_q, valid_kv, full.shape), full, 0).view(bias.shape)
+    return Inputs(torch.where(rows, inputs.q, 0), torch.where(keys, inputs.k, 0),
+                  torch.where(keys, inputs.v, 0), bias, inputs.dropout, inputs.dropout_mask)
+
+
+def hide_padded_rows(problem, out: torch.Tensor) -> torch.Tensor:
+    """``out`` with the query rows past the ``Padding`` lengths set to 0 (they already are): the
+    gradient reaching them, whatever it holds, then stops here instead of entering the backward."""
+    padding = problem.padding
+    if padding is None:
+        return out
+    valid_q = valid_positions(padding.seq_lens_q, problem.seq_q, out.device)
+    return torch.where(_on_sequence_axis(valid_q, problem.layout), out, 0)

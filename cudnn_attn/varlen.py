@@ -170,8 +170,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if len(lens_q) != len(lens_k):
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got "
                          f"{len(lens_q)} and {len(lens_k)} sequences")
-    max_q, max_k = _checks.integer("max_seqlen_q", max_seqlen_q, tensors=True), \
-        _checks.integer("max_seqlen_k", max_seqlen_k, tensors=True)
+    max_q, max_k = (_checks.integer(name, value, tensors=True, maximum=_checks.MAX_POSITION)
+                    for name, value in (("max_seqlen_q", max_seqlen_q),
+                                        ("max_seqlen_k", max_seqlen_k)))
     for name, value, lens, cu_name in (("max_seqlen_q", max_q, lens_q, "cu_seqlens_q"),
                                        ("max_seqlen_k", max_k, lens_k, "cu_seqlens_k")):
         if value < max(lens):
@@ -180,10 +181,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _check_user_mask(mask, "attention_varlen")
     batch = len(lens_q)
     _check_bias(bias, (batch, q.shape[1], max_q, max_k), "[B, H_q, max_seqlen_q, max_seqlen_k]")
-    # The engines need non-empty axes: an all-empty side pads to one slot that Padding hides.
-    seq_q, seq_k = max(max_q, 1), max(max_k, 1)
-    if isinstance(bias, torch.Tensor) and (max_q == 0 or max_k == 0):
-        bias = None  # no query or no key anywhere: the bias touches no score
+    # The batch pads to the longest sequence, not to max_seqlen (a generous bound costs
+    # nothing); the engines need non-empty axes: an all-empty side pads to one slot Padding hides.
+    seq_q, seq_k = max(max(lens_q), 1), max(max(lens_k), 1)
+    if isinstance(bias, torch.Tensor):
+        if max(lens_q) == 0 or max(lens_k) == 0:
+            bias = None  # no query or no key anywhere: the bias touches no score
+        else:
+            # Local positions past every sequence are unused: crop the (S_q, S_k) axes it has.
+            bias = bias[..., :seq_q, :seq_k] if bias.dim() >= 2 else bias[..., :seq_k]
 
     slots_q = token_slots(lens_q, seq_q, q.device)
     slots_k = slots_q if lens_k == lens_q and seq_k == seq_q else token_slots(lens_k, seq_k, q.device)

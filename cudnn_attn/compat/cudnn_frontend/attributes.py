@@ -41,7 +41,7 @@ import torch
 
 from ... import _checks, dispatch
 from ...problem import AttnProblem
-from ...runtime import DropoutState, Inputs
+from ...runtime import DropoutState, Inputs, hide_padded_rows, hide_padding
 from ._attrs import SdpaAttributes, SdpaBackwardAttributes
 from ._translate import check_broadcast, translate
 
@@ -98,7 +98,7 @@ def scaled_dot_product_flash_attention(q, k, v, attrs: SdpaAttributes):
     q, k, v = (t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     need = attrs.generate_stats
     problem, plan, inputs = _problem(attrs, q, k, v, need)
-    o, lse = plan.forward(problem, inputs, need_lse=need)
+    o, lse = plan.forward(problem, hide_padding(problem, inputs), need_lse=need)
     return o, (lse.unsqueeze(-1) if need else None)
 
 
@@ -118,7 +118,9 @@ def scaled_dot_product_flash_attention_backward(q, k, v, o, dO, stats,
     _check_backward_inputs(q, v, o, dO, stats)
     lse = stats.reshape(stats.shape[:3])
     problem, plan, inputs = _problem(attrs, q, k, v, True)
-    dq, dk, dv, _ = plan.backward(problem, inputs, o, lse, dO)
+    # Positions past seq_len_q/kv are not tokens: whatever they hold never reaches a gradient.
+    o, dO = hide_padded_rows(problem, o), hide_padded_rows(problem, dO)
+    dq, dk, dv, _ = plan.backward(problem, hide_padding(problem, inputs), o, lse, dO)
     return dq, dk, dv
 
 
@@ -133,6 +135,15 @@ def _check_backward_inputs(q, v, o, dO, stats):
         if tuple(t.shape) != want_o:
             raise ValueError(f"{name} must have shape [B, H_q, S_q, D_v] = {list(want_o)}, got "
                              f"{tuple(t.shape)}")
+    for name, t in (("o", o), ("dO", dO), ("stats", stats)):
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    for name, t in (("o", o), ("dO", dO)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    want_stats = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if stats.dtype != want_stats:
+        raise TypeError(f"stats must be {want_stats} (the forward's), got {stats.dtype}")
     if tuple(stats.shape) not in (want_o[:3] + (1,), want_o[:3]) \
             or not stats.dtype.is_floating_point:
         raise ValueError(f"stats must be a float tensor of shape [B, H_q, S_q, 1] = "
