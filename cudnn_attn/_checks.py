@@ -134,6 +134,9 @@ def per_axis(name: str, value, ndim: int, cast: Callable, prefix: str = "") -> t
 def softmax_scale(name: str, value, head_dim: int, *, error: type = ValueError,
                   prefix: str = "") -> float:
     """``head_dim ** -0.5`` for ``None``, else a finite number."""
+    if head_dim < 1:
+        raise ValueError(f"{prefix}the head dim (the last axis of the query) must be >= 1, got "
+                         f"{head_dim}")
     if value is None:
         return head_dim ** -0.5
     return real(name, value, error=error, prefix=prefix)

@@ -6,7 +6,7 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 
-from . import _checks, dispatch
+from . import dispatch
 from .caches import LRU
 from .masks import Alibi, RelPosBias
 from .problem import AttnProblem
@@ -54,7 +54,6 @@ def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
         key, cached = None, None
     if cached is not None:
         return cached
-    _checks.flag("return_lse", return_lse)
     problem = AttnProblem.from_tensors(q, k, v, mask=mask, bias=bias, scale=scale,
                                        dropout_p=dropout_p, softcap=softcap, layout=layout,
                                        return_lse=return_lse)

@@ -232,7 +232,7 @@ class AttnProblem:
             q=TensorSpec.of(q), k=TensorSpec.of(k), v=TensorSpec.of(v), mask=mask,
             bias=bias_spec, alibi=alibi, rpb=rpb_spec, dropout_mask=mask_spec,
             dropout_scale=float(dropout_scale), scale=float(scale), dropout_p=float(dropout_p),
-            softcap=softcap, return_lse=bool(return_lse),
+            softcap=softcap, return_lse=_checks.flag("return_lse", return_lse),
             requires_grad=q.requires_grad or k.requires_grad or v.requires_grad or bias_grad,
             bias_requires_grad=bias_grad,
             deterministic=torch.are_deterministic_algorithms_enabled())
