@@ -57,3 +57,15 @@ CASES = distributed_cases.RING + distributed_cases.HALO
 def test_matches_one_process(outcomes, case):
     errors = [r[repr(case)] for r in outcomes if r.get(repr(case))]
     assert not errors, errors[0]
+
+
+def test_example_runs_under_torchrun_and_checks_itself():
+    import subprocess
+
+    root = HERE.parent
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           str(root / "examples" / "context_parallel.py")],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ring attention, causal, 2 ranks" in done.stdout
+    assert "halo exchange" in done.stdout
