@@ -1,0 +1,14 @@
+"""Past one GPU: context parallelism over ``torch.distributed`` (NCCL on GPUs, gloo on CPUs).
+
+* :func:`context_parallel_attention` — ring attention for dense, causal and sliding-window masks.
+* :func:`neighborhood_attention` — NATTEN neighborhoods sharded on the first spatial axis; each
+  rank fetches only the halo rows its queries reach.
+* :func:`shard_sequence` / :func:`unshard_sequence` — the shardings both use.
+"""
+
+from .context_parallel import context_parallel_attention
+from .halo import neighborhood_attention
+from .sharding import shard_sequence, unshard_sequence
+
+__all__ = ["context_parallel_attention", "neighborhood_attention", "shard_sequence",
+           "unshard_sequence"]
