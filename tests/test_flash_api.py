@@ -823,3 +823,20 @@ def test_gpu_dropout_backward_replays_the_mask():
     exp = torch.autograd.grad(ref_out, leaves, dout.double().cpu())
     for n, got, e in zip("qkv", (dq, dk, dv), exp):
         assert (got.double().cpu() - e).abs().max().item() < 5e-2 * max(1.0, e.abs().max()), n
+
+
+def test_expanded_output_buffers_are_refused_clearly():
+    # An expanded buffer has one memory slot for many results: a clear error (also a
+    # RuntimeError, as FlashAttention's checks raise), not an internal one from copy_.
+    q, k, v = dense_inputs(2, 6, 6, 4, 2, 8)
+    expanded = torch.zeros(1, 1, 1, 8, dtype=F64).expand(2, 6, 4, 8)
+    with pytest.raises(ValueError, match="out_ must not overlap itself") as info:
+        fwd(q, k, v, out_=expanded)
+    assert isinstance(info.value, RuntimeError)
+    out, *_, lse, _, _, _ = fwd(q, k, v)
+    strided = torch.zeros(2, 6, 8, 8, dtype=F64)[:, :, ::2]  # a strided view is fine
+    assert fwd(q, k, v, out_=strided)[0] is strided
+    torch.testing.assert_close(strided, out, **TOL)
+    bad_dq = torch.zeros(2, 6, 1, 8, dtype=F64).expand(2, 6, 4, 8)
+    with pytest.raises(RuntimeError, match="dq_ must not overlap itself"):
+        bwd(torch.ones_like(out), q, k, v, out, lse, bufs=(bad_dq, None, None))
