@@ -105,3 +105,10 @@ def test_register_registers_both_interfaces_and_checks_its_name():
     assert "cudnn_attn_other" in AttentionMaskInterface._global_mapping
     with pytest.raises(TypeError, match="name"):
         ca_hf.register("")
+
+
+def test_attention_sinks_are_refused_not_ignored():
+    q = torch.randn(1, 2, 3, 8)
+    module = torch.nn.Module()
+    with pytest.raises(NotImplementedError, match="sinks"):
+        ca_hf.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..api import attention
+from ..errors import NotSupportedError
 from ..masks import Causal
 
 __all__ = ["register", "attention_forward"]
@@ -56,6 +57,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                              scale=scaling, enable_gqa=True).transpose(1, 2)
     """
+    if kwargs.get("s_aux") is not None:  # never silently drop a term of the softmax
+        raise NotSupportedError("transformers attention call", {
+            "cudnn_attn": ["attention sinks (s_aux, as in gpt-oss) are not supported here yet"]})
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     mask = bias = None
     if attention_mask is not None:
