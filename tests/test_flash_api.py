@@ -87,6 +87,37 @@ def ref_varlen(q, k_seqs, v_seqs, lens_q, *, slopes=None, max_k=None, max_q=None
     return torch.cat(outs), torch.cat(lses, dim=1), torch.stack(probs)
 
 
+def r128(n):
+    return -(-n // 128) * 128
+
+
+def fa_block_n(head_dim, dropout):
+    """FlashAttention's key-block width on sm80 (its ``_get_block_size_n``)."""
+    if head_dim <= 32:
+        return 128
+    if head_dim <= 64:
+        return 64 if dropout else 128
+    if head_dim <= 96:
+        return 64
+    return (32 if dropout else 64) if head_dim <= 128 else 64
+
+
+def fa_decode(S, ref_p, head_dim, dropout):
+    """FlashAttention's S_dmask -> (pre-dropout probabilities, keep). S holds exp(s - m), m the
+    row max over the key blocks from this one to the last (its forward walks the blocks
+    backwards), negated where dropout dropped, zero-padded to multiples of 128; the running max
+    is taken from the oracle's probabilities, as FlashAttention's test takes it from its scores."""
+    Sq, Sk = ref_p.shape[-2:]
+    assert S.shape[-2:] == (r128(Sq), r128(Sk)), S.shape
+    assert (S[..., Sq:, :] == 0).all() and (S[..., Sk:] == 0).all()
+    S = S[..., :Sq, :Sk].to(ref_p.dtype)
+    n = fa_block_n(head_dim, dropout)
+    running_max = torch.zeros_like(ref_p)
+    for c0 in range(0, Sk, n):
+        running_max[..., c0:c0 + n] = ref_p[..., c0:].amax(-1, keepdim=True)
+    return S.abs() * running_max, S >= 0
+
+
 def randn(*shape, g, dtype=F64):
     return torch.randn(*shape, generator=g, dtype=F64).to(dtype)
 
@@ -151,7 +182,8 @@ def test_fwd_masks_alibi_softcap(shape, causal, window):
         what = f"alibi={alibi} softcap={softcap}"
         assert out.shape == (B, Sq, Hq, Dv) and out.dtype == F64, what
         assert lse.shape == (B, Hq, Sq) and lse.dtype == F64, what
-        assert p.shape == (B, Hq, Sq, Sk) and p.dtype == F64, what
+        assert p.shape == (B, Hq, r128(Sq), r128(Sk)) and p.dtype == F64, what
+        p = fa_decode(p, ref_p, D, False)[0]
         assert qp is q and kp is k and vp is v
         assert seed.dtype == offset.dtype == torch.int64 and int(offset) == 0
         assert not torch.isnan(out).any() and not torch.isnan(lse).any(), what
@@ -177,7 +209,7 @@ def test_fwd_scale_and_empty_rows():
     ref_out, ref_lse, ref_p = ref_one(q, k, v, causal=True, scale=0.37)
     torch.testing.assert_close(out, ref_out, **TOL)
     torch.testing.assert_close(lse, ref_lse, **TOL)
-    torch.testing.assert_close(p, ref_p, **TOL)
+    torch.testing.assert_close(fa_decode(p, ref_p, 8, False)[0], ref_p, **TOL)
     assert (out[:, :5] == 0).all() and torch.isinf(lse[:, :, :5]).all()
 
 
@@ -207,7 +239,7 @@ def test_fwd_float32():
                                       softcap=2.0, slopes=make_slopes("h", 2, 4))
     torch.testing.assert_close(out.double(), ref_out, atol=3e-5, rtol=3e-5)
     torch.testing.assert_close(lse.double(), ref_lse, atol=3e-5, rtol=3e-5)
-    torch.testing.assert_close(p.double(), ref_p, atol=3e-5, rtol=3e-5)
+    torch.testing.assert_close(fa_decode(p, ref_p, 16, False)[0], ref_p, atol=3e-5, rtol=3e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,7 +357,8 @@ def test_varlen_fwd_ragged(opts, heads):
     assert out.shape == (sum(LENS_Q), Hq, 12) and lse.shape == (Hq, sum(LENS_Q))
     assert qp is q and kp is k and vp is v
     assert seed.dtype == offset.dtype == torch.int64 and int(seed) == int(offset) == 0
-    assert p.shape == (len(LENS_Q), Hq, max_q, max_k)
+    assert p.shape == (len(LENS_Q), Hq, r128(max_q), r128(max_k))
+    p = fa_decode(p, ref_p, 8, False)[0]
     torch.testing.assert_close(out, ref_out, **TOL)
     torch.testing.assert_close(lse, ref_lse, **TOL)
     torch.testing.assert_close(p, ref_p, **TOL)
@@ -361,6 +394,7 @@ def test_varlen_seqused_k():
     ref_out, ref_lse, ref_p = ref_varlen(q, ks, vs, lens_q, causal=True, max_k=6)
     torch.testing.assert_close(out, ref_out, **TOL)
     torch.testing.assert_close(lse, ref_lse, **TOL)
+    p = fa_decode(p, ref_p, 8, False)[0]
     torch.testing.assert_close(p, ref_p, **TOL)
     assert torch.isinf(lse[:, 3]).all() and (out[3] == 0).all()  # sequence 1 uses no key
 
@@ -406,6 +440,7 @@ def test_varlen_paged(page, opts):
     assert kp is kc and vp is vc
     ref_out, ref_lse, ref_p = ref_varlen(q, ks, vs, lens_q, slopes=slopes, max_k=23, **opts)
     torch.testing.assert_close(out, ref_out, **TOL)
+    p = fa_decode(p, ref_p, D, False)[0]
     torch.testing.assert_close(lse, ref_lse, **TOL)
     torch.testing.assert_close(p, ref_p, **TOL)
 
@@ -487,11 +522,13 @@ def test_dropout_kept_mask_identity_values_and_rate():
     # V = identity: out[b, i, h, :] is row i of the dropped, rescaled weights.
     out, *_, lse, _, _, probs = fwd(q, k, eye, p=p, gen=gen(1), return_softmax=True)
     weights = out.permute(0, 2, 1, 3)
-    torch.testing.assert_close(probs, weights, **TOL)  # return_softmax: after dropout
     _, ref_lse, ref_p = ref_one(q, k, eye)
+    # return_softmax: FlashAttention's encoding, the pre-dropout weights with dropped ones negated
+    pre, kept = fa_decode(probs, ref_p, 8, True)
+    torch.testing.assert_close(pre, ref_p, **TOL)
+    torch.testing.assert_close(weights, ref_p * kept / (1 - p), **TOL)
+    assert ((weights != 0) == kept).all()
     torch.testing.assert_close(lse, ref_lse, **TOL)  # lse ignores dropout
-    kept = weights != 0
-    torch.testing.assert_close(weights[kept], ref_p[kept] / (1 - p), **TOL)
     rate = 1 - kept.double().mean().item()
     assert abs(rate - p) < 0.02, rate
 
@@ -523,7 +560,7 @@ def test_dropout_backward_replays_the_mask(name):
     out, *_, lse, seed, offset, probs = fwd(q, k, v, p=p, slopes=slopes, gen=gen(21),
                                             return_softmax=True, **case)
     _, _, ref_p = ref_one(q, k, v, slopes=slopes, **case)
-    keep = (probs != 0).to(F64)
+    keep = fa_decode(probs, ref_p, D, True)[1].to(F64)
     assert 0 < keep[ref_p > 0].mean() < 1
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref_out = explicit_mask_oracle(*leaves, keep, p, slopes=slopes, **case)
@@ -542,8 +579,10 @@ def test_dropout_mask_does_not_depend_on_return_softmax():
     b = fwd(q, k, v, p=0.3, causal=True, gen=gen(2), return_softmax=True)
     torch.testing.assert_close(a[0], b[0], **TOL)
     rep = 2
-    torch.testing.assert_close(
-        a[0], torch.einsum("bhij,bjhd->bihd", b[7], v.repeat_interleave(rep, dim=2)), **TOL)
+    _, _, ref_p = ref_one(q, k, v, causal=True)
+    pre, keep = fa_decode(b[7], ref_p, 8, True)
+    torch.testing.assert_close(a[0], torch.einsum("bhij,bjhd->bihd", pre * keep / 0.7,
+                                                  v.repeat_interleave(rep, dim=2)), **TOL)
 
 
 def test_varlen_dropout_backward_replays_the_mask():
@@ -565,7 +604,7 @@ def test_varlen_dropout_backward_replays_the_mask():
         qb = leaves[0][starts_q[b]:starts_q[b + 1]][None]
         kb = leaves[1][starts_k[b]:starts_k[b + 1]][None]
         vb = leaves[2][starts_k[b]:starts_k[b + 1]][None]
-        keep = (probs[b:b + 1, :, :lens_q[b], :lens_k[b]] != 0).to(F64)
+        keep = (probs[b:b + 1, :, :lens_q[b], :lens_k[b]] >= 0).to(F64)  # sign: dropped < 0
         if lens_q[b] == 0 or lens_k[b] == 0:
             outs.append(torch.zeros(lens_q[b], Hq, 8, dtype=F64) + 0.0 * qb.sum())
             continue
@@ -784,3 +823,20 @@ def test_gpu_dropout_backward_replays_the_mask():
     exp = torch.autograd.grad(ref_out, leaves, dout.double().cpu())
     for n, got, e in zip("qkv", (dq, dk, dv), exp):
         assert (got.double().cpu() - e).abs().max().item() < 5e-2 * max(1.0, e.abs().max()), n
+
+
+def test_expanded_output_buffers_are_refused_clearly():
+    # An expanded buffer has one memory slot for many results: a clear error (also a
+    # RuntimeError, as FlashAttention's checks raise), not an internal one from copy_.
+    q, k, v = dense_inputs(2, 6, 6, 4, 2, 8)
+    expanded = torch.zeros(1, 1, 1, 8, dtype=F64).expand(2, 6, 4, 8)
+    with pytest.raises(ValueError, match="out_ must not overlap itself") as info:
+        fwd(q, k, v, out_=expanded)
+    assert isinstance(info.value, RuntimeError)
+    out, *_, lse, _, _, _ = fwd(q, k, v)
+    strided = torch.zeros(2, 6, 8, 8, dtype=F64)[:, :, ::2]  # a strided view is fine
+    assert fwd(q, k, v, out_=strided)[0] is strided
+    torch.testing.assert_close(strided, out, **TOL)
+    bad_dq = torch.zeros(2, 6, 1, 8, dtype=F64).expand(2, 6, 4, 8)
+    with pytest.raises(RuntimeError, match="dq_ must not overlap itself"):
+        bwd(torch.ones_like(out), q, k, v, out, lse, bufs=(bad_dq, None, None))

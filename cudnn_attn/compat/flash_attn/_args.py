@@ -1,11 +1,14 @@
-"""Argument checks and small result helpers shared by FlashAttention's ``mha_*`` entry points.
+"""Argument checks and small result helpers shared by FlashAttention's entry points.
 
 Validators come from ``cudnn_attn._checks`` (one wording: the argument's name and the value).
+FlashAttention reports bad input as ``RuntimeError`` (``TORCH_CHECK``); every entry point here is
+wrapped by :func:`runtime_errors`, so its ``ValueError``/``TypeError`` are also ``RuntimeError``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 
 import torch
@@ -15,15 +18,40 @@ from ...masks import Alibi
 from ...problem import accumulator_dtype
 from ...runtime import DropoutState
 
-__all__ = ["_Options", "_like", "_generator", "_same_dtype", "_alibi", "_philox",
-           "_seed_tensors", "_into", "_softmax_d", "_dense_qkv", "_flag"]
+__all__ = ["FlashAttnValueError", "FlashAttnTypeError", "runtime_errors", "_Options", "_like",
+           "_generator", "_same_dtype", "_alibi", "_philox", "_seed_tensors", "_into", "_softmax_d",
+           "_dense_qkv", "_flag"]
 
 _flag = _checks.flag
 
 
+class FlashAttnValueError(ValueError, RuntimeError):
+    """A bad value: our ``ValueError``, and the ``RuntimeError`` FlashAttention raises."""
+
+
+class FlashAttnTypeError(TypeError, RuntimeError):
+    """A value of the wrong kind: our ``TypeError``, and FlashAttention's ``RuntimeError``."""
+
+
+def runtime_errors(fn):
+    """Re-raise ``fn``'s ``ValueError``/``TypeError`` as the subclasses that are also
+    ``RuntimeError`` (same message), so code written for FlashAttention catches them."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError:
+            raise
+        except ValueError as e:
+            raise FlashAttnValueError(*e.args).with_traceback(e.__traceback__) from None
+        except TypeError as e:
+            raise FlashAttnTypeError(*e.args).with_traceback(e.__traceback__) from None
+    return wrapper
+
+
 def _window(name: str, value) -> int:
-    """A window size: an int, negative = unbounded (normalized to -1)."""
-    return max(_checks.integer(name, value), -1)
+    """A window size: an int or a 0-d integer tensor, negative = unbounded (normalized to -1)."""
+    return max(_checks.integer(name, value, tensors=True), -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +78,28 @@ class _Options:
                         _checks.real("softcap", softcap, ok=lambda x: x >= 0, bound=" >= 0") or None)
 
 
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Some element of ``t`` is reachable by two indices (an expanded tensor, a stride-0 view):
+    dims ordered by stride, each stride must step past everything the smaller ones span."""
+    span = 1
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride < span:
+            return True
+        span = stride * size
+    return False
+
+
 def _like(name: str, t, shape: tuple, ref: torch.Tensor, *, optional=False, any_float=False):
     """``t`` is a tensor of ``shape`` on ``ref``'s (q's) device with q's dtype (any float dtype
-    with ``any_float``); ``None`` passes when ``optional`` (an output buffer)."""
+    with ``any_float``); ``None`` passes when ``optional`` (an output buffer, which must not
+    overlap itself: writing one value to two places is not a result)."""
     if t is None and optional:
         return None
-    return _checks.like(name, t, ref, "q", expected=shape, any_float=any_float)
+    t = _checks.like(name, t, ref, "q", expected=shape, any_float=any_float)
+    if optional and t.numel() and _overlaps_itself(t):
+        raise ValueError(f"{name} must not overlap itself (an expanded or stride-0 view), got "
+                         f"shape {tuple(t.shape)} with strides {t.stride()}")
+    return t
 
 
 def _generator(gen_):

@@ -56,7 +56,12 @@ def _dropout_engine(problem: AttnProblem):
 
 
 def _forward(q, k, v, mask, alibi, opts: _Options, return_softmax, gen_):
-    """bshd q/k/v -> ``(out, lse, dropout state, probs or None)`` on the selected engine."""
+    """bshd q/k/v -> ``(out, lse, dropout state, probs, keep)`` on the selected engine.
+
+    With ``return_softmax``: ``probs`` ``[B, H, S_q, S_k]`` are the pre-dropout attention weights
+    and ``keep`` (with dropout, else None) says which entries the dropout mask kept; both are
+    None otherwise.
+    """
     problem = _problem(q, k, v, mask, alibi, opts)
     dropout = DropoutState(0, 0)
     if opts.p_dropout > 0:
@@ -68,12 +73,11 @@ def _forward(q, k, v, mask, alibi, opts: _Options, return_softmax, gen_):
     with torch.no_grad():
         if not return_softmax:
             out, lse = backend.plan(problem).forward(problem, inputs)
-            return out, lse, dropout, None
+            return out, lse, dropout, None, None
         # One call computes out and the weights: p @ [v | I] = [out | p].
         seq_k, dim_v = k.shape[1], v.shape[3]
-        eye = torch.eye(seq_k, dtype=v.dtype, device=v.device)
-        v_aug = torch.cat([v, eye[None, :, None, :].expand(v.shape[0], seq_k, v.shape[2], seq_k)],
-                          dim=-1)
+        eye = _identity(v, seq_k)
+        v_aug = torch.cat([v, eye], dim=-1)
         aug = _problem(q, k, v_aug, mask, alibi, opts)
         if opts.p_dropout > 0:
             reasons = backend.supports(aug)
@@ -86,7 +90,21 @@ def _forward(q, k, v, mask, alibi, opts: _Options, return_softmax, gen_):
             backend = dispatch.select(aug)
         inputs.v = v_aug
         out_aug, lse = backend.plan(aug).forward(aug, inputs)
-    return out_aug[..., :dim_v], lse, dropout, out_aug[..., dim_v:].permute(0, 2, 1, 3)
+        probs = out_aug[..., dim_v:].permute(0, 2, 1, 3)
+        keep = None
+        if opts.p_dropout > 0:
+            # The dropped weights themselves: the same call without dropout, v = I.
+            plain = _problem(q, k, eye, mask, alibi, dataclasses.replace(opts, p_dropout=0.0))
+            dropped, _ = dispatch.select(plain).plan(plain).forward(plain, Inputs(q, k, eye))
+            kept_values, probs = probs, dropped.permute(0, 2, 1, 3)
+            keep = (kept_values != 0) | (probs == 0)
+    return out_aug[..., :dim_v], lse, dropout, probs, keep
+
+
+def _identity(v: torch.Tensor, seq_k: int) -> torch.Tensor:
+    """``[B, S_k, H_kv, S_k]`` with ``I`` in each head: as values, attention returns its weights."""
+    eye = torch.eye(seq_k, dtype=v.dtype, device=v.device)
+    return eye[None, :, None, :].expand(v.shape[0], seq_k, v.shape[2], seq_k)
 
 
 def _backward(dout, q, k, v, out, lse, mask, alibi, opts: _Options, deterministic, dropout):

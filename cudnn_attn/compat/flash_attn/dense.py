@@ -3,21 +3,23 @@ conventions are in ``cudnn_attn.compat.flash_attn.mha``'s docstring."""
 
 from __future__ import annotations
 
-from . import _core
+from . import _core, _probs
 from ._args import (_Options, _alibi, _dense_qkv, _flag, _generator, _into, _like, _philox,
-                    _same_dtype, _seed_tensors, _softmax_d)
+                    _same_dtype, _seed_tensors, _softmax_d, runtime_errors)
 
 __all__ = ["mha_fwd", "mha_bwd"]
 
 
+@runtime_errors
 def mha_fwd(q, k, v, out_, alibi_slopes_, p_dropout, softmax_scale, is_causal, window_size_left,
             window_size_right, softcap, return_softmax, gen_):
     """FlashAttention forward on ``[B, S, H, D]`` tensors.
 
     Returns ``(out, q_padded, k_padded, v_padded, softmax_lse, philox_seed, philox_offset, p)``:
     out ``[B, S_q, H, D_v]`` (``out_`` when given), the inputs, lse ``[B, H, S_q]``, the dropout
-    seed/offset for ``mha_bwd``, and the post-dropout weights ``[B, H, S_q, S_k]`` when
-    ``return_softmax`` (else an empty tensor). See the module docstring for the conventions.
+    seed/offset for ``mha_bwd``, and when ``return_softmax`` the attention weights in
+    FlashAttention's encoding, ``[B, H, round128(S_q), round128(S_k)]`` (else an empty tensor).
+    See the module docstring for the conventions.
     """
     q, k, v = _dense_qkv(q, k, v)
     batch, seq_q, heads, _ = q.shape
@@ -29,12 +31,15 @@ def mha_fwd(q, k, v, out_, alibi_slopes_, p_dropout, softmax_scale, is_causal, w
     alibi = _alibi(alibi_slopes_, batch, heads, q.device)
     _like("out_", out_, (batch, seq_q, heads, v.shape[3]), q, optional=True)
 
-    out, lse, dropout, probs = _core._forward(q, k, v, mask, alibi, opts, return_softmax,
-                                              gen_)
-    p = probs.contiguous() if probs is not None else q.new_empty(0)
+    out, lse, dropout, probs, keep = _core._forward(q, k, v, mask, alibi, opts, return_softmax,
+                                                    gen_)
+    p = q.new_empty(0)
+    if probs is not None:
+        p = _probs.encode(probs, keep, q.shape[3], opts.causal, q.dtype)
     return (_into(out_, out), q, k, v, lse.contiguous(), *_seed_tensors(dropout), p)
 
 
+@runtime_errors
 def mha_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, alibi_slopes_, p_dropout,
             softmax_scale, is_causal, window_size_left, window_size_right, softcap,
             deterministic, philox_seed, philox_offset):

@@ -30,16 +30,21 @@ Conventions of this implementation (where FlashAttention leaves room or differs)
   (``DropoutState``), drawn from ``gen_`` (or the default CPU generator). Every engine derives its
   keep masks from these two numbers alone, so ``mha_bwd`` regenerates exactly the forward's keep
   mask from them (pass them back unchanged). Without dropout both are 0.
-* ``return_softmax`` works with or without dropout and returns ``p`` ``[B, H, S_q, S_k]`` in q's
-  dtype (varlen: ``[B, H, max_seqlen_q, max_seqlen_k]``, zero past each sequence): the attention
-  weights *after dropout*, i.e. dropped entries are 0 and kept ones are scaled by
-  ``1 / (1 - p_dropout)``, so ``out = p @ v`` exactly. (FlashAttention returns the pre-dropout
-  weights with dropped entries negated, padded to multiples of 128.) The weights come from the same
-  engine call as ``out`` (the identity is appended to ``v``), so they cost ``S_k`` extra value
-  columns: a testing aid, as in FlashAttention. Without it ``p`` is an empty tensor.
+* ``return_softmax`` works with or without dropout (FlashAttention needs dropout) and returns
+  ``p`` in FlashAttention's encoding: ``[B, H, round128(S_q), round128(S_k)]`` in q's dtype (varlen:
+  ``[B, H, round128(max_seqlen_q), round128(max_seqlen_k)]``), zero past each sequence;
+  ``|p| = exp(s - m)`` with ``m`` the running row maximum over the key blocks from this one to the
+  last (``flash_attn_interface._get_block_size_n`` wide), so ``|p| * exp(m - lse)`` are the
+  *pre-dropout* weights; entries the dropout mask dropped are negated (kept ones are ``>= 0``).
+  See ``cudnn_attn.compat.flash_attn._probs``. The weights come from engine calls (the identity
+  appended to ``v``), so they cost ``S_k`` extra value columns: a testing aid, as in
+  FlashAttention. Without it ``p`` is an empty tensor.
 * ``softmax_d`` (the backward's fourth result) is ``rowsum(dout * out)``, ``[B, H, S_q]``
   (varlen ``[H, total_q]``), in the lse dtype.
-* Output buffers ``out_``, ``dq_``, ``dk_``, ``dv_`` are written and returned.
+* Output buffers ``out_``, ``dq_``, ``dk_``, ``dv_`` are written and returned; a buffer that
+  overlaps itself (an expanded view) is refused with a ``ValueError``.
+* Bad arguments raise ``ValueError``/``TypeError`` that are also ``RuntimeError`` (what
+  FlashAttention's ``TORCH_CHECK`` raises). Window sizes may be 0-d integer tensors.
 * ``softmax_scale`` may be ``None`` for FlashAttention's default ``head_size ** -0.5``.
 * ``deterministic`` asks for a deterministic backward (as does
   ``torch.use_deterministic_algorithms(True)``). With dropout the backward must run on the engine

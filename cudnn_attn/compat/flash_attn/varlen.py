@@ -10,9 +10,9 @@ import torch
 
 from ... import _checks
 from ...varlen import cu_lengths, gather_pages, index_tensor, pad_tokens, token_slots, with_padding
-from . import _core
+from . import _core, _probs
 from ._args import (_Options, _alibi, _flag, _generator, _into, _like, _philox, _same_dtype,
-                    _seed_tensors, _softmax_d)
+                    _seed_tensors, _softmax_d, runtime_errors)
 
 __all__ = ["mha_varlen_fwd", "mha_varlen_bwd"]
 
@@ -159,6 +159,7 @@ def _batch_lengths(q, k, cu_seqlens_q, cu_seqlens_k, paged: bool):
     return lens_q, lens_k
 
 
+@runtime_errors
 def mha_varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table_,
                    alibi_slopes_, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale,
                    zero_tensors, is_causal, window_size_left, window_size_right, softcap,
@@ -170,7 +171,8 @@ def mha_varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, block_t
     page_size, H_k, D]`` of any page size: key ``t`` of sequence ``b`` is row ``t % page_size`` of
     page ``block_table_[b, t // page_size]``; the key lengths are ``cu_seqlens_k``'s (or
     ``seqused_k``). Returns ``(out [total_q, H, D_v], q, k, v, softmax_lse [H, total_q],
-    philox_seed, philox_offset, p [B, H, max_seqlen_q, max_seqlen_k] or empty)``.
+    philox_seed, philox_offset, p)``, ``p`` the weights in FlashAttention's encoding
+    ``[B, H, round128(max_seqlen_q), round128(max_seqlen_k)]`` or empty.
     """
     paged = block_table_ is not None
     q, k, v = _varlen_heads(q, k, v, paged)
@@ -188,15 +190,18 @@ def mha_varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, block_t
     _like("out_", out_, (q.shape[0], q.shape[1], v.shape[-1]), q, optional=True)
 
     kp, vp = _varlen_keys(k, v, lens_k, full_k, table, pack)
-    out, lse, dropout, probs = _core._forward(pack.pad_q(q), kp, vp, mask, alibi, opts,
-                                              return_softmax, gen_)
+    out, lse, dropout, probs, keep = _core._forward(pack.pad_q(q), kp, vp, mask, alibi, opts,
+                                                    return_softmax, gen_)
     p = q.new_empty(0)
     if probs is not None:
-        p = probs[:, :, :pack.max_q, :pack.max_k].contiguous()
+        window = (slice(None), slice(None), slice(pack.max_q), slice(pack.max_k))
+        p = _probs.encode(probs[window], None if keep is None else keep[window], q.shape[-1],
+                          opts.causal, q.dtype)
     return (_into(out_, pack.unpad(out, pack.slots_q)), q, k, v, pack.lse_packed(lse),
             *_seed_tensors(dropout), p)
 
 
+@runtime_errors
 def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q, cu_seqlens_k,
                    alibi_slopes_, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale,
                    zero_tensors, is_causal, window_size_left, window_size_right, softcap,

@@ -1,0 +1,207 @@
+"""FlashAttention 2.8's differentiable Python functions (``flash_attn_func`` and its packed and
+varlen variants) as autograd Functions over the ``mha_*`` entry points: the forward runs
+``mha_fwd``/``mha_varlen_fwd``, the backward ``mha_bwd``/``mha_varlen_bwd`` with the saved
+``softmax_lse`` and dropout seed/offset. The packed variants unbind their stacked input and call
+the unpacked function (autograd stacks the gradients back).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import NotSupportedError
+from .dense import mha_bwd, mha_fwd
+from .varlen import mha_varlen_bwd, mha_varlen_fwd
+from ._args import runtime_errors
+
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+           "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+           "flash_attn_varlen_kvpacked_func", "window_pair"]
+
+
+def window_pair(window_size) -> tuple:
+    """``(left, right)`` from a 2-sequence or a 2-element tensor (ints or 0-d integer tensors;
+    ``mha_*`` validate them)."""
+    if isinstance(window_size, torch.Tensor):
+        if window_size.numel() != 2 or window_size.dim() != 1:
+            raise ValueError(f"window_size must have 2 entries (left, right), got a tensor of "
+                             f"shape {tuple(window_size.shape)}")
+        return window_size[0], window_size[1]
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right), got {window_size!r}")
+    return tuple(window_size)
+
+
+def _results(ctx, out, lse, probs, return_softmax):
+    if not return_softmax:
+        return out
+    ctx.mark_non_differentiable(lse, probs)
+    return out, lse, probs
+
+
+class _FlashAttnFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                alibi_slopes, deterministic, return_softmax):
+        left, right = window_pair(window_size)
+        out, _, _, _, lse, seed, offset, probs = mha_fwd(
+            q, k, v, None, alibi_slopes, dropout_p, softmax_scale, causal, left, right, softcap,
+            return_softmax and dropout_p > 0, None)
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset)
+        ctx.args = (alibi_slopes, dropout_p, softmax_scale, causal, left, right, softcap,
+                    deterministic)
+        return _results(ctx, out, lse, probs, return_softmax)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        q, k, v, out, lse, seed, offset = ctx.saved_tensors
+        alibi, p, scale, causal, left, right, softcap, deterministic = ctx.args
+        dq, dk, dv, _ = mha_bwd(dout, q, k, v, out, lse, None, None, None, alibi, p, scale,
+                                causal, left, right, softcap, deterministic, seed, offset)
+        return dq, dk, dv, *([None] * 8)
+
+
+class _FlashAttnVarlenFunc(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                return_softmax, block_table):
+        left, right = window_pair(window_size)
+        out, _, _, _, lse, seed, offset, probs = mha_varlen_fwd(
+            q, k, v, None, cu_seqlens_q, cu_seqlens_k, None, block_table, alibi_slopes,
+            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, False, causal, left, right,
+            softcap, return_softmax and dropout_p > 0, None)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seed, offset)
+        ctx.args = (alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                    left, right, softcap, deterministic)
+        ctx.paged = block_table is not None
+        return _results(ctx, out, lse, probs, return_softmax)
+
+    @staticmethod
+    def backward(ctx, dout, *_):
+        if ctx.paged:
+            raise NotSupportedError(
+                "flash_attn_varlen_func backward",
+                {"flash_attn": ["the backward through a paged KV cache (block_table) is not "
+                                "supported, as in FlashAttention: pass dense k/v to train"]})
+        q, k, v, out, lse, cu_q, cu_k, seed, offset = ctx.saved_tensors
+        alibi, max_q, max_k, p, scale, causal, left, right, softcap, deterministic = ctx.args
+        dq, dk, dv, _ = mha_varlen_bwd(dout, q, k, v, out, lse, None, None, None, cu_q, cu_k,
+                                       alibi, max_q, max_k, p, scale, False, causal, left, right,
+                                       softcap, deterministic, seed, offset)
+        return dq, dk, dv, *([None] * 13)
+
+
+@runtime_errors
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """FlashAttention's ``flash_attn_func`` (differentiable in q, k, v).
+
+    Args:
+        q: ``[B, S_q, H, D]``; k: ``[B, S_k, H_k, D]``; v: ``[B, S_k, H_k, D_v]`` (``H % H_k ==
+            0``: query head ``h`` reads kv head ``h // (H // H_k)``).
+        dropout_p: dropout probability on the attention weights (0.0 for evaluation).
+        softmax_scale: default ``D ** -0.5``.
+        causal: bottom-right aligned: query ``i`` sees keys ``j <= i + S_k - S_q``.
+        window_size: ``(left, right)``, ints or 0-d integer tensors; query ``i`` sees keys in
+            ``[i + S_k - S_q - left, i + S_k - S_q + right]``, -1 unbounded.
+        softcap: ``> 0`` applies ``softcap * tanh(s / softcap)`` to the scores.
+        alibi_slopes: fp32 ``[H]`` or ``[B, H]``: adds ``-slope * |i + S_k - S_q - j|``.
+        deterministic: ask for a deterministic backward.
+        return_attn_probs: also return ``softmax_lse`` ``[B, H, S_q]`` (float32; float64 for
+            float64 inputs) and ``S_dmask``, the weights in FlashAttention's encoding (only with
+            dropout, else an empty tensor; see ``compat.flash_attn._probs``).
+
+    Returns:
+        ``out`` ``[B, S_q, H, D_v]``, or ``(out, softmax_lse, S_dmask)``.
+
+    Equivalent PyTorch (no dropout, H == H_k)::
+
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # masked as above
+        out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+    """
+    return _FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                alibi_slopes, deterministic, return_attn_probs)
+
+
+def _unbind(name: str, packed, dim: int, count: int, ndim: int):
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(packed).__name__}")
+    if packed.dim() != ndim or packed.shape[dim] != count:
+        raise ValueError(f"{name} must be {ndim}-D with {count} at dim {dim}, got shape "
+                         f"{tuple(packed.shape)}")
+    return packed.unbind(dim)
+
+
+@runtime_errors
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """``flash_attn_func`` on ``qkv`` ``[B, S, 3, H, D]`` (differentiable in qkv)."""
+    q, k, v = _unbind("qkv", qkv, 2, 3, 5)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+@runtime_errors
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """``flash_attn_func`` on ``q`` ``[B, S_q, H, D]`` and ``kv`` ``[B, S_k, 2, H_k, D]``."""
+    k, v = _unbind("kv", kv, 2, 2, 5)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+@runtime_errors
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None):
+    """FlashAttention's ``flash_attn_varlen_func`` on packed sequences (differentiable in q, k, v).
+
+    Args:
+        q: ``[total_q, H, D]``; k, v: ``[total_k, H_k, D]`` / ``[total_k, H_k, D_v]``, or paged
+            caches ``[num_blocks, page_size, H_k, D]`` with ``block_table`` (forward only).
+        cu_seqlens_q, cu_seqlens_k: int32 ``[B + 1]`` cumulative lengths; sequence ``b`` owns
+            queries ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` (keys likewise).
+        max_seqlen_q, max_seqlen_k: ints >= the longest sequence.
+        block_table: int32 ``[B, max_blocks]``: key ``t`` of sequence ``b`` is row
+            ``t % page_size`` of page ``block_table[b, t // page_size]``.
+        Others: as ``flash_attn_func``, per sequence (positions local to it).
+
+    Returns:
+        ``out`` ``[total_q, H, D_v]``, or ``(out, softmax_lse [H, total_q], S_dmask)``.
+
+    Equivalent PyTorch: ``flash_attn_func`` on each sequence alone, outputs concatenated.
+    """
+    return _FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                      softcap, alibi_slopes, deterministic, return_attn_probs,
+                                      block_table)
+
+
+@runtime_errors
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """``flash_attn_varlen_func`` on ``qkv`` ``[total, 3, H, D]`` with one ``cu_seqlens``."""
+    q, k, v = _unbind("qkv", qkv, 1, 3, 4)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs)
+
+
+@runtime_errors
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False):
+    """``flash_attn_varlen_func`` on ``q`` ``[total_q, H, D]`` and ``kv`` ``[total_k, 2, H_k, D]``."""
+    k, v = _unbind("kv", kv, 1, 2, 4)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                  softcap, alibi_slopes, deterministic, return_attn_probs)

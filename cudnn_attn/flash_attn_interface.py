@@ -1,0 +1,7 @@
+"""``cudnn_attn.flash_attn_interface`` is ``cudnn_attn.compat.flash_attn.interface`` (the same
+module object): FlashAttention 2.8's Python API, ``from cudnn_attn.flash_attn_interface import
+flash_attn_func``."""
+import sys
+from .compat.flash_attn.interface import __name__ as _target  # noqa: F401  (loads the module)
+
+sys.modules[__name__] = sys.modules[_target]

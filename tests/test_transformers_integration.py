@@ -1,0 +1,114 @@
+"""cudnn_attn.integrations.transformers: ``attn_implementation="cudnn_attn"`` in Hugging Face
+transformers decoder models (tiny models built from configs in code, no downloads), compared with
+transformers' own "sdpa" (or "eager" where SDPA cannot run: Gemma-2's softcap) in float32:
+padding through the attention mask, GQA, sliding windows, softcap, generation with a cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import cudnn_attn.integrations.transformers as ca_hf  # noqa: E402
+
+NAME = ca_hf.register()
+TOL = dict(atol=2e-5, rtol=2e-5)
+SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
+
+
+def mistral():
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=5))
+
+
+def gemma2():
+    cfg = transformers.Gemma2Config(**SMALL, head_dim=8, sliding_window=4,
+                                    attn_logit_softcapping=3.0, final_logit_softcapping=None)
+    return transformers.Gemma2ForCausalLM(cfg)
+
+
+MODELS = {"llama_gqa": (llama, "sdpa"), "mistral_sliding_window": (mistral, "sdpa"),
+          "gemma2_softcap_sliding": (gemma2, "eager")}
+
+
+def build(name):
+    torch.manual_seed(0)
+    factory, peer = MODELS[name]
+    return factory().eval(), peer
+
+
+def inputs():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (3, 12), generator=g)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, :4] = 0  # left padding
+    mask[2, 9:] = 0  # right padding
+    return ids, mask
+
+
+def logits(model, impl, ids, mask):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_logits_equal_the_peer_with_padding(name):
+    model, peer = build(name)
+    ids, mask = inputs()
+    ours, theirs = logits(model, NAME, ids, mask), logits(model, peer, ids, mask)
+    real = mask.bool()  # padded positions' logits are not defined by either
+    torch.testing.assert_close(ours[real], theirs[real], **TOL)
+    # the mask matters: without it the padded rows' logits change
+    unmasked = logits(model, NAME, ids, torch.ones_like(mask))
+    assert not torch.allclose(unmasked[1][real[1]], ours[1][real[1]], **TOL)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_generation_with_cache_equals_the_peer(name):
+    model, peer = build(name)
+    ids, mask = inputs()
+    outs = {}
+    for impl in (NAME, peer):
+        model.set_attn_implementation(impl)
+        outs[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                    output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(outs[NAME].sequences, outs[peer].sequences)
+    for a, b in zip(outs[NAME].logits, outs[peer].logits):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_training_step_gradients_equal_sdpa():
+    model, _ = build("llama_gqa")
+    ids, mask = inputs()
+    grads = {}
+    for impl in (NAME, "sdpa"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        model(ids, attention_mask=mask, labels=ids).loss.backward()
+        grads[impl] = [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(grads[NAME], grads["sdpa"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_register_registers_both_interfaces_and_checks_its_name():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    assert ca_hf.register("cudnn_attn_other") == "cudnn_attn_other"
+    assert AttentionInterface._global_mapping["cudnn_attn_other"] is ca_hf.attention_forward
+    assert "cudnn_attn_other" in AttentionMaskInterface._global_mapping
+    with pytest.raises(TypeError, match="name"):
+        ca_hf.register("")
+
+
+def test_attention_sinks_are_refused_not_ignored():
+    q = torch.randn(1, 2, 3, 8)
+    module = torch.nn.Module()
+    with pytest.raises(NotImplementedError, match="sinks"):
+        ca_hf.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
