@@ -6,7 +6,7 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 
-from . import dispatch
+from . import custom_ops, dispatch
 from .caches import LRU
 from .masks import Alibi, RelPosBias
 from .problem import AttnProblem
@@ -87,6 +87,23 @@ def run(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool):
     return plan.forward(problem, inputs, need_lse=need_lse)
 
 
+def _through_ops(q, k, v) -> bool:
+    """Whether this call must go through the custom ops: it is traced (torch.compile, export,
+    FakeTensor or meta inputs, a dispatch mode), under torch.func or forward-mode AD, or under
+    autocast. Plain eager calls run the same plan directly, with less per-call overhead."""
+    if torch.compiler.is_compiling():
+        return True
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor)):
+        return False  # validation explains what is wrong
+    return (type(q) is not torch.Tensor or type(k) is not torch.Tensor
+            or type(v) is not torch.Tensor or q.is_meta
+            or torch._C._is_any_autocast_enabled()
+            or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._functorch.peek_interpreter_stack() is not None
+            or torch.autograd.forward_ad._current_level >= 0)
+
+
 def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
               layout="bhsd", return_lse=False, backend="auto", generator=None):
     """Exact scaled dot-product attention on the fastest backend that can run it.
@@ -122,7 +139,16 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softc
         s = (s + bias).masked_fill(~visible, float("-inf"))
         lse = s.logsumexp(-1)
         out = torch.dropout(torch.softmax(s, -1).nan_to_num(0.0), dropout_p, True) @ v
+
+    Under ``torch.compile`` (``fullgraph=True`` included), ``torch.export``, FakeTensor/meta
+    inputs, ``torch.func`` and autocast the call runs through the custom ops of ``custom_ops``
+    (same engines, same plans). Autocast rule: float32/16-bit ``q, k, v`` are cast to the
+    autocast dtype, as torch SDPA does; ``out`` has that dtype, ``lse`` float32.
     """
+    if _through_ops(q, k, v):
+        return custom_ops.traced_attention(
+            q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, softcap=softcap,
+            layout=layout, return_lse=return_lse, backend=backend, generator=generator)
     problem, plan = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
                              return_lse, backend)
     if bias is not None:
