@@ -54,9 +54,13 @@ def _meta(t: Optional[Tensor]):
 def autocast_off(device_type: str):
     """A context that turns autocast off on ``device_type`` if it is on (engines pick their own
     accumulation dtypes; autocast must not recast their matmuls)."""
-    if torch.is_autocast_enabled(device_type):
+    if _autocast_on(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def _autocast_on(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def autocast_inputs(q: Tensor, k: Tensor, v: Tensor):
@@ -65,7 +69,7 @@ def autocast_inputs(q: Tensor, k: Tensor, v: Tensor):
     dtype. So ``out`` has the autocast dtype and ``lse`` float32, whatever the mask, the backend or
     ``requires_grad``."""
     device_type = q.device.type
-    if not torch.is_autocast_enabled(device_type):
+    if not _autocast_on(device_type):
         return q, k, v
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
@@ -240,13 +244,19 @@ class FunctorchAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse)
+        # functorch differentiates with create_graph=True; the backward op has no second
+        # derivative, so it must not be recorded (it would demand a setup_context of its own).
+        with torch.no_grad():
+            return _backward(ctx, dout, dlse)
 
     @staticmethod
     def jvp(ctx, dq, dk, dv, dbias, d_dropout_mask, d_lens_q, d_lens_kv, d_seed, d_spec):
         q, k, v, bias, dropout_mask, lens_q, lens_kv, seed, out, lse = ctx.saved_tensors
-        return forward_tangents(ctx.spec, (q, k, v, bias, dropout_mask, lens_q, lens_kv, seed),
-                                out, lse, dq, dk, dv, dbias)
+        with torch.no_grad():
+            d_out, d_lse = forward_tangents(ctx.spec, (q, k, v, bias, dropout_mask, lens_q,
+                                                       lens_kv, seed), out, lse, dq, dk, dv, dbias)
+        # An lse the caller does not see is marked non-differentiable: it has no tangent.
+        return d_out, d_lse if call_spec.decode(ctx.spec).return_lse else None
 
 
 def forward_tangents(spec, tensors, out, lse, dq, dk, dv, dbias):
