@@ -30,8 +30,9 @@ def _ints(values) -> str:
 
 
 def _number(x) -> str:
-    # repr() of a float round-trips exactly through json.loads.
-    return repr(float(x))
+    # repr() of a float round-trips exactly through json.loads (no float() on a float: Dynamo
+    # would make it symbolic under dynamic=True).
+    return repr(x if type(x) is float else float(x))
 
 
 def _mask_text(m: Mask) -> str:
@@ -63,11 +64,13 @@ def _slopes_text(alibi: Optional[Alibi]) -> str:
 def encode(*, mask, bias_kind: str, alibi: Optional[Alibi], scale, dropout_p, softcap,
            layout: str, backend: str, return_lse: bool, requires_grad: bool,
            bias_requires_grad: bool, dropout_scale=1.0) -> str:
-    """The constants of one call as JSON text (``scale`` is a number: resolve the default first)."""
+    """The constants of one call as JSON text (``scale=None``: the default ``D_qk ** -0.5``, resolved
+    when the op runs, so a symbolic head dim never needs a value while tracing)."""
     masks = ",".join(_mask_text(m) for m in mask_parts(mask))
     cap = "null" if softcap is None else _number(softcap)
+    scale_text = "null" if scale is None else _number(scale)
     return (f'{{"mask":[{masks}],"bias":"{bias_kind}","alibi":{_slopes_text(alibi)},'
-            f'"scale":{_number(scale)},"dropout_p":{_number(dropout_p)},"softcap":{cap},'
+            f'"scale":{scale_text},"dropout_p":{_number(dropout_p)},"softcap":{cap},'
             f'"dropout_scale":{_number(dropout_scale)},"layout":"{layout}",'
             f'"backend":"{backend}","return_lse":{int(bool(return_lse))},"grad":[{int(bool(requires_grad))},'
             f'{int(bool(bias_requires_grad))}]}}')
@@ -81,7 +84,7 @@ class CallSpec:
     runtime_padding: bool        # lengths come as tensors (the op's lens_q / lens_kv)
     bias_kind: str
     alibi: Optional[Alibi]
-    scale: float
+    scale: Optional[float]       # None: D_qk ** -0.5
     dropout_p: float
     softcap: Optional[float]
     dropout_scale: float
@@ -126,7 +129,7 @@ def decode(text: str) -> CallSpec:
     if raw["bias"] not in BIAS_KINDS:
         raise ValueError(f"unknown bias kind {raw['bias']!r} in a cudnn_attn call spec")
     for name in ("scale", "dropout_p", "dropout_scale"):
-        if not math.isfinite(raw[name]):
+        if raw[name] is not None and not math.isfinite(raw[name]):
             raise ValueError(f"{name} must be finite in a cudnn_attn call spec, got {raw[name]}")
     return CallSpec(masks=masks, runtime_padding=runtime, bias_kind=raw["bias"], alibi=alibi,
                     scale=raw["scale"], dropout_p=raw["dropout_p"], softcap=softcap,

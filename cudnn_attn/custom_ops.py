@@ -309,7 +309,8 @@ def forward_tangents(spec, tensors, out, lse, dq, dk, dv, dbias):
         row = tangent if primal is None else primal
         delta = delta + (row * keys).sum(-1)
         weighted = weighted + torch.einsum("...d,...de->...e", row, products)
-    delta, weighted = delta * call.scale, weighted * call.scale
+    scale = q.shape[-1] ** -0.5 if call.scale is None else call.scale
+    delta, weighted = delta * scale, weighted * scale
     d_out = d_out + weighted - delta[..., None] * out
     d_lse = delta if call.layout == "bhsd" else delta.transpose(1, 2)
     return d_out, d_lse.to(lse.dtype).contiguous()
@@ -355,7 +356,7 @@ def traced_attention(q, k, v, *, mask, bias, scale, dropout_p, softcap, layout, 
     bias_grad = grad and table is not None and table.requires_grad
     spec = call_spec.encode(
         mask=mask, bias_kind=kind, alibi=alibi,
-        scale=q.shape[-1] ** -0.5 if scale is None else scale, dropout_p=dropout_p,
+        scale=scale, dropout_p=dropout_p,
         softcap=softcap, layout=layout, backend=backend, return_lse=return_lse,
         requires_grad=bias_grad or (grad and (q.requires_grad or k.requires_grad
                                               or v.requires_grad)),
