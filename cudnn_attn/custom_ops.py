@@ -241,6 +241,7 @@ class FunctorchAttention(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         _setup_context(ctx, inputs, output)
         ctx.save_for_forward(*inputs[:-1], *output)
+        ctx.set_materialize_grads(False)  # an input without a tangent arrives as None
 
     @staticmethod
     def backward(ctx, dout, dlse):
