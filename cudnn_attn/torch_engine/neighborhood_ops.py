@@ -58,6 +58,8 @@ __all__ = [
 
 # Elements of one gathered chunk (B * H * queries * K * D) before the loop moves on.
 CHUNK_ELEMENTS = 1 << 24
+# Looked up once: torch.compile cannot trace a sys.modules lookup on every call.
+_THIS_MODULE = sys.modules[__name__]
 
 
 def kernels_serve(t: torch.Tensor) -> bool:
@@ -71,7 +73,7 @@ def unfused_engine(t: torch.Tensor):
     if kernels_serve(t):
         from ..fallback_kernels import unfused
         return unfused
-    return sys.modules[__name__]
+    return _THIS_MODULE
 
 
 def fused_kernels(t: torch.Tensor):
@@ -405,9 +407,10 @@ class _AVKernel(torch.autograd.Function):
 def _kernel_impl(x: torch.Tensor, geom: NaGeometry):
     """The launcher module for ``x`` when it is not this torch module (the kernels implement
     NATTEN 0.17's ops: no stride), else None."""
-    if any(s != 1 for s in geom.stride) or not kernels_serve(x):
+    if any(s != 1 for s in geom.stride):
         return None
-    return unfused_engine(x)
+    impl = unfused_engine(x)
+    return None if impl is _THIS_MODULE else impl
 
 
 def qk(query, key, geom: NaGeometry, rpb=None):
