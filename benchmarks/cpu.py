@@ -6,8 +6,9 @@ All problems are fp32, B=1, H=4, D=64, random inputs. For each neighborhood prob
   * ours:   cudnn_attn.attention(q, k, v, mask=Neighborhood(...), backend="torch")  ([B, H, S, D])
   * SDPA:   torch.nn.functional.scaled_dot_product_attention on the same tokens, unmasked (dense)
   * NATTEN: natten.na{1,2,3}d(..., backend="flex-fna") on the same data, heads-last [B, *spatial, H, D]
-and check ours against NATTEN (max abs difference). The overhead row times one small call
-([1, 1, 16, 64]) many times over. Prints a table and writes benchmarks/results/cpu-<date>.json.
+and check ours against NATTEN (max abs difference). The overhead rows time one small call
+([1, 1, 16, 64]) many times over: eager attention() (its direct path) and the custom op that a
+torch.compile'd or exported graph calls instead. Prints a table and writes benchmarks/results/cpu-<date>.json.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_attn as ca
+from cudnn_attn import call_spec
 
 B, H, D = 1, 4, 64
 PROBLEMS = [  # name, spatial shape, kernel size
@@ -78,10 +80,16 @@ def bench_neighborhood(name: str, spatial: tuple, kernel: tuple, args: argparse.
 def bench_overhead(args: argparse.Namespace) -> list[dict]:
     """Per-call time of attention() (auto and torch backends) vs SDPA on a [1, 1, 16, 64] problem."""
     q, k, v = (torch.randn(1, 1, 16, 64) for _ in range(3))
+    op_spec = call_spec.encode(mask=None, bias_kind="none", alibi=None, scale=None, dropout_p=0.0,
+                               softcap=None, layout="bhsd", backend="auto", return_lse=False,
+                               requires_grad=False, bias_requires_grad=False)
     calls = {
         "SDPA": lambda: F.scaled_dot_product_attention(q, k, v),
         "attention() auto": lambda: ca.attention(q, k, v),
         "attention() torch": lambda: ca.attention(q, k, v, backend="torch"),
+        # What a compiled graph runs per call: the custom op (dispatcher + cached plan lookup).
+        "custom op (compiled path)": lambda: torch.ops.cudnn_attn.attention_forward(
+            q, k, v, None, None, None, None, None, op_spec),
     }
     us = {label: 1e3 * _report.time_ms(fn, warmup=args.overhead_iters, repeats=args.overhead_batches,
                                         number=args.overhead_iters)
@@ -122,11 +130,17 @@ def main() -> None:
                         help="development run: 2 repeats, 1 warm-up, 1 NATTEN run (none for 3-D), "
                              "shorter overhead loop")
     parser.add_argument("--no-json", action="store_true", help="print only, write no results file")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch.set_num_threads(N) first (0: torch's default)")
+    parser.add_argument("--overhead-only", action="store_true",
+                        help="only the per-call overhead rows (no neighborhood problems)")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.warmup, args.natten_repeats = 2, 1, 1
         args.overhead_iters, args.overhead_batches = 100, 3
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     load = os.getloadavg()
     print(f"cudnn_attn {ca.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
@@ -141,7 +155,7 @@ def main() -> None:
         else:
             row["target"] = None
 
-    rows = [bench_neighborhood(*problem, args) for problem in PROBLEMS]
+    rows = [] if args.overhead_only else [bench_neighborhood(*problem, args) for problem in PROBLEMS]
     for row in rows:
         rank = len(row["spatial"])
         row["vs_sdpa_target"] = verdict(row["ours/sdpa"], TARGET_VS_SDPA, at_least=False) if rank < 3 else None

@@ -14,8 +14,14 @@ from .runtime import DropoutState, Inputs
 
 __all__ = ["attention", "explain", "Explanation"]
 
-# Recently used call signatures -> (problem, plan). A hit skips validation and dispatch, which is
-# most of the per-call cost on small problems.
+# Global switches _through_ops reads on every eager call (bound once: attribute lookups add up).
+_autocast_on = torch._C._is_any_autocast_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_functorch_level = torch._C._functorch.peek_interpreter_stack
+_forward_ad = torch.autograd.forward_ad
+
+# Recently used call signatures -> (problem, plan, direct runner or None). A hit skips validation
+# and dispatch, which is most of the per-call cost on small problems.
 _CALLS = LRU("api.calls", maxsize=256)
 
 
@@ -35,10 +41,10 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
         # True == 1 == 1.0 hash alike: a valid call (scale=1.0) must not vouch for an invalid one.
         return None
     try:
+        # No tensor types: only plain torch.Tensor inputs get here (_through_ops).
         return (q.shape, q.stride(), q.dtype, q.device, q.requires_grad,
                 k.shape, k.stride(), k.dtype, k.device, k.requires_grad,
                 v.shape, v.stride(), v.dtype, v.device, v.requires_grad,
-                type(q), type(k), type(v),
                 mask, bias_key, scale, dropout_p, softcap, layout, bool(return_lse), backend,
                 torch.are_deterministic_algorithms_enabled())
     except (AttributeError, TypeError):
@@ -57,7 +63,12 @@ def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
     problem = AttnProblem.from_tensors(q, k, v, mask=mask, bias=bias, scale=scale,
                                        dropout_p=dropout_p, softcap=softcap, layout=layout,
                                        return_lse=return_lse)
-    entry = (problem, dispatch.plan_for(problem, backend)[1])
+    plan = dispatch.plan_for(problem, backend)[1]
+    # A call that needs no lse and no gradient may run through one public op (the plan says).
+    direct = None
+    if not (return_lse or problem.requires_grad) and hasattr(plan, "direct"):
+        direct = plan.direct(problem)
+    entry = (problem, plan, direct)
     if key is not None:
         _CALLS.put(key, entry)
     return entry
@@ -93,15 +104,13 @@ def _through_ops(q, k, v) -> bool:
     autocast. Plain eager calls run the same plan directly, with less per-call overhead."""
     if torch.compiler.is_compiling():
         return True
-    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-            and isinstance(v, torch.Tensor)):
-        return False  # validation explains what is wrong
-    return (type(q) is not torch.Tensor or type(k) is not torch.Tensor
-            or type(v) is not torch.Tensor or q.is_meta
-            or torch._C._is_any_autocast_enabled()
-            or torch._C._len_torch_dispatch_stack() > 0
-            or torch._C._functorch.peek_interpreter_stack() is not None
-            or torch.autograd.forward_ad._current_level >= 0)
+    if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
+        return (q.is_meta or _autocast_on() or _dispatch_modes() > 0
+                or _functorch_level() is not None or _forward_ad._current_level >= 0)
+    # A tensor subclass (FakeTensor, FunctionalTensor, ...) is traced; anything else is not a
+    # tensor and validation explains what is wrong.
+    return isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) \
+        and isinstance(v, torch.Tensor)
 
 
 def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
@@ -149,8 +158,10 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softc
         return custom_ops.traced_attention(
             q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, softcap=softcap,
             layout=layout, return_lse=return_lse, backend=backend, generator=generator)
-    problem, plan = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
-                             return_lse, backend)
+    problem, plan, direct = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
+                                     return_lse, backend)
+    if direct is not None:
+        return direct(q, k, v)
     if bias is not None:
         bias = bias.table if isinstance(bias, RelPosBias) else \
             bias if isinstance(bias, torch.Tensor) else None
