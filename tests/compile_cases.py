@@ -98,6 +98,33 @@ SURFACES = {
 }
 
 
+def _cu(*lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+ENTRIES = {  # varlen and KV-cache entry points (one op each; backward by recompute)
+    "varlen_causal_alibi_lse": (
+        lambda q, k, v, cq, ck: ca.attention_varlen(q, k, v, cq, ck, 8, 8,
+                                                    mask=Causal("bottom_right"), bias=Alibi(),
+                                                    return_lse=True),
+        lambda: (rand(10, 4, D), rand(13, 2, D), rand(13, 2, 6), _cu(3, 7), _cu(6, 7))),
+    "varlen_window_bias": (
+        lambda q, k, v, cq, ck, b: ca.attention_varlen(q, k, v, cq, ck, 7, 7,
+                                                       mask=SlidingWindow(2, 1), bias=b),
+        lambda: (rand(10, 2, D), rand(10, 2, D), rand(10, 2, D), _cu(7, 3), _cu(7, 3),
+                 rand(2, 2, 7, 7))),
+    "kvcache_tensor_lengths": (
+        lambda q, kc, vc, lens: ca.attention_with_kvcache(q, kc, vc, lens,
+                                                          mask=Causal("bottom_right")),
+        lambda: (rand(2, 3, 4, D), rand(2, 9, 2, D), rand(2, 9, 2, D), _lens(5, 9))),
+    "kvcache_paged_lse": (
+        lambda q, kc, vc, lens, table: ca.attention_with_kvcache(
+            q, kc, vc, lens, block_table=table, return_lse=True),
+        lambda: (rand(2, 1, 2, D), rand(5, 4, 2, D), rand(5, 4, 2, D), _lens(6, 3),
+                 torch.tensor([[3, 1], [4, 0]]))),
+}
+
+
 def _module(factory):
     def make():
         torch.manual_seed(0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo.testing
-from compile_cases import ATTENTION, MODULES, SURFACES, grads, outputs, rand
+from compile_cases import ATTENTION, ENTRIES, MODULES, SURFACES, grads, outputs, rand
 
 import cudnn_attn as ca
 from cudnn_attn import Causal, Padding
@@ -61,6 +61,14 @@ def test_attention_compiles_without_breaks(case):
 @pytest.mark.parametrize("case", sorted(SURFACES))
 def test_neighborhood_functions_compile_without_breaks(case):
     fn, make = SURFACES[case]
+    args = make()
+    _assert_one_graph(fn, *args)
+    _assert_eager_equal(fn, args)
+
+
+@pytest.mark.parametrize("case", sorted(ENTRIES))
+def test_varlen_and_kvcache_compile_without_breaks(case):
+    fn, make = ENTRIES[case]
     args = make()
     _assert_one_graph(fn, *args)
     _assert_eager_equal(fn, args)

@@ -7,7 +7,7 @@ import io
 
 import pytest
 import torch
-from compile_cases import ATTENTION, MODULES, SURFACES, outputs, rand
+from compile_cases import ATTENTION, ENTRIES, MODULES, SURFACES, outputs, rand
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -73,6 +73,18 @@ def test_export_modules(case):
     module, args = factory().eval(), _detached(make())
     program = _round_trip(torch.export.export(_Wrap(lambda *a: call(module, *a)), args))
     torch.testing.assert_close(program.module()(*args), call(module, *args), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non_strict"])
+@pytest.mark.parametrize("case", ["varlen_causal_alibi_lse", "kvcache_paged_lse"])
+def test_export_varlen_and_kvcache(case, strict):
+    fn, make = ENTRIES[case]
+    args = _detached(make())
+    program = _round_trip(torch.export.export(_Wrap(fn), args, strict=strict))
+    (node,) = _ours(program)
+    assert str(node.target) == "cudnn_attn.entry_forward.default"
+    for g, w in zip(outputs(program.module()(*args)), outputs(fn(*args)), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 def test_exported_padding_lengths_stay_runtime_inputs():
