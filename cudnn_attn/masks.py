@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from . import _checks
 
@@ -174,10 +175,10 @@ def _check_length_tensor(name: str, value: torch.Tensor) -> None:
 
 
 def _traced(value) -> bool:
-    """A tensor whose values cannot be read now: under torch.compile / torch.export, or a fake,
-    meta or functional tensor."""
+    """A tensor whose values cannot be read now: under torch.compile / torch.export, or a fake
+    (also functionalized) or meta tensor."""
     return isinstance(value, torch.Tensor) and (
-        torch.compiler.is_compiling() or type(value) is not torch.Tensor or value.is_meta)
+        torch.compiler.is_compiling() or value.is_meta or is_fake(value))
 
 
 @dataclass(frozen=True, init=False)
