@@ -89,7 +89,7 @@ def bench_overhead(args: argparse.Namespace) -> list[dict]:
         "attention() torch": lambda: ca.attention(q, k, v, backend="torch"),
         # What a compiled graph runs per call: the custom op (dispatcher + cached plan lookup).
         "custom op (compiled path)": lambda: torch.ops.cudnn_attn.attention_forward(
-            q, k, v, None, None, None, None, None, op_spec),
+            q, k, v, None, None, None, None, None, None, 0.0, None, op_spec),
     }
     us = {label: 1e3 * _report.time_ms(fn, warmup=args.overhead_iters, repeats=args.overhead_batches,
                                         number=args.overhead_iters)

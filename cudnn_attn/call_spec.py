@@ -30,8 +30,13 @@ def _ints(values) -> str:
 
 
 def _number(x) -> str:
-    # repr() of a float round-trips exactly through json.loads (no float() on a float: Dynamo
-    # would make it symbolic under dynamic=True).
+    # Under torch.compile(dynamic=True) Dynamo may hand over a float default as a symbol, which
+    # has no text; the usual values become constants through a comparison (a guard).
+    if x == 0:
+        return "0.0"
+    if x == 1:
+        return "1.0"
+    # repr() of a float round-trips exactly through json.loads.
     return repr(x if type(x) is float else float(x))
 
 

@@ -2,14 +2,16 @@
 
 Two ops::
 
-    cudnn_attn::attention_forward(q, k, v, bias?, dropout_mask?, lens_q?, lens_kv?, seed?, spec)
+    cudnn_attn::attention_forward(q, k, v, bias?, dropout_mask?, lens_q?, lens_kv?, seed?,
+                                  float? scale, float dropout_p, float? softcap, str spec)
         -> (out, lse)
     cudnn_attn::attention_backward(dout, dlse?, q, k, v, bias?, dropout_mask?, lens_q?, lens_kv?,
-                                   seed?, out, lse, spec) -> (dq, dk, dv, dbias)
+                                   seed?, out, lse, scale?, dropout_p, softcap?, spec)
+        -> (dq, dk, dv, dbias)
 
-``spec`` is the call's constants as text (``call_spec``): masks, bias kind, ALiBi slopes, scale,
-dropout probability, softcap, layout, backend. Tensors are runtime inputs: the bias or RelPosBias
-table, padding lengths given as tensors, the dropout seed. Each op has a fake implementation (shapes
+``spec`` is the call's constants as text (``call_spec``): masks, bias kind, ALiBi slopes, layout,
+backend. The scalars are float arguments (Dynamo may trace them as symbols). Tensors are runtime
+inputs: the bias or RelPosBias table, padding lengths given as tensors, the dropout seed. Each op has a fake implementation (shapes
 only, so FakeTensor and meta inputs propagate and the compiler never looks inside), a vmap rule
 (one call per vmapped slice), and the forward has an autograd formula that calls the backward op.
 Inside, an op builds the ``AttnProblem`` from its real tensors, asks ``dispatch`` for the plan and
@@ -76,12 +78,15 @@ def autocast_inputs(q: Tensor, k: Tensor, v: Tensor):
                  for t in (q, k, v))
 
 
-def _prepare(spec: str, q, k, v, bias, dropout_mask, lens_q, lens_kv, *, plan: bool = True):
-    """``(call, problem, plan)`` of one op call; ``plan=False`` (fake tensors) validates only."""
+def _prepare(spec: str, q, k, v, bias, dropout_mask, lens_q, lens_kv, scalars, *,
+             plan: bool = True):
+    """``(call, problem, plan)`` of one op call (``scalars``: scale, dropout_p, softcap);
+    ``plan=False`` (fake tensors) validates only."""
     call = call_spec.decode(spec)
+    scale, dropout_p, softcap = scalars
     key = None
     if plan and not call.runtime_padding:
-        key = (spec, _meta(q), _meta(k), _meta(v), _meta(bias), _meta(dropout_mask),
+        key = (spec, scalars, _meta(q), _meta(k), _meta(v), _meta(bias), _meta(dropout_mask),
                torch.are_deterministic_algorithms_enabled())
         hit = _PREPARED.get(key)
         if hit is not None:
@@ -91,8 +96,8 @@ def _prepare(spec: str, q, k, v, bias, dropout_mask, lens_q, lens_kv, *, plan: b
     bias_arg = RelPosBias(bias) if call.bias_kind == "rpb" else \
         bias if call.bias_kind == "tensor" else None
     problem = AttnProblem.from_tensors(
-        q, k, v, mask=call.mask(padding), bias=bias_arg, scale=call.scale,
-        dropout_p=call.dropout_p, softcap=call.softcap, layout=call.layout, return_lse=True,
+        q, k, v, mask=call.mask(padding), bias=bias_arg, scale=scale,
+        dropout_p=dropout_p, softcap=softcap, layout=call.layout, return_lse=True,
         alibi=call.alibi, dropout_mask=dropout_mask, dropout_scale=call.dropout_scale)
     problem = dataclasses.replace(problem, requires_grad=call.requires_grad,
                                   bias_requires_grad=call.bias_requires_grad)
@@ -122,10 +127,12 @@ def _static_shapes(*tensors) -> bool:
 @torch.library.custom_op("cudnn_attn::attention_forward", mutates_args=())
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                       dropout_mask: Optional[Tensor], lens_q: Optional[Tensor],
-                      lens_kv: Optional[Tensor], seed: Optional[Tensor],
+                      lens_kv: Optional[Tensor], seed: Optional[Tensor], scale: Optional[float],
+                      dropout_p: float, softcap: Optional[float],
                       spec: str) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of one attention call described by ``spec`` (see the module doc)."""
-    _, problem, plan = _prepare(spec, q, k, v, bias, dropout_mask, lens_q, lens_kv)
+    _, problem, plan = _prepare(spec, q, k, v, bias, dropout_mask, lens_q, lens_kv,
+                                (scale, dropout_p, softcap))
     inputs = Inputs(q, k, v, bias, _dropout(problem, seed), dropout_mask)
     with autocast_off(q.device.type):
         out, lse = plan.forward(problem, inputs, need_lse=True)
@@ -133,10 +140,14 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
 
 
 @attention_forward.register_fake
-def _attention_forward_fake(q, k, v, bias, dropout_mask, lens_q, lens_kv, seed, spec):
+def _attention_forward_fake(q, k, v, bias, dropout_mask, lens_q, lens_kv, seed, scale,
+                            dropout_p, softcap, spec):
     call = call_spec.decode(spec)
-    if _static_shapes(q, k, v, bias, dropout_mask):
-        _prepare(spec, q, k, v, bias, dropout_mask, lens_q, lens_kv, plan=False)  # validates
+    scalars = (scale, dropout_p, softcap)
+    if _static_shapes(q, k, v, bias, dropout_mask) and all(
+            type(x) in (float, int, type(None)) for x in scalars):
+        _prepare(spec, q, k, v, bias, dropout_mask, lens_q, lens_kv, scalars,
+                 plan=False)  # validates
     if call.layout == "bhsd":
         B, H, S = q.shape[0], q.shape[1], q.shape[2]
         out_shape = (B, H, S, v.shape[3])
@@ -152,9 +163,11 @@ def attention_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tenso
                        bias: Optional[Tensor], dropout_mask: Optional[Tensor],
                        lens_q: Optional[Tensor], lens_kv: Optional[Tensor],
                        seed: Optional[Tensor], out: Tensor, lse: Tensor,
+                       scale: Optional[float], dropout_p: float, softcap: Optional[float],
                        spec: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dbias)``; ``dbias`` is empty unless the spec says the bias needs a grad."""
-    _, problem, plan = _prepare(spec, q, k, v, bias, dropout_mask, lens_q, lens_kv)
+    _, problem, plan = _prepare(spec, q, k, v, bias, dropout_mask, lens_q, lens_kv,
+                                (scale, dropout_p, softcap))
     inputs = Inputs(q, k, v, bias, _dropout(problem, seed), dropout_mask)
     with autocast_off(q.device.type):
         dq, dk, dv, dbias = plan.backward(problem, inputs, out, lse, dout, dlse)
@@ -164,7 +177,7 @@ def attention_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tenso
 
 @attention_backward.register_fake
 def _attention_backward_fake(dout, dlse, q, k, v, bias, dropout_mask, lens_q, lens_kv, seed,
-                             out, lse, spec):
+                             out, lse, scale, dropout_p, softcap, spec):
     call = call_spec.decode(spec)
     dbias = bias.new_empty(bias.shape) if call.bias_requires_grad and bias is not None \
         else q.new_empty(0)
@@ -174,10 +187,10 @@ def _attention_backward_fake(dout, dlse, q, k, v, bias, dropout_mask, lens_q, le
 # -- autograd ----------------------------------------------------------------------------------
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, dropout_mask, lens_q, lens_kv, seed, spec = inputs
+    q, k, v, bias, dropout_mask, lens_q, lens_kv, seed, *scalars, spec = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, bias, dropout_mask, lens_q, lens_kv, seed, out, lse)
-    ctx.spec = spec
+    ctx.spec, ctx.scalars = spec, tuple(scalars)
     if not call_spec.decode(spec).return_lse:
         ctx.mark_non_differentiable(lse)  # internal: the caller never sees it
 
@@ -190,9 +203,10 @@ def _backward(ctx, dout, dlse):
     if not call.return_lse:
         dlse = None  # lse was internal: nothing can reach it
     dq, dk, dv, dbias = attention_backward(dout.contiguous(), dlse, q, k, v, bias, dropout_mask,
-                                           lens_q, lens_kv, seed, out, lse, ctx.spec)
+                                           lens_q, lens_kv, seed, out, lse, *ctx.scalars,
+                                           ctx.spec)
     return (dq, dk, dv, dbias if call.bias_requires_grad else None,
-            None, None, None, None, None)
+            None, None, None, None, None, None, None, None)
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -234,13 +248,15 @@ class FunctorchAttention(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, bias, dropout_mask, lens_q, lens_kv, seed, spec):
-        return attention_forward(q, k, v, bias, dropout_mask, lens_q, lens_kv, seed, spec)
+    def forward(q, k, v, bias, dropout_mask, lens_q, lens_kv, seed, scale, dropout_p, softcap,
+                spec):
+        return attention_forward(q, k, v, bias, dropout_mask, lens_q, lens_kv, seed, scale,
+                                 dropout_p, softcap, spec)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         _setup_context(ctx, inputs, output)
-        ctx.save_for_forward(*inputs[:-1], *output)
+        ctx.save_for_forward(*inputs[:8], *output)
         ctx.set_materialize_grads(False)  # an input without a tangent arrives as None
 
     @staticmethod
@@ -251,16 +267,18 @@ class FunctorchAttention(torch.autograd.Function):
             return _backward(ctx, dout, dlse)
 
     @staticmethod
-    def jvp(ctx, dq, dk, dv, dbias, d_dropout_mask, d_lens_q, d_lens_kv, d_seed, d_spec):
+    def jvp(ctx, dq, dk, dv, dbias, d_dropout_mask, d_lens_q, d_lens_kv, d_seed, d_scale,
+            d_dropout_p, d_softcap, d_spec):
         q, k, v, bias, dropout_mask, lens_q, lens_kv, seed, out, lse = ctx.saved_tensors
         with torch.no_grad():
-            d_out, d_lse = forward_tangents(ctx.spec, (q, k, v, bias, dropout_mask, lens_q,
-                                                       lens_kv, seed), out, lse, dq, dk, dv, dbias)
+            d_out, d_lse = forward_tangents(ctx.spec, ctx.scalars, (q, k, v, bias, dropout_mask,
+                                                                    lens_q, lens_kv, seed),
+                                            out, lse, dq, dk, dv, dbias)
         # An lse the caller does not see is marked non-differentiable: it has no tangent.
         return d_out, d_lse if call_spec.decode(ctx.spec).return_lse else None
 
 
-def forward_tangents(spec, tensors, out, lse, dq, dk, dv, dbias):
+def forward_tangents(spec, scalars, tensors, out, lse, dq, dk, dv, dbias):
     """Forward-mode derivative ``(d out, d lse)`` of attention for tangents ``dq, dk, dv``.
 
     With ``P`` the attention weights, ``s`` the scores and ``delta_i = sum_j P_ij ds_ij``::
@@ -274,11 +292,11 @@ def forward_tangents(spec, tensors, out, lse, dq, dk, dv, dbias):
     per-pair and are not supported.
     """
     q, k, v, bias, dropout_mask, lens_q, lens_kv, seed = tensors
-    call = call_spec.decode(spec)
+    scale, dropout_p, softcap = scalars
     reasons = []
-    if call.dropout_p > 0 or dropout_mask is not None:
+    if dropout_p > 0 or dropout_mask is not None:
         reasons.append("dropout has no forward-mode formula here")
-    if call.softcap is not None:
+    if softcap:
         reasons.append("softcap has no forward-mode formula here")
     if dbias is not None:
         reasons.append("a tangent on the bias (tensor or RelPosBias table) is not supported; "
@@ -298,7 +316,7 @@ def forward_tangents(spec, tensors, out, lse, dq, dk, dv, dbias):
     sizes = [x.shape[-1] for x in values]
     inner = call_spec.forward_only(spec)
     sums, _ = attention_forward(q, k, torch.cat(values, -1), bias, None, lens_q, lens_kv, None,
-                                inner)
+                                scale, 0.0, None, inner)
     parts = list(sums.split(sizes, -1))
     d_out = parts.pop(0) if dv is not None else torch.zeros_like(out)
     delta = out.new_zeros(out.shape[:-1])
@@ -310,10 +328,10 @@ def forward_tangents(spec, tensors, out, lse, dq, dk, dv, dbias):
         row = tangent if primal is None else primal
         delta = delta + (row * keys).sum(-1)
         weighted = weighted + torch.einsum("...d,...de->...e", row, products)
-    scale = q.shape[-1] ** -0.5 if call.scale is None else call.scale
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     delta, weighted = delta * scale, weighted * scale
     d_out = d_out + weighted - delta[..., None] * out
-    d_lse = delta if call.layout == "bhsd" else delta.transpose(1, 2)
+    d_lse = delta if call_spec.decode(spec).layout == "bhsd" else delta.transpose(1, 2)
     return d_out, d_lse.to(lse.dtype).contiguous()
 
 
@@ -329,6 +347,11 @@ def _outer(a: Tensor, b: Tensor) -> Tensor:
 def _functorch_active() -> bool:
     return (torch._C._functorch.peek_interpreter_stack() is not None
             or torch.autograd.forward_ad._current_level >= 0)
+
+
+def _scalar(x):
+    """A float op argument (a Python number, a Dynamo symbol or a 0-d tensor's value)."""
+    return x if isinstance(x, float) else float(x)
 
 
 def traced_attention(q, k, v, *, mask, bias, scale, dropout_p, softcap, layout, return_lse,
@@ -350,19 +373,22 @@ def traced_attention(q, k, v, *, mask, bias, scale, dropout_p, softcap, layout, 
         if isinstance(m, Padding) and m.runtime is not None:
             lens_q, lens_kv = m.runtime
     seed = None
-    if isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and dropout_p > 0:
+    if isinstance(dropout_p, (int, float, torch.SymFloat)) and not isinstance(dropout_p, bool) \
+            and dropout_p > 0:
         device = generator.device if generator is not None else "cpu"
         seed = torch.randint(0, SEED_BOUND, (1,), generator=generator, device=device)
     grad = torch.is_grad_enabled()
     bias_grad = grad and table is not None and table.requires_grad
+    # The scalars go as float arguments: the spec keeps only what the compiler holds constant.
     spec = call_spec.encode(
-        mask=mask, bias_kind=kind, alibi=alibi,
-        scale=scale, dropout_p=dropout_p,
-        softcap=softcap, layout=layout, backend=backend, return_lse=return_lse,
+        mask=mask, bias_kind=kind, alibi=alibi, scale=None, dropout_p=0.0, softcap=None,
+        layout=layout, backend=backend, return_lse=return_lse,
         requires_grad=bias_grad or (grad and (q.requires_grad or k.requires_grad
                                               or v.requires_grad)),
         bias_requires_grad=bias_grad)
-    args = (q, k, v, table, None, lens_q, lens_kv, seed, spec)
+    args = (q, k, v, table, None, lens_q, lens_kv, seed,
+            None if scale is None else _scalar(scale), _scalar(dropout_p),
+            None if softcap is None else _scalar(softcap), spec)
     if not torch.compiler.is_compiling() and _functorch_active():
         out, lse = FunctorchAttention.apply(*args)
     else:

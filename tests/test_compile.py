@@ -109,6 +109,22 @@ def test_automatic_dynamic_shapes():
     assert counter.frame_count == 2
 
 
+def test_dynamic_true_from_the_first_call():
+    """``dynamic=True``: shapes and float scalars (a module's scale) are symbols from the start;
+    one graph serves every length, forward and backward."""
+    counter = torch._dynamo.testing.CompileCounter()
+    _cold()
+    torch.manual_seed(0)
+    module = ca.nn.MultiheadAttention(16, 4, num_kv_heads=2, mask=Causal(), scale=0.3).double()
+    compiled = torch.compile(module, fullgraph=True, dynamic=True, backend=counter)
+    for length in (5, 9, 12):
+        x = rand(2, length, 16)
+        torch.testing.assert_close(compiled(x), module(x), rtol=1e-12, atol=1e-12)
+    assert counter.frame_count == 1
+    _assert_eager_equal(torch.compile(module, dynamic=True, backend="aot_eager"), (rand(2, 7, 16),),
+                        extra_wrt=list(module.parameters()))
+
+
 def test_inductor_forward_and_backward():
     """One case end to end through inductor (C++ codegen on the CPU): runtime padding lengths,
     GQA, bottom-right causal, fp32."""
