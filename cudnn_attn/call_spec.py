@@ -20,7 +20,7 @@ from typing import Optional
 from .caches import memoize
 from .masks import Alibi, Causal, Mask, MaskSet, Neighborhood, Padding, SlidingWindow, mask_parts
 
-__all__ = ["CallSpec", "encode", "decode", "forward_only", "BIAS_KINDS"]
+__all__ = ["BIAS_KINDS", "CallSpec", "decode", "encode", "forward_only"]
 
 BIAS_KINDS = ("none", "tensor", "rpb")
 

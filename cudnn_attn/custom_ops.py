@@ -40,8 +40,16 @@ from .masks import Alibi, Padding, RelPosBias, mask_parts
 from .problem import AttnProblem, accumulator_dtype
 from .runtime import DropoutState, Inputs
 
-__all__ = ["attention_forward", "attention_backward", "traced_attention", "autocast_inputs",
-           "autocast_off", "forward_tangents", "FunctorchAttention", "SEED_BOUND"]
+__all__ = [
+    "SEED_BOUND",
+    "FunctorchAttention",
+    "attention_backward",
+    "attention_forward",
+    "autocast_inputs",
+    "autocast_off",
+    "forward_tangents",
+    "traced_attention",
+]
 
 SEED_BOUND = 2 ** 62  # as runtime.DropoutState.draw: one draw per call, same generator stream
 
@@ -291,7 +299,7 @@ def forward_tangents(spec, scalars, tensors, out, lse, dq, dk, dv, dbias):
     computes the tangent too. Softcap, dropout and a tangent on the bias make ``ds`` or ``P``
     per-pair and are not supported.
     """
-    q, k, v, bias, dropout_mask, lens_q, lens_kv, seed = tensors
+    q, k, v, bias, dropout_mask, lens_q, lens_kv, _seed = tensors
     scale, dropout_p, softcap = scalars
     reasons = []
     if dropout_p > 0 or dropout_mask is not None:

@@ -21,16 +21,16 @@ its seed as a tensor, so both runs draw the same masks.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
-
 import contextlib
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .call_spec import decode
 
-__all__ = ["register", "call", "entry_forward", "entry_backward"]
+__all__ = ["call", "entry_backward", "entry_forward", "register"]
 
 # name -> (run(tensors, call, ints) -> outputs, shapes(tensors, call, ints) -> ((shape, dtype), ...));
 # each module registers its own at import, so this module imports none of them.

@@ -86,7 +86,7 @@ def test_padding_lengths_are_runtime_inputs():
     """New tensor lengths reuse the compiled graph (no recompile) and give eager's results."""
     counter = torch._dynamo.testing.CompileCounter()
     _cold()
-    fn = lambda q, k, v, lens: ca.attention(q, k, v, mask=Padding(lens) & Causal())  # noqa: E731
+    fn = lambda q, k, v, lens: ca.attention(q, k, v, mask=Padding(lens) & Causal())
     compiled = torch.compile(fn, fullgraph=True, backend=counter)
     q, k, v = (rand(2, 2, 10, 8, grad=False) for _ in range(3))
     for lens in ([3, 10], [10, 1], [0, 7]):
@@ -100,7 +100,7 @@ def test_automatic_dynamic_shapes():
     propagates them); later lengths reuse that graph."""
     counter = torch._dynamo.testing.CompileCounter()
     _cold()
-    fn = lambda q, k, v: ca.attention(q, k, v, mask=Causal("bottom_right"))  # noqa: E731
+    fn = lambda q, k, v: ca.attention(q, k, v, mask=Causal("bottom_right"))
     compiled = torch.compile(fn, fullgraph=True, backend=counter)
     for s_q, s_kv in ((5, 9), (7, 13), (8, 15)):
         q, k, v = rand(1, 2, s_q, 8, grad=False), rand(1, 2, s_kv, 8, grad=False), \
@@ -144,7 +144,7 @@ def test_validation_errors_surface_while_tracing():
     eager error's text."""
     _cold()
     q = rand(1, 2, 10, 8, grad=False)
-    fn = lambda q: ca.attention(q, q, q, mask=ca.Neighborhood(12, 3))  # noqa: E731
+    fn = lambda q: ca.attention(q, q, q, mask=ca.Neighborhood(12, 3))
     with pytest.raises(ValueError, match="needs S_q == S_kv == 12"):
         fn(q)
     with pytest.raises(Exception, match="needs S_q == S_kv == 12"):

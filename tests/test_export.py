@@ -88,7 +88,7 @@ def test_export_varlen_and_kvcache(case, strict):
 
 
 def test_exported_padding_lengths_stay_runtime_inputs():
-    fn = lambda q, k, v, lens: ca.attention(q, k, v, mask=Padding(lens) & Causal())  # noqa: E731
+    fn = lambda q, k, v, lens: ca.attention(q, k, v, mask=Padding(lens) & Causal())
     q, k, v = (rand(2, 2, 10, 8, grad=False) for _ in range(3))
     program = _round_trip(torch.export.export(_Wrap(fn), (q, k, v, torch.tensor([3, 10]))))
     for lens in ([10, 1], [0, 6]):

@@ -117,7 +117,7 @@ def test_jvp_matches_the_oracle(case):
         out, lse = oracle.reference_attention(q, k, v, visible, layout=layout, alibi_slopes=slopes)
         return out, torch.where(torch.isfinite(lse), lse, 0)
 
-    (out, lse), (d_out, d_lse) = torch.func.jvp(ours, primals, tangents)
+    (out, _), (d_out, d_lse) = torch.func.jvp(ours, primals, tangents)
     (ref_out, _), (ref_d_out, ref_d_lse) = torch.func.jvp(reference, primals, tangents)
     torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(d_out, ref_d_out, rtol=1e-9, atol=1e-9)
@@ -129,7 +129,7 @@ def test_jvp_with_constant_relpos_bias_and_forward_ad():
     q, k, v = (rand(1, 2, 16, 8, grad=False) for _ in range(3))
     table = rand(2, 5, 5, grad=False)
     mask = Neighborhood((4, 4), 3)
-    fn = lambda q: ca.attention(q, k, v, mask=mask, bias=RelPosBias(table))  # noqa: E731
+    fn = lambda q: ca.attention(q, k, v, mask=mask, bias=RelPosBias(table))
     tangent = torch.randn_like(q)
     _, got = torch.func.jvp(fn, (q,), (tangent,))
     with torch.autograd.forward_ad.dual_level():
@@ -148,7 +148,7 @@ def test_jacfwd_equals_jacrev():
     """jacfwd (jvp under vmap) and jacrev (vjp under vmap) agree on a tiny causal GQA problem."""
     q, k, v = rand(1, 2, 3, 4, grad=False), rand(1, 1, 5, 4, grad=False), \
         rand(1, 1, 5, 3, grad=False)
-    fn = lambda q, k: ca.attention(q, k, v, mask=Causal("bottom_right"))  # noqa: E731
+    fn = lambda q, k: ca.attention(q, k, v, mask=Causal("bottom_right"))
     for argnum in (0, 1):
         forward = torch.func.jacfwd(fn, argnums=argnum)(q, k)
         reverse = torch.func.jacrev(fn, argnums=argnum)(q, k)
@@ -195,7 +195,7 @@ def test_autocast_rule(mask, requires_grad):
 
 def test_autocast_rule_compiled_and_float64():
     q, k, v = (rand(1, 2, 12, 8, dtype=torch.float32, grad=False) for _ in range(3))
-    fn = lambda q, k, v: ca.attention(q, k, v, mask=Neighborhood(12, 3))  # noqa: E731
+    fn = lambda q, k, v: ca.attention(q, k, v, mask=Neighborhood(12, 3))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
         eager = fn(q, k, v)
