@@ -19,6 +19,7 @@ _autocast_on = torch._C._is_any_autocast_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _functorch_level = torch._C._functorch.peek_interpreter_stack
 _forward_ad = torch.autograd.forward_ad
+_deterministic = torch.are_deterministic_algorithms_enabled
 
 # Recently used call signatures -> (problem, plan, direct runner or None). A hit skips validation
 # and dispatch, which is most of the per-call cost on small problems.
@@ -28,16 +29,18 @@ _CALLS = LRU("api.calls", maxsize=256)
 def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse, backend):
     """A flat, hashable summary of a call; ``None`` when an argument is not what it should be
     (validation then explains what is wrong)."""
-    if isinstance(bias, torch.Tensor):
+    if bias is None:
+        bias_key = None
+    elif isinstance(bias, torch.Tensor):
         bias_key = (bias.shape, bias.stride(), bias.dtype, bias.device, bias.requires_grad)
     elif isinstance(bias, RelPosBias):
         t = bias.table
         bias_key = ("rpb", t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-    elif bias is None or isinstance(bias, Alibi):
+    elif isinstance(bias, Alibi):
         bias_key = bias
     else:
         return None
-    if bool in (type(scale), type(dropout_p), type(softcap)):
+    if type(scale) is bool or type(dropout_p) is bool or type(softcap) is bool:
         # True == 1 == 1.0 hash alike: a valid call (scale=1.0) must not vouch for an invalid one.
         return None
     try:
@@ -46,7 +49,7 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
                 k.shape, k.stride(), k.dtype, k.device, k.requires_grad,
                 v.shape, v.stride(), v.dtype, v.device, v.requires_grad,
                 mask, bias_key, scale, dropout_p, softcap, layout, bool(return_lse), backend,
-                torch.are_deterministic_algorithms_enabled())
+                _deterministic())
     except (AttributeError, TypeError):
         return None
 
