@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 import warnings
 from typing import Any
 
@@ -91,9 +92,18 @@ def bench_overhead(args: argparse.Namespace) -> list[dict]:
         "custom op (compiled path)": lambda: torch.ops.cudnn_attn.attention_forward(
             q, k, v, None, None, None, None, None, None, 0.0, None, op_spec),
     }
-    us = {label: 1e3 * _report.time_ms(fn, warmup=args.overhead_iters, repeats=args.overhead_batches,
-                                        number=args.overhead_iters)
-          for label, fn in calls.items()}
+    # Interleaved batches, best batch per call: on a shared machine a burst of other work then
+    # hits every call alike instead of whichever happened to run during it.
+    for fn in calls.values():
+        for _ in range(args.overhead_iters):
+            fn()
+    us = {label: math.inf for label in calls}
+    for _ in range(args.overhead_batches):
+        for label, fn in calls.items():
+            start = time.perf_counter()
+            for _ in range(args.overhead_iters):
+                fn()
+            us[label] = min(us[label], 1e6 * (time.perf_counter() - start) / args.overhead_iters)
     rows = [{"call": label, "us_per_call": t, "vs_sdpa": t / us["SDPA"]} for label, t in us.items()]
     rows.append({"call": "graph_cache hit (lookup)", "us_per_call": bench_cache_hit(args),
                  "vs_sdpa": None})
@@ -125,7 +135,8 @@ def main() -> None:
     parser.add_argument("--natten-repeats", type=int, default=3, help="timed NATTEN runs (default 3)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up runs (default 2)")
     parser.add_argument("--overhead-iters", type=int, default=500, help="calls per overhead batch")
-    parser.add_argument("--overhead-batches", type=int, default=7, help="overhead batches (median)")
+    parser.add_argument("--overhead-batches", type=int, default=7,
+                        help="overhead batches, interleaved across the calls (best batch)")
     parser.add_argument("--quick", action="store_true",
                         help="development run: 2 repeats, 1 warm-up, 1 NATTEN run (none for 3-D), "
                              "shorter overhead loop")
