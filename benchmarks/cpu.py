@@ -6,8 +6,9 @@ All problems are fp32, B=1, H=4, D=64, random inputs. For each neighborhood prob
   * ours:   cudnn_attn.attention(q, k, v, mask=Neighborhood(...), backend="torch")  ([B, H, S, D])
   * SDPA:   torch.nn.functional.scaled_dot_product_attention on the same tokens, unmasked (dense)
   * NATTEN: natten.na{1,2,3}d(..., backend="flex-fna") on the same data, heads-last [B, *spatial, H, D]
-and check ours against NATTEN (max abs difference). The overhead row times one small call
-([1, 1, 16, 64]) many times over. Prints a table and writes benchmarks/results/cpu-<date>.json.
+and check ours against NATTEN (max abs difference). The overhead rows time one small call
+([1, 1, 16, 64]) many times over: eager attention() (its direct path) and the custom op that a
+torch.compile'd or exported graph calls instead. Prints a table and writes benchmarks/results/cpu-<date>.json.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 import warnings
 from typing import Any
 
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_attn as ca
+from cudnn_attn import call_spec
 
 B, H, D = 1, 4, 64
 PROBLEMS = [  # name, spatial shape, kernel size
@@ -78,14 +81,29 @@ def bench_neighborhood(name: str, spatial: tuple, kernel: tuple, args: argparse.
 def bench_overhead(args: argparse.Namespace) -> list[dict]:
     """Per-call time of attention() (auto and torch backends) vs SDPA on a [1, 1, 16, 64] problem."""
     q, k, v = (torch.randn(1, 1, 16, 64) for _ in range(3))
+    op_spec = call_spec.encode(mask=None, bias_kind="none", alibi=None, scale=None, dropout_p=0.0,
+                               softcap=None, layout="bhsd", backend="auto", return_lse=False,
+                               requires_grad=False, bias_requires_grad=False)
     calls = {
         "SDPA": lambda: F.scaled_dot_product_attention(q, k, v),
         "attention() auto": lambda: ca.attention(q, k, v),
         "attention() torch": lambda: ca.attention(q, k, v, backend="torch"),
+        # What a compiled graph runs per call: the custom op (dispatcher + cached plan lookup).
+        "custom op (compiled path)": lambda: torch.ops.cudnn_attn.attention_forward(
+            q, k, v, None, None, None, None, None, None, 0.0, None, op_spec),
     }
-    us = {label: 1e3 * _report.time_ms(fn, warmup=args.overhead_iters, repeats=args.overhead_batches,
-                                        number=args.overhead_iters)
-          for label, fn in calls.items()}
+    # Interleaved batches, best batch per call: on a shared machine a burst of other work then
+    # hits every call alike instead of whichever happened to run during it.
+    for fn in calls.values():
+        for _ in range(args.overhead_iters):
+            fn()
+    us = {label: math.inf for label in calls}
+    for _ in range(args.overhead_batches):
+        for label, fn in calls.items():
+            start = time.perf_counter()
+            for _ in range(args.overhead_iters):
+                fn()
+            us[label] = min(us[label], 1e6 * (time.perf_counter() - start) / args.overhead_iters)
     rows = [{"call": label, "us_per_call": t, "vs_sdpa": t / us["SDPA"]} for label, t in us.items()]
     rows.append({"call": "graph_cache hit (lookup)", "us_per_call": bench_cache_hit(args),
                  "vs_sdpa": None})
@@ -117,16 +135,23 @@ def main() -> None:
     parser.add_argument("--natten-repeats", type=int, default=3, help="timed NATTEN runs (default 3)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up runs (default 2)")
     parser.add_argument("--overhead-iters", type=int, default=500, help="calls per overhead batch")
-    parser.add_argument("--overhead-batches", type=int, default=7, help="overhead batches (median)")
+    parser.add_argument("--overhead-batches", type=int, default=7,
+                        help="overhead batches, interleaved across the calls (best batch)")
     parser.add_argument("--quick", action="store_true",
                         help="development run: 2 repeats, 1 warm-up, 1 NATTEN run (none for 3-D), "
                              "shorter overhead loop")
     parser.add_argument("--no-json", action="store_true", help="print only, write no results file")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch.set_num_threads(N) first (0: torch's default)")
+    parser.add_argument("--overhead-only", action="store_true",
+                        help="only the per-call overhead rows (no neighborhood problems)")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.warmup, args.natten_repeats = 2, 1, 1
         args.overhead_iters, args.overhead_batches = 100, 3
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     load = os.getloadavg()
     print(f"cudnn_attn {ca.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
@@ -141,7 +166,7 @@ def main() -> None:
         else:
             row["target"] = None
 
-    rows = [bench_neighborhood(*problem, args) for problem in PROBLEMS]
+    rows = [] if args.overhead_only else [bench_neighborhood(*problem, args) for problem in PROBLEMS]
     for row in rows:
         rank = len(row["spatial"])
         row["vs_sdpa_target"] = verdict(row["ours/sdpa"], TARGET_VS_SDPA, at_least=False) if rank < 3 else None

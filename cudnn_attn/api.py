@@ -6,7 +6,7 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 
-from . import dispatch
+from . import custom_ops, dispatch
 from .caches import LRU
 from .masks import Alibi, RelPosBias
 from .problem import AttnProblem
@@ -14,33 +14,43 @@ from .runtime import DropoutState, Inputs, hide_padded_rows, hide_padding
 
 __all__ = ["attention", "explain", "Explanation"]
 
-# Recently used call signatures -> (problem, plan). A hit skips validation and dispatch, which is
-# most of the per-call cost on small problems.
+# Global switches _through_ops reads on every eager call (bound once: attribute lookups add up).
+_autocast_on = torch._C._is_any_autocast_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_functorch_level = torch._C._functorch.peek_interpreter_stack
+_forward_ad = torch.autograd.forward_ad
+_deterministic = torch.are_deterministic_algorithms_enabled
+
+# Recently used call signatures -> (problem, plan, direct runner or None). A hit skips validation
+# and dispatch, which is most of the per-call cost on small problems.
 _CALLS = LRU("api.calls", maxsize=256)
 
 
 def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse, backend):
     """A flat, hashable summary of a call; ``None`` when an argument is not what it should be
     (validation then explains what is wrong)."""
-    if isinstance(bias, torch.Tensor):
+    if bias is None:
+        bias_key = None
+    elif isinstance(bias, torch.Tensor):
         bias_key = (bias.shape, bias.stride(), bias.dtype, bias.device, bias.requires_grad)
     elif isinstance(bias, RelPosBias):
         t = bias.table
         bias_key = ("rpb", t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-    elif bias is None or isinstance(bias, Alibi):
+    elif isinstance(bias, Alibi):
         bias_key = bias
     else:
         return None
-    if bool in (type(scale), type(dropout_p), type(softcap)) or type(return_lse) is not bool:
+    if type(scale) is bool or type(dropout_p) is bool or type(softcap) is bool \
+            or type(return_lse) is not bool:
         # True == 1 == 1.0 hash alike: a valid call (scale=1.0) must not vouch for an invalid one.
         return None
     try:
+        # No tensor types: only plain torch.Tensor inputs get here (_through_ops).
         return (q.shape, q.stride(), q.dtype, q.device, q.requires_grad,
                 k.shape, k.stride(), k.dtype, k.device, k.requires_grad,
                 v.shape, v.stride(), v.dtype, v.device, v.requires_grad,
-                type(q), type(k), type(v),
                 mask, bias_key, scale, dropout_p, softcap, layout, return_lse, backend,
-                torch.are_deterministic_algorithms_enabled())
+                _deterministic())
     except (AttributeError, TypeError):
         return None
 
@@ -57,7 +67,12 @@ def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
     problem = AttnProblem.from_tensors(q, k, v, mask=mask, bias=bias, scale=scale,
                                        dropout_p=dropout_p, softcap=softcap, layout=layout,
                                        return_lse=return_lse)
-    entry = (problem, dispatch.plan_for(problem, backend)[1])
+    plan = dispatch.plan_for(problem, backend)[1]
+    # A call that needs no lse and no gradient may run through one public op (the plan says).
+    direct = None
+    if not (return_lse or problem.requires_grad) and hasattr(plan, "direct"):
+        direct = plan.direct(problem)
+    entry = (problem, plan, direct)
     if key is not None:
         _CALLS.put(key, entry)
     return entry
@@ -88,6 +103,21 @@ def run(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool):
                                             inputs.q, inputs.k, inputs.v, inputs.bias)
         return hide_padded_rows(problem, out), lse
     return plan.forward(problem, inputs, need_lse=need_lse)
+
+
+def _through_ops(q, k, v) -> bool:
+    """Whether this call must go through the custom ops: it is traced (torch.compile, export,
+    FakeTensor or meta inputs, a dispatch mode), under torch.func or forward-mode AD, or under
+    autocast. Plain eager calls run the same plan directly, with less per-call overhead."""
+    if torch.compiler.is_compiling():
+        return True
+    if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
+        return (q.is_meta or _autocast_on() or _dispatch_modes() > 0
+                or _functorch_level() is not None or _forward_ad._current_level >= 0)
+    # A tensor subclass (FakeTensor, FunctionalTensor, ...) is traced; anything else is not a
+    # tensor and validation explains what is wrong.
+    return isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) \
+        and isinstance(v, torch.Tensor)
 
 
 def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
@@ -125,9 +155,20 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softc
         s = (s + bias).masked_fill(~visible, float("-inf"))
         lse = s.logsumexp(-1)
         out = torch.dropout(torch.softmax(s, -1).nan_to_num(0.0), dropout_p, True) @ v
+
+    Under ``torch.compile`` (``fullgraph=True`` included), ``torch.export``, FakeTensor/meta
+    inputs, ``torch.func`` and autocast the call runs through the custom ops of ``custom_ops``
+    (same engines, same plans). Autocast rule: float32/16-bit ``q, k, v`` are cast to the
+    autocast dtype, as torch SDPA does; ``out`` has that dtype, ``lse`` float32.
     """
-    problem, plan = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
-                             return_lse, backend)
+    if _through_ops(q, k, v):
+        return custom_ops.traced_attention(
+            q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, softcap=softcap,
+            layout=layout, return_lse=return_lse, backend=backend, generator=generator)
+    problem, plan, direct = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
+                                     return_lse, backend)
+    if direct is not None:
+        return direct(q, k, v)
     if bias is not None:
         bias = bias.table if isinstance(bias, RelPosBias) else \
             bias if isinstance(bias, torch.Tensor) else None

@@ -13,11 +13,13 @@ Alignment of a query row ``i`` against ``S_kv`` keys (used by ``Causal``, ``Slid
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from . import _checks
 
@@ -159,13 +161,24 @@ class Neighborhood(Mask):
 
 def _as_lengths(name: str, value) -> tuple[int, ...]:
     if isinstance(value, torch.Tensor):
-        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
-            raise ValueError(f"{name} must be a 1-D integer tensor, got {value.dtype} of shape "
-                             f"{tuple(value.shape)}")
+        _check_length_tensor(name, value)
         value = value.tolist()
     if not isinstance(value, Sequence) or isinstance(value, str):
         raise TypeError(f"{name} must be a sequence of ints or a 1-D integer tensor, got {value!r}")
     return tuple(_checks.integer(name, n, 0, maximum=_checks.MAX_POSITION) for n in value)
+
+
+def _check_length_tensor(name: str, value: torch.Tensor) -> None:
+    if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
+        raise ValueError(f"{name} must be a 1-D integer tensor, got {value.dtype} of shape "
+                         f"{tuple(value.shape)}")
+
+
+def _traced(value) -> bool:
+    """A tensor whose values cannot be read now: under torch.compile / torch.export, or a fake
+    (also functionalized) or meta tensor."""
+    return isinstance(value, torch.Tensor) and (
+        torch.compiler.is_compiling() or value.is_meta or is_fake(value))
 
 
 @dataclass(frozen=True, init=False)
@@ -179,12 +192,20 @@ class Padding(Mask):
         1 1 1 0
         1 1 1 0
         0 0 0 0
+
+    Built from tensors while torch.compile / torch.export traces (or from fake/meta tensors),
+    the lengths cannot be read: ``seq_lens_q``/``seq_lens_kv`` are then ``None`` and ``runtime``
+    holds the two 1-D tensors, which ``attention()`` passes to its custom op as runtime inputs.
     """
 
-    seq_lens_q: tuple[int, ...]
-    seq_lens_kv: tuple[int, ...]
+    seq_lens_q: Optional[tuple[int, ...]]
+    seq_lens_kv: Optional[tuple[int, ...]]
+    runtime: Optional[tuple] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __init__(self, seq_lens_q, seq_lens_kv=None):
+        if _traced(seq_lens_q) or _traced(seq_lens_kv):
+            self._init_runtime(seq_lens_q, seq_lens_q if seq_lens_kv is None else seq_lens_kv)
+            return
         lens_q = _as_lengths("seq_lens_q", seq_lens_q)
         lens_kv = lens_q if seq_lens_kv is None else _as_lengths("seq_lens_kv", seq_lens_kv)
         if len(lens_q) != len(lens_kv):
@@ -192,6 +213,20 @@ class Padding(Mask):
                              f"{len(lens_q)} and {len(lens_kv)}")
         object.__setattr__(self, "seq_lens_q", lens_q)
         object.__setattr__(self, "seq_lens_kv", lens_kv)
+
+    def _init_runtime(self, lens_q, lens_kv) -> None:
+        tensors = []
+        for name, value, other in (("seq_lens_q", lens_q, lens_kv), ("seq_lens_kv", lens_kv, lens_q)):
+            if not isinstance(value, torch.Tensor):
+                value = torch.tensor(_as_lengths(name, value), device=other.device)
+            _check_length_tensor(name, value)
+            tensors.append(value)
+        if tensors[0].shape != tensors[1].shape:
+            raise ValueError(f"seq_lens_q and seq_lens_kv must have one entry per batch, got "
+                             f"{tensors[0].shape[0]} and {tensors[1].shape[0]}")
+        object.__setattr__(self, "seq_lens_q", None)
+        object.__setattr__(self, "seq_lens_kv", None)
+        object.__setattr__(self, "runtime", tuple(tensors))
 
 
 @dataclass(frozen=True)
@@ -203,11 +238,17 @@ class MaskSet(Mask):
     @staticmethod
     def of(*masks: Mask) -> "Mask":
         flat = {p for m in masks for p in m.parts()}
-        ordered = tuple(sorted(flat, key=repr))
+        ordered = tuple(sorted(flat, key=_order))
         return ordered[0] if len(ordered) == 1 else MaskSet(ordered)
 
     def parts(self) -> tuple[Mask, ...]:
         return self.members
+
+
+def _order(mask: Mask) -> tuple:
+    # A canonical order built from field values (not repr, which torch.compile cannot trace).
+    return (type(mask).__name__,
+            tuple(getattr(mask, f.name) for f in dataclasses.fields(mask) if f.compare))
 
 
 def mask_parts(mask: Mask | None) -> tuple[Mask, ...]:

@@ -88,6 +88,13 @@ def _bias_cells(valid_q: torch.Tensor, valid_kv: torch.Tensor, shape: torch.Size
     return rows & cols
 
 
+def _lengths(padding):
+    """Host lengths, or the runtime tensors of a ``Padding`` built while tracing."""
+    if padding.seq_lens_q is None:
+        return padding.runtime
+    return padding.seq_lens_q, padding.seq_lens_kv
+
+
 def hide_padding(problem, inputs: Inputs) -> Inputs:
     """``inputs`` with every position past the ``Padding`` lengths replaced by 0.
 
@@ -100,8 +107,9 @@ def hide_padding(problem, inputs: Inputs) -> Inputs:
     if padding is None:
         return inputs
     device = inputs.q.device
-    valid_q = valid_positions(padding.seq_lens_q, problem.seq_q, device)
-    valid_kv = valid_positions(padding.seq_lens_kv, problem.seq_kv, device)
+    lens_q, lens_kv = _lengths(padding)
+    valid_q = valid_positions(lens_q, problem.seq_q, device)
+    valid_kv = valid_positions(lens_kv, problem.seq_kv, device)
     rows, keys = (_on_sequence_axis(v, problem.layout) for v in (valid_q, valid_kv))
     bias = inputs.bias
     if bias is not None and problem.bias is not None:
@@ -117,5 +125,5 @@ def hide_padded_rows(problem, out: torch.Tensor) -> torch.Tensor:
     padding = problem.padding
     if padding is None:
         return out
-    valid_q = valid_positions(padding.seq_lens_q, problem.seq_q, out.device)
+    valid_q = valid_positions(_lengths(padding)[0], problem.seq_q, out.device)
     return torch.where(_on_sequence_axis(valid_q, problem.layout), out, 0)

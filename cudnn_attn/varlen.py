@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks
+from . import _checks, call_spec, entry_ops
 from .api import attention
+from .custom_ops import SEED_BOUND
+from .problem import accumulator_dtype
 from .masks import Alibi, Mask, Neighborhood, Padding, mask_parts
 
 __all__ = ["attention_varlen", "attention_with_kvcache", "cu_lengths", "token_slots", "pad_tokens",
@@ -153,6 +155,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                 for (a, b), (c, d) in zip(pairs(cu_seqlens_q), pairs(cu_seqlens_k))]
         out = torch.cat(outs)
     """
+    if torch.compiler.is_compiling():  # lengths are read on the host: one op in the graph
+        return _traced("varlen", [q, k, v, cu_seqlens_q, cu_seqlens_k], [max_seqlen_q, max_seqlen_k],
+                       mask, bias, scale, dropout_p, softcap, return_lse, backend, generator)
     q = _checks.tensor("q", q, ndim=3, what="[total_q, H_q, D_qk]")
     k = _checks.tensor("k", k, ndim=3, what="[total_k, H_kv, D_qk]")
     v = _checks.tensor("v", v, ndim=3, what="[total_k, H_kv, D_v]")
@@ -281,6 +286,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         out_b = attention(q[b:b+1], k_cache[b:b+1, :n], v_cache[b:b+1, :n], layout="bshd",
                           mask=mask)        # n = cache_seqlens[b], per sequence
     """
+    if torch.compiler.is_compiling():  # lengths are read on the host: one op in the graph
+        lens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+        ints = [] if lens is not None else [cache_seqlens] if isinstance(cache_seqlens, int) \
+            else [-1, *cache_seqlens]
+        return _traced("kvcache", [q, k_cache, v_cache, lens, block_table], ints, mask, bias,
+                       scale, 0.0, softcap, return_lse, backend, None)
     q = _checks.tensor("q", q, ndim=4, what="[B, S_q, H_q, D_qk] (bshd)")
     paged = block_table is not None
     leading = "num_blocks, page_size, H_kv" if paged else "B, S_max, H_kv"
@@ -331,3 +342,63 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
                      bias=bias, scale=scale, softcap=softcap, layout="bshd",
                      return_lse=return_lse, backend=backend)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The traced path: both entry points as entry_ops' custom op (forward, and backward by recompute)
+# ---------------------------------------------------------------------------------------------
+
+def _traced(name, tensors, ints, mask, bias, scale, dropout_p, softcap, return_lse, backend,
+            generator):
+    table = bias if isinstance(bias, torch.Tensor) else None
+    seed = None
+    if dropout_p > 0:
+        device = generator.device if generator is not None else "cpu"
+        seed = torch.randint(0, SEED_BOUND, (1,), generator=generator, device=device)
+    spec = call_spec.encode(mask=mask, bias_kind="none" if table is None else "tensor",
+                            alibi=bias if isinstance(bias, Alibi) else None, scale=scale,
+                            dropout_p=dropout_p, softcap=softcap, layout="bshd", backend=backend,
+                            return_lse=return_lse, requires_grad=False, bias_requires_grad=False)
+    out, lse = entry_ops.call(name, [*tensors, table, seed], spec, ints)
+    return (out, lse) if return_lse else out
+
+
+def _bias_of(table, call):
+    return table if table is not None else call.alibi
+
+
+def _run_varlen(tensors, call, ints):
+    q, k, v, cu_q, cu_k, table, seed = tensors
+    generator = None
+    if seed is not None:  # the op's forward and its backward recompute draw the same stream
+        generator = torch.Generator(device=seed.device)
+        generator.manual_seed(int(seed[0]))
+    return attention_varlen(q, k, v, cu_q, cu_k, ints[0], ints[1], mask=call.mask(),
+                            bias=_bias_of(table, call), scale=call.scale,
+                            dropout_p=call.dropout_p, softcap=call.softcap, return_lse=True,
+                            backend=call.backend, generator=generator)
+
+
+def _varlen_shapes(tensors, call, ints):
+    q, v = tensors[0], tensors[2]
+    return (((q.shape[0], q.shape[1], v.shape[2]), q.dtype),
+            ((q.shape[1], q.shape[0]), accumulator_dtype(q.dtype)))
+
+
+def _run_kvcache(tensors, call, ints):
+    q, k_cache, v_cache, lens, block_table, table, _ = tensors
+    if lens is None:
+        lens = ints[0] if len(ints) == 1 else list(ints[1:])
+    return attention_with_kvcache(q, k_cache, v_cache, lens, block_table=block_table,
+                                  mask=call.mask(), bias=_bias_of(table, call), scale=call.scale,
+                                  softcap=call.softcap, return_lse=True, backend=call.backend)
+
+
+def _kvcache_shapes(tensors, call, ints):
+    q, v_cache = tensors[0], tensors[2]
+    B, S, H = q.shape[:3]
+    return ((B, S, H, v_cache.shape[3]), q.dtype), ((B, H, S), accumulator_dtype(q.dtype))
+
+
+entry_ops.register("varlen", _run_varlen, _varlen_shapes)
+entry_ops.register("kvcache", _run_kvcache, _kvcache_shapes)

@@ -89,6 +89,13 @@ class TorchPlan:
         small = t.count * t.size * problem.group_size * t.num_keys <= MAX_CACHED_MASK
         self.additive_masks = None if per_call or not small else {}
 
+    def direct(self, problem):
+        """``(q, k, v) -> out`` for calls of ``problem`` that need no lse and no gradient, when one
+        public op computes them (else None): the eager fast path keeps it with its call signature."""
+        if self.fused_ok and problem.heads_q == problem.heads_kv:
+            return cpu_sdpa.out_only(problem)
+        return None
+
     # -- masks and biases for one chunk of tiles -------------------------------------------------
     def _static_on_the_fly(self, qi, kj):
         return self.visibility.static(qi, kj, self.dynamic_lines)

@@ -33,7 +33,7 @@ def whole_problem_ok(problem: AttnProblem) -> bool:
 def whole_problem(problem, q, k, v, need_lse=True):
     if not need_lse and problem.heads_q == problem.heads_kv:
         # The public op reaches the same kernel with less call overhead (tiny decode calls).
-        return _sdpa_out_only(problem, q, k, v), None
+        return out_only(problem)(q, k, v), None
     if problem.layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     # The kernel reads rows with a unit stride and trusts its caller on that.
@@ -45,15 +45,23 @@ def whole_problem(problem, q, k, v, need_lse=True):
     return out, lse.to(lse_dtype(problem.dtype))
 
 
-def _sdpa_out_only(problem, q, k, v):
+def out_only(problem):
+    """``(q, k, v) -> out`` of a whole problem without the lse, through the public SDPA op (for
+    ``whole_problem_ok`` problems with ``H_q == H_kv``); callers may keep it per problem."""
     causal = problem.mask is not None
     # SDPA's own default is the same D ** -0.5; not passing it saves a little per call.
     scale = None if problem.scale == problem.dim_qk ** -0.5 else problem.scale
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     if problem.layout == "bshd":
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, scale=scale).transpose(1, 2)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        def run(q, k, v):
+            return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                        scale=scale).transpose(1, 2)
+    elif causal or scale is not None:
+        def run(q, k, v):
+            return sdpa(q, k, v, is_causal=causal, scale=scale)
+    else:
+        run = sdpa  # the plain call: not even a wrapper
+    return run
 
 
 # ---------------------------------------------------------------------------------------------

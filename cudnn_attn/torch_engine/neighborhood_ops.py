@@ -30,6 +30,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..caches import memoize
 from ..fallback_kernels.limits import kernel_reasons
@@ -57,6 +58,8 @@ __all__ = [
 
 # Elements of one gathered chunk (B * H * queries * K * D) before the loop moves on.
 CHUNK_ELEMENTS = 1 << 24
+# Looked up once: torch.compile cannot trace a sys.modules lookup on every call.
+_THIS_MODULE = sys.modules[__name__]
 
 
 def kernels_serve(t: torch.Tensor) -> bool:
@@ -70,7 +73,7 @@ def unfused_engine(t: torch.Tensor):
     if kernels_serve(t):
         from ..fallback_kernels import unfused
         return unfused
-    return sys.modules[__name__]
+    return _THIS_MODULE
 
 
 def fused_kernels(t: torch.Tensor):
@@ -144,7 +147,13 @@ def _outer(parts, combine, init):
 
 def na_table(geom: NaGeometry, device=None) -> NaTable:
     """The gather tables of ``geom`` on ``device`` (CPU by default), built once and copied once per
-    device (both cached)."""
+    device (both cached). Under torch.compile / export they are constants of the graph."""
+    if torch.compiler.is_compiling():
+        table = _constant_table(geom.shape, geom.kernel, geom.stride, geom.dilation, geom.causal)
+        if device is None or torch.device(device) == table.keys.device:
+            return table
+        return NaTable(table.keys.to(device), table.valid.to(device), table.rel.to(device),
+                       table.all_valid)
     table = _cpu_table(geom)
     if device is None or torch.device(device) == table.keys.device:
         return table
@@ -158,8 +167,20 @@ def _table_on(geom: NaGeometry, device: torch.device) -> NaTable:
                    table.all_valid)
 
 
+@torch.compiler.assume_constant_result
+def _constant_table(shape, kernel, stride, dilation, causal) -> NaTable:
+    # Called by Dynamo at trace time with constant arguments; the result is baked in.
+    return _cpu_table(NaGeometry(shape, kernel, stride, dilation, causal))
+
+
 @memoize("torch_engine.neighborhood_ops.na_table", 128)
 def _cpu_table(geom: NaGeometry) -> NaTable:
+    # Real tensors even when a trace (FakeTensor, export) is running: the tables are cached.
+    with _disable_current_modes():
+        return _build_table(geom)
+
+
+def _build_table(geom: NaGeometry) -> NaTable:
     axes = [_axis_slots(*a) for a in zip(geom.shape, geom.kernel, geom.stride, geom.dilation,
                                           geom.causal)]
     rank = len(axes)
@@ -389,7 +410,7 @@ def _kernel_impl(x: torch.Tensor, geom: NaGeometry):
     if any(s != 1 for s in geom.stride):
         return None
     impl = unfused_engine(x)
-    return None if impl is sys.modules[__name__] else impl
+    return None if impl is _THIS_MODULE else impl
 
 
 def qk(query, key, geom: NaGeometry, rpb=None):
