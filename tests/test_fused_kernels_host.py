@@ -1,7 +1,8 @@
 """CPU: the fused NA kernels (``fallback_kernels/fused_attention.cu``) executed on the host.
 
-The float32 instances (head dims 32 and 64; the fp16/bf16 instances, which run mma.sync under the
-emulation of ``host_cuda/ptx.h``, are tested in ``test_emulation_16bit.py``) of the forward, backward-dQ and backward-dK/dV kernels are compiled with g++ against
+The float32 instances (head dims 32 and 64; the fp16/bf16 instances, which run mma.sync under
+the emulation of ``host_cuda/ptx.h``, are tested in ``test_emulation_16bit.py``) of the forward,
+backward-dQ and backward-dK/dV kernels are compiled with g++ against
 ``tests/host_cuda/emu.h`` (128 threads per block as fibers, warp shuffles, ``__syncthreads``) and
 driven by ``fallback_kernels.fused`` itself: ``na_forward``/``na_backward`` for neighborhoods and
 ``run_forward``/``run_backward`` for bands, so the geometry table, tile choice, grid, strides,
