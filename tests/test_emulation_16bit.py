@@ -94,13 +94,51 @@ __global__ void emu_mma(const int* a, const int* b, const float* c, float* d, in
     else na_mma16816(acc, ra, rb, na_half());
     for (int r = 0; r < 4; ++r) d[lane * 4 + r] = acc[r];
 }
+__global__ void emu_ldmatrix(const na_half* src, int* out, int trans) {
+    extern __shared__ __align__(16) unsigned char sm[];
+    na_half* s = reinterpret_cast<na_half*>(sm);
+    for (int i = threadIdx.x; i < 256; i += 32) s[i] = src[i];
+    __syncwarp();
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(s + threadIdx.x * 8);
+    unsigned int r0, r1, r2, r3;
+    if (trans)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a));
+    out[threadIdx.x * 4 + 0] = (int)r0;
+    out[threadIdx.x * 4 + 1] = (int)r1;
+    out[threadIdx.x * 4 + 2] = (int)r2;
+    out[threadIdx.x * 4 + 3] = (int)r3;
+}
+__global__ void emu_cp_async(const float* src, float* seen) {
+    extern __shared__ __align__(16) unsigned char sm[];
+    float* s = reinterpret_cast<float*>(sm);
+    const int t = threadIdx.x;
+    const unsigned int a0 = (unsigned int)__cvta_generic_to_shared(s + t * 4);
+    const unsigned int a1 = (unsigned int)__cvta_generic_to_shared(s + 128 + t * 4);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(a0), "l"(src + t * 4));
+    asm volatile("cp.async.commit_group;" ::);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(a1), "l"(src + 128 + t * 4), "r"(t % 2 ? 8 : 0));
+    asm volatile("cp.async.commit_group;" ::);
+    for (int stage = 0; stage < 3; ++stage) {
+        if (stage == 1) asm volatile("cp.async.wait_group %0;" :: "n"(1));
+        if (stage == 2) asm volatile("cp.async.wait_all;" ::);
+        for (int e = 0; e < 4; ++e) {
+            seen[stage * 256 + t * 4 + e] = s[t * 4 + e];
+            seen[stage * 256 + 128 + t * 4 + e] = s[128 + t * 4 + e];
+        }
+    }
+}
 """
 
 
 @pytest.fixture(scope="module")
 def probe(request, tmp_path_factory):
     source = _loader.source_text(F.SOURCE, F.DEFINES) + PROBE
-    names = ("emu_convert", "emu_widen", "emu_mma")
+    names = ("emu_convert", "emu_widen", "emu_mma", "emu_ldmatrix", "emu_cp_async")
     return build.HostLibrary.build(F, {f"run_{n}": n for n in names},
                                    build.cache_dir(request, tmp_path_factory), source=source)
 
@@ -183,6 +221,39 @@ def test_mma_m16n8k16_against_isa_tables(probe, dtype):
     for (r, k), value in zip(pos, d.tolist()):
         got[r, k] = value
     torch.testing.assert_close(got, expect, rtol=2 ** -23, atol=1e-6)
+
+
+@pytest.mark.parametrize("trans", [False, True])
+def test_ldmatrix_x4(probe, trans):
+    # Four 8x8 matrices of distinct halves; lane l gives the address of row l (matrix l // 8).
+    src = torch.arange(256, dtype=torch.float32).to(torch.float16)
+    out = torch.zeros(128, dtype=torch.int32)
+    probe["run_emu_ldmatrix"]((1,), (32,), (src, out, np.int32(trans)), shared_mem=512)
+    mats = src.view(4, 8, 8)
+    for lane in range(32):
+        for m in range(4):
+            # PTX ISA: without .trans lane l holds row l/4, columns 2(l%4), 2(l%4)+1 of matrix m;
+            # .trans gives the transposed matrix's.
+            mat = mats[m].t() if trans else mats[m]
+            row, col = lane // 4, 2 * (lane % 4)
+            expect = (int(_bits16(mat[row, col:col + 1])) | (int(_bits16(mat[row, col + 1:col + 2]))
+                                                            << 16))
+            assert int(out[lane * 4 + m]) & 0xffffffff == expect, (lane, m)
+
+
+def test_cp_async_lands_only_when_waited_for(probe):
+    src = torch.arange(1, 257, dtype=torch.float32)
+    seen = torch.zeros(3, 256)
+    probe["run_emu_cp_async"]((1,), (32,), (src, seen), shared_mem=1024)
+    first, second = slice(0, 128), slice(128, 256)
+    assert torch.isnan(seen[0]).all()  # nothing waited for: still the poisoned shared memory
+    assert torch.equal(seen[1, first], src[first]) and torch.isnan(seen[1, second]).all()
+    # Group 2: odd threads copied 8 of 16 bytes (the rest zero-filled), even threads 0 bytes.
+    expect = src[second].clone().view(32, 4)
+    expect[0::2] = 0
+    expect[1::2, 2:] = 0
+    assert torch.equal(seen[2, first], src[first]) and torch.equal(seen[2, second].view(32, 4),
+                                                                   expect)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,7 +27,22 @@ INSTRUCTIONS = {
         ("mma_m16n8k16_f32<na_emu::ptx::kMmaF16>", "dsss"),
     "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32":
         ("mma_m16n8k16_f32<na_emu::ptx::kMmaBf16>", "dsss"),
+    # cp.async: [dst] and [src] are sources (addresses); an optional src-size follows cp-size.
+    "cp.async.cg.shared.global": ("cp_async_cg_shared_global", "sss*"),
+    "cp.async.ca.shared.global": ("cp_async_ca_shared_global", "sss*"),
+    "cp.async.commit_group": ("cp_async_commit_group", ""),
+    "cp.async.wait_group": ("cp_async_wait_group", "s"),
+    "cp.async.wait_all": ("cp_async_wait_all", ""),
+    "ldmatrix.sync.aligned.m8n8.x1.shared.b16": ("ldmatrix_sync_aligned_m8n8_x1_shared_b16", "ds"),
+    "ldmatrix.sync.aligned.m8n8.x2.shared.b16": ("ldmatrix_sync_aligned_m8n8_x2_shared_b16", "ds"),
+    "ldmatrix.sync.aligned.m8n8.x4.shared.b16": ("ldmatrix_sync_aligned_m8n8_x4_shared_b16", "ds"),
+    "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16":
+        ("ldmatrix_sync_aligned_m8n8_x2_trans_shared_b16", "ds"),
+    "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16":
+        ("ldmatrix_sync_aligned_m8n8_x4_trans_shared_b16", "ds"),
 }
+# Constraint letters whose operand is an immediate ("n") or a register of that width.
+_IMMEDIATE = "n"
 
 _START = re.compile(r"\basm\s*(?:volatile\s*|__volatile__\s*)?\(")
 _OPERAND = re.compile(r'^\s*"([=+&]*)([a-z])"\s*\((.*)\)\s*$', re.S)
@@ -50,10 +65,8 @@ def _scan(text: str, start: int, stop_chars: str) -> int:
             i = j + 1
             continue
         if depth == 0 and ch in stop_chars:
-            # a C++ scope operator is not an operand-list separator
-            if ch == ":" and (text[i + 1:i + 2] == ":" or text[i - 1:i] == ":"):
-                i += 2 if text[i + 1:i + 2] == ":" else 1
-                continue
+            # at depth 0 of an asm body ':' only separates sections ("::" is two of them; a
+            # C++ scope operator can only occur inside an operand's parentheses)
             return i
         if ch in "([{":
             depth += 1
@@ -94,10 +107,18 @@ def _template(section: str) -> str:
 
 
 def _ptx_groups(operand_text: str) -> list[list[int]]:
-    """PTX operands as lists of asm operand numbers: ``%3`` -> [3], ``{%0,%1}`` -> [0, 1]."""
+    """PTX operands as lists of asm operand numbers: ``%3`` -> [3], ``{%0,%1}`` -> [0, 1],
+    ``[%4]`` (an address) -> [4]; an integer literal -> [-value - 1] (passed as is)."""
     groups = []
+    if not operand_text.strip():
+        return groups
     for op in _split(operand_text, ","):
         op = op.strip()
+        if re.fullmatch(r"\d+", op):
+            groups.append([-int(op) - 1])
+            continue
+        if op.startswith("[") and op.endswith("]"):
+            op = op[1:-1].strip()
         inner = op[1:-1] if op.startswith("{") and op.endswith("}") else op
         regs = [r.strip() for r in inner.split(",")]
         if not all(re.fullmatch(r"%\d+", r) for r in regs):
@@ -120,12 +141,18 @@ def translate(body: str) -> str:
         return f'na_emu::trap("unemulated PTX instruction {_c_string(opcode)}")'
     function, roles = INSTRUCTIONS[opcode]
     groups = _ptx_groups(rest)
-    if len(groups) != len(roles):
+    optional = roles.endswith("*")
+    roles = roles.rstrip("*")
+    if not (len(groups) == len(roles) or (optional and len(groups) == len(roles) + 1)):
         raise AsmError(f"{opcode}: {len(groups)} operands, expected {len(roles)}")
+    roles += "s" * (len(groups) - len(roles))
     operands = outputs + inputs
     args = []
     for role, group in zip(roles, groups):
         for n in group:
+            if n < 0:  # a literal in the template
+                args.append(str(-n - 1))
+                continue
             if n >= len(operands):
                 raise AsmError(f"{opcode}: %{n} names no operand")
             mods, letter, expr = operands[n]
@@ -137,7 +164,8 @@ def translate(body: str) -> str:
             else:
                 if is_output and "+" not in mods:
                     raise AsmError(f"{opcode}: source %{n} is a write-only output")
-                args.append(f"na_emu::ptx::in<'{letter}'>({expr})")
+                args.append(f"({expr})" if letter in _IMMEDIATE
+                            else f"na_emu::ptx::in<'{letter}'>({expr})")
     return f"na_emu::ptx::{function}({', '.join(args)})"
 
 

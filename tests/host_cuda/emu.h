@@ -74,6 +74,17 @@ namespace na_emu {
 
 struct Barrier;
 struct Warp;
+// cp.async copies of one thread (ptx.h): issued but not yet committed, and committed groups in
+// order. A copy lands in shared memory only when a wait completes its group.
+struct AsyncCopy {
+    unsigned char* dst;
+    const unsigned char* src;
+    int size, src_size;
+};
+struct AsyncCopies {
+    std::vector<AsyncCopy> open;
+    std::vector<std::vector<AsyncCopy>> groups;
+};
 struct ThreadCtx {
     Barrier* block;
     Warp* warp;
@@ -81,6 +92,8 @@ struct ThreadCtx {
     int lane;
     int parity;
     uint64_t collectives = 0;  // warp-collective instructions this thread has executed
+    size_t dyn_bytes = 0;      // size of the dynamic shared memory (the emulated .shared window)
+    AsyncCopies async;
 };
 thread_local ThreadCtx* self;
 
@@ -161,6 +174,20 @@ struct Warp {
 
 inline void* dynamic_smem() { return self->dyn; }
 
+// The .shared state space: addresses are byte offsets into the block's dynamic shared memory
+// (the kernels stage every tile there); anything else traps.
+inline uint32_t shared_address(const void* p) {
+    const auto* c = static_cast<const unsigned char*>(p);
+    if (c < self->dyn || c >= self->dyn + self->dyn_bytes)
+        trap("a .shared address outside the dynamic shared memory (static __shared__ is not "
+             "addressable by cp.async/ldmatrix in the emulation)");
+    return uint32_t(c - self->dyn);
+}
+inline unsigned char* shared_pointer(uint32_t addr, int bytes) {
+    if (uint64_t(addr) + bytes > self->dyn_bytes) trap("a .shared access past the dynamic shared memory");
+    return self->dyn + addr;
+}
+
 // A warp-collective instruction (mma.sync, ldmatrix): every lane publishes `n` <= 8 words and a
 // tag naming the instruction, waits for the whole warp, and gets every lane's words. Traps if
 // the warp is partial or its lanes ran different instructions. `*first`: this lane is the first
@@ -213,7 +240,8 @@ template <typename T, typename Src> inline T exchange(unsigned mask, T v, Src sr
 }
 
 // Runs one block: `body` once per thread, threadIdx and the thread context set.
-inline void run_block(dim3 block, unsigned char* dyn, const std::function<void()>& body) {
+inline void run_block(dim3 block, unsigned char* dyn, size_t dyn_bytes,
+                      const std::function<void()>& body) {
     const int n = int(block.x * block.y * block.z);
     Barrier bar(n);
     std::vector<std::unique_ptr<Warp>> warps;
@@ -226,7 +254,7 @@ inline void run_block(dim3 block, unsigned char* dyn, const std::function<void()
     std::vector<std::thread> pool;
     for (int t = 0; t < n; ++t)
         pool.emplace_back([&, t] {
-            ThreadCtx me{&bar, warps[t / 32].get(), dyn, t % 32, 0, 0};
+            ThreadCtx me{&bar, warps[t / 32].get(), dyn, t % 32, 0, 0, dyn_bytes, {}};
             gridDim = grid, blockDim = block, blockIdx = bidx, threadIdx = tid(t), self = &me;
             body();
             me.warp->bar.leave();
@@ -247,7 +275,7 @@ inline void run_block(dim3 block, unsigned char* dyn, const std::function<void()
         f.uc.uc_stack.ss_size = kStack;
         f.uc.uc_link = &scheduler;
         makecontext(&f.uc, fiber_entry, 0);
-        f.ctx = ThreadCtx{&bar, warps[t / 32].get(), dyn, t % 32, 0, 0};
+        f.ctx = ThreadCtx{&bar, warps[t / 32].get(), dyn, t % 32, 0, 0, dyn_bytes, {}};
         f.tid = tid(t);
     }
     // Warp by warp: run the warp's lanes (each until it waits), open the warp barrier once all
@@ -304,7 +332,7 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args)
         std::fill(dyn.begin(), dyn.begin() + smem, 0xff);
         std::fill(dyn.begin() + smem, dyn.end(), 0x5a);
         blockIdx = dim3{bx, by, bz};
-        run_block(block, dyn.data(), [&] { kernel(args...); });
+        run_block(block, dyn.data(), smem, [&] { kernel(args...); });
         for (size_t i = smem; i < dyn.size(); ++i)
             if (dyn[i] != 0x5a) trap("a thread wrote past the dynamic shared memory size");
     }
@@ -404,6 +432,7 @@ inline float __fdividef(float a, float b) { return a / b; }
 inline float __expf(float x) { return expf(x); }
 inline float __logf(float x) { return logf(x); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline size_t __cvta_generic_to_shared(const void* p) { return na_emu::shared_address(p); }
 
 // CUDA's overloaded min/max (device functions, no templates: mixed calls promote as in CUDA).
 #define NA_EMU_MINMAX(T)                                   \

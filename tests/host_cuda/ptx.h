@@ -40,8 +40,13 @@ template <char C, typename T> inline typename Reg<C>::type& out(T& x) {
 // An input operand: the value converted to the register type (an integer constraint of another
 // width takes the value modulo 2^bits, as a register move would).
 template <char C, typename T> inline typename Reg<C>::type in(const T& x) {
-    static_assert(std::is_arithmetic_v<T>, "asm input operand is not a scalar");
-    return static_cast<typename Reg<C>::type>(x);
+    if constexpr (std::is_pointer_v<T>) {  // an address ("l"): a generic 64-bit address
+        static_assert(C == 'l', "a pointer asm operand needs the 64-bit constraint l");
+        return reinterpret_cast<uintptr_t>(x);
+    } else {
+        static_assert(std::is_arithmetic_v<T>, "asm input operand is not a scalar");
+        return static_cast<typename Reg<C>::type>(x);
+    }
 }
 
 // ----- conversions -------------------------------------------------------------------------------
@@ -178,6 +183,100 @@ inline void mma_m16n8k16_f32(float& d0, float& d1, float& d2, float& d3, uint32_
         mma_c_position(self->lane, i, &r, &n);
         *d[i] = float(ab[r * 8 + n] + double(c[i]));
     }
+}
+
+// ----- cp.async (sm_80): asynchronous global -> shared copies -------------------------------------
+// cp.async.{ca,cg}.shared.global [dst], [src], cp-size{, src-size}: copies src-size bytes (default
+// cp-size) and zero-fills the rest. Deferred: the bytes land when cp.async.wait_group/wait_all
+// completes the copy's committed group, so reading a tile before waiting sees stale (poisoned)
+// shared memory, as on hardware it may.
+inline void cp_async(uint32_t dst, uint64_t src, int cp_size, int src_size) {
+    if (cp_size != 4 && cp_size != 8 && cp_size != 16) trap("cp.async cp-size must be 4, 8 or 16");
+    if (src_size < 0 || src_size > cp_size) trap("cp.async src-size outside [0, cp-size]");
+    if (dst % cp_size != 0 || src % cp_size != 0) trap("cp.async address not cp-size aligned");
+    unsigned char* to = shared_pointer(dst, cp_size);
+    self->async.open.push_back(
+        AsyncCopy{to, reinterpret_cast<const unsigned char*>(uintptr_t(src)), cp_size, src_size});
+}
+inline void cp_async_cg_shared_global(uint32_t dst, uint64_t src, int cp_size) {
+    if (cp_size != 16) trap("cp.async.cg needs cp-size 16");
+    cp_async(dst, src, cp_size, cp_size);
+}
+inline void cp_async_cg_shared_global(uint32_t dst, uint64_t src, int cp_size, int src_size) {
+    if (cp_size != 16) trap("cp.async.cg needs cp-size 16");
+    cp_async(dst, src, cp_size, src_size);
+}
+inline void cp_async_ca_shared_global(uint32_t dst, uint64_t src, int cp_size) {
+    cp_async(dst, src, cp_size, cp_size);
+}
+inline void cp_async_ca_shared_global(uint32_t dst, uint64_t src, int cp_size, int src_size) {
+    cp_async(dst, src, cp_size, src_size);
+}
+inline void cp_async_commit_group() {
+    self->async.groups.push_back(std::move(self->async.open));
+    self->async.open.clear();
+}
+inline void cp_async_wait_group(int pending) {
+    auto& groups = self->async.groups;
+    while (int(groups.size()) > pending) {
+        for (const AsyncCopy& c : groups.front()) {
+            if (c.src_size) std::memcpy(c.dst, c.src, size_t(c.src_size));
+            std::memset(c.dst + c.src_size, 0, size_t(c.size - c.src_size));
+        }
+        groups.erase(groups.begin());
+    }
+}
+inline void cp_async_wait_all() {
+    cp_async_commit_group();
+    cp_async_wait_group(0);
+}
+
+// ----- ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{,.trans}.shared.b16 ---------------------------------
+// Warp-collective: lanes 8m..8m+7 give the row addresses (16-byte aligned rows of eight b16) of
+// matrix m. Register m of lane l holds, without .trans, row l/4, columns 2(l%4) and 2(l%4)+1 of
+// matrix m (low half first); with .trans, rows 2(l%4) and 2(l%4)+1 of column l/4.
+enum : uint32_t { kLdmatrix = 0x6c646d00u };
+template <int X, bool TRANS> inline void ldmatrix_impl(uint32_t* d, uint32_t addr) {
+    const uint32_t mine[1] = {addr};
+    const Collective all = collective(mine, 1, kLdmatrix + X * 2 + TRANS);
+    const int lane = self->lane;
+    for (int m = 0; m < X; ++m) {
+        auto element = [&](int row, int col) {
+            const uint32_t row_addr = all.regs[8 * m + row][0];
+            if (row_addr % 16) trap("ldmatrix row address not 16-byte aligned");
+            uint16_t v;
+            std::memcpy(&v, shared_pointer(row_addr, 16) + 2 * col, 2);
+            return uint32_t(v);
+        };
+        const int a = TRANS ? 2 * (lane % 4) : lane / 4, b = TRANS ? lane / 4 : 2 * (lane % 4);
+        d[m] = TRANS ? element(a, b) | (element(a + 1, b) << 16)
+                     : element(a, b) | (element(a, b + 1) << 16);
+    }
+}
+inline void ldmatrix_sync_aligned_m8n8_x1_shared_b16(uint32_t& d0, uint32_t a) {
+    ldmatrix_impl<1, false>(&d0, a);
+}
+inline void ldmatrix_sync_aligned_m8n8_x2_shared_b16(uint32_t& d0, uint32_t& d1, uint32_t a) {
+    uint32_t d[2];
+    ldmatrix_impl<2, false>(d, a);
+    d0 = d[0], d1 = d[1];
+}
+inline void ldmatrix_sync_aligned_m8n8_x4_shared_b16(uint32_t& d0, uint32_t& d1, uint32_t& d2,
+                                                     uint32_t& d3, uint32_t a) {
+    uint32_t d[4];
+    ldmatrix_impl<4, false>(d, a);
+    d0 = d[0], d1 = d[1], d2 = d[2], d3 = d[3];
+}
+inline void ldmatrix_sync_aligned_m8n8_x2_trans_shared_b16(uint32_t& d0, uint32_t& d1, uint32_t a) {
+    uint32_t d[2];
+    ldmatrix_impl<2, true>(d, a);
+    d0 = d[0], d1 = d[1];
+}
+inline void ldmatrix_sync_aligned_m8n8_x4_trans_shared_b16(uint32_t& d0, uint32_t& d1,
+                                                           uint32_t& d2, uint32_t& d3, uint32_t a) {
+    uint32_t d[4];
+    ldmatrix_impl<4, true>(d, a);
+    d0 = d[0], d1 = d[1], d2 = d[2], d3 = d[3];
 }
 
 }  // namespace ptx
