@@ -45,21 +45,31 @@ def lib16(request, tmp_path_factory):
     return build.host_library(request, tmp_path_factory, F, fused_expressions())
 
 
-def route_fused(monkeypatch, lib):
-    """fused.py's launches go to ``lib``; returns the list of launched kernels."""
+@pytest.fixture(scope="module")
+def lib16_pipelined(request, tmp_path_factory):
+    """The sm_80+ build (ldmatrix, cp.async double buffering): the text NVRTC compiles with
+    ``fused.PIPELINED_DEFINES``."""
+    return build.host_library(request, tmp_path_factory, F, fused_expressions(),
+                              source=_loader.source_text(F.SOURCE, F.PIPELINED_DEFINES))
+
+
+def route_fused(monkeypatch, lib, pipelined=False):
+    """fused.py's launches go to ``lib`` (the pipelined build when ``pipelined``: the device then
+    reports sm_90, else sm_75); returns the list of launched kernels."""
     calls = []
 
-    def function(kernel, dtype, head_dim, device_index):
+    def function(kernel, dtype, head_dim, device_index, use_pipelined=False):
+        assert use_pipelined == pipelined
         fn = lib[build.export_name(F._expression(kernel, dtype, head_dim))]
 
         def launch(grid, block, args, shared_mem=0, stream=None):
-            assert shared_mem == F.smem_bytes(kernel, dtype, head_dim)
+            assert shared_mem == F.smem_bytes(kernel, dtype, head_dim, pipelined)
             calls.append(kernel)
             fn(grid, block, args, shared_mem=shared_mem)
         return launch
 
     monkeypatch.setattr(F, "_function", function)
-    FH._host_launch(monkeypatch)
+    FH._host_launch(monkeypatch, (9, 0) if pipelined else (7, 5))
     monkeypatch.setattr(F, "_tokens", FH._host_tokens)
     return calls
 
@@ -377,6 +387,17 @@ def test_fused_band_16bit(lib16, monkeypatch, name, dtype):
     assert band_failures(name, dtype) == []
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("name", list(NA_CASES) + list(BAND_CASES))
+def test_fused_pipelined_16bit(lib16_pipelined, monkeypatch, name, dtype):
+    """The sm_80+ build, chosen for fp16/bf16 on an sm_90 device, under the same oracle rule."""
+    calls = route_fused(monkeypatch, lib16_pipelined, pipelined=True)
+    failures = (neighborhood_failures(name, dtype) if name in NA_CASES
+                else band_failures(name, dtype))
+    assert failures == []
+    assert set(calls) == set(F.KERNELS)
+
+
 # ---------------------------------------------------------------------------------------------
 # Unfused kernels (fp32 accumulation, one rounding at the store)
 # ---------------------------------------------------------------------------------------------
@@ -434,3 +455,19 @@ def test_unfused_16bit(unfused16, monkeypatch, name, dtype):
     assert set(got) == set(ref)
     assert all(got[n].dtype == (torch.float32 if n == "drpb" else dtype) for n in got)
     assert unfused_failures(got, ref, dtype) == []
+
+
+def test_pipelined_build_selection(monkeypatch):
+    """fp16/bf16 on sm_80+ take the pipelined build, fp32 never; the switch turns it off; its
+    forward's two K/V buffers fit the shared-memory limit at every head dim."""
+    assert F.pipelined(torch.float16, (8, 0)) and F.pipelined(torch.bfloat16, (9, 0))
+    assert not F.pipelined(torch.float16, (7, 5)) and not F.pipelined(torch.float32, (9, 0))
+    monkeypatch.setenv("CUDNN_ATTN_FUSED_PIPELINED", "0")
+    assert not F.pipelined(torch.bfloat16, (9, 0))
+    for hd in F.HEAD_DIMS:
+        for kernel in F.KERNELS:
+            plain = F.smem_bytes(kernel, torch.float16, hd)
+            piped = F.smem_bytes(kernel, torch.float16, hd, pipelined=True)
+            assert (piped > plain) == (kernel == "na_fused_forward")
+    assert {v.expression for v in F.pipelined_variants()} == set(
+        fused_expressions(head_dims=F.HEAD_DIMS))
