@@ -8,7 +8,8 @@ Run from the repository root on a CUDA machine:
 For each tool it re-invokes itself as ``compute-sanitizer --tool TOOL ... python sanitize.py
 --child``; the child runs a small problem of every kernel instance (fused forward, dQ, dK/dV in
 fp32/fp16/bf16 at every compiled head dim, neighborhoods and bands, GQA, D_v != D_qk, softcap,
-RPB; the four unfused kernels in fp64/fp32/fp16/bf16). Only the package's kernels are
+RPB, the sm_80+ pipelined build and the plain one; the four unfused kernels in
+fp64/fp32/fp16/bf16). Only the package's kernels are
 instrumented (``--kernel-name kns=na_``), PyTorch's caching allocator is off in the child so
 every buffer's bounds are exact, and outputs are NaN-filled before each launch so initcheck sees
 only the kernels' own reads. The sanitizer's text report is parsed (``parse_report``) into error
@@ -107,7 +108,25 @@ def _fused_cases():
             dtype, 32, 32, (4, 5, 6), (3, 3, 3), (1, 1, 2), (1, 2, 1), (True, False, False),
             softcap=2.0)
         cases[f"fused-{dname}-band-causal-empty-rows"] = band(dtype, 64, 70, 40, -1, 0, -30)
+        if dtype != torch.float32:  # on sm_80+ the above ran the pipelined build; the plain one:
+            cases[f"fused-{dname}-plain-build-hd64-2d"] = _plain_build(neighborhood(
+                dtype, 64, 56, (9, 10), (3, 5), (1, 2), (2, 1), (False, True)))
     return cases
+
+
+def _plain_build(run):
+    """``run`` with the fused module's pipelined sm_80+ build switched off."""
+    def wrapped():
+        old = os.environ.get("CUDNN_ATTN_FUSED_PIPELINED")
+        os.environ["CUDNN_ATTN_FUSED_PIPELINED"] = "0"
+        try:
+            run()
+        finally:
+            if old is None:
+                os.environ.pop("CUDNN_ATTN_FUSED_PIPELINED")
+            else:
+                os.environ["CUDNN_ATTN_FUSED_PIPELINED"] = old
+    return wrapped
 
 
 def _unfused_cases():
