@@ -49,7 +49,8 @@ def lib16(request, tmp_path_factory):
 def lib16_pipelined(request, tmp_path_factory):
     """The sm_80+ build (ldmatrix, cp.async double buffering): the text NVRTC compiles with
     ``fused.PIPELINED_DEFINES``."""
-    return build.host_library(request, tmp_path_factory, F, fused_expressions(),
+    return build.host_library(request, tmp_path_factory, F,
+                              fused_expressions(head_dims=F.HEAD_DIMS),
                               source=_loader.source_text(F.SOURCE, F.PIPELINED_DEFINES))
 
 
@@ -297,10 +298,17 @@ NA_CASES = {
 }
 
 
+# Head dim 128 (the pipelined dQ's single-buffer path), for the pipelined build only.
+PIPELINED_EXTRA = {
+    "1d-hd128-gqa-dv": ((24,), (5,), (1,), (1,), (False,), 2, 1, 96, 128, {}),
+}
+
+
 def neighborhood_failures(name, dtype, backward=True) -> list[str]:
     """Run case ``name`` through na_forward/na_backward (routed to a host library) in ``dtype``;
     the oracle comparison's failures."""
-    spatial, kernel, stride, dilation, causal, H, Hkv, Dqk, Dv, extra = NA_CASES[name]
+    spatial, kernel, stride, dilation, causal, H, Hkv, Dqk, Dv, extra = {
+        **NA_CASES, **PIPELINED_EXTRA}[name]
     g = torch.Generator().manual_seed(len(name))
     B, N = 2, math.prod(spatial)
     rnd = lambda *s: FH.rand(s, g).to(dtype)
@@ -388,12 +396,12 @@ def test_fused_band_16bit(lib16, monkeypatch, name, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
-@pytest.mark.parametrize("name", list(NA_CASES) + list(BAND_CASES))
+@pytest.mark.parametrize("name", list(NA_CASES) + list(PIPELINED_EXTRA) + list(BAND_CASES))
 def test_fused_pipelined_16bit(lib16_pipelined, monkeypatch, name, dtype):
     """The sm_80+ build, chosen for fp16/bf16 on an sm_90 device, under the same oracle rule."""
     calls = route_fused(monkeypatch, lib16_pipelined, pipelined=True)
-    failures = (neighborhood_failures(name, dtype) if name in NA_CASES
-                else band_failures(name, dtype))
+    failures = (band_failures(name, dtype) if name in BAND_CASES
+                else neighborhood_failures(name, dtype))
     assert failures == []
     assert set(calls) == set(F.KERNELS)
 
@@ -458,8 +466,8 @@ def test_unfused_16bit(unfused16, monkeypatch, name, dtype):
 
 
 def test_pipelined_build_selection(monkeypatch):
-    """fp16/bf16 on sm_80+ take the pipelined build, fp32 never; the switch turns it off; its
-    forward's two K/V buffers fit the shared-memory limit at every head dim."""
+    """fp16/bf16 on sm_80+ take the pipelined build, fp32 never; the switch turns it off; the
+    forward (and dQ up to head dim 64) hold two K/V buffers, within the shared-memory limit."""
     assert F.pipelined(torch.float16, (8, 0)) and F.pipelined(torch.bfloat16, (9, 0))
     assert not F.pipelined(torch.float16, (7, 5)) and not F.pipelined(torch.float32, (9, 0))
     monkeypatch.setenv("CUDNN_ATTN_FUSED_PIPELINED", "0")
@@ -468,6 +476,8 @@ def test_pipelined_build_selection(monkeypatch):
         for kernel in F.KERNELS:
             plain = F.smem_bytes(kernel, torch.float16, hd)
             piped = F.smem_bytes(kernel, torch.float16, hd, pipelined=True)
-            assert (piped > plain) == (kernel == "na_fused_forward")
+            doubled = piped - plain >= 2 * 64 * (hd + 8) * 2  # a second K and V tile
+            assert doubled == (kernel == "na_fused_forward" or (
+                kernel == "na_fused_backward_dq" and hd <= 64)), (kernel, hd)
     assert {v.expression for v in F.pipelined_variants()} == set(
         fused_expressions(head_dims=F.HEAD_DIMS))

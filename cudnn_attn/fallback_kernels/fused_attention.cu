@@ -717,6 +717,92 @@ na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* 
     __shared__ NaAxis s_ax[NA_MAX_AXES];
     __shared__ NaGeo geo;
     extern __shared__ __align__(16) unsigned char na_smem[];
+#if NA_PIPELINED
+    // Two K/V buffers where they fit (head dims up to 64): tile it + 1 is copied while tile it is
+    // computed; at 128 one buffer, copied with cp.async and waited for before the math.
+    static_assert(CH == NA_TILE, "the pipelined dQ stages a whole key tile per step");
+    constexpr int NBUF = HD <= 64 ? 2 : 1;
+    T* sQ = reinterpret_cast<T*>(na_smem);
+    T* sDO = sQ + NA_TILE * LD;
+    T* sK = sDO + NA_TILE * LD;                 // [NBUF][CH * LD]
+    T* sV = sK + NBUF * CH * LD;                // [NBUF][CH * LD]
+    int* s_qtok = reinterpret_cast<int*>(sV + NBUF * CH * LD);
+    int* s_qwin = s_qtok + NA_TILE;
+    int* s_ktok = s_qwin + NA_TILE * 6;         // [2][NA_TILE]
+    int* s_kc = s_ktok + 2 * NA_TILE;           // [2][NA_TILE * 3]
+    int* s_full = s_kc + 2 * NA_TILE * 3;       // [2]
+
+    if (threadIdx.x == 0) na_setup_block(table, s_ax, geo, qbox, kbox, true);
+    __syncthreads();
+    if (threadIdx.x < NA_TILE)
+        na_query_slot(s_ax, geo, qbox, geo.own_lo, geo.own_hi, threadIdx.x, s_qtok + threadIdx.x,
+                      s_qwin + threadIdx.x * 6, nullptr);
+    __syncthreads();
+    na_stage_rows_async<T, HD>(sQ, q + b * q_sb + h * q_sh, s_qtok, NA_TILE, q_st, d_qk, vec);
+    na_stage_rows_async<T, HD>(sDO, dout + b * do_sb + h * do_sh, s_qtok, NA_TILE, do_st, d_v,
+                               vec);
+
+    const int lane = threadIdx.x & 31, g = lane >> 2;
+    float row_lse[2], row_delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int tk = s_qtok[row0 + g + 8 * r];
+        const long long at = b * l_sb + (long long)tk * l_st + h * l_sh;
+        const float x = tk >= 0 ? lse[at] : NA_INF;
+        row_lse[r] = x == -NA_INF ? NA_INF : x;  // a row that saw nothing: P = 0
+        row_delta[r] = tk >= 0 ? delta[at] : 0.f;
+    }
+
+    const T* kbase = k + b * k_sb + hk * k_sh;
+    const T* vbase = v + b * v_sb + hk * v_sh;
+    const NaRpb none = {nullptr, nullptr};
+    float acc[HD / 8][4];
+    na_zero(acc);
+    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
+    for (int it = NBUF == 2 ? -1 : 0; it < ntiles; ++it) {
+        const int load = NBUF == 2 ? it + 1 : it;  // the tile copied at this step
+        const int lb = load & 1, cb = it & 1;      // slot-list buffers
+        const int lk = NBUF == 2 ? lb : 0, ck = NBUF == 2 ? cb : 0;  // K/V buffers
+        __syncthreads();  // the previous step's math is done: its buffers and geo are free
+        if (load < ntiles) {
+            if (threadIdx.x == 0) {
+                na_place_other_tile(s_ax, geo, kbox, load, true);
+                s_full[lb] = geo.full;
+            }
+            __syncthreads();
+            if (threadIdx.x < NA_TILE)
+                na_key_slot(geo, kbox, geo.cur_lo, geo.cur_hi, threadIdx.x,
+                            s_ktok + lb * NA_TILE + threadIdx.x,
+                            s_kc + lb * NA_TILE * 3 + threadIdx.x * 3);
+            __syncthreads();
+            na_stage_rows_async<T, HD>(sK + lk * CH * LD, kbase, s_ktok + lb * NA_TILE, CH, k_st,
+                                       d_qk, vec);
+            na_stage_rows_async<T, HD>(sV + lk * CH * LD, vbase, s_ktok + lb * NA_TILE, CH, v_st,
+                                       d_v, vec);
+        }
+        na_cp_async_commit();
+        if (it < 0) continue;
+        if (NBUF == 2) na_cp_async_wait_prev(); else na_cp_async_wait_all();
+        __syncthreads();  // every thread's copies of tile it have landed
+        const T* tK = sK + ck * CH * LD;
+        const T* tV = sV + ck * CH * LD;
+        float s[NT][4], dp[NT][4];
+        na_zero(s);
+        na_mma_abt<T, HD, NT>(s, sQ + row0 * LD, tK, d_qk);
+        na_logits<NT, true>(s, scale, softcap, inv_cap, s_full[cb], s_qwin, s_kc + cb * NA_TILE * 3,
+                            row0, 0, geo, none);
+        na_zero(dp);
+        na_mma_abt<T, HD, NT>(dp, sDO + row0 * LD, tV, d_v);
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                na_grad_logit(s[n][e], dp[n][e], row_lse[e >> 1], row_delta[e >> 1], softcap,
+                              inv_cap);
+        na_mma_pb<T, HD, NT>(acc, dp, tK, d_qk);
+    }
+    na_cp_async_wait_all();
+#else
     T* sQ = reinterpret_cast<T*>(na_smem);
     T* sDO = sQ + NA_TILE * LD;
     T* sK = sDO + NA_TILE * LD;
@@ -780,6 +866,7 @@ na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* 
             na_mma_pb<T, HD, NT>(acc, dp, sK, d_qk);
         }
     }
+#endif
     na_store_rows<T, HD>(dq + b * dq_sb + h * dq_sh, acc, s_qtok, row0, dq_st, d_qk, scale, scale);
 }
 
