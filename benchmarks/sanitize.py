@@ -64,8 +64,8 @@ def _fused_cases():
             H, Hkv = heads
             q, k = rnd(1, *spatial, H, d_qk), rnd(1, *spatial, Hkv, d_qk)
             v, dout = rnd(1, *spatial, Hkv, d_v), rnd(1, *spatial, H, d_v)
-            geom = dict(kernel_size=kernel, stride=stride, dilation=dilation, is_causal=causal,
-                        scale=d_qk ** -0.5, softcap=softcap)
+            geom = {"kernel_size": kernel, "stride": stride, "dilation": dilation,
+                    "is_causal": causal, "scale": d_qk ** -0.5, "softcap": softcap}
             bias = (torch.randn(H, *(2 * x - 1 for x in kernel), device="cuda", generator=g)
                     if rpb else None)
             out = torch.full((1, *spatial, H, d_v), math.nan, device="cuda", dtype=dtype)
@@ -172,7 +172,7 @@ def run_child(pattern: str | None) -> int:
             run()
             torch.cuda.synchronize()
             print(f"{CASE_MARK} {name} ok {time.perf_counter() - start:.3f}", flush=True)
-        except Exception as exc:  # recorded, and the other cases still run
+        except Exception as exc:  # noqa: BLE001 - recorded; the other cases still run
             failed += 1
             detail = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300]
             print(f"{CASE_MARK} {name} FAILED {detail}", flush=True)

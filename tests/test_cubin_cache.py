@@ -13,10 +13,10 @@ import pytest
 
 pytest.importorskip("cupy")
 
-from cupy.cuda import nvrtc  # noqa: E402
+from cupy.cuda import nvrtc
 
-from cudnn_attn.fallback_kernels import _loader, cubin_cache  # noqa: E402
-from cudnn_attn.fallback_kernels import unfused as U  # noqa: E402
+from cudnn_attn.fallback_kernels import _loader, cubin_cache
+from cudnn_attn.fallback_kernels import unfused as U
 
 ARCH = "sm_80"
 EXPRESSIONS = ("na_neighbor_gather<float>",)  # one small instance: a compile takes ~1 s

@@ -22,10 +22,10 @@ from cudnn_attn.fallback_kernels import _loader
 from cudnn_attn.fallback_kernels import fused as F
 
 SWAP = ('"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3])', '"r"(a[0]), "r"(a[2]), "r"(a[1]), "r"(a[3])')
-LANES = ("const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;\n"
-         "    if constexpr (sizeof(T) == 2 && NA_PIPELINED) {",
-         "const int lane = threadIdx.x & 31, g = lane & 7, t = lane >> 3;\n"
-         "    if constexpr (sizeof(T) == 2 && NA_PIPELINED) {")
+LANES = (("const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;\n"
+          "    if constexpr (sizeof(T) == 2 && NA_PIPELINED) {"),
+         ("const int lane = threadIdx.x & 31, g = lane & 7, t = lane >> 3;\n"
+          "    if constexpr (sizeof(T) == 2 && NA_PIPELINED) {"))
 BF16_ROUND = ('asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));',
               "h.bits = (na_u16)(__float_as_uint(f) >> 16);  // truncation")
 

@@ -24,12 +24,12 @@ import stat
 import struct
 import tempfile
 import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 logger = logging.getLogger("cudnn_attn")
 
-__all__ = ["cache_dir", "program_key", "load", "store", "clear", "info"]
+__all__ = ["cache_dir", "clear", "info", "load", "program_key", "store"]
 
 MAGIC = b"cudnn_attn cubin\n"
 FORMAT_VERSION = 1

@@ -45,7 +45,7 @@ INSTRUCTIONS = {
 _IMMEDIATE = "n"
 
 _START = re.compile(r"\basm\s*(?:volatile\s*|__volatile__\s*)?\(")
-_OPERAND = re.compile(r'^\s*"([=+&]*)([a-z])"\s*\((.*)\)\s*$', re.S)
+_OPERAND = re.compile(r'^\s*"([=+&]*)([a-z])"\s*\((.*)\)\s*$', re.DOTALL)
 
 
 class AsmError(ValueError):
