@@ -481,3 +481,14 @@ def test_pipelined_build_selection(monkeypatch):
                 kernel == "na_fused_backward_dq" and hd <= 64)), (kernel, hd)
     assert {v.expression for v in F.pipelined_variants()} == set(
         fused_expressions(head_dims=F.HEAD_DIMS))
+
+
+def test_pipelined_real_threads(request, tmp_path_factory, monkeypatch):
+    """The pipelined fp16 build with every block on 128 real std::threads: mma/ldmatrix
+    rendezvous, cp.async waits and barriers under the OS scheduler rather than the fibers'
+    fixed order."""
+    exprs = [F._expression(k, torch.float16, 32) for k in F.KERNELS]
+    lib = build.host_library(request, tmp_path_factory, F, exprs, real_threads=True,
+                             source=_loader.source_text(F.SOURCE, F.PIPELINED_DEFINES))
+    route_fused(monkeypatch, lib, pipelined=True)
+    assert neighborhood_failures("1d-rpb", torch.float16) == []
