@@ -45,13 +45,14 @@ _SMEM_LIMIT = 99 * 1024
 
 # The sm_80+ build of the same source (NA_PIPELINED in the .cu): ldmatrix fragment loads in every
 # kernel; the forward and dQ (head dims <= 64) copy key tile i + 1 with cp.async into a second K/V
-# buffer while they compute tile i (dQ at 128 and dK/dV stage with cp.async, single-buffered or
-# synchronously). fp16/bf16 only (fp32 keeps its exact FMA path); chosen by ``pipelined``.
+# buffer while they compute tile i (dQ at 128: one buffer), dK/dV the next (query head, chunk)
+# step's Q/dO. fp16/bf16 only (fp32 keeps its exact FMA path); chosen by ``pipelined``.
 PIPELINED_DEFINES = {**DEFINES, "NA_PIPELINED": 1}
 PIPELINED_MIN_ARCH = 80
 PIPELINED_DTYPES = (torch.float16, torch.bfloat16)
 _PIPELINED_META_BYTES = {**_META_BYTES, "na_fused_forward": (896 + 2 * 64 + 2 * 64 * 3 + 4) * 4,
-                         "na_fused_backward_dq": (704 + 64 + 64 * 3 + 4) * 4}
+                         "na_fused_backward_dq": (704 + 64 + 64 * 3 + 4) * 4,
+                         "na_fused_backward_dkdv": (832 + 2 * 64) * 4}
 
 
 def _expression(kernel: str, dtype: torch.dtype, head_dim: int) -> str:
@@ -98,9 +99,9 @@ def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool =
     elem = 2 if dtype in (torch.float16, torch.bfloat16) else 4
     ld = head_dim + 8 if elem == 2 else head_dim
     chunk = _CHUNK[kernel][0 if elem == 2 else 1]
-    # The pipelined forward double-buffers K/V; its dQ too where that fits (head dims <= 64).
-    buffers = 2 if pipelined and (kernel == "na_fused_forward" or (
-        kernel == "na_fused_backward_dq" and head_dim <= 64)) else 1
+    # The pipelined forward and dK/dV double-buffer the other side; dQ where that fits (head
+    # dims <= 64).
+    buffers = 2 if pipelined and (kernel != "na_fused_backward_dq" or head_dim <= 64) else 1
     rows = _OWN_ROWS[kernel] * FUSED_QUERY_TILE + 2 * chunk * buffers
     meta = (_PIPELINED_META_BYTES if pipelined else _META_BYTES)[kernel]
     total = rows * ld * elem + meta

@@ -897,6 +897,95 @@ na_fused_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T
     __shared__ NaAxis s_ax[NA_MAX_AXES];
     __shared__ NaGeo geo;
     extern __shared__ __align__(16) unsigned char na_smem[];
+#if NA_PIPELINED
+    // Within a query tile the steps (query head, chunk) share the tile's slots: the Q/dO chunk of
+    // step j + 1 is copied with cp.async into the second buffer while step j is computed (and
+    // its head's lse/delta loaded into the second lse/delta buffer).
+    T* sK = reinterpret_cast<T*>(na_smem);
+    T* sV = sK + NA_TILE * LD;
+    T* sQ = sV + NA_TILE * LD;                  // [2][CH * LD]
+    T* sDO = sQ + 2 * CH * LD;                  // [2][CH * LD]
+    int* s_ktok = reinterpret_cast<int*>(sDO + 2 * CH * LD);
+    int* s_kc = s_ktok + NA_TILE;
+    int* s_qtok = s_kc + NA_TILE * 3;
+    int* s_qwin = s_qtok + NA_TILE;
+    float* s_lse = reinterpret_cast<float*>(s_qwin + NA_TILE * 6);  // [2][NA_TILE]
+    float* s_delta = s_lse + 2 * NA_TILE;                             // [2][NA_TILE]
+
+    if (threadIdx.x == 0) na_setup_block(table, s_ax, geo, kbox, qbox, false);
+    __syncthreads();
+    if (threadIdx.x < NA_TILE)
+        na_key_slot(geo, kbox, geo.own_lo, geo.own_hi, threadIdx.x, s_ktok + threadIdx.x,
+                    s_kc + threadIdx.x * 3);
+    __syncthreads();
+    na_stage_rows_async<T, HD>(sK, k + b * k_sb + hk * k_sh, s_ktok, NA_TILE, k_st, d_qk, vec);
+    na_stage_rows_async<T, HD>(sV, v + b * v_sb + hk * v_sh, s_ktok, NA_TILE, v_st, d_v, vec);
+    na_cp_async_commit();
+
+    const NaRpb none = {nullptr, nullptr};
+    const int lane = threadIdx.x & 31, t = lane & 3;
+    float dk_acc[HD / 8][4], dv_acc[HD / 8][4];
+    na_zero(dk_acc);
+    na_zero(dv_acc);
+    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
+    const int chunks = NA_TILE / CH, steps = group * chunks;
+    // Step j of a tile: query head hk * group + j / chunks, chunk (j % chunks) * CH.
+    auto issue = [&](int j) {
+        const int h = hk * group + j / chunks, c0 = (j % chunks) * CH, buf = j & 1;
+        if (j % chunks == 0 && threadIdx.x < NA_TILE) {  // a new head: its lse/delta
+            const int tk = s_qtok[threadIdx.x];
+            const long long at = b * l_sb + (long long)tk * l_st + h * l_sh;
+            const float x = tk >= 0 ? lse[at] : NA_INF;
+            s_lse[(j / chunks & 1) * NA_TILE + threadIdx.x] = x == -NA_INF ? NA_INF : x;
+            s_delta[(j / chunks & 1) * NA_TILE + threadIdx.x] = tk >= 0 ? delta[at] : 0.f;
+        }
+        na_stage_rows_async<T, HD>(sQ + buf * CH * LD, q + b * q_sb + h * q_sh, s_qtok + c0, CH,
+                                   q_st, d_qk, vec);
+        na_stage_rows_async<T, HD>(sDO + buf * CH * LD, dout + b * do_sb + h * do_sh,
+                                   s_qtok + c0, CH, do_st, d_v, vec);
+        na_cp_async_commit();
+    };
+    for (int it = 0; it < ntiles; ++it) {
+        __syncthreads();  // the previous tile's steps are done with the slots and buffers
+        if (threadIdx.x == 0) na_place_other_tile(s_ax, geo, qbox, it, false);
+        __syncthreads();
+        if (threadIdx.x < NA_TILE)
+            na_query_slot(s_ax, geo, qbox, geo.cur_lo, geo.cur_hi, threadIdx.x,
+                          s_qtok + threadIdx.x, s_qwin + threadIdx.x * 6, nullptr);
+        const bool full = geo.full;
+        __syncthreads();  // s_qtok ready
+        issue(0);
+        for (int j = 0; j < steps; ++j) {
+            if (j + 1 < steps) issue(j + 1);  // buffer (j + 1) & 1 was freed by step j - 1
+            else na_cp_async_commit();        // keep "all but the newest group" meaning step j
+            na_cp_async_wait_prev();
+            __syncthreads();  // step j's copies (and lse/delta) are everyone's
+            const int c0 = (j % chunks) * CH, buf = j & 1, hb = j / chunks & 1;
+            const T* tQ = sQ + buf * CH * LD;
+            const T* tDO = sDO + buf * CH * LD;
+            const float* lse_h = s_lse + hb * NA_TILE;
+            const float* delta_h = s_delta + hb * NA_TILE;
+            float s[NT][4], dp[NT][4];
+            na_zero(s);
+            na_mma_abt<T, HD, NT>(s, sK + row0 * LD, tQ, d_qk);
+            na_logits<NT, false>(s, scale, softcap, inv_cap, full, s_qwin, s_kc, row0, c0, geo,
+                                 none);
+            na_zero(dp);
+            na_mma_abt<T, HD, NT>(dp, sV + row0 * LD, tDO, d_v);
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = c0 + n * 8 + 2 * t + (e & 1);
+                    na_grad_logit(s[n][e], dp[n][e], lse_h[col], delta_h[col], softcap, inv_cap);
+                }
+            na_mma_pb<T, HD, NT>(dv_acc, s, tDO, d_v);
+            na_mma_pb<T, HD, NT>(dk_acc, dp, tQ, d_qk);
+            __syncthreads();  // step j's buffers may be overwritten by step j + 2's copies
+        }
+    }
+    na_cp_async_wait_all();
+#else
     T* sK = reinterpret_cast<T*>(na_smem);
     T* sV = sK + NA_TILE * LD;
     T* sQ = sV + NA_TILE * LD;
@@ -965,6 +1054,7 @@ na_fused_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T
             }
         }
     }
+#endif
     na_store_rows<T, HD>(dk + b * dk_sb + hk * dk_sh, dk_acc, s_ktok, row0, dk_st, d_qk, scale,
                          scale);
     na_store_rows<T, HD>(dv + b * dv_sb + hk * dv_sh, dv_acc, s_ktok, row0, dv_st, d_v, 1.f, 1.f);

@@ -321,9 +321,16 @@ inline void run_block(dim3 block, unsigned char* dyn, size_t dyn_bytes,
 
 // Unpacks cuLaunchKernel-style `void** args` (one pointer per kernel parameter) and runs the grid,
 // one block at a time.
+// cp.async timing (ptx.h): copies land when waited for (default: a read before the wait sees
+// stale data), or at once with NA_EMU_CP_ASYNC_EAGER=1 in the environment at launch (a buffer
+// overwritten while other warps still read it shows). Hardware may do either.
+inline bool eager_cp_async = false;
+
 template <typename... P, typename... A>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
     constexpr size_t kGuard = 4096;  // canary bytes after the dynamic shared memory
+    const char* eager = std::getenv("NA_EMU_CP_ASYNC_EAGER");
+    eager_cp_async = eager && eager[0] == '1';
     std::vector<unsigned char> dyn(smem + kGuard);
     gridDim = grid, blockDim = block;
     for (unsigned bz = 0; bz < grid.z; ++bz)

@@ -189,14 +189,21 @@ inline void mma_m16n8k16_f32(float& d0, float& d1, float& d2, float& d3, uint32_
 // cp.async.{ca,cg}.shared.global [dst], [src], cp-size{, src-size}: copies src-size bytes (default
 // cp-size) and zero-fills the rest. Deferred: the bytes land when cp.async.wait_group/wait_all
 // completes the copy's committed group, so reading a tile before waiting sees stale (poisoned)
-// shared memory, as on hardware it may.
+// shared memory, as on hardware it may; or at once (emu.h's eager_cp_async), so that overwriting a
+// buffer other warps still read shows.
 inline void cp_async(uint32_t dst, uint64_t src, int cp_size, int src_size) {
     if (cp_size != 4 && cp_size != 8 && cp_size != 16) trap("cp.async cp-size must be 4, 8 or 16");
     if (src_size < 0 || src_size > cp_size) trap("cp.async src-size outside [0, cp-size]");
     if (dst % cp_size != 0 || src % cp_size != 0) trap("cp.async address not cp-size aligned");
     unsigned char* to = shared_pointer(dst, cp_size);
-    self->async.open.push_back(
-        AsyncCopy{to, reinterpret_cast<const unsigned char*>(uintptr_t(src)), cp_size, src_size});
+    const auto* from = reinterpret_cast<const unsigned char*>(uintptr_t(src));
+    if (eager_cp_async) {  // lands now; the group bookkeeping is unchanged
+        if (src_size) std::memcpy(to, from, size_t(src_size));
+        std::memset(to + src_size, 0, size_t(cp_size - src_size));
+        self->async.open.push_back(AsyncCopy{to, from, 0, 0});
+        return;
+    }
+    self->async.open.push_back(AsyncCopy{to, from, cp_size, src_size});
 }
 inline void cp_async_cg_shared_global(uint32_t dst, uint64_t src, int cp_size) {
     if (cp_size != 16) trap("cp.async.cg needs cp-size 16");
