@@ -1,7 +1,8 @@
 """CPU: the fused NA kernels (``fallback_kernels/fused_attention.cu``) executed on the host.
 
-The float32 instances (head dims 32 and 64; the fp16/bf16 instances need mma.sync and cannot run
-here) of the forward, backward-dQ and backward-dK/dV kernels are compiled with g++ against
+The float32 instances (head dims 32 and 64; the fp16/bf16 instances, which run mma.sync under
+the emulation of ``host_cuda/ptx.h``, are tested in ``test_emulation_16bit.py``) of the forward,
+backward-dQ and backward-dK/dV kernels are compiled with g++ against
 ``tests/host_cuda/emu.h`` (128 threads per block as fibers, warp shuffles, ``__syncthreads``) and
 driven by ``fallback_kernels.fused`` itself: ``na_forward``/``na_backward`` for neighborhoods and
 ``run_forward``/``run_backward`` for bands, so the geometry table, tile choice, grid, strides,
@@ -58,10 +59,12 @@ def _host_tokens(t, rank, name):
     return F._last_contiguous(t.reshape(t.shape[0], -1, t.shape[-2], t.shape[-1]))
 
 
-def _host_launch(monkeypatch):
-    """launch.py's device plumbing replaced: tensors stay tensors, no CuPy stream."""
+def _host_launch(monkeypatch, capability=(9, 0)):
+    """launch.py's device plumbing replaced: tensors stay tensors, no CuPy stream; the device
+    reports ``capability`` (which picks the fused build, see ``fused.pipelined``)."""
     monkeypatch.setattr(launch, "kernel_arg", lambda t: np.uint64(0) if t is None else t.detach())
     monkeypatch.setattr(launch, "TorchStream", _NoStream)
+    monkeypatch.setattr(F, "_capability", lambda index: capability)
 
 
 @pytest.fixture
@@ -69,7 +72,8 @@ def launches(lib, monkeypatch):
     """Route fused.py's launches to the host library; returns the list of launches made."""
     calls = []
 
-    def function(kernel, dtype, head_dim, device_index):
+    def function(kernel, dtype, head_dim, device_index, use_pipelined=False):
+        assert not use_pipelined  # fp32 always takes the exact FMA build
         fn = lib[build.export_name(F._expression(kernel, dtype, head_dim))]
 
         def launch(grid, block, args, shared_mem=0, stream=None):
@@ -269,7 +273,7 @@ def test_real_threads_match_oracle(request, tmp_path_factory, monkeypatch):
     exchanges under the OS scheduler rather than the fibers' fixed order)."""
     exprs = [F._expression(k, torch.float32, 32) for k in F.KERNELS]
     real = build.host_library(request, tmp_path_factory, F, exprs, real_threads=True)
-    monkeypatch.setattr(F, "_function", lambda kernel, dtype, hd, dev: real[
+    monkeypatch.setattr(F, "_function", lambda kernel, dtype, hd, dev, pipelined=False: real[
         build.export_name(F._expression(kernel, dtype, hd))])
     _host_launch(monkeypatch)
     monkeypatch.setattr(F, "_tokens", _host_tokens)

@@ -20,8 +20,9 @@ import importlib
 from ._loader import CompileRecord, KernelCompileError, compile_program, compile_records
 from .limits import LIMITS, kernel_reasons
 
-# Modules that launch kernels; each exposes SOURCE, DEFINES and variants().
-KERNEL_MODULES = ("fused", "unfused")
+# Modules that launch kernels; each exposes SOURCE, DEFINES and variants() (and MIN_ARCH, the
+# oldest sm it compiles for, when it has one).
+KERNEL_MODULES = ("fused", "fused_pipelined", "unfused")
 
 __all__ = ["compile_all", "kernel_variants", "kernel_reasons", "LIMITS", "CompileRecord",
            "KernelCompileError"]
@@ -52,8 +53,11 @@ def compile_all(arch: str) -> list[CompileRecord]:
         raise ImportError("compile_all needs CuPy and NVRTC: pip install 'cudnn-attn[cu12]' "
                           f"({exc})") from None
     records: list[CompileRecord] = []
+    number = int("".join(ch for ch in arch.split("_", 1)[1] if ch.isdigit()) or 0)
     for name, variants in kernel_variants().items():
         module = importlib.import_module(f"{__name__}.{name}")
+        if number < getattr(module, "MIN_ARCH", 0):
+            continue  # e.g. cp.async needs sm_80
         program = compile_program(module.SOURCE, module.DEFINES,
                                   [v.expression for v in variants], arch)
         records += compile_records(program, variants)

@@ -6,6 +6,8 @@ of ``#define`` lines (built from a dict owned by the Python module that launches
 all variants of one source compile in one NVRTC program per architecture, to a cubin, with
 ``ptxas -v`` so that register and spill counts come back with it. Compiling needs only the NVRTC
 library (``nvidia-cuda-nvrtc-cu12``, loaded through CuPy), never a GPU; loading a cubin needs one.
+Compiled programs are memoized per process and kept on disk per machine (``cubin_cache``), so
+each program is compiled once per machine, not once per run.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from importlib import resources
 from typing import Mapping, Sequence
 
 from ..caches import LRU, memoize
+from . import cubin_cache
 
 COMMON_SOURCE = "common.cu"
 NVRTC_OPTIONS = ("-std=c++17", "--ptxas-options=-v")
@@ -91,7 +94,8 @@ _PROGRAMS = LRU("fallback_kernels.programs", None)
 
 def compile_program(source: str, defines: Mapping[str, object], expressions: Sequence[str],
                     arch: str) -> CompiledProgram:
-    """Compile every name expression of ``source`` for ``arch`` (memoized per process)."""
+    """Compile every name expression of ``source`` for ``arch`` (memoized per process, and on
+    disk per machine: see ``cubin_cache``)."""
     key = (source, tuple(sorted(defines.items())), tuple(expressions), arch)
     with _COMPILE_LOCK:
         found = _PROGRAMS.get(key)
@@ -100,6 +104,11 @@ def compile_program(source: str, defines: Mapping[str, object], expressions: Seq
         from cupy.cuda import nvrtc  # imported late: the package imports without CuPy
 
         text = source_text(source, defines)
+        disk_key = cubin_cache.program_key(text, expressions, arch, NVRTC_OPTIONS,
+                                           cubin_cache.nvrtc_version())
+        stored = cubin_cache.load(disk_key, expressions)
+        if stored is not None:
+            return _PROGRAMS.put(key, CompiledProgram(source, arch, *stored))
         prog = nvrtc.createProgram(text, source, [], [])
         try:
             for expression in expressions:
@@ -115,6 +124,7 @@ def compile_program(source: str, defines: Mapping[str, object], expressions: Seq
                                       nvrtc.getProgramLog(prog))
         finally:
             nvrtc.destroyProgram(prog)
+        cubin_cache.store(disk_key, program.cubin, program.lowered, program.log)
         return _PROGRAMS.put(key, program)
 
 

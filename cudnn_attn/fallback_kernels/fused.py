@@ -27,7 +27,7 @@ from .tile_shapes import FUSED_KEY_TILE, FUSED_QUERY_TILE, box_shapes, check_til
 
 __all__ = ["SOURCE", "DEFINES", "variants", "na_forward", "na_backward", "run_forward",
            "run_backward", "choose_tiles", "launch_grid", "head_dim_bucket", "smem_bytes",
-           "forward_tokens"]
+           "forward_tokens", "pipelined", "pipelined_variants", "PIPELINED_DEFINES"]
 
 SOURCE = "fused_attention.cu"
 DEFINES = {"QUERY_TILE": FUSED_QUERY_TILE, "KEY_TILE": FUSED_KEY_TILE}
@@ -43,6 +43,17 @@ _META_BYTES = {"na_fused_forward": 896 * 4, "na_fused_backward_dq": 704 * 4,
                "na_fused_backward_dkdv": 832 * 4}
 _SMEM_LIMIT = 99 * 1024
 
+# The sm_80+ build of the same source (NA_PIPELINED in the .cu): ldmatrix fragment loads in every
+# kernel; the forward and dQ (head dims <= 64) copy key tile i + 1 with cp.async into a second K/V
+# buffer while they compute tile i (dQ at 128: one buffer), dK/dV the next (query head, chunk)
+# step's Q/dO. fp16/bf16 only (fp32 keeps its exact FMA path); chosen by ``pipelined``.
+PIPELINED_DEFINES = {**DEFINES, "NA_PIPELINED": 1}
+PIPELINED_MIN_ARCH = 80
+PIPELINED_DTYPES = (torch.float16, torch.bfloat16)
+_PIPELINED_META_BYTES = {**_META_BYTES, "na_fused_forward": (896 + 2 * 64 + 2 * 64 * 3 + 4) * 4,
+                         "na_fused_backward_dq": (704 + 64 + 64 * 3 + 4) * 4,
+                         "na_fused_backward_dkdv": (832 + 2 * 64) * 4}
+
 
 def _expression(kernel: str, dtype: torch.dtype, head_dim: int) -> str:
     return f"{kernel}<{CTYPES[dtype]}, {head_dim}>"
@@ -52,6 +63,24 @@ def variants() -> list:
     """Every template instance this module can launch."""
     return [_loader.KernelVariant(SOURCE, _expression(k, dt, hd), f"{k}<{CTYPES[dt]},{hd}>")
             for k in KERNELS for dt in CTYPES for hd in HEAD_DIMS]
+
+
+def pipelined_variants() -> list:
+    """The instances of the sm_80+ pipelined build (``PIPELINED_DEFINES``)."""
+    return [_loader.KernelVariant(SOURCE, _expression(k, dt, hd),
+                                  f"{k}<{CTYPES[dt]},{hd}>/pipelined")
+            for k in KERNELS for dt in PIPELINED_DTYPES for hd in HEAD_DIMS]
+
+
+def pipelined(dtype: torch.dtype, capability: tuple[int, int]) -> bool:
+    """Whether launches of ``dtype`` on a device of ``capability`` use the pipelined build
+    (``CUDNN_ATTN_FUSED_PIPELINED=0`` keeps the plain build everywhere)."""
+    import os
+
+    if os.environ.get("CUDNN_ATTN_FUSED_PIPELINED", "1").strip() == "0":
+        return False
+    major, minor = capability
+    return dtype in PIPELINED_DTYPES and major * 10 + minor >= PIPELINED_MIN_ARCH
 
 
 def head_dim_bucket(dim_qk: int, dim_v: int) -> int:
@@ -64,13 +93,18 @@ def head_dim_bucket(dim_qk: int, dim_v: int) -> int:
                      f"dim_v={dim_v}")
 
 
-def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int) -> int:
-    """Dynamic shared memory of one variant (mirrors the carve-up in the .cu)."""
+def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool = False) -> int:
+    """Dynamic shared memory of one variant (mirrors the carve-up in the .cu); ``pipelined``:
+    the sm_80+ build, whose forward holds two K/V buffers."""
     elem = 2 if dtype in (torch.float16, torch.bfloat16) else 4
     ld = head_dim + 8 if elem == 2 else head_dim
     chunk = _CHUNK[kernel][0 if elem == 2 else 1]
-    rows = _OWN_ROWS[kernel] * FUSED_QUERY_TILE + 2 * chunk
-    total = rows * ld * elem + _META_BYTES[kernel]
+    # The pipelined forward and dK/dV double-buffer the other side; dQ where that fits (head
+    # dims <= 64).
+    buffers = 2 if pipelined and (kernel != "na_fused_backward_dq" or head_dim <= 64) else 1
+    rows = _OWN_ROWS[kernel] * FUSED_QUERY_TILE + 2 * chunk * buffers
+    meta = (_PIPELINED_META_BYTES if pipelined else _META_BYTES)[kernel]
+    total = rows * ld * elem + meta
     assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
     return total
 
@@ -156,16 +190,24 @@ def choose_tiles(table: tuple, rank: int) -> tuple[tuple[int, ...], tuple[int, .
 # ---------------------------------------------------------------------------------------------
 
 @memoize("fallback_kernels.fused.functions")
-def _function(kernel: str, dtype: torch.dtype, head_dim: int, device_index: int):
+def _function(kernel: str, dtype: torch.dtype, head_dim: int, device_index: int,
+              use_pipelined: bool = False):
     """The loaded kernel, opted in to its dynamic shared memory (needed above 48 KB)."""
     from cupy.cuda import driver
 
-    expressions = tuple(v.expression for v in variants())
-    fn = _loader.get_function(SOURCE, DEFINES, expressions, _expression(kernel, dtype, head_dim),
+    defines, found = (PIPELINED_DEFINES, pipelined_variants()) if use_pipelined else (
+        DEFINES, variants())
+    expressions = tuple(v.expression for v in found)
+    fn = _loader.get_function(SOURCE, defines, expressions, _expression(kernel, dtype, head_dim),
                               device_index)
     driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            smem_bytes(kernel, dtype, head_dim))
+                            smem_bytes(kernel, dtype, head_dim, use_pipelined))
     return fn
+
+
+@memoize("fallback_kernels.fused.capability")
+def _capability(device_index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device_index))
 
 
 def _strides(t: torch.Tensor) -> list:
@@ -182,9 +224,10 @@ def _aligned(tensors, dtype) -> int:
 
 
 def _launch(kernel, dtype, head_dim, grid, tensors, scalars, ctx: "launch.TorchStream"):
-    fn = _function(kernel, dtype, head_dim, ctx.index)
+    use_pipelined = pipelined(dtype, _capability(ctx.index))
+    fn = _function(kernel, dtype, head_dim, ctx.index, use_pipelined)
     args = [launch.kernel_arg(t) for t in tensors] + list(scalars)
-    fn(grid, (THREADS, 1, 1), args, shared_mem=smem_bytes(kernel, dtype, head_dim),
+    fn(grid, (THREADS, 1, 1), args, shared_mem=smem_bytes(kernel, dtype, head_dim, use_pipelined),
        stream=ctx.stream)
 
 

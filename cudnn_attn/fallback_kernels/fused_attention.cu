@@ -64,6 +64,38 @@ __device__ __forceinline__ void na_mma16816(float* c, const unsigned int* a, con
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// ---------------------------------------------------------------------------------------------
+// sm_80+ pipelined variant (NA_PIPELINED=1, 16-bit instances only; fused_pipelined.py): fragments
+// loaded with ldmatrix, K/V tiles staged with cp.async into two buffers so that the next tile's
+// copies overlap the current tile's math (forward). fp32 never takes these paths.
+// ---------------------------------------------------------------------------------------------
+#ifndef NA_PIPELINED
+#define NA_PIPELINED 0
+#endif
+
+#if NA_PIPELINED
+// Four 8x8 b16 matrices; lanes 8m..8m+7 give the row addresses of matrix m (16-byte aligned).
+__device__ __forceinline__ void na_ldsm_x4(unsigned int* r, const void* row) {
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void na_ldsm_x4_trans(unsigned int* r, const void* row) {
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void na_cp_async16(void* dst, const void* src) {
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(a), "l"(src));
+}
+__device__ __forceinline__ void na_cp_async_commit() { asm volatile("cp.async.commit_group;" ::); }
+__device__ __forceinline__ void na_cp_async_wait_prev() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(1));
+}
+__device__ __forceinline__ void na_cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::); }
+#endif
+
 template <int NT> __device__ __forceinline__ void na_zero(float (&x)[NT][4]) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) x[n][0] = x[n][1] = x[n][2] = x[n][3] = 0.f;
@@ -75,7 +107,22 @@ template <typename T, int HD, int NT>
 __device__ __forceinline__ void na_mma_abt(float (&acc)[NT][4], const T* A, const T* B, int kdim) {
     constexpr int LD = NaRows<T, HD>::LD;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    if constexpr (sizeof(T) == 2) {
+    if constexpr (sizeof(T) == 2 && NA_PIPELINED) {
+        // A: matrices (rows 0-7 | 8-15) x (k0 | k0+8) = a0..a3; B: two n-tiles x (k0 | k0+8).
+        static_assert(NT % 2 == 0, "n-tiles are loaded in pairs");
+        for (int k0 = 0; k0 < kdim; k0 += 16) {
+            unsigned int a[4];
+            na_ldsm_x4(a, A + (lane % 16) * LD + k0 + (lane / 16) * 8);
+#pragma unroll
+            for (int n = 0; n < NT; n += 2) {
+                unsigned int b[4];
+                na_ldsm_x4(b, B + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + k0 +
+                                  ((lane / 8) % 2) * 8);
+                na_mma16816(acc[n], a, b, T());
+                na_mma16816(acc[n + 1], a, b + 2, T());
+            }
+        }
+    } else if constexpr (sizeof(T) == 2) {
         for (int k0 = 0; k0 < kdim; k0 += 16) {
             unsigned int a[4];
             a[0] = na_ld32(A + g * LD + k0 + 2 * t);
@@ -117,7 +164,27 @@ __device__ __forceinline__ void na_mma_pb(float (&acc)[HD / 8][4], const float (
                                           const T* B, int ncols) {
     constexpr int LD = NaRows<T, HD>::LD;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    if constexpr (sizeof(T) == 2) {
+    if constexpr (sizeof(T) == 2 && NA_PIPELINED) {
+        // B row-major [k][n]: .trans matrices (k 0-7 | 8-15) x (n-tile n | n+1) = b0, b1 of
+        // tile n, then of tile n + 1. A pair past ncols is skipped; a half past it reads the
+        // zero-padded columns.
+#pragma unroll
+        for (int j = 0; j < NT / 2; ++j) {
+            unsigned int a[4] = {na_pack2(p[2 * j][0], p[2 * j][1], T()),
+                                 na_pack2(p[2 * j][2], p[2 * j][3], T()),
+                                 na_pack2(p[2 * j + 1][0], p[2 * j + 1][1], T()),
+                                 na_pack2(p[2 * j + 1][2], p[2 * j + 1][3], T())};
+#pragma unroll
+            for (int n = 0; n < HD / 8; n += 2) {
+                if (n * 8 >= ncols) continue;
+                unsigned int b[4];
+                na_ldsm_x4_trans(b, B + (16 * j + ((lane / 8) % 2) * 8 + lane % 8) * LD +
+                                        (n + lane / 16) * 8);
+                na_mma16816(acc[n], a, b, T());
+                na_mma16816(acc[n + 1], a, b + 2, T());
+            }
+        }
+    } else if constexpr (sizeof(T) == 2) {
         const na_u16* b16 = reinterpret_cast<const na_u16*>(B);
 #pragma unroll
         for (int j = 0; j < NT / 2; ++j) {
@@ -179,6 +246,31 @@ __device__ __forceinline__ void na_stage_rows(T* dst, const T* __restrict__ src,
         }
     }
 }
+
+#if NA_PIPELINED
+// na_stage_rows with the aligned 16-byte pieces copied by cp.async (the caller commits and
+// waits); absent rows and columns past d are zero-filled by plain stores.
+template <typename T, int HD>
+__device__ __forceinline__ void na_stage_rows_async(T* dst, const T* __restrict__ src,
+                                                    const int* tok, int rows, long long stride,
+                                                    int d, int vec) {
+    constexpr int LD = NaRows<T, HD>::LD, V = 16 / sizeof(T), PER_ROW = HD / V;
+    const T zero = NaConvert<T>::from(0.f);
+    for (int i = threadIdx.x; i < rows * PER_ROW; i += NA_THREADS) {
+        const int r = i / PER_ROW, c = (i % PER_ROW) * V;
+        const int tk = tok[r];
+        T* out = dst + r * LD + c;
+        if (vec && tk >= 0 && c + V <= d) {
+            na_cp_async16(out, src + tk * stride + c);
+        } else if (tk < 0 || c >= d) {
+            *reinterpret_cast<uint4*>(out) = uint4{0u, 0u, 0u, 0u};
+        } else {
+#pragma unroll
+            for (int e = 0; e < V; ++e) out[e] = c + e < d ? src[tk * stride + c + e] : zero;
+        }
+    }
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Block geometry. Per axis: the dilation group, the block's own box and the range of the other
@@ -469,6 +561,72 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     __shared__ NaAxis s_ax[NA_MAX_AXES];
     __shared__ NaGeo geo;
     extern __shared__ __align__(16) unsigned char na_smem[];
+#if NA_PIPELINED
+    // Two K/V buffers (and their slot lists): tile it + 1 is copied while tile it is computed.
+    static_assert(CH == NA_TILE, "the pipelined forward stages a whole key tile per step");
+    T* sQ = reinterpret_cast<T*>(na_smem);
+    T* sK = sQ + NA_TILE * LD;                  // [2][CH * LD]
+    T* sV = sK + 2 * CH * LD;                   // [2][CH * LD]
+    int* s_qtok = reinterpret_cast<int*>(sV + 2 * CH * LD);
+    int* s_qwin = s_qtok + NA_TILE;
+    int* s_qc = s_qwin + NA_TILE * 6;
+    int* s_ktok = s_qc + NA_TILE * 3;           // [2][NA_TILE]
+    int* s_kc = s_ktok + 2 * NA_TILE;           // [2][NA_TILE * 3]
+    int* s_full = s_kc + 2 * NA_TILE * 3;       // [2]
+
+    if (threadIdx.x == 0) na_setup_block(table, s_ax, geo, qbox, kbox, true);
+    __syncthreads();
+    if (threadIdx.x < NA_TILE)
+        na_query_slot(s_ax, geo, qbox, geo.own_lo, geo.own_hi, threadIdx.x, s_qtok + threadIdx.x,
+                      s_qwin + threadIdx.x * 6, s_qc + threadIdx.x * 3);
+    __syncthreads();
+    na_stage_rows_async<T, HD>(sQ, q + b * q_sb + h * q_sh, s_qtok, NA_TILE, q_st, d_qk, vec);
+
+    const T* kbase = k + b * k_sb + hk * k_sh;
+    const T* vbase = v + b * v_sb + hk * v_sh;
+    const NaRpb bias = {rpb ? rpb + (long long)h * ((2 * geo.kern[0] - 1) * (2 * geo.kern[1] - 1) *
+                                                    (2 * geo.kern[2] - 1))
+                            : nullptr,
+                        s_qc};
+    float acc[HD / 8][4], m[2] = {-NA_INF, -NA_INF}, l[2] = {0.f, 0.f};
+    na_zero(acc);
+    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
+    // Step it (from -1): place and start copying tile it + 1 into buffer (it + 1) & 1, then
+    // compute tile it from buffer it & 1 once its copies (the older group) have landed.
+    for (int it = -1; it < ntiles; ++it) {
+        const int nb = (it + 1) & 1, cb = it & 1;
+        __syncthreads();  // tile it - 1 is done: buffer nb and geo are free
+        if (it + 1 < ntiles) {
+            if (threadIdx.x == 0) {
+                na_place_other_tile(s_ax, geo, kbox, it + 1, true);
+                s_full[nb] = geo.full;
+            }
+            __syncthreads();
+            if (threadIdx.x < NA_TILE)
+                na_key_slot(geo, kbox, geo.cur_lo, geo.cur_hi, threadIdx.x,
+                            s_ktok + nb * NA_TILE + threadIdx.x,
+                            s_kc + nb * NA_TILE * 3 + threadIdx.x * 3);
+            __syncthreads();
+            na_stage_rows_async<T, HD>(sK + nb * CH * LD, kbase, s_ktok + nb * NA_TILE, CH, k_st,
+                                       d_qk, vec);
+            na_stage_rows_async<T, HD>(sV + nb * CH * LD, vbase, s_ktok + nb * NA_TILE, CH, v_st,
+                                       d_v, vec);
+        }
+        na_cp_async_commit();
+        if (it < 0) continue;
+        na_cp_async_wait_prev();  // this thread's copies of tile it (and Q) have landed
+        __syncthreads();          // ... and everyone's
+        const int* kc = s_kc + cb * NA_TILE * 3;
+        float s[NT][4];
+        na_zero(s);
+        na_mma_abt<T, HD, NT>(s, sQ + row0 * LD, sK + cb * CH * LD, d_qk);
+        na_logits<NT, true>(s, scale, softcap, inv_cap, s_full[cb], s_qwin, kc, row0, 0, geo,
+                            bias);
+        na_online_softmax<NT, HD>(s, m, l, acc);
+        na_mma_pb<T, HD, NT>(acc, s, sV + cb * CH * LD, d_v);
+    }
+    na_cp_async_wait_all();
+#else
     T* sQ = reinterpret_cast<T*>(na_smem);
     T* sK = sQ + NA_TILE * LD;
     T* sV = sK + CH * LD;
@@ -517,6 +675,8 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         }
     }
 
+#endif
+
     const int lane = threadIdx.x & 31, g = lane >> 2;
     float inv[2];
 #pragma unroll
@@ -557,6 +717,92 @@ na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* 
     __shared__ NaAxis s_ax[NA_MAX_AXES];
     __shared__ NaGeo geo;
     extern __shared__ __align__(16) unsigned char na_smem[];
+#if NA_PIPELINED
+    // Two K/V buffers where they fit (head dims up to 64): tile it + 1 is copied while tile it is
+    // computed; at 128 one buffer, copied with cp.async and waited for before the math.
+    static_assert(CH == NA_TILE, "the pipelined dQ stages a whole key tile per step");
+    constexpr int NBUF = HD <= 64 ? 2 : 1;
+    T* sQ = reinterpret_cast<T*>(na_smem);
+    T* sDO = sQ + NA_TILE * LD;
+    T* sK = sDO + NA_TILE * LD;                 // [NBUF][CH * LD]
+    T* sV = sK + NBUF * CH * LD;                // [NBUF][CH * LD]
+    int* s_qtok = reinterpret_cast<int*>(sV + NBUF * CH * LD);
+    int* s_qwin = s_qtok + NA_TILE;
+    int* s_ktok = s_qwin + NA_TILE * 6;         // [2][NA_TILE]
+    int* s_kc = s_ktok + 2 * NA_TILE;           // [2][NA_TILE * 3]
+    int* s_full = s_kc + 2 * NA_TILE * 3;       // [2]
+
+    if (threadIdx.x == 0) na_setup_block(table, s_ax, geo, qbox, kbox, true);
+    __syncthreads();
+    if (threadIdx.x < NA_TILE)
+        na_query_slot(s_ax, geo, qbox, geo.own_lo, geo.own_hi, threadIdx.x, s_qtok + threadIdx.x,
+                      s_qwin + threadIdx.x * 6, nullptr);
+    __syncthreads();
+    na_stage_rows_async<T, HD>(sQ, q + b * q_sb + h * q_sh, s_qtok, NA_TILE, q_st, d_qk, vec);
+    na_stage_rows_async<T, HD>(sDO, dout + b * do_sb + h * do_sh, s_qtok, NA_TILE, do_st, d_v,
+                               vec);
+
+    const int lane = threadIdx.x & 31, g = lane >> 2;
+    float row_lse[2], row_delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int tk = s_qtok[row0 + g + 8 * r];
+        const long long at = b * l_sb + (long long)tk * l_st + h * l_sh;
+        const float x = tk >= 0 ? lse[at] : NA_INF;
+        row_lse[r] = x == -NA_INF ? NA_INF : x;  // a row that saw nothing: P = 0
+        row_delta[r] = tk >= 0 ? delta[at] : 0.f;
+    }
+
+    const T* kbase = k + b * k_sb + hk * k_sh;
+    const T* vbase = v + b * v_sb + hk * v_sh;
+    const NaRpb none = {nullptr, nullptr};
+    float acc[HD / 8][4];
+    na_zero(acc);
+    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
+    for (int it = NBUF == 2 ? -1 : 0; it < ntiles; ++it) {
+        const int load = NBUF == 2 ? it + 1 : it;  // the tile copied at this step
+        const int lb = load & 1, cb = it & 1;      // slot-list buffers
+        const int lk = NBUF == 2 ? lb : 0, ck = NBUF == 2 ? cb : 0;  // K/V buffers
+        __syncthreads();  // the previous step's math is done: its buffers and geo are free
+        if (load < ntiles) {
+            if (threadIdx.x == 0) {
+                na_place_other_tile(s_ax, geo, kbox, load, true);
+                s_full[lb] = geo.full;
+            }
+            __syncthreads();
+            if (threadIdx.x < NA_TILE)
+                na_key_slot(geo, kbox, geo.cur_lo, geo.cur_hi, threadIdx.x,
+                            s_ktok + lb * NA_TILE + threadIdx.x,
+                            s_kc + lb * NA_TILE * 3 + threadIdx.x * 3);
+            __syncthreads();
+            na_stage_rows_async<T, HD>(sK + lk * CH * LD, kbase, s_ktok + lb * NA_TILE, CH, k_st,
+                                       d_qk, vec);
+            na_stage_rows_async<T, HD>(sV + lk * CH * LD, vbase, s_ktok + lb * NA_TILE, CH, v_st,
+                                       d_v, vec);
+        }
+        na_cp_async_commit();
+        if (it < 0) continue;
+        if (NBUF == 2) na_cp_async_wait_prev(); else na_cp_async_wait_all();
+        __syncthreads();  // every thread's copies of tile it have landed
+        const T* tK = sK + ck * CH * LD;
+        const T* tV = sV + ck * CH * LD;
+        float s[NT][4], dp[NT][4];
+        na_zero(s);
+        na_mma_abt<T, HD, NT>(s, sQ + row0 * LD, tK, d_qk);
+        na_logits<NT, true>(s, scale, softcap, inv_cap, s_full[cb], s_qwin, s_kc + cb * NA_TILE * 3,
+                            row0, 0, geo, none);
+        na_zero(dp);
+        na_mma_abt<T, HD, NT>(dp, sDO + row0 * LD, tV, d_v);
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                na_grad_logit(s[n][e], dp[n][e], row_lse[e >> 1], row_delta[e >> 1], softcap,
+                              inv_cap);
+        na_mma_pb<T, HD, NT>(acc, dp, tK, d_qk);
+    }
+    na_cp_async_wait_all();
+#else
     T* sQ = reinterpret_cast<T*>(na_smem);
     T* sDO = sQ + NA_TILE * LD;
     T* sK = sDO + NA_TILE * LD;
@@ -620,6 +866,7 @@ na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* 
             na_mma_pb<T, HD, NT>(acc, dp, sK, d_qk);
         }
     }
+#endif
     na_store_rows<T, HD>(dq + b * dq_sb + h * dq_sh, acc, s_qtok, row0, dq_st, d_qk, scale, scale);
 }
 
@@ -650,6 +897,95 @@ na_fused_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T
     __shared__ NaAxis s_ax[NA_MAX_AXES];
     __shared__ NaGeo geo;
     extern __shared__ __align__(16) unsigned char na_smem[];
+#if NA_PIPELINED
+    // Within a query tile the steps (query head, chunk) share the tile's slots: the Q/dO chunk of
+    // step j + 1 is copied with cp.async into the second buffer while step j is computed (and
+    // its head's lse/delta loaded into the second lse/delta buffer).
+    T* sK = reinterpret_cast<T*>(na_smem);
+    T* sV = sK + NA_TILE * LD;
+    T* sQ = sV + NA_TILE * LD;                  // [2][CH * LD]
+    T* sDO = sQ + 2 * CH * LD;                  // [2][CH * LD]
+    int* s_ktok = reinterpret_cast<int*>(sDO + 2 * CH * LD);
+    int* s_kc = s_ktok + NA_TILE;
+    int* s_qtok = s_kc + NA_TILE * 3;
+    int* s_qwin = s_qtok + NA_TILE;
+    float* s_lse = reinterpret_cast<float*>(s_qwin + NA_TILE * 6);  // [2][NA_TILE]
+    float* s_delta = s_lse + 2 * NA_TILE;                             // [2][NA_TILE]
+
+    if (threadIdx.x == 0) na_setup_block(table, s_ax, geo, kbox, qbox, false);
+    __syncthreads();
+    if (threadIdx.x < NA_TILE)
+        na_key_slot(geo, kbox, geo.own_lo, geo.own_hi, threadIdx.x, s_ktok + threadIdx.x,
+                    s_kc + threadIdx.x * 3);
+    __syncthreads();
+    na_stage_rows_async<T, HD>(sK, k + b * k_sb + hk * k_sh, s_ktok, NA_TILE, k_st, d_qk, vec);
+    na_stage_rows_async<T, HD>(sV, v + b * v_sb + hk * v_sh, s_ktok, NA_TILE, v_st, d_v, vec);
+    na_cp_async_commit();
+
+    const NaRpb none = {nullptr, nullptr};
+    const int lane = threadIdx.x & 31, t = lane & 3;
+    float dk_acc[HD / 8][4], dv_acc[HD / 8][4];
+    na_zero(dk_acc);
+    na_zero(dv_acc);
+    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
+    const int chunks = NA_TILE / CH, steps = group * chunks;
+    // Step j of a tile: query head hk * group + j / chunks, chunk (j % chunks) * CH.
+    auto issue = [&](int j) {
+        const int h = hk * group + j / chunks, c0 = (j % chunks) * CH, buf = j & 1;
+        if (j % chunks == 0 && threadIdx.x < NA_TILE) {  // a new head: its lse/delta
+            const int tk = s_qtok[threadIdx.x];
+            const long long at = b * l_sb + (long long)tk * l_st + h * l_sh;
+            const float x = tk >= 0 ? lse[at] : NA_INF;
+            s_lse[(j / chunks & 1) * NA_TILE + threadIdx.x] = x == -NA_INF ? NA_INF : x;
+            s_delta[(j / chunks & 1) * NA_TILE + threadIdx.x] = tk >= 0 ? delta[at] : 0.f;
+        }
+        na_stage_rows_async<T, HD>(sQ + buf * CH * LD, q + b * q_sb + h * q_sh, s_qtok + c0, CH,
+                                   q_st, d_qk, vec);
+        na_stage_rows_async<T, HD>(sDO + buf * CH * LD, dout + b * do_sb + h * do_sh,
+                                   s_qtok + c0, CH, do_st, d_v, vec);
+        na_cp_async_commit();
+    };
+    for (int it = 0; it < ntiles; ++it) {
+        __syncthreads();  // the previous tile's steps are done with the slots and buffers
+        if (threadIdx.x == 0) na_place_other_tile(s_ax, geo, qbox, it, false);
+        __syncthreads();
+        if (threadIdx.x < NA_TILE)
+            na_query_slot(s_ax, geo, qbox, geo.cur_lo, geo.cur_hi, threadIdx.x,
+                          s_qtok + threadIdx.x, s_qwin + threadIdx.x * 6, nullptr);
+        const bool full = geo.full;
+        __syncthreads();  // s_qtok ready
+        issue(0);
+        for (int j = 0; j < steps; ++j) {
+            if (j + 1 < steps) issue(j + 1);  // buffer (j + 1) & 1 was freed by step j - 1
+            else na_cp_async_commit();        // keep "all but the newest group" meaning step j
+            na_cp_async_wait_prev();
+            __syncthreads();  // step j's copies (and lse/delta) are everyone's
+            const int c0 = (j % chunks) * CH, buf = j & 1, hb = j / chunks & 1;
+            const T* tQ = sQ + buf * CH * LD;
+            const T* tDO = sDO + buf * CH * LD;
+            const float* lse_h = s_lse + hb * NA_TILE;
+            const float* delta_h = s_delta + hb * NA_TILE;
+            float s[NT][4], dp[NT][4];
+            na_zero(s);
+            na_mma_abt<T, HD, NT>(s, sK + row0 * LD, tQ, d_qk);
+            na_logits<NT, false>(s, scale, softcap, inv_cap, full, s_qwin, s_kc, row0, c0, geo,
+                                 none);
+            na_zero(dp);
+            na_mma_abt<T, HD, NT>(dp, sV + row0 * LD, tDO, d_v);
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = c0 + n * 8 + 2 * t + (e & 1);
+                    na_grad_logit(s[n][e], dp[n][e], lse_h[col], delta_h[col], softcap, inv_cap);
+                }
+            na_mma_pb<T, HD, NT>(dv_acc, s, tDO, d_v);
+            na_mma_pb<T, HD, NT>(dk_acc, dp, tQ, d_qk);
+            __syncthreads();  // step j's buffers may be overwritten by step j + 2's copies
+        }
+    }
+    na_cp_async_wait_all();
+#else
     T* sK = reinterpret_cast<T*>(na_smem);
     T* sV = sK + NA_TILE * LD;
     T* sQ = sV + NA_TILE * LD;
@@ -718,6 +1054,7 @@ na_fused_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T
             }
         }
     }
+#endif
     na_store_rows<T, HD>(dk + b * dk_sb + hk * dk_sh, dk_acc, s_ktok, row0, dk_st, d_qk, scale,
                          scale);
     na_store_rows<T, HD>(dv + b * dv_sb + hk * dv_sh, dv_acc, s_ktok, row0, dv_st, d_v, 1.f, 1.f);

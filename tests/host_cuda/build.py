@@ -2,8 +2,10 @@
 
 The text compiled is exactly what NVRTC compiles (``_loader.source_text``: the module's DEFINES,
 common.cu, the kernel file) with two mechanical rewrites C++ cannot express with macros alone:
-``asm(...)`` becomes a trap and ``extern __shared__ T name[];`` a pointer to the block's dynamic
-shared-memory buffer. One ``extern "C"`` entry point is generated per kernel instance; its
+each ``asm(...)`` statement becomes a call of its emulation in ``ptx.h`` (``asm.py``; an
+instruction with no emulation a trap naming it) and ``extern __shared__ T name[];`` a pointer to
+the block's dynamic shared-memory buffer. 16-bit storage types are checked as such: a kernel
+parameter ``na_half*`` takes a float16 tensor, ``na_bf16*`` a bfloat16 one. One ``extern "C"`` entry point is generated per kernel instance; its
 arguments are packed like ``cuLaunchKernel``'s (an array of pointers to the values), and every
 packed value is checked against the instance's parameter types, so a launcher passing an int64
 where the kernel takes an int fails here just as it would misbehave on a GPU.
@@ -30,10 +32,10 @@ import torch
 
 from cudnn_attn.fallback_kernels import _loader
 
-HERE = Path(__file__).resolve().parent
-CXX_FLAGS = ("-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w")
+from . import asm
 
-_ASM = re.compile(r"\basm\s*(?:volatile\s*)?\(")
+HERE = Path(__file__).resolve().parent
+CXX_FLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-shared", "-fPIC", "-pthread", "-w")
 _EXTERN_SHARED = re.compile(
     r"extern\s+__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s+)?([A-Za-z_][\w:<>, ]*?)\s*"
     r"(?:__align__\s*\(\s*\d+\s*\)\s*)?\b(\w+)\s*\[\s*\]\s*;")
@@ -44,8 +46,8 @@ class HostBuildError(RuntimeError):
 
 
 def host_source(text: str) -> str:
-    """The CUDA text rewritten for ``emu.h`` (inline PTX trapped, dynamic shared memory mapped)."""
-    text = _ASM.sub("NA_EMU_ASM(", text)
+    """The CUDA text rewritten for ``emu.h`` (inline PTX emulated, dynamic shared memory mapped)."""
+    text = asm.rewrite(text)
     text = _EXTERN_SHARED.sub(
         lambda m: f"{m.group(1)}* {m.group(2)} = "
                   f"reinterpret_cast<{m.group(1)}*>(na_emu::dynamic_smem());", text)
@@ -56,9 +58,21 @@ def host_source(text: str) -> str:
 
 def translation_unit(module, instances: dict[str, str]) -> str:
     """``#include "emu.h"``, the module's source as NVRTC sees it, one export per instance."""
+    return translation_unit_of(_loader.source_text(module.SOURCE, module.DEFINES), instances)
+
+
+# Parameter type codes of common.cu's 16-bit storage types (see emu.h's Code).
+_STORAGE_CODES = ('namespace na_emu {\n'
+                  'template <> struct Code<na_half> { static std::string get() { return "h2"; } };\n'
+                  'template <> struct Code<na_bf16> { static std::string get() { return "b2"; } };\n'
+                  '}\n')
+
+
+def translation_unit_of(source: str, instances: dict[str, str]) -> str:
+    """``translation_unit`` for an explicit source text (e.g. a mutated copy of a kernel)."""
     exports = "\n".join(f"NA_EMU_EXPORT({name}, {expr})" for name, expr in instances.items())
-    return ('#include "emu.h"\n' + host_source(_loader.source_text(module.SOURCE, module.DEFINES))
-            + "\n\n" + exports + "\n")
+    codes = _STORAGE_CODES if "struct na_half" in source else ""
+    return '#include "emu.h"\n' + host_source(source) + "\n\n" + codes + exports + "\n"
 
 
 def _compiler() -> str:
@@ -73,7 +87,7 @@ def _compiler() -> str:
 def compile_library(text: str, cache_dir: Path) -> Path:
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    emu = (HERE / "emu.h").read_text()
+    emu = (HERE / "emu.h").read_text() + (HERE / "ptx.h").read_text()
     key = hashlib.sha256("\0".join((text, emu, version, *CXX_FLAGS)).encode()).hexdigest()[:20]
     lib = Path(cache_dir) / f"host_{key}.so"
     if lib.exists():
@@ -92,7 +106,8 @@ def compile_library(text: str, cache_dir: Path) -> Path:
 
 _SCALAR_CODES = {np.dtype(np.int32): "i4", np.dtype(np.uint32): "u4", np.dtype(np.int64): "i8",
                  np.dtype(np.float32): "f4", np.dtype(np.float64): "f8"}
-_TORCH_CODES = {torch.float32: "f4", torch.float64: "f8", torch.int32: "i4", torch.int64: "i8"}
+_TORCH_CODES = {torch.float32: "f4", torch.float64: "f8", torch.int32: "i4", torch.int64: "i8",
+                torch.float16: "h2", torch.bfloat16: "b2"}
 _CTYPES = {"i4": ctypes.c_int32, "u4": ctypes.c_uint32, "i8": ctypes.c_int64,
            "f4": ctypes.c_float, "f8": ctypes.c_double}
 
@@ -162,10 +177,12 @@ class HostLibrary:
 
     @classmethod
     def build(cls, module, instances: dict[str, str], cache_dir: Path,
-              real_threads: bool = False) -> HostLibrary:
-        """Compile ``instances`` (export name -> C++ name expression) of ``module``'s source;
+              real_threads: bool = False, source: str | None = None) -> HostLibrary:
+        """Compile ``instances`` (export name -> C++ name expression) of ``module``'s source (or
+        of ``source``, a full text as ``_loader.source_text`` returns it, e.g. a mutated copy);
         block threads are fibers unless ``real_threads`` (see emu.h)."""
-        text = translation_unit(module, instances)
+        text = (translation_unit(module, instances) if source is None
+                else translation_unit_of(source, instances))
         if real_threads:
             text = "#define NA_EMU_REAL_THREADS 1\n" + text
         return cls(compile_library(text, Path(cache_dir)))
@@ -182,7 +199,12 @@ def export_name(expression: str) -> str:
 
 
 def cache_dir(request, tmp_path_factory) -> Path:
-    """Where libraries are kept: pytest's cache (persists across runs) or a session temp dir."""
+    """Where libraries are kept: ``$NA_HOST_CUDA_CACHE`` if set, pytest's cache (persists
+    across runs) or a session temp dir."""
+    if os.environ.get("NA_HOST_CUDA_CACHE"):
+        path = Path(os.environ["NA_HOST_CUDA_CACHE"])
+        path.mkdir(parents=True, exist_ok=True)
+        return path
     cache = getattr(request.config, "cache", None)
     if cache is not None:
         return Path(cache.mkdir("host_cuda"))
@@ -190,13 +212,13 @@ def cache_dir(request, tmp_path_factory) -> Path:
 
 
 def host_library(request, tmp_path_factory, module, expressions,
-                 real_threads: bool = False) -> HostLibrary:
+                 real_threads: bool = False, source: str | None = None) -> HostLibrary:
     """For test fixtures: the library of ``expressions``, or a test failure naming the problem
     (never a skip: g++ is part of the CPU test requirements)."""
     import pytest
 
     try:
         return HostLibrary.build(module, {export_name(e): e for e in expressions},
-                                 cache_dir(request, tmp_path_factory), real_threads)
+                                 cache_dir(request, tmp_path_factory), real_threads, source)
     except HostBuildError as exc:
         pytest.fail(str(exc), pytrace=False)

@@ -5,8 +5,9 @@
 // block-shared); `extern __shared__` arrays are rewritten by build.py into pointers to the
 // block's dynamic buffer, filled with 0xff bytes (NaN / -1) before every block so reads of
 // never-written shared memory poison the result. Warp shuffles go through a per-warp exchange
-// buffer and a per-warp barrier. Inline PTX (`asm`) is rewritten to a trap: the fp16/bf16 paths
-// that need it are never instantiated on the host.
+// buffer and a per-warp barrier. Inline PTX (`asm`) statements are translated by build.py/asm.py
+// into calls of the instruction emulations in ptx.h (mma.sync is a warp-collective rendezvous
+// like the shuffles); an instruction with no emulation becomes a trap naming it.
 //
 // The threads of a block are either (default) fibers on one OS thread, switched only at
 // barriers — deterministic, fast, and the worst interleaving for a missing barrier: each thread
@@ -49,7 +50,6 @@
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
 #define __shared__ static
-#define NA_EMU_ASM(...) na_emu::trap("inline PTX (asm) reached: only float/double run on the host")
 
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
@@ -74,12 +74,26 @@ namespace na_emu {
 
 struct Barrier;
 struct Warp;
+// cp.async copies of one thread (ptx.h): issued but not yet committed, and committed groups in
+// order. A copy lands in shared memory only when a wait completes its group.
+struct AsyncCopy {
+    unsigned char* dst;
+    const unsigned char* src;
+    int size, src_size;
+};
+struct AsyncCopies {
+    std::vector<AsyncCopy> open;
+    std::vector<std::vector<AsyncCopy>> groups;
+};
 struct ThreadCtx {
     Barrier* block;
     Warp* warp;
     unsigned char* dyn;
     int lane;
     int parity;
+    uint64_t collectives = 0;  // warp-collective instructions this thread has executed
+    size_t dyn_bytes = 0;      // size of the dynamic shared memory (the emulated .shared window)
+    AsyncCopies async;
 };
 thread_local ThreadCtx* self;
 
@@ -150,9 +164,61 @@ struct Warp {
     int lanes;
     Barrier bar;
     uint64_t slot[2][32];  // double-buffered: one barrier per exchange suffices
+    // Warp-collective instructions (ptx.h): each lane's operand registers, the instruction's tag,
+    // and a per-parity cache of a result every lane shares (seq: the collective it belongs to).
+    uint32_t regs[2][32][8];
+    uint32_t tag[2][32];
+    uint64_t seq[2] = {~0ull, ~0ull};
+    double shared[2][16 * 8];
 };
 
 inline void* dynamic_smem() { return self->dyn; }
+
+// The .shared state space: addresses are byte offsets into the block's dynamic shared memory
+// (the kernels stage every tile there); anything else traps.
+inline uint32_t shared_address(const void* p) {
+    const auto* c = static_cast<const unsigned char*>(p);
+    if (c < self->dyn || c >= self->dyn + self->dyn_bytes)
+        trap("a .shared address outside the dynamic shared memory (static __shared__ is not "
+             "addressable by cp.async/ldmatrix in the emulation)");
+    return uint32_t(c - self->dyn);
+}
+inline unsigned char* shared_pointer(uint32_t addr, int bytes) {
+    if (uint64_t(addr) + bytes > self->dyn_bytes) trap("a .shared access past the dynamic shared memory");
+    return self->dyn + addr;
+}
+
+// A warp-collective instruction (mma.sync, ldmatrix): every lane publishes `n` <= 8 words and a
+// tag naming the instruction, waits for the whole warp, and gets every lane's words. Traps if
+// the warp is partial or its lanes ran different instructions. `*first`: this lane is the first
+// to read this round, so per-warp results computed into `shared()` can be reused by the others.
+struct Collective {
+    const uint32_t (*regs)[8];
+    double* shared;
+    bool first;
+};
+inline Collective collective(const uint32_t* words, int n, uint32_t tag) {
+    Warp& w = *self->warp;
+    if (w.lanes != 32) trap("a .sync.aligned warp-collective instruction in a partial warp");
+    const int p = self->parity;
+    self->parity ^= 1;
+    const uint64_t seq = self->collectives++;
+    std::memcpy(w.regs[p][self->lane], words, sizeof(uint32_t) * n);
+    w.tag[p][self->lane] = tag;
+    w.bar.wait("warp-collective instruction never completed (divergent mma/ldmatrix?)");
+    for (int l = 0; l < 32; ++l)
+        if (w.tag[p][l] != tag)
+            trap("lanes of a warp executed different warp-collective instructions");
+#ifdef NA_EMU_REAL_THREADS
+    (void)seq;  // lanes run concurrently: each computes the shared result itself
+    static thread_local double scratch[16 * 8];
+    return Collective{w.regs[p], scratch, true};
+#else
+    const bool first = w.seq[p] != seq;
+    w.seq[p] = seq;
+    return Collective{w.regs[p], w.shared[p], first};
+#endif
+}
 
 // Every lane publishes `v`, then reads lane `src(lane)`'s value (-1: keep its own).
 template <typename T, typename Src> inline T exchange(unsigned mask, T v, Src src) {
@@ -174,7 +240,8 @@ template <typename T, typename Src> inline T exchange(unsigned mask, T v, Src sr
 }
 
 // Runs one block: `body` once per thread, threadIdx and the thread context set.
-inline void run_block(dim3 block, unsigned char* dyn, const std::function<void()>& body) {
+inline void run_block(dim3 block, unsigned char* dyn, size_t dyn_bytes,
+                      const std::function<void()>& body) {
     const int n = int(block.x * block.y * block.z);
     Barrier bar(n);
     std::vector<std::unique_ptr<Warp>> warps;
@@ -187,7 +254,7 @@ inline void run_block(dim3 block, unsigned char* dyn, const std::function<void()
     std::vector<std::thread> pool;
     for (int t = 0; t < n; ++t)
         pool.emplace_back([&, t] {
-            ThreadCtx me{&bar, warps[t / 32].get(), dyn, t % 32, 0};
+            ThreadCtx me{&bar, warps[t / 32].get(), dyn, t % 32, 0, 0, dyn_bytes, {}};
             gridDim = grid, blockDim = block, blockIdx = bidx, threadIdx = tid(t), self = &me;
             body();
             me.warp->bar.leave();
@@ -208,7 +275,7 @@ inline void run_block(dim3 block, unsigned char* dyn, const std::function<void()
         f.uc.uc_stack.ss_size = kStack;
         f.uc.uc_link = &scheduler;
         makecontext(&f.uc, fiber_entry, 0);
-        f.ctx = ThreadCtx{&bar, warps[t / 32].get(), dyn, t % 32, 0};
+        f.ctx = ThreadCtx{&bar, warps[t / 32].get(), dyn, t % 32, 0, 0, dyn_bytes, {}};
         f.tid = tid(t);
     }
     // Warp by warp: run the warp's lanes (each until it waits), open the warp barrier once all
@@ -254,9 +321,16 @@ inline void run_block(dim3 block, unsigned char* dyn, const std::function<void()
 
 // Unpacks cuLaunchKernel-style `void** args` (one pointer per kernel parameter) and runs the grid,
 // one block at a time.
+// cp.async timing (ptx.h): copies land when waited for (default: a read before the wait sees
+// stale data), or at once with NA_EMU_CP_ASYNC_EAGER=1 in the environment at launch (a buffer
+// overwritten while other warps still read it shows). Hardware may do either.
+inline bool eager_cp_async = false;
+
 template <typename... P, typename... A>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args) {
     constexpr size_t kGuard = 4096;  // canary bytes after the dynamic shared memory
+    const char* eager = std::getenv("NA_EMU_CP_ASYNC_EAGER");
+    eager_cp_async = eager && eager[0] == '1';
     std::vector<unsigned char> dyn(smem + kGuard);
     gridDim = grid, blockDim = block;
     for (unsigned bz = 0; bz < grid.z; ++bz)
@@ -265,7 +339,7 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, A... args)
         std::fill(dyn.begin(), dyn.begin() + smem, 0xff);
         std::fill(dyn.begin() + smem, dyn.end(), 0x5a);
         blockIdx = dim3{bx, by, bz};
-        run_block(block, dyn.data(), [&] { kernel(args...); });
+        run_block(block, dyn.data(), smem, [&] { kernel(args...); });
         for (size_t i = smem; i < dyn.size(); ++i)
             if (dyn[i] != 0x5a) trap("a thread wrote past the dynamic shared memory size");
     }
@@ -365,6 +439,7 @@ inline float __fdividef(float a, float b) { return a / b; }
 inline float __expf(float x) { return expf(x); }
 inline float __logf(float x) { return logf(x); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline size_t __cvta_generic_to_shared(const void* p) { return na_emu::shared_address(p); }
 
 // CUDA's overloaded min/max (device functions, no templates: mixed calls promote as in CUDA).
 #define NA_EMU_MINMAX(T)                                   \
@@ -379,3 +454,5 @@ inline float max(float a, float b) { return fmaxf(a, b); }
 inline double min(double a, double b) { return fmin(a, b); }
 inline double max(double a, double b) { return fmax(a, b); }
 #undef NA_EMU_MINMAX
+
+#include "ptx.h"

@@ -1,0 +1,16 @@
+"""The sm_80+ pipelined build of the fused kernels, as a kernel module for ``compile_all``.
+
+Same source as ``fused`` (``fused_attention.cu``) compiled with ``NA_PIPELINED=1``: ldmatrix
+fragment loads, and a forward that stages key tile i + 1 with cp.async into a second K/V buffer
+while computing tile i. fp16/bf16 only; ``fused`` launches it on sm_80+ devices
+(``fused.pipelined``). Nothing here launches: the definitions live in ``fused``.
+"""
+
+from __future__ import annotations
+
+from .fused import PIPELINED_DEFINES as DEFINES
+from .fused import PIPELINED_MIN_ARCH as MIN_ARCH
+from .fused import SOURCE
+from .fused import pipelined_variants as variants
+
+__all__ = ["SOURCE", "DEFINES", "MIN_ARCH", "variants"]

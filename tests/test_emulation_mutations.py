@@ -1,0 +1,78 @@
+"""CPU: the 16-bit emulation catches broken tensor-core code.
+
+Each mutation is a string replacement in a COPY of the fused kernel's source text (exactly what
+NVRTC would compile, ``_loader.source_text``), compiled for the host; the same oracle comparison
+that ``test_emulation_16bit.py`` passes must then fail. The unmutated text passes it (that test).
+
+* swapped fragment registers: A registers 1 and 2 (rows g+8 / columns +8) exchanged at the mma;
+* wrong lane mapping: the fragment code of ``na_mma_abt`` and ``na_mma_pb`` with group and
+  thread-in-group taken from the wrong lane bits (g = lane & 7, t = lane >> 3: same ranges, no stray memory);
+* wrong bf16 rounding: the f32 -> bf16 store conversion truncating instead of rounding to
+  nearest even (its error is below one ulp; the rounding-bias rule catches it);
+* in the sm_80+ pipelined build: a key tile read before its cp.async group was waited for,
+  ldmatrix row addresses taken from the wrong lanes, and dK/dV's barrier before a Q/dO buffer is
+  refilled removed (caught with copies landing at once).
+"""
+
+import pytest
+import test_emulation_16bit as E
+import torch
+from host_cuda import build
+
+from cudnn_attn.fallback_kernels import _loader
+from cudnn_attn.fallback_kernels import fused as F
+
+SWAP = ('"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3])', '"r"(a[0]), "r"(a[2]), "r"(a[1]), "r"(a[3])')
+LANES = (("const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;\n"
+          "    if constexpr (sizeof(T) == 2 && NA_PIPELINED) {"),
+         ("const int lane = threadIdx.x & 31, g = lane & 7, t = lane >> 3;\n"
+          "    if constexpr (sizeof(T) == 2 && NA_PIPELINED) {"))
+BF16_ROUND = ('asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));',
+              "h.bits = (na_u16)(__float_as_uint(f) >> 16);  // truncation")
+
+# The pipelined build: tile i read before its cp.async group is waited for; an ldmatrix row
+# address from the wrong lane half.
+NO_WAIT = ("na_cp_async_wait_prev();  // this thread's", "/* no wait */  // this thread's")
+LDSM_ROWS = ("na_ldsm_x4(a, A + (lane % 16) * LD + k0 + (lane / 16) * 8);",
+             "na_ldsm_x4(a, A + (lane % 8) * LD + k0 + (lane / 8 % 2) * 8);")
+
+DKDV_BARRIER = ("__syncthreads();  // step j's buffers may be overwritten",
+                "/* no barrier */  // step j's buffers may be overwritten")
+
+# name -> ((old, new), replacements expected, dtype, pipelined build)
+MUTATIONS = {
+    "swapped-fragment-register": (SWAP, 2, torch.float16, False),
+    "wrong-lane-mapping": (LANES, 2, torch.bfloat16, False),
+    "wrong-bf16-rounding": (BF16_ROUND, 1, torch.bfloat16, False),
+    "pipelined-missing-cp-async-wait": (NO_WAIT, 1, torch.float16, True),
+    "pipelined-wrong-ldmatrix-rows": (LDSM_ROWS, 1, torch.bfloat16, True),
+    "pipelined-dkdv-missing-barrier": (DKDV_BARRIER, 1, torch.float16, True),
+}
+# Copies land at once for these (a buffer overwritten too early only shows then).
+EAGER = {"pipelined-dkdv-missing-barrier"}
+CASES = ("1d-rpb", "3d-causal", "2d-gqa-dv-causal")
+
+
+def mutated_source(old: str, new: str, pipelined: bool = False) -> tuple[str, int]:
+    text = _loader.source_text(F.SOURCE, F.PIPELINED_DEFINES if pipelined else F.DEFINES)
+    return text.replace(old, new), text.count(old)
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_mutation_fails_the_oracle_comparison(request, tmp_path_factory, monkeypatch, mutation):
+    (old, new), expected, dtype, pipelined = MUTATIONS[mutation]
+    source, count = mutated_source(old, new, pipelined)
+    assert count == expected, f"the kernel text changed: {count} sites for {mutation}"
+    lib = build.host_library(request, tmp_path_factory, F,
+                             E.fused_expressions(dtypes=(dtype,), head_dims=(32,)), source=source)
+    E.route_fused(monkeypatch, lib, pipelined)
+    if mutation in EAGER:
+        monkeypatch.setenv("NA_EMU_CP_ASYNC_EAGER", "1")
+    failing = {name: E.neighborhood_failures(name, dtype) for name in CASES}
+    report = {name: len(f) for name, f in failing.items()}
+    print(f"{mutation}: {count} site(s) replaced; failing outputs per case {report}: "
+          + "; ".join(f[0] for f in failing.values() if f))
+    # Not every case reaches every site (head dims of 12/20 halves stage without cp.async; one
+    # query head per kv head gives dK/dV few steps), so: caught by at least one case.
+    assert any(failing.values()), f"{mutation} went unnoticed in {report}"
+    assert failing["1d-rpb"] or failing["2d-gqa-dv-causal"]
