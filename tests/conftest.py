@@ -8,3 +8,9 @@ _ROOT = os.path.dirname(_HERE)
 for _p in (_ROOT, _HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
+
+# NVRTC cubins compiled by the tests go to a throwaway directory, not the user's cache.
+if "CUDNN_ATTN_CUBIN_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["CUDNN_ATTN_CUBIN_CACHE"] = tempfile.mkdtemp(prefix="cudnn_attn_cubins_")
