@@ -73,13 +73,11 @@ def pipelined_variants() -> list:
 
 
 def pipelined(dtype: torch.dtype, capability: tuple[int, int]) -> bool:
-    """Whether launches of ``dtype`` on a device of ``capability`` use the pipelined build.
-
-    Opt-in (``CUDNN_ATTN_FUSED_PIPELINED=1``) until a GPU run has confirmed it: it is proven
-    under the host emulation only, and the plain build stays the default meanwhile."""
+    """Whether launches of ``dtype`` on a device of ``capability`` use the pipelined build
+    (``CUDNN_ATTN_FUSED_PIPELINED=0`` keeps the plain build everywhere)."""
     import os
 
-    if os.environ.get("CUDNN_ATTN_FUSED_PIPELINED", "0").strip() != "1":
+    if os.environ.get("CUDNN_ATTN_FUSED_PIPELINED", "1").strip() == "0":
         return False
     major, minor = capability
     return dtype in PIPELINED_DTYPES and major * 10 + minor >= PIPELINED_MIN_ARCH
