@@ -58,6 +58,13 @@ class Unserializable:
         raise RuntimeError("Graph::serialize: no built execution plan")
 
 
+@pytest.fixture(autouse=True)
+def private_cache_key(tmp_path_factory, monkeypatch):
+    """Each test gets its own per-user cache key, outside any cache directory it uses."""
+    key_dir = tmp_path_factory.mktemp("config")
+    monkeypatch.setenv("CUDNN_ATTN_CACHE_KEY_FILE", str(key_dir / "graph-cache.key"))
+
+
 def must_not_build():
     raise AssertionError("build_fn must not be called")
 
@@ -375,8 +382,9 @@ def test_foreign_files_are_rejected(tmp_path, caplog, field, value):
 def test_header_tampering_with_a_valid_checksum_is_still_foreign(tmp_path, caplog):
     _, directory = saved_cache(tmp_path, n=1)
     path = next(directory.iterdir())
-    kind, key_text, payload = cache_mod.decode_file(path.read_bytes(), ENV)
-    path.write_bytes(cache_mod.encode_file({**ENV, "sm_count": 1}, kind, key_text, payload))
+    secret = cache_mod.secret_key()
+    kind, key_text, payload = cache_mod.decode_file(path.read_bytes(), ENV, secret)
+    path.write_bytes(cache_mod.encode_file({**ENV, "sm_count": 1}, kind, key_text, payload, secret))
     rejected(tmp_path, directory, dict(ENV), caplog, "sm_count")
 
 
