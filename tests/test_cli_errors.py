@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,13 +24,22 @@ def private_cache_key(tmp_path_factory, monkeypatch):
                        str(tmp_path_factory.mktemp("config") / "graph-cache.key"))
 
 
-def run_main(capsys, argv) -> tuple[int, str, str]:
-    try:
-        code = cli.main(argv)
-    except SystemExit as exc:  # argparse exits
-        code = exc.code
+def run_main(capsys, argv, timeout: float = 60.0) -> tuple[int, str, str]:
+    """``cli.main(argv)`` in a daemon thread: a command that hangs fails the test, not the suite."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["code"] = cli.main(argv)
+        except SystemExit as exc:  # argparse exits
+            box["code"] = exc.code
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"cudnn-attn {' '.join(argv)} hangs"
     out, err = capsys.readouterr()
-    return code, out, err
+    return box["code"], out, err
 
 
 def assert_one_line_usage_error(code, out, err, match: str) -> None:
