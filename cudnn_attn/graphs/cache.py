@@ -20,8 +20,8 @@ first lookup of their key.
 from __future__ import annotations
 
 import hashlib
-import logging
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -32,15 +32,37 @@ import torch
 from ..caches import LRU
 
 # Re-exported: the names users of the cache need come from this module.
-from .cache_dir import (MAX_FILE_BYTES, UnsafeCacheDir, clear_dir, graph_files, open_dir,
-                        open_graph_file, secret_key, secret_key_path, write_graph_file)
-from .cache_files import (FORMAT_VERSION, MAGIC, SUFFIX, Rejected, cudnn_versions,
-                          current_environment, decode_file, default_cache_dir, deserializer,
-                          encode_file, encode_key, read_file, register_deserializer)
+from .cache_dir import (
+    MAX_FILE_BYTES,
+    UnsafeCacheDir,
+    clear_dir,
+    graph_files,
+    open_dir,
+    open_graph_file,
+    secret_key,
+    secret_key_path,
+    write_graph_file,
+)
+from .cache_files import (
+    FORMAT_VERSION,
+    MAGIC,
+    SUFFIX,
+    Rejected,
+    cudnn_versions,
+    current_environment,
+    decode_file,
+    default_cache_dir,
+    deserializer,
+    encode_file,
+    encode_key,
+    read_file,
+    register_deserializer,
+)
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "SUFFIX", "GraphCache", "UnsafeCacheDir", "clear_dir",
-           "cudnn_versions", "current_environment", "default_cache_dir", "encode_key",
-           "graph_cache", "make_key", "register_deserializer", "secret_key_path"]
+           "cudnn_versions", "current_environment", "decode_file", "default_cache_dir",
+           "encode_file", "encode_key", "graph_cache", "make_key", "register_deserializer",
+           "secret_key", "secret_key_path"]
 
 logger = logging.getLogger("cudnn_attn")
 
