@@ -6,8 +6,13 @@ token grid, and every block attends with ``cudnn_attn.attention(..., mask=Neighb
 each token sees the 3x3 tokens around it (NATTEN semantics: the window shifts, not shrinks, at the
 borders). Prints held-out loss and accuracy as they improve; exits 1 if the loss did not fall.
 
-    python examples/neighborhood_vision.py                 # ~200 steps, well under a minute
+    python examples/neighborhood_vision.py                 # 200 steps, ~30 s on a CPU
     python examples/neighborhood_vision.py --steps 20      # a smoke run
+    python examples/neighborhood_vision.py --steps 1000 --image-size 32 --kernel 5  # a longer run
+
+Writes ``neighborhood_vision.png`` (``--plot PATH``; ``--plot ''``: none) when matplotlib is
+installed (``pip install 'cudnn-attn[plot]'``): a held-out image, the 3x3 neighborhoods of a
+few tokens, and where the trained first block's attention goes for those tokens.
 
 Runs on CUDA when available, else on the CPU.
 """
@@ -17,12 +22,23 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import cudnn_attn as ca
+from cudnn_attn.geometry import neighborhood_mask
+
+try:  # run as a script: examples/ is on sys.path; imported from elsewhere: load by path
+    import plots
+except ImportError:
+    import importlib.util as _util
+
+    _spec = _util.spec_from_file_location("plots", Path(__file__).resolve().parent / "plots.py")
+    plots = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(plots)
 
 # (dy, dx) of each class: horizontal, diagonal, vertical, anti-diagonal
 DIRECTIONS = ((0.0, 1.0), (math.sqrt(0.5), math.sqrt(0.5)), (1.0, 0.0),
@@ -97,6 +113,9 @@ def parse_args(argv=None):
     p.add_argument("--eval-size", type=int, default=256, help="held-out images")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default 1: tiny tensors)")
+    p.add_argument("--plot", default="neighborhood_vision.png",
+                   help="PNG of the pattern and the learned attention ('' for none; matplotlib)")
     return p.parse_args(argv)
 
 
@@ -115,6 +134,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if args.device == "auto" else args.device))
     torch.manual_seed(args.seed)
+    plots.cpu_threads(args.threads, device)
     gen = torch.Generator().manual_seed(args.seed)
     test_x, test_y = (t.to(device) for t in make_images(args.eval_size, args.image_size, gen))
     model = NAClassifier(args.image_size, args.patch, args.dim, args.heads, args.layers,
@@ -144,7 +164,55 @@ def main(argv=None) -> int:
     fell = last_loss < first_loss
     print(f"held-out loss {first_loss:.3f} -> {last_loss:.3f}, accuracy {first_acc:.1%} -> "
           f"{last_acc:.1%} ({'improved' if fell else 'DID NOT IMPROVE'})")
+    if args.plot:
+        plot_attention(model, test_x[:1], grid, args.plot)
     return 0 if fell else 1
+
+
+@torch.no_grad()
+def attention_weights(block: NeighborhoodBlock, x, per_head: bool = False) -> torch.Tensor:
+    """``[S, S]`` softmax weights of ``block`` on tokens ``x`` [1, S, C], mean over heads
+    (``[heads, S, S]`` with ``per_head``): the float64 brute force of what ``ca.attention``
+    computes with the block's mask."""
+    q, k, _ = block.qkv(block.ln1(x)).unflatten(-1, (3, block.heads, -1)).unbind(2)
+    q, k = q[0].transpose(0, 1).double(), k[0].transpose(0, 1).double()  # [heads, S, D]
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    visible = neighborhood_mask(block.mask.spatial_shape, block.mask.kernel_size).to(x.device)
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+    return weights if per_head else weights.mean(0)
+
+
+def plot_attention(model: NAClassifier, image, grid: int, path: str) -> None:
+    """The image, the neighborhoods of a few query tokens, and the learned weights there."""
+    plt = plots.pyplot()
+    if plt is None:
+        return
+    model.eval()
+    tokens = model.embed(image).flatten(2).transpose(1, 2) + model.pos
+    weights = attention_weights(model.blocks[0], tokens).float().cpu()
+    model.train()
+    queries = [0, grid // 2 * grid + grid // 2, grid * (grid - 1) + grid // 3]  # corner, centre, edge
+    visible = neighborhood_mask(model.blocks[0].mask.spatial_shape,
+                                model.blocks[0].mask.kernel_size).float()
+    pattern, learned = torch.zeros(grid * grid), torch.zeros(grid * grid)
+    for i, query in enumerate(queries, 1):
+        pattern = torch.maximum(pattern, visible[query] * i / len(queries))
+        learned += weights[query]
+    fig, axes = plt.subplots(1, 3, figsize=(9, 3.2))
+    axes[0].imshow(image[0, 0].cpu().numpy(), cmap="gray")
+    axes[0].set_title("held-out image")
+    axes[1].imshow(pattern.view(grid, grid).numpy(), cmap="Blues", vmin=0, vmax=1)
+    axes[1].set_title(f"{model.blocks[0].mask.kernel_size[0]}x{model.blocks[0].mask.kernel_size[1]}"
+                      " neighborhoods of 3 tokens")
+    axes[2].imshow(learned.view(grid, grid).numpy(), cmap="magma")
+    axes[2].set_title("learned attention (block 1)")
+    for ax in axes[1:]:
+        for query in queries:
+            ax.plot(query % grid, query // grid, "x", color="red")
+    for ax in axes:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    plots.save(fig, path)
 
 
 if __name__ == "__main__":

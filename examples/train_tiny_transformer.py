@@ -4,8 +4,12 @@ Causal self-attention with GQA and ALiBi (no position embeddings), pre-LayerNorm
 on the public-domain text in examples/data/ (see its README). Prints the training loss and the
 held-out loss as they fall, then samples some text. Exits 1 if the loss did not fall.
 
-    python examples/train_tiny_transformer.py                    # ~300 steps, well under a minute
+    python examples/train_tiny_transformer.py                    # 300 steps, ~25 s on a CPU
     python examples/train_tiny_transformer.py --steps 20 --d-model 32 --layers 1   # a smoke run
+    python examples/train_tiny_transformer.py --steps 2000 --d-model 128 --layers 4  # a longer run
+
+Writes the training curves to ``train_tiny_transformer.png`` (``--plot PATH``; ``--plot ''``: no
+plot) when matplotlib is installed (``pip install 'cudnn-attn[plot]'``).
 
 Runs on CUDA when available (bfloat16 autocast there, so the cuDNN engine can take the
 attention), else on the CPU in float32.
@@ -25,6 +29,15 @@ from torch import nn
 
 import cudnn_attn as ca
 from cudnn_attn.nn import MultiheadAttention
+
+try:  # run as a script: examples/ is on sys.path; imported from elsewhere: load by path
+    import plots
+except ImportError:  # pragma: no cover - the tests import this file by path
+    import importlib.util as _util
+
+    _spec = _util.spec_from_file_location("plots", Path(__file__).resolve().parent / "plots.py")
+    plots = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(plots)
 
 DATA = Path(__file__).resolve().parent / "data" / "public_domain.txt"
 
@@ -75,6 +88,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     p.add_argument("--text", type=Path, default=DATA, help="training text (UTF-8)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default 1: tiny tensors)")
+    p.add_argument("--plot", default="train_tiny_transformer.png",
+                   help="PNG of the loss curves ('' for none; needs matplotlib)")
     return p.parse_args(argv)
 
 
@@ -118,6 +134,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else ("cpu" if args.device == "auto" else args.device))
     torch.manual_seed(args.seed)
+    plots.cpu_threads(args.threads, device)
     if device.type == "cuda":
         def autocast():
             return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -145,6 +162,7 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     first = held_out_loss(model, val, args.context, device, autocast)
     print(f"step {0:5d}  held-out loss {first:.3f}  (uniform guess: {math.log(len(chars)):.3f})")
+    curves = {"step": [0], "held-out": [first], "train": [float("nan")]}
     window, start_train, t0 = [], None, time.perf_counter()
     for step in range(1, args.steps + 1):
         x, y = (t.to(device) for t in batches(train, args.batch_size, args.context, gen))
@@ -163,6 +181,9 @@ def main(argv=None) -> int:
             val_loss = held_out_loss(model, val, args.context, device, autocast)
             print(f"step {step:5d}  train loss {sum(window) / len(window):.3f}  "
                   f"held-out loss {val_loss:.3f}  ({time.perf_counter() - t0:.1f} s)")
+            for name, value in (("step", step), ("held-out", val_loss),
+                                ("train", sum(window) / len(window))):
+                curves[name].append(value)
             window = []
     last = held_out_loss(model, val, args.context, device, autocast)
     fell = last < first
@@ -172,7 +193,23 @@ def main(argv=None) -> int:
         prompt = "The "
         print("sample:", repr(sample(model, prompt, args.sample_chars, stoi, itos, args.context,
                                      device, autocast, torch.Generator().manual_seed(args.seed))))
+    if args.plot:
+        plot_curves(curves, math.log(len(chars)), args.plot)
     return 0 if fell else 1
+
+
+def plot_curves(curves: dict, uniform: float, path: str) -> None:
+    """Training and held-out loss against the step, with the uniform-guess line."""
+    plt = plots.pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(curves["step"][1:], curves["train"][1:], "o-", label="train (mean since last)")
+    ax.plot(curves["step"], curves["held-out"], "s-", label="held-out")
+    ax.axhline(uniform, color="gray", ls=":", label="uniform guess")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/char)", title="tiny transformer")
+    ax.legend()
+    plots.save(fig, path)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,12 @@ class CliBlob:
 register_deserializer(CliBlob.serial_kind, CliBlob.from_bytes)
 
 
+@pytest.fixture(autouse=True)
+def private_cache_key(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("CUDNN_ATTN_CACHE_KEY_FILE",
+                       str(tmp_path_factory.mktemp("config") / "graph-cache.key"))
+
+
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
     code = cli.main(list(argv))
     out, err = capsys.readouterr()
@@ -82,6 +88,36 @@ def test_parse_mask():
     assert cli.parse_mask("causal") == ca.Causal()
     assert cli.parse_mask("Causal:bottom_right") == ca.Causal("bottom_right")
     assert cli.parse_mask("window:8,2,bottom_right") == ca.SlidingWindow(8, 2, "bottom_right")
+    assert cli.parse_mask("neighborhood:8x8,3x3") == ca.Neighborhood((8, 8), (3, 3))
+    assert cli.parse_mask("neighborhood:16,5,dilation=2,stride=3,causal") == ca.Neighborhood(
+        (16,), (5,), stride=(3,), dilation=(2,), is_causal=True)
+    assert cli.parse_mask("padding:8,6") == ca.Padding([8, 6])
+    assert cli.parse_mask("padding:8,6/16,12") == ca.Padding([8, 6], [16, 12])
+    assert cli.parse_mask("causal+padding:5") == ca.Causal() & ca.Padding([5])
+    for bad in ("neighborhood:8x8", "neighborhood:8x8,3x3,bogus", "padding:a", "padding:-1",
+                "neighborhood:8x8,9x9"):
+        with pytest.raises(ValueError, match="mask"):
+            cli.parse_mask(bad)
+
+
+@pytest.mark.parametrize("mask, expected", [
+    ("neighborhood:8x8,3x3,dilation=2x2", lambda: ca.Neighborhood((8, 8), (3, 3), dilation=2)),
+    ("padding:40,64", lambda: ca.Padding([40, 64])),
+])
+def test_explain_takes_neighborhood_and_padding_masks(capsys, mask, expected):
+    code, out, _ = run_cli(capsys, "explain", "--shape", "2,2,64,32", "--mask", mask,
+                           "--dtype", "fp32", "--device", "cpu")
+    assert code == 0
+    q = torch.empty(2, 2, 64, 32)
+    assert str(ca.explain(q, q, q, mask=expected())) in out
+
+
+def test_explain_describes_a_huge_shape_without_allocating(capsys):
+    # 64*64*1e6*128 bf16 elements: a terabyte per tensor if explain allocated it.
+    code, out, err = run_cli(capsys, "explain", "--shape", "64,64,1000000,128", "--mask",
+                             "causal", "--device", "cpu")
+    assert code == 0, err
+    assert "S=1000000" in out and "torch  selected" in out
 
 
 def write_config(tmp_path, problems, defaults=None) -> str:
@@ -98,7 +134,8 @@ PROBLEMS = [
 ]
 
 
-def test_cache_warm_reports_each_problem(capsys, tmp_path):
+def test_cache_warm_reports_each_problem(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the plain "[i/N]" progress lines
     config = write_config(tmp_path, PROBLEMS, defaults={"dtype": "bf16"})
     code, out, _ = run_cli(capsys, "cache", "warm", config, "--save", str(tmp_path / "saved"))
     assert code == 0
@@ -113,10 +150,15 @@ def test_cache_warm_reports_each_problem(capsys, tmp_path):
     assert "graph_cache:" in out and "saved" in out
 
 
-def test_cache_warm_on_the_torch_backend_builds_plans(capsys, tmp_path):
+@pytest.mark.parametrize("backend", ["torch", "cupy"])
+def test_cache_warm_refuses_backends_without_graphs(capsys, tmp_path, backend):
+    # Neither builds anything the graph cache keeps: "ok (0 built)" and "saved 0" said nothing.
     config = write_config(tmp_path, PROBLEMS[:1], defaults={"dtype": "fp32"})
-    code, out, _ = run_cli(capsys, "cache", "warm", config, "--backend", "torch", "--device", "cpu")
-    assert code == 0 and "causal-lm: ok (" in out
+    code, out, err = run_cli(capsys, "cache", "warm", config, "--backend", backend, "--device",
+                             "cpu", "--save", str(tmp_path / "saved"))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert f"the {backend} backend has nothing to warm" in err
+    assert not (tmp_path / "saved").exists()
 
 
 def test_cache_warm_rejects_bad_configs(capsys, tmp_path):

@@ -54,7 +54,8 @@ def _losses(out: str, label: str) -> list[float]:
 
 def test_train_tiny_transformer(capsys):
     argv = ["--steps", "20", "--batch-size", "8", "--context", "32", "--d-model", "32",
-            "--layers", "1", "--eval-every", "5", "--sample-chars", "12", "--lr", "1e-2"]
+            "--layers", "1", "--eval-every", "5", "--sample-chars", "12", "--lr", "1e-2",
+            "--plot", ""]
     assert load("train_tiny_transformer").main(argv) == 0
     out = capsys.readouterr().out
     assert "mask=Causal(alignment='top_left')" in out and "num_kv_heads=2" in out
@@ -71,7 +72,7 @@ def test_bundled_text_is_there():
 
 def test_neighborhood_vision(capsys):
     argv = ["--steps", "50", "--batch-size", "32", "--layers", "1", "--eval-size", "64",
-            "--eval-every", "25", "--lr", "5e-3"]
+            "--eval-every", "25", "--lr", "5e-3", "--plot", ""]
     module = load("neighborhood_vision")
     assert module.main(argv) == 0
     out = capsys.readouterr().out
@@ -109,3 +110,61 @@ def test_paged_cache_pages_are_shuffled_and_private():
     # token t of sequence b is at page block_table[b, t // 4], row t % 4
     row = cache.block_table[2].tolist()
     assert cache.k[row[3], 1, 0, 0] == 2.0 and cache.k[row[4], 2, 0, 0] == 9.0
+
+
+# --------------------------------------------------------------------------------------------
+# plots: optional (matplotlib), never required
+# --------------------------------------------------------------------------------------------
+
+TINY_TRAIN = ["--steps", "4", "--batch-size", "4", "--context", "16", "--d-model", "16",
+              "--layers", "1", "--eval-every", "2", "--sample-chars", "0", "--lr", "1e-2"]
+TINY_VISION = ["--steps", "6", "--batch-size", "8", "--layers", "1", "--eval-size", "16",
+               "--eval-every", "3", "--lr", "5e-3"]
+
+
+@pytest.mark.parametrize("name, argv", [("train_tiny_transformer", TINY_TRAIN),
+                                        ("neighborhood_vision", TINY_VISION),
+                                        ("draw_masks", [])])
+def test_examples_run_without_matplotlib(capsys, monkeypatch, tmp_path, name, argv):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.chdir(tmp_path)
+    out_arg = ["--out", str(tmp_path / "m.png")] if name == "draw_masks" else []
+    code = load(name).main(argv + out_arg)
+    assert code in (0, 1) if name == "train_tiny_transformer" else code == 0  # 4 steps may not help
+    assert "matplotlib is not installed" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+@pytest.mark.parametrize("name, argv", [("train_tiny_transformer", TINY_TRAIN),
+                                        ("neighborhood_vision", TINY_VISION),
+                                        ("draw_masks", [])])
+def test_examples_write_their_plots(tmp_path, name, argv):
+    pytest.importorskip("matplotlib", reason="the [plot] extra is optional")
+    path = tmp_path / f"{name}.png"
+    load(name).main(argv + ["--out" if name == "draw_masks" else "--plot", str(path)])
+    width, height = _png_size(path)
+    assert width > 300 and height > 200
+
+
+def test_vision_attention_weights_match_the_library():
+    """The plotted weights are those ``ca.attention`` applies: per head, weights @ v == output."""
+    import cudnn_attn as ca
+
+    module = load("neighborhood_vision")
+    torch.manual_seed(0)
+    block = module.NeighborhoodBlock(16, 2, (4, 4), 3).double()
+    x = torch.randn(1, 16, 16, dtype=torch.float64)
+    weights = module.attention_weights(block, x, per_head=True)  # [heads, S, S]
+    _, _, v = block.qkv(block.ln1(x)).unflatten(-1, (3, 2, -1)).unbind(2)
+    q, k, _ = block.qkv(block.ln1(x)).unflatten(-1, (3, 2, -1)).unbind(2)
+    expected = ca.attention(q, k, v, mask=block.mask, layout="bshd")[0].transpose(0, 1)
+    assert torch.allclose(weights @ v[0].transpose(0, 1), expected, atol=1e-12)
+    hidden = ~ca.geometry.neighborhood_mask((4, 4), (3, 3))
+    assert torch.all(weights[:, hidden] == 0)
+    assert torch.allclose(module.attention_weights(block, x), weights.mean(0))

@@ -58,6 +58,13 @@ class Unserializable:
         raise RuntimeError("Graph::serialize: no built execution plan")
 
 
+@pytest.fixture(autouse=True)
+def private_cache_key(tmp_path_factory, monkeypatch):
+    """Each test gets its own per-user cache key, outside any cache directory it uses."""
+    key_dir = tmp_path_factory.mktemp("config")
+    monkeypatch.setenv("CUDNN_ATTN_CACHE_KEY_FILE", str(key_dir / "graph-cache.key"))
+
+
 def must_not_build():
     raise AssertionError("build_fn must not be called")
 
@@ -248,6 +255,55 @@ def test_build_error_reaches_every_waiter_and_is_not_cached():
     assert cache.info()["builds"] == 2
 
 
+def test_build_that_asks_for_its_own_key_raises_instead_of_deadlocking():
+    cache = GraphCache()
+    release = threading.Event()
+    seen: dict = {}
+
+    def recursive():
+        try:
+            cache.get_or_build("self", lambda: "inner")
+        except RuntimeError as exc:
+            seen["inner"] = exc
+        assert release.wait(WAIT)  # hold the build while another thread waits on it
+        return "outer"
+
+    results: dict = {}
+
+    def run(name):
+        results[name] = cache.get_or_build("self", recursive)
+
+    owner = threading.Thread(target=run, args=("owner",), daemon=True)
+    owner.start()
+    wait_until(lambda: "inner" in seen, "the recursive lookup to fail")
+    waiter = threading.Thread(target=run, args=("waiter",), daemon=True)
+    waiter.start()
+    wait_until(lambda: cache.info()["waits"] == 1, "another thread to wait on the key")
+    release.set()
+    for t in (owner, waiter):
+        t.join(WAIT)
+        assert not t.is_alive(), "get_or_build deadlocked"
+    assert "'self'" in str(seen["inner"]) and "its own key" in str(seen["inner"])
+    assert results == {"owner": "outer", "waiter": "outer"}
+    assert cache.info()["builds"] == 1 and cache.get_or_build("self", must_not_build) == "outer"
+    # uncaught, the error reaches the caller (and the key is not cached)
+    fresh = GraphCache()
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", _catch(
+        lambda: fresh.get_or_build("k", lambda: fresh.get_or_build("k", lambda: 1)))), daemon=True)
+    t.start()
+    t.join(WAIT)
+    assert not t.is_alive(), "get_or_build deadlocked"
+    assert isinstance(box["r"], RuntimeError) and "k" not in fresh
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except Exception as exc:
+        return exc
+
+
 # --------------------------------------------------------------------------------------------
 # keys
 # --------------------------------------------------------------------------------------------
@@ -375,8 +431,9 @@ def test_foreign_files_are_rejected(tmp_path, caplog, field, value):
 def test_header_tampering_with_a_valid_checksum_is_still_foreign(tmp_path, caplog):
     _, directory = saved_cache(tmp_path, n=1)
     path = next(directory.iterdir())
-    kind, key_text, payload = cache_mod.decode_file(path.read_bytes(), ENV)
-    path.write_bytes(cache_mod.encode_file({**ENV, "sm_count": 1}, kind, key_text, payload))
+    secret = cache_mod.secret_key()
+    kind, key_text, payload = cache_mod.decode_file(path.read_bytes(), ENV, secret)
+    path.write_bytes(cache_mod.encode_file({**ENV, "sm_count": 1}, kind, key_text, payload, secret))
     rejected(tmp_path, directory, dict(ENV), caplog, "sm_count")
 
 

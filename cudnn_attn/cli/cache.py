@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .specs import build_inputs, default_device
+from .specs import UsageError, build_inputs, default_device, real_device_arg
 
 
 def _print_info(info: dict) -> None:
@@ -17,28 +17,60 @@ def _print_info(info: dict) -> None:
         print(f"  {key:<{width}}  {round(value, 6) if isinstance(value, float) else value}")
 
 
+def _describe_dir(directory) -> tuple[str, list[str]]:
+    """``(status, notes)`` of a cache directory: what it holds, without following links."""
+    import os
+    import stat
+
+    from cudnn_attn.graphs.cache import SUFFIX
+
+    if not os.path.lexists(directory):
+        return "does not exist", []
+    if not os.path.isdir(directory):
+        return "not a directory", []
+    regular, size, other = 0, 0, []
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        if not entry.name.endswith(SUFFIX):
+            continue
+        st = entry.stat(follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode):
+            regular, size = regular + 1, size + st.st_size
+        else:
+            kind = ("link" if stat.S_ISLNK(st.st_mode) else "directory" if stat.S_ISDIR(st.st_mode)
+                    else "FIFO" if stat.S_ISFIFO(st.st_mode) else "special file")
+            other.append(f"{entry.name} ({kind})")
+    notes = [f"files: {regular} ({size} bytes)"]
+    if other:
+        notes.append(f"not regular files (never read): {', '.join(other)}")
+    return "", notes
+
+
 def cmd_cache_info(args: argparse.Namespace) -> int:
     """Print the process cache counters and what the cache directory holds."""
-    from cudnn_attn.graphs.cache import SUFFIX, GraphCache, default_cache_dir, graph_cache
+    from cudnn_attn.graphs.cache import GraphCache, default_cache_dir, graph_cache, secret_key_path
 
     directory = args.dir or default_cache_dir()
     print("graph_cache (this process):")
     _print_info(graph_cache.info())
-    files = sorted(directory.glob("*" + SUFFIX)) if directory.is_dir() else []
-    print(f"cache dir: {directory}{'' if directory.is_dir() else ' (does not exist)'}")
-    if files:
-        probe = GraphCache()
-        accepted = probe.load(directory)
-        size = sum(f.stat().st_size for f in files)
-        print(f"  files: {len(files)} ({size} bytes), usable here: {accepted}, "
-              f"rejected: {probe.info()['rejected_files']}")
-    else:
+    status, notes = _describe_dir(directory)
+    print(f"cache dir: {directory}{f' ({status})' if status else ''}")
+    print(f"cache key: {secret_key_path()}")
+    if status:
         print("  files: 0")
+        return 0
+    probe = GraphCache()
+    accepted = probe.load(directory)  # logs (and counts) every file it refuses, and why
+    notes[0] += f", usable here: {accepted}, rejected: {probe.info()['rejected_files']}"
+    for note in notes:
+        print(f"  {note}")
     return 0
 
 
-def progress(items: Sequence[Any], desc: str) -> tuple[Any, Callable[[str], None]]:
-    """``(iterator, write)``: a tqdm bar when tqdm is installed, else ``[i/N]`` prefixed lines."""
+def progress(items: Sequence[Any], desc: str, file: Any = None) -> tuple[Any, Callable[[str], None]]:
+    """``(iterator, write)``: a tqdm bar when tqdm is installed, else ``[i/N]`` prefixed lines.
+
+    ``file``: where the bar and the lines go (default: stdout).
+    """
     try:
         from tqdm import tqdm
     except ImportError:
@@ -49,9 +81,10 @@ def progress(items: Sequence[Any], desc: str) -> tuple[Any, Callable[[str], None
                 state["i"] = i
                 yield item
 
-        return plain(), lambda line: print(f"{desc} [{state['i']}/{len(items)}] {line}", flush=True)
-    bar = tqdm(items, desc=desc, unit="problem")
-    return bar, bar.write
+        return plain(), lambda line: print(f"{desc} [{state['i']}/{len(items)}] {line}",
+                                           file=file or sys.stdout, flush=True)
+    bar = tqdm(items, desc=desc, file=file)
+    return bar, lambda line: bar.write(line, file=file)
 
 
 def read_config(path: str) -> list[dict]:
@@ -96,10 +129,13 @@ def cmd_cache_warm(args: argparse.Namespace) -> int:
     from cudnn_attn.dispatch import get_backend
     from cudnn_attn.graphs.cache import graph_cache
 
+    if args.backend != "cudnn":
+        raise UsageError(f"--backend {args.backend}: only cuDNN plans are graphs that the cache "
+                         f"builds and saves; the {args.backend} backend has nothing to warm")
     try:
         specs = read_config(args.config)
     except (OSError, ValueError) as exc:
-        print(f"cudnn-attn cache warm: {exc}", file=sys.stderr)
+        print(f"cudnn-attn cache warm: error: {exc}", file=sys.stderr)
         return 2
     if args.load:
         print(f"loaded {graph_cache.load(args.load)} graph file(s) from {args.load}")
@@ -139,6 +175,8 @@ def add_parser(sub: Any) -> None:
     """``cudnn-attn cache info|warm|clear``."""
     from pathlib import Path
 
+    from cudnn_attn.dispatch import BACKEND_NAMES
+
     cache = sub.add_parser("cache", help="the graph cache: info, warm-up, clear")
     csub = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
     info = csub.add_parser("info", help="counters and the cache directory")
@@ -147,8 +185,10 @@ def add_parser(sub: Any) -> None:
     warm = csub.add_parser("warm", help="build the problems of a JSON config through the cache")
     warm.add_argument("config", help='JSON: {"defaults": {...}, "problems": [{"shape": '
                       '[B,H,S,D], "dtype": "bf16", "mask": "causal", ...}]}')
-    warm.add_argument("--backend", default="cudnn", help="backend to build on (default: cudnn)")
-    warm.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    warm.add_argument("--backend", default="cudnn", choices=BACKEND_NAMES,
+                      help="backend to build on (default and only useful choice: cudnn)")
+    warm.add_argument("--device", type=real_device_arg,
+                      help="torch device (default: cuda if available, else cpu)")
     warm.add_argument("--load", type=Path, help="load saved graphs from DIR first")
     warm.add_argument("--save", type=Path, help="save the built graphs to DIR")
     warm.set_defaults(func=cmd_cache_warm)

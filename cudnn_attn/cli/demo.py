@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .specs import positive_int, real_device_arg
+
 # Max abs error allowed against the float64 brute force, per input dtype (outputs are O(1)).
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4, "float16": 5e-3, "bfloat16": 4e-2}
 
@@ -101,11 +103,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def seed_arg(text: str) -> int:
+    """argparse type: a seed ``torch.Generator.manual_seed`` takes (0 <= seed < 2**63)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63), got {text!r}")
+    return value
+
+
 def add_parser(sub: Any) -> None:
     demo = sub.add_parser("demo", help="run representative problems on backend='auto' and check them")
-    demo.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    demo.add_argument("--device", type=real_device_arg,
+                      help="torch device (default: cuda if available, else cpu)")
     demo.add_argument("--dtype", choices=sorted(TOLERANCE),
                       help="input dtype (default: float16 on cuda, float32 on cpu)")
-    demo.add_argument("--repeats", type=int, default=5, help="timed runs per problem (default: 5)")
-    demo.add_argument("--seed", type=int, default=0, help="random seed for the inputs (default: 0)")
+    demo.add_argument("--repeats", type=positive_int, default=5,
+                      help="timed runs per problem (default: 5)")
+    demo.add_argument("--seed", type=seed_arg, default=0, help="random seed for the inputs (default: 0)")
     demo.set_defaults(func=cmd_demo)

@@ -4,10 +4,28 @@ its graph."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
-from .specs import DTYPES, build_inputs, default_device
+from .specs import DTYPES, MASK_SYNTAX, build_inputs, default_device, device_arg, positive_int
+
+
+def explain_on(device: str, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+    """``cudnn_attn.explain`` for tensors that would live on ``device``, described by ``meta``
+    tensors of their shapes: the verdicts of the same problem on ``device``, nothing allocated."""
+    import torch
+
+    from cudnn_attn import dispatch
+    from cudnn_attn.api import Explanation
+    from cudnn_attn.problem import AttnProblem
+
+    problem = AttnProblem.from_tensors(q, k, v, **kwargs)
+    problem = dataclasses.replace(problem, device=torch.device(device))
+    reasons = dispatch.verdicts(problem)
+    chosen = next((name for name, found in reasons.items() if not found), None)
+    return Explanation(problem, {name: found or ("selected" if name == chosen else "available")
+                                 for name, found in reasons.items()})
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -19,11 +37,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
             "dim_v": args.dim_v, "dtype": args.dtype, "mask": args.mask, "layout": args.layout,
             "alibi": args.alibi, "softcap": args.softcap, "dropout_p": args.dropout,
             "backward": args.backward}
-    try:
-        q, k, v, kwargs = build_inputs(spec, args.device or default_device())
-        print(ca.explain(q, k, v, **kwargs))
+    try:  # meta tensors: any shape is described without allocating it
+        q, k, v, kwargs = build_inputs(spec, "meta")
+        print(explain_on(args.device or default_device(), q, k, v, **kwargs))
     except (ValueError, TypeError) as exc:
-        print(f"cudnn-attn explain: {exc}", file=sys.stderr)
+        print(f"cudnn-attn explain: error: {exc}", file=sys.stderr)
         return 2
     title = f"cuDNN graph ({'backward' if args.backward else 'forward'}, sm_{args.target_sm})"
     missing = module_missing("cudnn", "cu12")
@@ -48,17 +66,18 @@ def add_parser(sub: Any) -> None:
     """``cudnn-attn explain --shape B,H,S,D ...``."""
     ex = sub.add_parser("explain", help="which backend runs a call, and the cuDNN graph for it")
     ex.add_argument("--shape", required=True, help="q shape B,H,S,D (whatever the layout)")
-    ex.add_argument("--heads-kv", type=int, help="kv heads (GQA/MQA; default H)")
-    ex.add_argument("--seq-kv", type=int, help="kv sequence length (default S)")
-    ex.add_argument("--dim-v", type=int, help="value head dim (default D)")
+    ex.add_argument("--heads-kv", type=positive_int, help="kv heads (GQA/MQA; default H)")
+    ex.add_argument("--seq-kv", type=positive_int, help="kv sequence length (default S)")
+    ex.add_argument("--dim-v", type=positive_int, help="value head dim (default D)")
     ex.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="default bf16")
-    ex.add_argument("--mask", default="none",
-                    help="none | causal[:bottom_right] | window:L,R[,bottom_right]")
+    ex.add_argument("--mask", default="none", help=MASK_SYNTAX)
     ex.add_argument("--layout", default="bhsd", choices=("bhsd", "bshd"))
     ex.add_argument("--alibi", action="store_true", help="add ALiBi")
     ex.add_argument("--softcap", type=float)
     ex.add_argument("--dropout", type=float, default=0.0, help="dropout_p")
     ex.add_argument("--backward", action="store_true", help="describe the backward graph")
     ex.add_argument("--target-sm", type=int, default=90, help="graph target (default 90)")
-    ex.add_argument("--device", help="tensor device (default: cuda if available, else cpu)")
+    ex.add_argument("--device", type=device_arg,
+                    help="device the call would run on (default: cuda if available, else cpu); "
+                         "nothing is allocated")
     ex.set_defaults(func=cmd_explain)

@@ -4,15 +4,52 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
+import time
 from typing import Any
+
+from .cache import progress
+
+_ARCH = re.compile(r"sm_(\d+)(\d)a?")
+
+
+def arch_arg(text: str) -> str:
+    """argparse type: ``sm_XY`` (or ``sm_XYa``) at or above the kernels' minimum capability."""
+    from cudnn_attn.fallback_kernels.limits import LIMITS
+
+    match = _ARCH.fullmatch(text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"must look like sm_80 or sm_90a, got {text!r}")
+    capability = (int(match.group(1)), int(match.group(2)))
+    need = tuple(LIMITS.min_compute_capability)
+    if capability < need:
+        raise argparse.ArgumentTypeError(
+            f"{text}: the CuPy kernels need compute capability {need[0]}.{need[1]} or newer "
+            f"(sm_{need[0]}{need[1]})")
+    return text.strip()
 
 
 def cmd_kernels(args: argparse.Namespace) -> int:
     from cudnn_attn import fallback_kernels
+    from cudnn_attn.fallback_kernels._loader import KernelCompileError
 
+    try:  # fail in one line, before any work, when CuPy/NVRTC are missing
+        from cupy.cuda import nvrtc  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"kernels needs CuPy with NVRTC: pip install 'cudnn-attn[cu12]' ({exc})") from None
     rows = []
-    for arch in args.arch:
-        rows += fallback_kernels.compile_all(arch)
+    items, write = progress(args.arch, "kernels", file=sys.stderr)  # stdout stays parseable
+    for arch in items:  # one NVRTC pass per architecture: tens of seconds each
+        start = time.perf_counter()
+        try:
+            found = fallback_kernels.compile_all(arch)
+        except KernelCompileError as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            print(f"cudnn-attn kernels: error: {first}", file=sys.stderr)
+            return 1
+        rows += found
+        write(f"{arch}: {len(found)} kernel(s) compiled in {time.perf_counter() - start:.1f} s")
     if args.json:
         print(json.dumps([{k: r[k] for k in r.keys()} for r in rows], indent=2))
     else:
@@ -28,7 +65,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     kernels = sub.add_parser("kernels", help="compile the CuPy kernels with NVRTC (no GPU needed) "
                                              "and print registers/spills")
-    kernels.add_argument("--arch", action="append", default=None,
+    kernels.add_argument("--arch", action="append", default=None, type=arch_arg,
                          help="target, e.g. sm_90 (repeatable; default: sm_80 and sm_90)")
     kernels.add_argument("--json", action="store_true", help="print JSON records")
     kernels.set_defaults(func=lambda a: cmd_kernels(_with_default_arch(a)))

@@ -11,11 +11,58 @@ SPEC_KEYS = {"name", "shape", "heads_kv", "seq_kv", "dim_v", "dtype", "mask", "l
              "softcap", "dropout_p", "backward"}
 
 
+class UsageError(ValueError):
+    """A command-line argument that cannot work; ``main`` prints it as one line (status 2)."""
+
+
+MASK_SYNTAX = ("none | causal[:bottom_right] | window:L,R[,bottom_right] | "
+               "neighborhood:32x32,7x7[,dilation=2x2][,stride=1x1][,causal] | "
+               "padding:LENS[/KV_LENS] (comma-separated, one per batch); join with '+'")
+
+
+def _ints(name: str, text: str, sep: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(sep))
+    except ValueError:
+        raise ValueError(f"{name} must be integers separated by {sep!r}, got {text!r}") from None
+
+
+def _neighborhood(rest: str) -> Any:
+    import cudnn_attn as ca
+
+    shape, kernel, *options = rest.split(",")
+    kwargs: dict = {}
+    for option in options:
+        name, _, value = option.partition("=")
+        if name == "causal" and not value:
+            kwargs["is_causal"] = True
+        elif name in ("dilation", "stride") and value:
+            kwargs[name] = _ints(name, value, "x")
+        else:
+            raise ValueError(f"unknown neighborhood option {option!r}")
+    return ca.Neighborhood(_ints("spatial shape", shape, "x"), _ints("kernel", kernel, "x"),
+                           **kwargs)
+
+
+def _padding(rest: str) -> Any:
+    import cudnn_attn as ca
+
+    lens_q, _, lens_kv = rest.partition("/")
+    return ca.Padding(_ints("lengths", lens_q, ","), _ints("kv lengths", lens_kv, ",")
+                      if lens_kv else None)
+
+
 def parse_mask(text: str | None) -> Any:
-    """``none``, ``causal[:bottom_right]``, ``window:L,R[,bottom_right]`` -> a mask object."""
+    """A mask object from its command-line spelling (``MASK_SYNTAX``); None for ``none``."""
     import cudnn_attn as ca
 
     text = (text or "none").strip().lower()
+    if "+" in text:
+        parts = [parse_mask(part) for part in text.split("+")]
+        combined = None
+        for part in parts:
+            combined = part if combined is None else combined if part is None else combined & part
+        return combined
     kind, _, rest = text.partition(":")
     try:
         if kind == "none" and not rest:
@@ -25,10 +72,43 @@ def parse_mask(text: str | None) -> Any:
         if kind == "window":
             left, right, *align = rest.split(",")
             return ca.SlidingWindow(int(left), int(right), *align)
-    except (ValueError, TypeError) as exc:
+        if kind == "neighborhood":
+            return _neighborhood(rest)
+        if kind == "padding":
+            return _padding(rest)
+    except (ValueError, TypeError, OverflowError) as exc:
         raise ValueError(f"mask {text!r}: {exc}") from None
-    raise ValueError(f"mask must be none, causal[:bottom_right] or window:L,R[,bottom_right], "
-                     f"got {text!r}")
+    raise ValueError(f"mask must be {MASK_SYNTAX}; got {text!r}")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def device_arg(text: str) -> str:
+    """argparse type: a torch device this machine has (``cpu``, ``cuda``, ``cuda:1``, ``meta``)."""
+    import argparse
+
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device is available to torch")
+    if device.type not in ("cpu", "cuda", "meta"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use cpu, cuda[:N] or meta")
+    return text
 
 
 def parse_shape(value: Any) -> tuple[int, int, int, int]:
@@ -37,13 +117,14 @@ def parse_shape(value: Any) -> tuple[int, int, int, int]:
         dims = tuple(int(p) for p in parts)
     except (TypeError, ValueError):
         dims = ()
-    if len(dims) != 4 or min(dims) < 1:
-        raise ValueError(f"shape must be four positive ints B,H,S,D, got {value!r}")
+    if len(dims) != 4 or min(dims) < 1 or max(dims) > 2**31 - 1:
+        raise ValueError(f"shape must be four positive ints B,H,S,D (each < 2**31), got {value!r}")
     return dims  # type: ignore[return-value]
 
 
 def build_inputs(spec: dict, device: str) -> tuple[Any, Any, Any, dict]:
-    """Uninitialized q, k, v and the attention kwargs a problem spec describes.
+    """Uninitialized q, k, v (on ``device``; ``"meta"`` allocates nothing) and the attention
+    kwargs a problem spec describes.
 
     ``spec``: ``shape`` [B, H, S, D] (of q, whatever the layout), optional ``heads_kv``,
     ``seq_kv``, ``dim_v``, ``dtype`` (bf16/fp16/fp32/fp64), ``mask`` (see ``parse_mask``),
@@ -62,12 +143,14 @@ def build_inputs(spec: dict, device: str) -> tuple[Any, Any, Any, dict]:
     if "shape" not in spec:
         raise ValueError("a problem needs a 'shape' [B, H, S, D]")
     B, H, S, D = parse_shape(spec["shape"])
-    h_kv, s_kv, d_v = (int(spec.get(key) or dflt) for key, dflt in
+    h_kv, s_kv, d_v = (_positive(key, spec.get(key), dflt) for key, dflt in
                        (("heads_kv", H), ("seq_kv", S), ("dim_v", D)))
     dtype_name = DTYPES.get(str(spec.get("dtype", "bf16")).lower())
     if dtype_name is None:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {spec.get('dtype')!r}")
     layout = spec.get("layout", "bhsd")
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     grad = bool(spec.get("backward", False))
 
     def make(h: int, s: int, d: int) -> Any:
@@ -79,6 +162,23 @@ def build_inputs(spec: dict, device: str) -> tuple[Any, Any, Any, dict]:
               "bias": ca.Alibi() if spec.get("alibi") else None,
               "softcap": spec.get("softcap"), "dropout_p": float(spec.get("dropout_p", 0.0))}
     return make(H, S, D), make(h_kv, s_kv, D), make(h_kv, s_kv, d_v), kwargs
+
+
+def real_device_arg(text: str) -> str:
+    """argparse type: ``device_arg`` without ``meta`` (for commands that compute)."""
+    import argparse
+
+    if device_arg(text).startswith("meta"):
+        raise argparse.ArgumentTypeError("meta tensors hold no data; use cpu or cuda[:N]")
+    return text
+
+
+def _positive(name: str, value: Any, default: int) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
 
 
 def default_device() -> str:

@@ -9,22 +9,22 @@ Persistence (``save(dir)`` / ``load(dir)``) writes one file per entry whose valu
 itself (``serialize() -> bytes`` plus a ``serial_kind`` naming a deserializer registered with
 ``register_deserializer``). A file is: magic, format version, a JSON header (the environment:
 GPU name, compute capability, SM count, cuDNN backend and frontend versions; the deserializer
-kind; the key as canonical JSON), the payload and a SHA-256 of all of it. Nothing is pickled. A
-corrupt, truncated or foreign file is logged, counted (``info()["rejected_files"]``) and skipped,
-so that entry is rebuilt rather than trusted. Loaded payloads are deserialized lazily, on the
+kind; the key as canonical JSON), the payload and an HMAC-SHA256 of all of it keyed with a
+per-user secret kept outside the directory. Nothing is pickled. A corrupt, truncated, foreign or
+unkeyed file is logged, counted (``info()["rejected_files"]``) and skipped, so that entry is
+rebuilt rather than trusted; ``cache_dir`` holds the trust model (owner and mode checks,
+exclusive temporary files, no links or special files). Loaded payloads are deserialized lazily, on the
 first lookup of their key.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
-import os
-import threading
 import itertools
+import logging
+import threading
 import time
 from collections.abc import Callable, Hashable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,13 +32,37 @@ import torch
 from ..caches import LRU
 
 # Re-exported: the names users of the cache need come from this module.
-from .cache_files import (FORMAT_VERSION, MAGIC, SUFFIX, Rejected, clear_dir, cudnn_versions,
-                          current_environment, decode_file, default_cache_dir, deserializer,
-                          encode_file, encode_key, register_deserializer)
+from .cache_dir import (
+    MAX_FILE_BYTES,
+    UnsafeCacheDir,
+    clear_dir,
+    graph_files,
+    open_dir,
+    open_graph_file,
+    secret_key,
+    secret_key_path,
+    write_graph_file,
+)
+from .cache_files import (
+    FORMAT_VERSION,
+    MAGIC,
+    SUFFIX,
+    Rejected,
+    cudnn_versions,
+    current_environment,
+    decode_file,
+    default_cache_dir,
+    deserializer,
+    encode_file,
+    encode_key,
+    read_file,
+    register_deserializer,
+)
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "SUFFIX", "GraphCache", "clear_dir", "cudnn_versions",
-           "current_environment", "default_cache_dir", "encode_key", "graph_cache", "make_key",
-           "register_deserializer"]
+__all__ = ["FORMAT_VERSION", "MAGIC", "SUFFIX", "GraphCache", "UnsafeCacheDir", "clear_dir",
+           "cudnn_versions", "current_environment", "decode_file", "default_cache_dir",
+           "encode_file", "encode_key", "graph_cache", "make_key", "register_deserializer",
+           "secret_key", "secret_key_path"]
 
 logger = logging.getLogger("cudnn_attn")
 
@@ -81,9 +105,10 @@ def make_key(problem_key: Hashable, device, versions: tuple | None = None) -> tu
 class _Build:
     """One in-flight build; threads missing the same key wait on ``done``."""
 
-    __slots__ = ("done", "error", "value")
+    __slots__ = ("done", "error", "thread", "value")
 
     def __init__(self):
+        self.thread = threading.get_ident()  # the building thread: it must not wait on itself
         self.done = threading.Event()
         self.value = None
         self.error: BaseException | None = None
@@ -101,7 +126,8 @@ class GraphCache:
     * ``get_or_build(key, build_fn)``: a hit returns the stored value (and makes it most
       recent); a miss calls ``build_fn()`` once per key even when many threads miss together
       (the others wait for that build); other keys are served meanwhile. A build that raises
-      stores nothing and its exception reaches every thread waiting on it.
+      stores nothing and its exception reaches every thread waiting on it. A ``build_fn`` that
+      asks for its own key raises ``RuntimeError`` instead of waiting for itself forever.
     * ``maxsize`` counts entries; 0 disables storing. ``resize(n)`` evicts the least recently
       used entries when shrinking.
     * ``environment`` (a callable returning a JSON-able dict; default ``current_environment``)
@@ -141,6 +167,10 @@ class GraphCache:
             if owner:
                 build = self._building[key] = _Build()
                 self._misses += 1
+            elif build.thread == threading.get_ident():
+                # Waiting here would wait forever: this thread is the one building ``key``.
+                raise RuntimeError(f"graph cache: the build function for {key!r} asked the "
+                                   f"cache for its own key (a recursive build)")
             else:
                 self._waits += 1
         if not owner:
@@ -252,9 +282,10 @@ class GraphCache:
         """Write every serializable entry to ``directory`` (created if needed); returns the count.
 
         Entries whose value has no ``serial_kind``/``serialize``, whose ``serialize()`` raises
-        (a cuDNN plan without a GPU) or whose key cannot be encoded are skipped.
+        (a cuDNN plan without a GPU) or whose key cannot be encoded are skipped. Raises
+        ``UnsafeCacheDir`` for a directory others can write or another user owns (see
+        ``cache_dir`` for the trust model).
         """
-        directory = Path(directory)
         with self._lock:
             items = [(key, self._entries.get(key, _MISSING)) for key in self._entries.keys()]
             items = [(key, value) for key, value in items if value is not _MISSING]
@@ -277,38 +308,51 @@ class GraphCache:
             records[key_text] = (kind, bytes(payload))
         if not records:
             return 0
-        directory.mkdir(parents=True, exist_ok=True)
-        env = self._environment()
-        for key_text, (kind, payload) in records.items():
-            name = hashlib.sha256(key_text.encode()).hexdigest()[:40] + SUFFIX
-            tmp = directory / f"{name}.tmp{os.getpid()}.{threading.get_ident()}"
-            tmp.write_bytes(encode_file(env, kind, key_text, payload))
-            os.replace(tmp, directory / name)  # atomic: readers never see half a file
+        env, secret = self._environment(), secret_key()
+        with open_dir(directory, create=True) as dir_fd:
+            for key_text, (kind, payload) in records.items():
+                name = hashlib.sha256(key_text.encode()).hexdigest()[:40] + SUFFIX
+                write_graph_file(dir_fd, name, encode_file(env, kind, key_text, payload, secret))
         return len(records)
 
     def load(self, directory) -> int:
         """Read the graph files in ``directory``; returns how many were accepted.
 
-        Accepted payloads are deserialized at the first lookup of their key (instead of calling
-        ``build_fn``). Rejected files are logged and counted in ``info()["rejected_files"]``.
+        Only regular files whose HMAC verifies with this user's key (``secret_key_path()``) are
+        accepted; their payloads are deserialized at the first lookup of their key (instead of
+        calling ``build_fn``). Anything else (links, FIFOs, devices, oversized, malformed or
+        foreign files) is logged, counted in ``info()["rejected_files"]`` and skipped; an unsafe
+        directory (``UnsafeCacheDir``) is logged and nothing is loaded. Never raises for what
+        the directory holds.
         """
-        directory = Path(directory)
-        if not directory.is_dir():
-            return 0
         env = self._environment()
-        accepted = {}
-        for path in sorted(directory.glob("*" + SUFFIX)):
-            try:
-                kind, key_text, payload = decode_file(path.read_bytes(), env)
-            except (Rejected, OSError) as exc:
-                self._reject(path, exc)
-                continue
-            accepted[key_text] = (kind, payload)
+        accepted: dict = {}
+        try:
+            secret = secret_key()
+            with open_dir(directory, create=False) as dir_fd:
+                for entry in graph_files(dir_fd):
+                    record = self._read_one(dir_fd, entry.name, env, secret)
+                    if record is not None:
+                        accepted[record[1]] = (record[0], record[2])
+        except FileNotFoundError:
+            return 0
+        except OSError as exc:  # UnsafeCacheDir, not a directory, unreadable: nothing is trusted
+            logger.warning("graph cache: not loading %s: %s", directory, exc)
+            return 0
         with self._lock:
             for key_text, record in accepted.items():
                 self._stored.pop(key_text)
                 self._stored.put(key_text, record)
         return len(accepted)
+
+    def _read_one(self, dir_fd: int, name: str, env: dict, secret: bytes):
+        """``(kind, key_text, payload)`` of one verified file, or None after reporting it."""
+        try:
+            with open_graph_file(dir_fd, name, MAX_FILE_BYTES) as (read, size):
+                return read_file(read, size, env, secret, MAX_FILE_BYTES)
+        except (Rejected, OSError) as exc:
+            self._reject(name, exc)
+            return None
 
     def _reject(self, what, why) -> None:
         logger.warning("graph cache: ignoring %s: %s; the graph will be rebuilt", what, why)

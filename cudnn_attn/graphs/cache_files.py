@@ -6,9 +6,10 @@
   (``serialize() -> bytes`` and a ``serial_kind`` naming the registered ``from_bytes``).
 * ``current_environment()``: GPU name, compute capability, SM count, cuDNN versions.
 * The file format: ``MAGIC`` | u32 format version | u32 header length | JSON header
-  (``format``, ``environment``, ``kind``, ``key``, ``payload_bytes``) | payload | SHA-256 of all
-  that precedes it. ``decode_file`` raises ``Rejected`` (with the reason) for anything corrupt,
-  truncated or foreign.
+  (``format``, ``environment``, ``kind``, ``key``, ``payload_bytes``) | payload | HMAC-SHA256,
+  keyed with the user's cache key (``cache_dir.secret_key``), of all that precedes it.
+  ``read_file`` checks the magic and the header before it reads the payload, and raises
+  ``Rejected`` (with the reason) for anything corrupt, truncated, oversized, unkeyed or foreign.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import hmac
+import io
 import json
 import os
 import struct
@@ -27,9 +30,9 @@ import torch
 
 from ..caches import memoize
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "SUFFIX", "Rejected", "clear_dir", "cudnn_versions",
-           "current_environment", "decode_file", "default_cache_dir", "deserializer",
-           "encode_file", "encode_key", "register_deserializer"]
+__all__ = ["FORMAT_VERSION", "MAGIC", "MAX_HEADER_BYTES", "MAX_JSON_DEPTH", "SUFFIX", "Rejected",
+           "cudnn_versions", "current_environment", "decode_file", "default_cache_dir",
+           "deserializer", "encode_file", "encode_key", "read_file", "register_deserializer"]
 
 FORMAT_VERSION = 1
 MAGIC = b"CUDNN_ATTN_GRAPH"  # 16 bytes
@@ -130,59 +133,126 @@ def default_cache_dir() -> Path:
     return Path(base) / "cudnn_attn" / "graphs"
 
 
-def clear_dir(directory) -> int:
-    """Delete the graph files (``*.cagraph``) in ``directory``; returns how many were removed."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return 0
-    removed = 0
-    for path in directory.iterdir():
-        if path.name.endswith(SUFFIX) or ".cagraph.tmp" in path.name:
-            path.unlink(missing_ok=True)
-            removed += path.name.endswith(SUFFIX)
-    return removed
-
-
 class Rejected(Exception):
     """A cache file that must not be trusted; the message says why."""
 
 
-def encode_file(env: dict, kind: str, key_text: str, payload: bytes) -> bytes:
+MAX_HEADER_BYTES = 64 << 10  # a header is a few hundred bytes: anything larger is not ours
+MAX_JSON_DEPTH = 16  # ours nest 3 deep; bounded so hostile JSON cannot exhaust the stack
+_SCALAR = (str, int, float, bool, type(None))
+
+
+def _header_prefix(env: dict, kind: str, key_text: str, payload_len: int) -> bytes:
     header = json.dumps({"format": FORMAT_VERSION, "environment": env, "kind": kind,
-                         "key": key_text, "payload_bytes": len(payload)},
-                        sort_keys=True).encode()
-    body = MAGIC + _PREFIX.pack(FORMAT_VERSION, len(header)) + header + payload
-    return body + hashlib.sha256(body).digest()
+                         "key": key_text, "payload_bytes": payload_len}, sort_keys=True).encode()
+    return MAGIC + _PREFIX.pack(FORMAT_VERSION, len(header)) + header
 
 
-def decode_file(data: bytes, env: dict) -> tuple[str, str, bytes]:
-    """``(kind, key_text, payload)`` of a cache file, or ``Rejected`` with the reason."""
+def encode_file(env: dict, kind: str, key_text: str, payload: bytes, secret: bytes) -> bytes:
+    """A cache file's bytes; its last 32 bytes are HMAC-SHA256(``secret``) of all before them."""
+    body = _header_prefix(env, kind, key_text, len(payload)) + payload
+    return body + hmac.new(secret, body, hashlib.sha256).digest()
+
+
+def _json_depth_ok(text: bytes, limit: int) -> bool:
+    """Whether the brackets of ``text`` (outside strings) nest at most ``limit`` deep."""
+    depth, in_string, escaped = 0, False, False
+    for byte in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            if depth > limit:
+                return False
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return True
+
+
+def _parse_header(raw: bytes) -> tuple[dict, str, str, int]:
+    """``(environment, kind, key_text, payload_bytes)`` of a header, each type-checked."""
+    if not _json_depth_ok(raw, MAX_JSON_DEPTH):
+        raise Rejected(f"header nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise Rejected(f"unreadable header ({exc})") from None
+    if not isinstance(header, dict):
+        raise Rejected(f"header is a {type(header).__name__}, not an object")
+    env, kind, key_text = header.get("environment"), header.get("kind"), header.get("key")
+    size = header.get("payload_bytes")
+    if not (isinstance(env, dict) and all(isinstance(v, _SCALAR) for v in env.values())):
+        raise Rejected(f"header 'environment' must be an object of scalars, got "
+                       f"{type(env).__name__}")
+    if not (isinstance(kind, str) and isinstance(key_text, str)):
+        raise Rejected("header 'kind' and 'key' must be strings")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise Rejected(f"header 'payload_bytes' must be an int >= 0, got {size!r}")
+    if header.get("format") != FORMAT_VERSION:
+        raise Rejected("inconsistent header (format)")
+    return env, kind, key_text, size
+
+
+def _environment_mismatch(file_env: dict, env: dict) -> str | None:
+    if file_env == env:
+        return None
+    diff = sorted(k for k in set(env) | set(file_env) if file_env.get(k) != env.get(k))
+    return "built for another environment: " + ", ".join(
+        f"{k}={file_env.get(k)!r} (here {env.get(k)!r})" for k in diff)
+
+
+def read_file(read: Callable[[int], bytes], total: int, env: dict, secret: bytes,
+              max_bytes: int) -> tuple[str, str, bytes]:
+    """``(kind, key_text, payload)`` of a cache file of ``total`` bytes, read in stages.
+
+    ``read(n)`` returns the next (up to) ``n`` bytes. The magic, version and header are checked
+    before the payload is read; ``total`` must match the header exactly and stay under
+    ``max_bytes``; the HMAC must verify. Anything else raises ``Rejected`` with the reason.
+    """
     start = len(MAGIC) + _PREFIX.size
-    if not data.startswith(MAGIC):
+    if total > max_bytes:
+        raise Rejected(f"{total} bytes, over the {max_bytes}-byte limit")
+    prefix = read(start)
+    if not prefix.startswith(MAGIC[:len(prefix)]) or not prefix:
         raise Rejected("not a cudnn_attn graph file (bad magic)")
-    if len(data) < start + _DIGEST:
-        raise Rejected(f"truncated ({len(data)} bytes)")
-    version, header_len = _PREFIX.unpack_from(data, len(MAGIC))
+    if len(prefix) < start or total < start + _DIGEST:
+        raise Rejected(f"truncated ({total} bytes)")
+    version, header_len = _PREFIX.unpack_from(prefix, len(MAGIC))
     if version != FORMAT_VERSION:
         raise Rejected(f"format version {version}, this build reads {FORMAT_VERSION}")
-    body, digest = data[:-_DIGEST], data[-_DIGEST:]
-    if hashlib.sha256(body).digest() != digest:
-        raise Rejected("checksum mismatch (corrupt or truncated)")
-    try:
-        header = json.loads(body[start:start + header_len])
-        kind, key_text, size = header["kind"], header["key"], header["payload_bytes"]
-        file_env = header["environment"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise Rejected(f"unreadable header ({exc})") from None
-    payload = body[start + header_len:]
-    if not (isinstance(kind, str) and isinstance(key_text, str)) or size != len(payload):
-        raise Rejected("inconsistent header")
-    if file_env != env:
-        diff = sorted(k for k in set(env) | set(file_env or {})
-                      if (file_env or {}).get(k) != env.get(k))
-        raise Rejected("built for another environment: " + ", ".join(
-            f"{k}={(file_env or {}).get(k)!r} (here {env.get(k)!r})" for k in diff))
+    if header_len > min(MAX_HEADER_BYTES, total - start - _DIGEST):
+        raise Rejected(f"header length {header_len} does not fit the file ({total} bytes)")
+    raw = read(header_len)
+    if len(raw) != header_len:
+        raise Rejected(f"truncated ({total} bytes)")
+    file_env, kind, key_text, size = _parse_header(raw)
+    if start + header_len + size + _DIGEST != total:
+        raise Rejected(f"truncated or padded: the header promises {size} payload bytes, the file "
+                       f"has {total - start - header_len - _DIGEST}; checksum mismatch")
+    mismatch = _environment_mismatch(file_env, env)
+    if mismatch:
+        raise Rejected(mismatch)
+    payload, digest = read(size), read(_DIGEST)
+    if len(payload) != size or len(digest) != _DIGEST or read(1):
+        raise Rejected("the file changed while it was read; checksum mismatch")
+    expected = hmac.new(secret, prefix + raw + payload, hashlib.sha256).digest()
+    if not hmac.compare_digest(expected, digest):
+        raise Rejected("checksum mismatch (corrupt, truncated, or not written with this user's "
+                       "cache key)")
     return kind, key_text, payload
+
+
+def decode_file(data: bytes, env: dict, secret: bytes,
+                max_bytes: int = 1 << 62) -> tuple[str, str, bytes]:
+    """``read_file`` over bytes in memory."""
+    return read_file(io.BytesIO(data).read, len(data), env, secret, max_bytes)
 
 
 def deserializer(kind: str) -> Callable[[bytes], Any] | None:
