@@ -88,6 +88,10 @@ BAD = [
     (["cache", "warm", "MISSING"], "missing.json"),
     (["cache", "warm", "CONFIG", "--device", "gpu"], "not a torch device"),
     (["cache", "info", "--dir"], "expected one argument"),
+    (["selftest", "--backend", "nope"], "invalid choice: 'nope'"),
+    (["selftest", "--dtype", "float8"], "invalid choice: 'float8'"),
+    (["selftest", "--quick", "--full"], "not allowed with"),
+    (["selftest", "--json"], "expected one argument"),
 ]
 
 
