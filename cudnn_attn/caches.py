@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import threading
 import weakref
+from pathlib import Path
 from typing import Any, Callable, Hashable
 
-__all__ = ["LRU", "memoize", "clear_caches", "cache_sizes"]
+__all__ = ["LRU", "memoize", "clear_caches", "cache_sizes", "user_path"]
 
 # Every live LRU (two instances may share a name; both are reached).
 _REGISTRY: "weakref.WeakSet[LRU]" = weakref.WeakSet()
@@ -138,3 +140,14 @@ def cache_sizes() -> dict[str, int]:
     for cache in list(_REGISTRY):
         sizes[cache.name] = sizes.get(cache.name, 0) + len(cache)
     return dict(sorted(sizes.items()))
+
+
+def user_path(override_env: str, xdg_env: str, home_default: str, *parts: str):
+    """Where a per-user file of ours lives: ``$override_env`` if set, else
+    ``$xdg_env/cudnn_attn/<parts>`` with ``~/<home_default>`` when ``xdg_env`` is unset (the XDG
+    base-directory rule: ``XDG_CACHE_HOME``/``.cache``, ``XDG_CONFIG_HOME``/``.config``)."""
+    explicit = os.environ.get(override_env)
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get(xdg_env) or os.path.join(os.path.expanduser("~"), home_default)
+    return Path(base, "cudnn_attn", *parts)

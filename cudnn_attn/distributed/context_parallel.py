@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from .. import _checks
 from ..masks import Causal, SlidingWindow
 from .ring import RingAttention, Schedule

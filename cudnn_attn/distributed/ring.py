@@ -77,8 +77,6 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, schedule: Schedule, scale: float, group):
-        rank = schedule.rank
-        out = lse = None
         block = (k, v)
         acc = accumulator_dtype(q.dtype)
         out = torch.zeros(*q.shape[:3], v.shape[3], dtype=acc, device=q.device)
@@ -111,7 +109,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         schedule, scale, group = ctx.schedule, ctx.scale, ctx.group
-        rank, world = schedule.rank, schedule.world
+        world = schedule.world
         acc = accumulator_dtype(q.dtype)
         dq = torch.zeros_like(q, dtype=acc)
         block = (k, v, torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc))

@@ -27,6 +27,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from ..caches import user_path
+
 logger = logging.getLogger("cudnn_attn")
 
 __all__ = ["cache_dir", "clear", "info", "load", "program_key", "store"]
@@ -47,10 +49,7 @@ def cache_dir() -> Path | None:
     explicit = os.environ.get(_ENV)
     if explicit is not None and explicit.strip().lower() in ("", "0", "off", "none", "false"):
         return None
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cudnn_attn" / "cubins"
+    return user_path(_ENV, "XDG_CACHE_HOME", ".cache", "cubins")
 
 
 def nvrtc_version() -> str:

@@ -26,7 +26,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..caches import memoize
+from ..caches import memoize, user_path
 from .cache_files import SUFFIX, Rejected
 
 __all__ = ["KEY_BYTES", "MAX_FILE_BYTES", "UnsafeCacheDir", "clear_dir", "graph_files",
@@ -166,11 +166,7 @@ def clear_dir(directory) -> int:
 
 def secret_key_path() -> Path:
     """``$CUDNN_ATTN_CACHE_KEY_FILE``, else ``$XDG_CONFIG_HOME/cudnn_attn/graph-cache.key``."""
-    explicit = os.environ.get("CUDNN_ATTN_CACHE_KEY_FILE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "cudnn_attn" / "graph-cache.key"
+    return user_path("CUDNN_ATTN_CACHE_KEY_FILE", "XDG_CONFIG_HOME", ".config", "graph-cache.key")
 
 
 def secret_key() -> bytes:

@@ -20,7 +20,6 @@ import hashlib
 import hmac
 import io
 import json
-import os
 import struct
 from collections.abc import Callable, Hashable
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..caches import memoize
+from ..caches import memoize, user_path
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "MAX_HEADER_BYTES", "MAX_JSON_DEPTH", "SUFFIX", "Rejected",
            "cudnn_versions", "current_environment", "decode_file", "default_cache_dir",
@@ -126,11 +125,7 @@ def current_environment() -> dict:
 
 def default_cache_dir() -> Path:
     """``$CUDNN_ATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/cudnn_attn/graphs`` (``~/.cache``)."""
-    explicit = os.environ.get("CUDNN_ATTN_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cudnn_attn" / "graphs"
+    return user_path("CUDNN_ATTN_CACHE_DIR", "XDG_CACHE_HOME", ".cache", "graphs")
 
 
 class Rejected(Exception):
