@@ -59,7 +59,7 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
         return str(value)
 
     cells = [[cell(row.get(col)) for col in columns] for row in rows]
-    widths = [max(len(col), *(len(r[i]) for r in cells)) for i, col in enumerate(columns)]
+    widths = [max([len(col), *(len(r[i]) for r in cells)]) for i, col in enumerate(columns)]
     line = "  ".join(f"{col:>{w}}" if i else f"{col:<{w}}" for i, (col, w) in enumerate(zip(columns, widths)))
     print(line)
     print("-" * len(line))

@@ -20,15 +20,21 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _functorch_level = torch._C._functorch.peek_interpreter_stack
 _forward_ad = torch.autograd.forward_ad
 _deterministic = torch.are_deterministic_algorithms_enabled
+_is_compiling = torch.compiler.is_compiling
+_Tensor = torch.Tensor
 
 # Recently used call signatures -> (problem, plan, direct runner or None). A hit skips validation
 # and dispatch, which is most of the per-call cost on small problems.
 _CALLS = LRU("api.calls", maxsize=256)
+# Stride-free signatures -> direct runner, for the calls that have one. Direct runners exist only
+# for CPU problems (the torch engine calling torch SDPA), whose validation and engine choice do not
+# depend on strides: reading three strides and hashing them is a tenth of a tiny call's time.
+_DIRECT = LRU("api.direct_calls", maxsize=256)
 
 
 def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse, backend):
-    """A flat, hashable summary of a call; ``None`` when an argument is not what it should be
-    (validation then explains what is wrong)."""
+    """A flat, hashable summary of a call, strides aside; ``None`` when an argument is not what
+    it should be (validation then explains what is wrong)."""
     if bias is None:
         bias_key = None
     elif isinstance(bias, torch.Tensor):
@@ -46,19 +52,20 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
         return None
     try:
         # No tensor types: only plain torch.Tensor inputs get here (_through_ops).
-        return (q.shape, q.stride(), q.dtype, q.device, q.requires_grad,
-                k.shape, k.stride(), k.dtype, k.device, k.requires_grad,
-                v.shape, v.stride(), v.dtype, v.device, v.requires_grad,
+        return (q.shape, q.dtype, q.device, q.requires_grad,
+                k.shape, k.dtype, k.device, k.requires_grad,
+                v.shape, v.dtype, v.device, v.requires_grad,
                 mask, bias_key, scale, dropout_p, softcap, layout, return_lse, backend,
                 _deterministic())
     except (AttributeError, TypeError):
         return None
 
 
-def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse, backend):
+def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse, backend,
+             signature):
+    """``(problem, plan, direct runner or None)`` of a call whose ``_signature`` is given."""
+    key = None if signature is None else (signature, q.stride(), k.stride(), v.stride())
     try:
-        key = _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
-                         backend)
         cached = _CALLS.get(key) if key is not None else None
     except TypeError:  # unhashable argument: let validation explain it
         key, cached = None, None
@@ -75,6 +82,8 @@ def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
     entry = (problem, plan, direct)
     if key is not None:
         _CALLS.put(key, entry)
+        if direct is not None:
+            _DIRECT.put(signature, direct)
     return entry
 
 
@@ -109,9 +118,9 @@ def _through_ops(q, k, v) -> bool:
     """Whether this call must go through the custom ops: it is traced (torch.compile, export,
     FakeTensor or meta inputs, a dispatch mode), under torch.func or forward-mode AD, or under
     autocast. Plain eager calls run the same plan directly, with less per-call overhead."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return True
-    if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
+    if type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor:
         return (q.is_meta or _autocast_on() or _dispatch_modes() > 0
                 or _functorch_level() is not None or _forward_ad._current_level >= 0)
     # A tensor subclass (FakeTensor, FunctionalTensor, ...) is traced; anything else is not a
@@ -165,8 +174,15 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softc
         return custom_ops.traced_attention(
             q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, softcap=softcap,
             layout=layout, return_lse=return_lse, backend=backend, generator=generator)
-    problem, plan, direct = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
-                                     return_lse, backend)
+    try:
+        signature = _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
+                               backend)
+        direct = _DIRECT.get(signature)
+    except TypeError:  # unhashable argument: let validation explain it
+        signature = direct = None
+    if direct is None:
+        problem, plan, direct = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
+                                         return_lse, backend, signature)
     if direct is not None:
         return direct(q, k, v)
     if bias is not None:

@@ -136,3 +136,21 @@ def test_call_cache_does_not_make_validation_order_dependent():
     ca.attention(q, q, q, scale=1.0)
     with pytest.raises(ValueError, match="scale"):
         ca.attention(q, q, q, scale=True)
+
+
+def test_direct_call_memo_serves_any_strides_and_only_valid_calls():
+    # Calls served by torch SDPA directly are remembered without their strides: a later call with
+    # other strides must still give its own exact result, and must not skip validation.
+    q, k, v = (torch.randn(2, 3, 9, 16, dtype=torch.float64) for _ in range(3))
+    ca.attention(q, k, v, mask=ca.Causal())
+    assert "api.direct_calls" in {n for n, size in caches.cache_sizes().items() if size}
+    for make in (lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),   # bshd storage
+                 lambda t: torch.cat([t, t], -1)[..., ::2],                  # unit stride lost
+                 lambda t: t.expand(2, 3, 9, 16)):
+        q2, k2, v2 = (make(t) for t in (q, k, v))
+        s = (q2 @ k2.transpose(-1, -2)) * 16 ** -0.5
+        s = s.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
+        expected = torch.softmax(s, -1) @ v2
+        torch.testing.assert_close(ca.attention(q2, k2, v2, mask=ca.Causal()), expected)
+    with pytest.raises(TypeError, match="dtype"):
+        ca.attention(q, k.float(), v, mask=ca.Causal())
