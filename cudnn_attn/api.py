@@ -10,7 +10,9 @@ from . import custom_ops, dispatch
 from .caches import LRU
 from .masks import Alibi, RelPosBias
 from .problem import AttnProblem
+from .kv_heads import head_counts_differ, repeat_to_common_heads
 from .runtime import DropoutState, Inputs, hide_padded_rows, hide_padding
+from .sinks import check_sinks, merge_sinks
 
 __all__ = ["attention", "explain", "Explanation"]
 
@@ -130,7 +132,7 @@ def _through_ops(q, k, v) -> bool:
 
 
 def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
-              layout="bhsd", return_lse=False, backend="auto", generator=None):
+              layout="bhsd", return_lse=False, backend="auto", generator=None, sinks=None):
     """Exact scaled dot-product attention on the fastest backend that can run it.
 
     Args:
@@ -138,7 +140,9 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softc
             ``[B, S_q, H_q, D_qk]`` (``layout="bshd"``, as FlashAttention).
         k: keys, ``[B, H_kv, S_kv, D_qk]`` (or bshd). ``H_q % H_kv == 0``: query head ``h``
             reads kv head ``h // (H_q // H_kv)`` (GQA/MQA).
-        v: values, ``[B, H_kv, S_kv, D_v]`` (or bshd); ``D_v`` may differ from ``D_qk``.
+        v: values, ``[B, H_v, S_kv, D_v]`` (or bshd); ``D_v`` may differ from ``D_qk``, and
+            ``H_v`` from ``H_kv`` (both divide ``H_q``; query head ``h`` reads value head
+            ``h // (H_q // H_v)``).
         mask: ``Causal``, ``SlidingWindow``, ``Neighborhood``, ``Padding`` or an ``&`` of them.
         bias: a float tensor broadcastable to ``[B, H_q, S_q, S_kv]`` added to the scores,
             ``Alibi(slopes=None)``, or ``RelPosBias(table)`` (NATTEN's relative positional bias,
@@ -152,6 +156,9 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softc
             ``[B, H_q, S_q]``, float32 (float64 for float64 inputs).
         backend: ``"auto"`` (cudnn -> cupy -> torch, first that can run it), or a name; a named
             backend that cannot run the call raises ``NotSupportedError`` with its reasons.
+        sinks: attention sinks, one logit per query head (``[H_q]``, differentiable): each row's
+            softmax denominator gains ``exp(sinks[h])``, with no value attached (gpt-oss, cuDNN's
+            ``sink_token``); the lse includes it. Runs on every engine (``cudnn_attn.sinks``).
 
     Returns:
         ``out`` in the layout of ``q`` with ``D_v`` features, or ``(out, lse)``. A query that sees
@@ -164,25 +171,39 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softc
         s = (s + bias).masked_fill(~visible, float("-inf"))
         lse = s.logsumexp(-1)
         out = torch.dropout(torch.softmax(s, -1).nan_to_num(0.0), dropout_p, True) @ v
+        # with sinks: lse = torch.logaddexp(lse, sinks[:, None]); out = out * exp(lse0 - lse)
 
     Under ``torch.compile`` (``fullgraph=True`` included), ``torch.export``, FakeTensor/meta
     inputs, ``torch.func`` and autocast the call runs through the custom ops of ``custom_ops``
     (same engines, same plans). Autocast rule: float32/16-bit ``q, k, v`` are cast to the
     autocast dtype, as torch SDPA does; ``out`` has that dtype, ``lse`` float32.
     """
-    if _through_ops(q, k, v):
+    if sinks is not None:
+        out, lse = attention(q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p,
+                             softcap=softcap, layout=layout, return_lse=True, backend=backend,
+                             generator=generator)
+        out, lse = merge_sinks(out, lse, check_sinks(sinks, lse.shape[1], q), layout)
+        return (out, lse) if return_lse else out
+    traced = _through_ops(q, k, v)
+    if not traced:
+        try:
+            signature = _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
+                                   return_lse, backend)
+            direct = _DIRECT.get(signature)
+        except TypeError:  # unhashable argument: let validation explain it
+            signature = direct = None
+        if direct is not None:
+            return direct(q, k, v)
+    if head_counts_differ(q, k, v, layout):  # never cached: its signature names other heads
+        return attention(q, *repeat_to_common_heads(q, k, v, layout), mask=mask, bias=bias,
+                         scale=scale, dropout_p=dropout_p, softcap=softcap, layout=layout,
+                         return_lse=return_lse, backend=backend, generator=generator)
+    if traced:
         return custom_ops.traced_attention(
             q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, softcap=softcap,
             layout=layout, return_lse=return_lse, backend=backend, generator=generator)
-    try:
-        signature = _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
-                               backend)
-        direct = _DIRECT.get(signature)
-    except TypeError:  # unhashable argument: let validation explain it
-        signature = direct = None
-    if direct is None:
-        problem, plan, direct = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
-                                         return_lse, backend, signature)
+    problem, plan, direct = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
+                                     return_lse, backend, signature)
     if direct is not None:
         return direct(q, k, v)
     if bias is not None:
@@ -221,15 +242,22 @@ class Explanation(Mapping):
 
 
 def explain(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
-            layout="bhsd", return_lse=False, backend="auto", generator=None) -> Explanation:
+            layout="bhsd", return_lse=False, backend="auto", generator=None,
+            sinks=None) -> Explanation:
     """What each backend says about this call, without running it.
 
     Takes ``attention()``'s arguments. Malformed input raises as ``attention()`` would; an
-    unsupported call does not raise: every verdict is in the result (``print()`` it).
+    unsupported call does not raise: every verdict is in the result (``print()`` it). Sinks and
+    ``H_k != H_v`` run on every engine (as a merge and as repeated heads), so the verdicts are
+    those of the call without them.
     """
+    if head_counts_differ(q, k, v, layout):
+        k, v = repeat_to_common_heads(q, k, v, layout)
     problem = AttnProblem.from_tensors(q, k, v, mask=mask, bias=bias, scale=scale,
                                        dropout_p=dropout_p, softcap=softcap, layout=layout,
                                        return_lse=return_lse)
+    if sinks is not None:
+        check_sinks(sinks, problem.heads_q, q)
     if backend != "auto":
         dispatch.get_backend(backend)
     verdicts: dict = {}

@@ -33,8 +33,19 @@ def gemma2():
     return transformers.Gemma2ForCausalLM(cfg)
 
 
+def gpt_oss():
+    cfg = transformers.GptOssConfig(**SMALL, head_dim=8, sliding_window=4, num_local_experts=4,
+                                    num_experts_per_tok=2,
+                                    layer_types=["sliding_attention", "full_attention"])
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():  # sinks large enough to move the logits well past the tolerance
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+    return model
+
+
 MODELS = {"llama_gqa": (llama, "sdpa"), "mistral_sliding_window": (mistral, "sdpa"),
-          "gemma2_softcap_sliding": (gemma2, "eager")}
+          "gemma2_softcap_sliding": (gemma2, "eager"), "gpt_oss_sinks": (gpt_oss, "eager")}
 
 
 def build(name):
@@ -107,8 +118,16 @@ def test_register_registers_both_interfaces_and_checks_its_name():
         ca_hf.register("")
 
 
-def test_attention_sinks_are_refused_not_ignored():
-    q = torch.randn(1, 2, 3, 8)
+def test_attention_sinks_reach_the_softmax():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 3, 8, generator=g) for _ in range(3))
+    sinks = torch.tensor([0.5, -1.0])
     module = torch.nn.Module()
-    with pytest.raises(NotImplementedError, match="sinks"):
-        ca_hf.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
+    out, _ = ca_hf.attention_forward(module, q, k, v, None, s_aux=sinks)
+    plain, _ = ca_hf.attention_forward(module, q, k, v, None)
+    s = (q @ k.transpose(-1, -2)) * 8 ** -0.5
+    s = s.masked_fill(torch.ones(3, 3, dtype=torch.bool).triu(1), float("-inf"))
+    s = torch.cat([s, sinks.view(1, 2, 1, 1).expand(1, 2, 3, 1)], -1)
+    expected = (torch.softmax(s, -1)[..., :-1] @ v).transpose(1, 2)
+    torch.testing.assert_close(out, expected)
+    assert not torch.allclose(out, plain)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from ..api import attention
-from ..errors import NotSupportedError
 from ..masks import Causal
 
 __all__ = ["register", "attention_forward"]
@@ -48,6 +47,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         attention_mask: None, a boolean ``[B, 1 or H_q, S_q, S_k]`` (True = attend) or an
             additive float mask of that shape.
         dropout, scaling, softcap: attention dropout (training), softmax scale, logit softcap.
+        s_aux: (keyword) attention sinks, one logit per query head (gpt-oss).
 
     Returns:
         ``(out [B, S_q, H_q, D], None)`` (no attention weights), as transformers expects.
@@ -57,9 +57,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                              scale=scaling, enable_gqa=True).transpose(1, 2)
     """
-    if kwargs.get("s_aux") is not None:  # never silently drop a term of the softmax
-        raise NotSupportedError("transformers attention call", {
-            "cudnn_attn": ["attention sinks (s_aux, as in gpt-oss) are not supported here yet"]})
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     mask = bias = None
     if attention_mask is not None:
@@ -68,7 +65,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         mask = Causal("bottom_right")
     out = attention(query, key, value, mask=mask, bias=bias, scale=scaling,
                     dropout_p=dropout if getattr(module, "training", False) else 0.0,
-                    softcap=softcap if softcap else None)
+                    softcap=softcap if softcap else None, sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
 
 
