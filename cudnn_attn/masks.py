@@ -34,6 +34,7 @@ __all__ = [
     "RelPosBias",
     "ALIGNMENTS",
     "mask_parts",
+    "without_full_neighborhoods",
     "alibi_slopes",
 ]
 
@@ -158,6 +159,17 @@ class Neighborhood(Mask):
         """``(length, kernel, stride, dilation, causal)`` for each axis."""
         return zip(self.spatial_shape, self.kernel_size, self.stride, self.dilation, self.is_causal)
 
+    def plain_equivalent(self) -> Optional[Mask]:
+        """The same visibility without a neighborhood, when the kernel spans whole axes: ``None``
+        (every key) when it spans every axis, non-causally; ``Causal()`` in 1-D when causal (a
+        full causal window is ``0..i``); else ``self``. A full-axis kernel has dilation 1 and makes
+        stride irrelevant. As NATTEN's self-attention fast path, which this mirrors."""
+        if self.kernel_size != self.spatial_shape:
+            return self
+        if not any(self.is_causal):
+            return None
+        return Causal() if self.ndim == 1 else self
+
 
 def _as_lengths(name: str, value) -> tuple[int, ...]:
     if isinstance(value, torch.Tensor):
@@ -254,6 +266,17 @@ def _order(mask: Mask) -> tuple:
 def mask_parts(mask: Mask | None) -> tuple[Mask, ...]:
     """The atomic masks of ``mask`` (empty for no mask)."""
     return () if mask is None else mask.parts()
+
+
+def without_full_neighborhoods(mask: Mask | None) -> Mask | None:
+    """``mask`` with each ``Neighborhood`` whose kernel spans whole axes replaced by its
+    ``plain_equivalent`` (dense or causal attention runs on every engine, and fastest there)."""
+    parts = mask_parts(mask)
+    if not any(isinstance(p, Neighborhood) for p in parts):
+        return mask
+    kept = [q for q in (p.plain_equivalent() if isinstance(p, Neighborhood) else p for p in parts)
+            if q is not None]
+    return MaskSet.of(*kept) if kept else None
 
 
 # ---------------------------------------------------------------------------------------------

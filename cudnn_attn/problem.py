@@ -16,7 +16,8 @@ import torch
 
 from . import _checks
 from ._checks import FLOAT_DTYPES
-from .masks import Alibi, Causal, Mask, Neighborhood, Padding, RelPosBias, SlidingWindow, mask_parts
+from .masks import (Alibi, Causal, Mask, Neighborhood, Padding, RelPosBias, SlidingWindow, mask_parts,
+                    without_full_neighborhoods)
 
 __all__ = ["TensorSpec", "AttnProblem", "LAYOUTS", "FLOAT_DTYPES", "accumulator_dtype"]
 
@@ -183,6 +184,8 @@ class AttnProblem:
             raise TypeError(f"mask must be a cudnn_attn mask (Causal, SlidingWindow, Neighborhood, "
                             f"Padding or their & combination), got {type(mask).__name__}")
         _check_masks(mask, B, Sq, Skv, isinstance(bias, Alibi) or alibi is not None)
+        if not isinstance(bias, RelPosBias):  # a table indexes neighborhood offsets
+            mask = without_full_neighborhoods(mask)
 
         if alibi is not None and (not isinstance(alibi, Alibi) or isinstance(bias, Alibi)):
             raise TypeError(f"alibi must be an Alibi next to a bias tensor, got alibi={alibi!r}, "
