@@ -18,7 +18,7 @@ from .varlen import attention_varlen, attention_with_kvcache
 # Surfaces reachable as attributes (cudnn_attn.neighborhood, ...) load on first use.
 _LAZY_MODULES = ("neighborhood", "ops", "flash_api", "flash_attention", "nn", "graphs",
                  "fallback_kernels", "compat", "cli", "distributed", "flash_attn_interface",
-                 "integrations")
+                 "integrations", "natten")
 
 
 # The cuDNN attribute builder's names, from compat/cudnn_frontend on first use.

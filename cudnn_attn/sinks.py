@@ -24,6 +24,7 @@ import math
 import torch
 
 from . import _checks
+from .merging import merge_weights
 
 __all__ = ["check_sinks", "merge_sinks", "sink_gradient"]
 
@@ -55,20 +56,8 @@ def merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, layou
 
     Differentiable (autograd gives the gradients of the formula above); ``out`` keeps its dtype.
     """
-    sink = _per_row(sinks, lse)
-    # A row that sees nothing, with a sink of -inf, stays at -inf; its inputs are swapped for 0
-    # first, since logaddexp's gradient there is NaN (exp(-inf - -inf)).
-    empty = (lse == -math.inf) & (sink == -math.inf)
-    merged = torch.where(empty, -math.inf, torch.logaddexp(torch.where(empty, 0.0, lse),
-                                                           torch.where(empty, 0.0, sink)))
-    weight = torch.exp(lse - _finite(merged))
-    return (out * _on_rows(weight, layout).to(out.dtype)), merged
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """-inf (a row that sees nothing, with a sink of -inf) as 0, so that ``exp(-inf - lse)`` is 0,
-    not NaN, and no NaN enters a gradient."""
-    return torch.where(lse == -math.inf, 0.0, lse)
+    weights, merged = merge_weights([lse, _per_row(sinks, lse)])
+    return out * _on_rows(weights[0], layout).to(out.dtype), merged
 
 
 def sink_gradient(out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, sinks: torch.Tensor,
@@ -80,5 +69,6 @@ def sink_gradient(out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, sink
     row = row if layout == "bhsd" else row.transpose(1, 2)
     if dlse is not None:
         row = row - dlse.to(acc)
-    p_sink = torch.exp(_per_row(sinks, lse) - _finite(lse))
+    # -inf (a row that sees nothing, with a sink of -inf): exp(-inf - 0) = 0, not NaN.
+    p_sink = torch.exp(_per_row(sinks, lse) - torch.where(lse == -math.inf, 0.0, lse))
     return -(p_sink * row).sum((0, 2)).to(sinks.dtype)

@@ -276,9 +276,15 @@ ERRORS = [
     ("extra-shape", lambda: N.na1d(_t(1, 8, 1, 4), _t(1, 8, 1, 4), _t(1, 8, 1, 4), 3,
                                    additional_keys=_t(1, 2, 1, 5), additional_values=_t(1, 2, 1, 4)),
      ValueError, "additional_keys"),
-    ("merge-len", lambda: N.merge_attentions([_t(1, 2, 1, 4)], []), ValueError, "lses"),
-    ("merge-shape", lambda: N.merge_attentions([_t(1, 2, 1, 4)], [_t(1, 2, 2)]), ValueError,
-     "lses"),
+    # NATTEN 0.21: at least two parts, as many lse tensors as outputs.
+    ("merge-one", lambda: N.merge_attentions([_t(1, 2, 1, 4)], [_t(1, 2, 1)]), ValueError,
+     "at least two"),
+    ("merge-len", lambda: N.merge_attentions([_t(1, 2, 1, 4)] * 2, [_t(1, 2, 1)]), ValueError,
+     "match"),
+    ("merge-shape", lambda: N.merge_attentions([_t(1, 2, 1, 4)] * 2, [_t(1, 2, 1), _t(1, 2, 2)]),
+     ValueError, "lse_tensors"),
+    ("merge-flag", lambda: N.merge_attentions([_t(1, 2, 1, 4)] * 2, [_t(1, 2, 1)] * 2,
+                                              torch_compile=None), TypeError, "torch_compile"),
     ("merge-type", lambda: N.merge_attentions(_t(1, 2, 1, 4), _t(1, 2, 1)), TypeError, "lists"),
 ]
 

@@ -16,6 +16,7 @@ import torch
 from .. import dispatch
 from ..api import attention
 from ..masks import Causal, SlidingWindow
+from ..merging import merge_partials
 from ..problem import AttnProblem
 from ..runtime import Inputs
 
@@ -80,9 +81,5 @@ def backward_pair(q, k, v, mask, scale, out, lse, dout, dlse):
 
 def merge(out_a, lse_a, out_b, lse_b):
     """Combine two partial results over disjoint key sets (bshd out, ``[B, H, S]`` lse)."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    empty = torch.isneginf(lse)
-    safe = torch.where(empty, 0.0, lse)
-    weight_a = torch.exp(lse_a - safe).masked_fill(empty, 0.0).transpose(1, 2)[..., None]
-    weight_b = torch.exp(lse_b - safe).masked_fill(empty, 0.0).transpose(1, 2)[..., None]
-    return out_a * weight_a + out_b * weight_b, lse
+    out, lse = merge_partials([out_a, out_b], [lse_a.transpose(1, 2), lse_b.transpose(1, 2)])
+    return out, lse.transpose(1, 2).to(lse_a.dtype)

@@ -48,7 +48,8 @@ def check_rpb(rpb, heads: int, kernel, causal, ref: torch.Tensor, ref_name: str 
 lse_dtype = accumulator_dtype
 
 
-def neighborhood_attention(query, key, value, geom: NaGeometry, scale: float, rpb=None):
+def neighborhood_attention(query, key, value, geom: NaGeometry, scale: float, rpb=None,
+                           backend: str = "auto"):
     """Heads-last ``[B, *spatial, H(_kv), D]`` in (validated), ``([B, S, H, D_v], [B, S, H])`` out:
     one ``attention`` call with a ``Neighborhood`` mask (and a ``RelPosBias`` for ``rpb``)."""
     B, H, D = query.shape[0], query.shape[-2], query.shape[-1]
@@ -57,7 +58,7 @@ def neighborhood_attention(query, key, value, geom: NaGeometry, scale: float, rp
     out, lse = attention(query.reshape(B, S, H, D), key.reshape(B, S, *key.shape[-2:]),
                          value.reshape(B, S, *value.shape[-2:]), mask=nb,
                          bias=None if rpb is None else RelPosBias(rpb), scale=scale,
-                         layout="bshd", return_lse=True)
+                         layout="bshd", return_lse=True, backend=backend)
     return out, lse.transpose(1, 2)
 
 

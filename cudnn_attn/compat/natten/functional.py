@@ -17,11 +17,18 @@ from __future__ import annotations
 import torch
 
 from ... import _checks
-from ...api import attention
+from ...api import attention as _attention
+from ...errors import NotSupportedError
+from ...masks import Causal
+from ...varlen import attention_varlen
+from . import options, varlen_args
+from .context import deterministic_scope
+from ...merging import merge_partials
 from .common import check_rpb, doc_fields, geometry, neighborhood_attention
 from .unfused import na1d_av, na1d_qk, na2d_av, na2d_qk, na3d_av, na3d_qk
 
 __all__ = [
+    "attention",
     "merge_attentions",
     "na1d",
     "na1d_av",
@@ -38,56 +45,60 @@ __all__ = [
 # merge_attentions
 # ---------------------------------------------------------------------------------------------
 
-def merge_attentions(outputs, lses):
-    """Merge attention results over disjoint key sets through their log-sum-exps.
+def merge_attentions(outputs, lse_tensors, torch_compile=True, use_autograd_fix=True):
+    """Merge attention results over disjoint key sets through their log-sum-exps (NATTEN 0.21).
 
-    ``outputs[i]`` is ``[B, *S, H, D]`` (heads-last) and ``lses[i]`` ``[B, *S, H]`` (natural log).
-    Returns ``(out, lse)`` of attention over the union of the key sets: out in ``outputs[0]``'s
-    dtype, lse float32 (float64 if an input is float64). Rows that are ``-inf`` in every input give
-    ``out = 0`` and ``lse = -inf`` (never NaN). Differentiable in every output and lse.
+    ``outputs[i]`` is ``[B, *S, H, D]`` (heads-last) and ``lse_tensors[i]`` ``[B, *S, H]`` (natural
+    log); at least two. Returns ``(out, lse)`` of attention over the union of the key sets: out in
+    ``outputs[0]``'s dtype, lse float32 (float64 if an input is float64). Rows that are ``-inf`` in
+    every input give ``out = 0`` and ``lse = -inf`` (never NaN). Differentiable in every output
+    and lse, exactly, whatever produced them: ``use_autograd_fix`` (NATTEN's workaround for its
+    fused ops) and ``torch_compile`` (fusing the elementwise ops) are accepted and change nothing.
 
     Equivalent PyTorch::
 
-        lse = torch.logsumexp(torch.stack(lses), 0)
-        out = sum(torch.exp(l - lse)[..., None] * o for o, l in zip(outputs, lses))
+        lse = torch.logsumexp(torch.stack(lse_tensors), 0)
+        out = sum(torch.exp(l - lse)[..., None] * o for o, l in zip(outputs, lse_tensors))
     """
-    if not isinstance(outputs, (list, tuple)) or not isinstance(lses, (list, tuple)):
-        raise TypeError("outputs and lses must be lists of tensors")
-    if not outputs or len(outputs) != len(lses):
-        raise ValueError(f"outputs and lses must be non-empty and of equal length, got "
-                         f"{len(outputs)} and {len(lses)}")
+    _checks.flag("torch_compile", torch_compile)
+    _checks.flag("use_autograd_fix", use_autograd_fix)
+    if not isinstance(outputs, (list, tuple)) or not isinstance(lse_tensors, (list, tuple)):
+        raise TypeError("outputs and lse_tensors must be lists of tensors")
+    if len(outputs) < 2:
+        raise ValueError("`merge_attentions` expects at least two tensors.")
+    if len(outputs) != len(lse_tensors):
+        raise ValueError(f"`merge_attentions` expected number of outputs and LSE tensors to "
+                         f"match, got {len(outputs)} != {len(lse_tensors)}.")
+    return merge_partial(outputs, lse_tensors)
+
+
+def merge_partial(outputs, lses):
+    """``merge_attentions`` for one or more parts, without NATTEN's flags (internal callers)."""
     for i, (o, l) in enumerate(zip(outputs, lses)):
         _checks.tensor(f"outputs[{i}]", o, floating=True)
-        _checks.tensor(f"lses[{i}]", l, floating=True)
+        _checks.tensor(f"lse_tensors[{i}]", l, floating=True)
         if o.dim() < 2 or tuple(l.shape) != tuple(o.shape[:-1]):
-            raise ValueError(f"lses[{i}] must have shape outputs[{i}].shape[:-1] = "
+            raise ValueError(f"lse_tensors[{i}] must have shape outputs[{i}].shape[:-1] = "
                              f"{tuple(o.shape[:-1])}, got {tuple(l.shape)}")
         if o.shape != outputs[0].shape:
             raise ValueError(f"outputs[{i}] has shape {tuple(o.shape)}, outputs[0] has "
                              f"{tuple(outputs[0].shape)}")
         if o.device != outputs[0].device or l.device != outputs[0].device:
-            raise ValueError(f"outputs[{i}]/lses[{i}] are not on {outputs[0].device}")
-    acc = torch.float64 if any(t.dtype == torch.float64 for t in (*outputs, *lses)) else torch.float32
-    stacked = torch.stack([l.to(acc) for l in lses])
-    peak = stacked.detach().amax(0)
-    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    weights = torch.exp(stacked - peak)                     # -inf rows -> 0, gradient 0
-    total = weights.sum(0)
-    empty = total == 0
-    safe = torch.where(empty, torch.ones_like(total), total)
-    lse = torch.where(empty, torch.full_like(total, float("-inf")), peak + torch.log(safe))
-    coef = weights / safe
-    out = sum(c[..., None] * o.to(acc) for c, o in zip(coef.unbind(0), outputs))
-    return out.to(outputs[0].dtype), lse
+            raise ValueError(f"outputs[{i}]/lse_tensors[{i}] are not on {outputs[0].device}")
+    return merge_partials(outputs, lses)
 
 
 # ---------------------------------------------------------------------------------------------
 # Fused: na1d / na2d / na3d
 # ---------------------------------------------------------------------------------------------
 
-def _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale, rpb,
-        additional_keys, additional_values, return_lse):
+def _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+        additional_keys, additional_values, attention_kwargs, backend, hints, return_lse, rpb):
     layout = "[B, *spatial, H, D]"
+    if any(getattr(t, "is_nested", False) for t in (query, key, value)):
+        raise NotSupportedError("na{rank}d with nested tensors", {"natten": [
+            "fused neighborhood attention does not support nested tensors (as NATTEN); the "
+            "unfused na*d_qk / na*d_av ops do"]})
     for name, t in (("query", query), ("key", key), ("value", value)):
         _checks.tensor(name, t, ndim=rank + 3, what=layout, floating=True)
     B, spatial, H, D = query.shape[0], tuple(query.shape[1:-2]), query.shape[-2], query.shape[-1]
@@ -98,51 +109,75 @@ def _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale
                  what="[B, *spatial, H_kv, D_v] of key")
     if H % Hkv:
         raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hkv})")
-    geom = geometry(spatial, kernel_size, stride, dilation, is_causal)
+    # NATTEN: None means the default (stride 1, dilation 1, not causal).
+    geom = geometry(spatial, kernel_size, 1 if stride is None else stride,
+                    1 if dilation is None else dilation, False if is_causal is None else is_causal)
     scale = _checks.softmax_scale("scale", scale, D, error=TypeError)
-    if (additional_keys is None) != (additional_values is None):
-        raise ValueError("additional_keys and additional_values must be given together")
+    engine = options.engine_for(backend, options.NATTEN_NA_BACKENDS)
+    options.check_hints(rank, **hints)
+    if attention_kwargs is not None and not isinstance(attention_kwargs, dict):
+        raise TypeError(f"attention_kwargs must be a dict or None, got "
+                        f"{type(attention_kwargs).__name__}")
+    _check_extra_pair(additional_keys, additional_values)
+    _checks.flag("return_lse", return_lse)
     S = geom.num_tokens
     if rpb is not None:
         _checks.tensor("rpb", rpb, floating=True)
         check_rpb(rpb, H, geom.kernel, geom.causal, query)
-    out, lse = neighborhood_attention(query, key, value, geom, scale, rpb)
-    if additional_keys is not None:
-        _checks.tensor("additional_keys", additional_keys, ndim=4, what="[B, n_extra, H_kv, D]",
-                       floating=True)
-        _checks.tensor("additional_values", additional_values, ndim=4,
-                       what="[B, n_extra, H_kv, D_v]", floating=True)
-        n = additional_keys.shape[1]
-        _checks.like("additional_keys", additional_keys, query, "query",
-                     expected=(B, n, Hkv, D), what="[B, n_extra, H_kv, D]")
-        _checks.like("additional_values", additional_values, query, "query",
-                     expected=(B, n, Hkv, Dv), what="[B, n_extra, H_kv, D_v]")
-        extra, extra_lse = attention(query.reshape(B, S, H, D), additional_keys, additional_values,
-                                     scale=scale, layout="bshd", return_lse=True)
-        out, lse = merge_attentions([out, extra], [lse, extra_lse.transpose(1, 2)])
+    with deterministic_scope():
+        out, lse = neighborhood_attention(query, key, value, geom, scale, rpb, backend=engine)
+        if additional_keys is not None:
+            _checks.tensor("additional_keys", additional_keys, ndim=4,
+                           what="[B, n_extra, H_kv, D]", floating=True)
+            _checks.tensor("additional_values", additional_values, ndim=4,
+                           what="[B, n_extra, H_kv, D_v]", floating=True)
+            n = additional_keys.shape[1]
+            _checks.like("additional_keys", additional_keys, query, "query",
+                         expected=(B, n, Hkv, D), what="[B, n_extra, H_kv, D]")
+            _checks.like("additional_values", additional_values, query, "query",
+                         expected=(B, n, Hkv, Dv), what="[B, n_extra, H_kv, D_v]")
+            # NATTEN sends attention_kwargs to the attention over the additional keys.
+            extra, extra_lse = attention(query.reshape(B, S, H, D), additional_keys,
+                                         additional_values, scale=scale, return_lse=True,
+                                         **(attention_kwargs or {}))
+            out, lse = merge_partial([out, extra], [lse, extra_lse])
     out = out.reshape(B, *spatial, H, Dv)
     lse = lse.reshape(B, *spatial, H)
     return (out, lse) if return_lse else out
 
 
-_FUSED_DOC = """{rank}-D neighborhood attention (NATTEN ``na{rank}d``), heads-last.
+def _check_extra_pair(additional_keys, additional_values) -> None:
+    if (additional_keys is None) != (additional_values is None):
+        raise ValueError("additional_keys and additional_values must be given together")
+
+
+_FUSED_DOC = """{rank}-D neighborhood attention (NATTEN 0.21 ``na{rank}d``, same signature), heads-last.
 
     Args:
         query: ``[B, {axes}, H, D]``; key ``[B, {axes}, H_kv, D]``; value ``[B, {axes}, H_kv, D_v]``
             (``H % H_kv == 0``: query head ``h`` reads kv head ``h // (H // H_kv)``).
         kernel_size, stride, dilation: int or {rank}-tuple; ``kernel >= 2``, ``stride <= kernel``,
-            ``kernel * dilation <= axis length``.
-        is_causal: bool or {rank}-tuple of bools (per axis).
+            ``kernel * dilation <= axis length``; ``None`` stride/dilation mean 1.
+        is_causal: bool or {rank}-tuple of bools (per axis); ``None`` means ``False``.
         scale: softmax scale, ``D ** -0.5`` by default.
-        rpb: relative positional bias ``[H, {rpb}]`` (NATTEN 0.17; odd kernels, non-causal),
-            added after scaling: slot key ``j`` of query ``i`` reads ``(j - i) / dilation +
-            kernel - 1`` per axis. Differentiable (unfused exact path when a gradient is needed).
         additional_keys, additional_values: ``[B, n_extra, H_kv, D(_v)]`` keys every query also
             sees; merged with the neighborhood result through the log-sum-exps.
+        attention_kwargs: keyword arguments of the ``attention`` call over the additional keys.
+        backend: NATTEN's names (``"cutlass-fna"``, ``"hopper-fna"``, ``"blackwell-fna"``,
+            ``"flex-fna"``) let cudnn_attn pick its fastest engine; ours (``"auto"``, ``"cudnn"``,
+            ``"cupy"``, ``"torch"``) pick that one. Others raise ``NotImplementedError``.
+        q_tile_shape, kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape,
+        backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel, kernel_schedule,
+        torch_compile: tuning of NATTEN's kernels: validated as NATTEN does, then hints only
+            (the engines choose their own tiles); they never change the result.
         return_lse: also return ``lse`` ``[B, {axes}, H]``, float32 (float64 for float64 inputs).
+        rpb: keyword-only, relative positional bias ``[H, {rpb}]`` (NATTEN 0.17; odd kernels,
+            non-causal), added after scaling: slot key ``j`` of query ``i`` reads ``(j - i) /
+            dilation + kernel - 1`` per axis. Differentiable.
 
     Returns:
-        ``out`` ``[B, {axes}, H, D_v]``, or ``(out, lse)``.
+        ``out`` ``[B, {axes}, H, D_v]``, or ``(out, lse)``. A kernel spanning every axis runs as
+        plain attention (as NATTEN's self-attention fast path).
 
     Equivalent PyTorch (``visible`` the NATTEN neighbor mask on the flattened tokens, ``bias`` the
     rpb per (query, key), ``-inf`` off the neighborhood)::
@@ -153,22 +188,115 @@ _FUSED_DOC = """{rank}-D neighborhood attention (NATTEN ``na{rank}d``), heads-la
     """
 
 
+def _hints(q_tile_shape, kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape,
+           backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel, kernel_schedule,
+           torch_compile) -> dict:
+    return dict(tiles=dict(q_tile_shape=q_tile_shape, kv_tile_shape=kv_tile_shape,
+                           backward_q_tile_shape=backward_q_tile_shape,
+                           backward_kv_tile_shape=backward_kv_tile_shape),
+                backward_kv_splits=backward_kv_splits,
+                backward_use_pt_reduction=backward_use_pt_reduction,
+                run_persistent_kernel=run_persistent_kernel, kernel_schedule=kernel_schedule,
+                torch_compile=torch_compile)
+
+
 def na1d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
-         rpb=None, additional_keys=None, additional_values=None, return_lse=False):
-    return _na(1, query, key, value, kernel_size, stride, dilation, is_causal, scale, rpb,
-               additional_keys, additional_values, return_lse)
+         additional_keys=None, additional_values=None, attention_kwargs=None, backend=None,
+         q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
+         backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
+         run_persistent_kernel=True, kernel_schedule=None, torch_compile=False, return_lse=False,
+         *, rpb=None):
+    hints = _hints(q_tile_shape, kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape,
+                   backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel,
+                   kernel_schedule, torch_compile)
+    return _na(1, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+               additional_keys, additional_values, attention_kwargs, backend, hints, return_lse,
+               rpb)
 
 
 def na2d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
-         rpb=None, additional_keys=None, additional_values=None, return_lse=False):
-    return _na(2, query, key, value, kernel_size, stride, dilation, is_causal, scale, rpb,
-               additional_keys, additional_values, return_lse)
+         additional_keys=None, additional_values=None, attention_kwargs=None, backend=None,
+         q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
+         backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
+         run_persistent_kernel=True, kernel_schedule=None, torch_compile=False, return_lse=False,
+         *, rpb=None):
+    hints = _hints(q_tile_shape, kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape,
+                   backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel,
+                   kernel_schedule, torch_compile)
+    return _na(2, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+               additional_keys, additional_values, attention_kwargs, backend, hints, return_lse,
+               rpb)
 
 
 def na3d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
-         rpb=None, additional_keys=None, additional_values=None, return_lse=False):
-    return _na(3, query, key, value, kernel_size, stride, dilation, is_causal, scale, rpb,
-               additional_keys, additional_values, return_lse)
+         additional_keys=None, additional_values=None, attention_kwargs=None, backend=None,
+         q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
+         backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
+         run_persistent_kernel=True, kernel_schedule=None, torch_compile=False, return_lse=False,
+         *, rpb=None):
+    hints = _hints(q_tile_shape, kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape,
+                   backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel,
+                   kernel_schedule, torch_compile)
+    return _na(3, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+               additional_keys, additional_values, attention_kwargs, backend, hints, return_lse,
+               rpb)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention (NATTEN 0.21's dense and varlen entry)
+# ---------------------------------------------------------------------------------------------
+
+def attention(query, key, value, is_causal=False, scale=None, seqlens_Q=None, seqlens_KV=None,
+              cumulative_seqlen_Q=None, cumulative_seqlen_KV=None, max_seqlen_Q=None,
+              max_seqlen_KV=None, backend=None, q_tile_size=None, kv_tile_size=None,
+              backward_q_tile_size=None, backward_kv_tile_size=None, backward_kv_splits=None,
+              backward_use_pt_reduction=False, run_persistent_kernel=True, kernel_schedule=None,
+              torch_compile=False, return_lse=False):
+    """Plain attention with NATTEN 0.21's ``natten.attention`` signature, heads-last.
+
+    Args:
+        query: ``[B, S_q, H, D]``; key ``[B, S_kv, H_kv, D]``; value ``[B, S_kv, H_kv, D_v]``.
+        is_causal: causal mask, top-left aligned (query ``i`` sees keys ``j <= i``).
+        scale: softmax scale, ``D ** -0.5`` by default.
+        seqlens_Q, seqlens_KV: varlen by lengths (``B == 1``, sequences packed on axis 1), or
+        cumulative_seqlen_Q, cumulative_seqlen_KV, max_seqlen_Q, max_seqlen_KV: by offsets.
+        backend and the tuning arguments: as in ``na1d`` (NATTEN's ``*-fmha`` names).
+        return_lse: also return ``lse`` ``[B, S_q, H]``.
+
+    Returns:
+        ``out`` ``[B, S_q, H, D_v]``, or ``(out, lse)``.
+
+    Equivalent PyTorch::
+
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=is_causal,
+                                             scale=scale, enable_gqa=True).transpose(1, 2)
+    """
+    engine = options.engine_for(backend, options.NATTEN_FMHA_BACKENDS)
+    options.check_hints(None, tiles=dict(q_tile_size=q_tile_size, kv_tile_size=kv_tile_size,
+                                         backward_q_tile_size=backward_q_tile_size,
+                                         backward_kv_tile_size=backward_kv_tile_size),
+                        backward_kv_splits=backward_kv_splits,
+                        backward_use_pt_reduction=backward_use_pt_reduction,
+                        run_persistent_kernel=run_persistent_kernel,
+                        kernel_schedule=kernel_schedule, torch_compile=torch_compile)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _checks.tensor(name, t, ndim=4, what="[B, S, H, D]", floating=True)
+    _checks.flag("is_causal", is_causal)
+    _checks.flag("return_lse", return_lse)
+    mask = Causal() if is_causal else None
+    with deterministic_scope():
+        cu = varlen_args.offsets(query, key, seqlens_Q, seqlens_KV, cumulative_seqlen_Q,
+                            cumulative_seqlen_KV, max_seqlen_Q, max_seqlen_KV)
+        if cu is None:
+            out, lse = _attention(query, key, value, mask=mask, scale=scale, layout="bshd",
+                                  return_lse=True, backend=engine)
+            lse = lse.transpose(1, 2)
+        else:
+            out, lse = attention_varlen(query[0], key[0], value[0], *cu, mask=mask, scale=scale,
+                                        return_lse=True, backend=engine)
+            out, lse = out[None], lse.transpose(0, 1)[None]
+    return (out, lse) if return_lse else out
 
 
 def _document():

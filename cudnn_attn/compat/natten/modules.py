@@ -47,16 +47,21 @@ is_fused_na_enabled = is_fna_enabled  # NATTEN 0.17's name
 class _NeighborhoodAttention(nn.Module):
     """Neighborhood self-attention layer over ``[B, *spatial, embed_dim]`` inputs.
 
-    Args:
-        embed_dim: channels ``C``; num_heads ``H`` (``C % H == 0``, ``head_dim = C // H``).
-        kernel_size, stride, dilation: int or per-axis tuple (NATTEN 0.21 rule, per axis).
-        is_causal: bool or per-axis tuple.
-        rel_pos_bias: learn an RPB ``rpb`` ``[H, 2k-1 per axis]`` (NATTEN 0.17: trunc-normal,
-            std 0.02), added after scaling. Needs odd kernels and no causal axis.
+    Args (NATTEN 0.21's order ``embed_dim, num_heads, kernel_size, stride, dilation,
+    is_causal, qkv_bias, qk_scale, proj_drop``; the rest keyword-only):
+        embed_dim: channels ``C`` (NATTEN 0.17's ``dim=`` too); num_heads ``H`` (``C % H == 0``,
+            ``head_dim = C // H``).
+        kernel_size, stride, dilation: int or per-axis tuple (NATTEN 0.21 rule, per axis);
+            ``None`` stride/dilation mean 1.
+        is_causal: bool or per-axis tuple (``None``: not causal).
         qkv_bias: bias of the fused ``qkv`` Linear ``C -> 3C``; ``proj`` is ``C -> C``.
         qk_scale: softmax scale (default ``head_dim ** -0.5``).
-        attn_drop: dropout on the attention weights (training only); proj_drop: after ``proj``.
-        use_fused: keyword-only. ``None`` (default) follows ``use_fused_na()``/``is_fna_enabled()``;
+        proj_drop: dropout after ``proj``.
+        rel_pos_bias: learn an RPB ``rpb`` ``[H, 2k-1 per axis]`` (NATTEN 0.17: trunc-normal,
+            std 0.02), added after scaling. Needs odd kernels and no causal axis.
+        attn_drop: dropout on the attention weights (training only).
+        use_experimental_ops: NATTEN 0.17's switch between its kernels; accepted, no effect.
+        use_fused: ``None`` (default) follows ``use_fused_na()``/``is_fna_enabled()``;
             ``True``/``False`` forces the fused/unfused path for this module. Also an attribute.
 
     Paths (see ``uses_fused``):
@@ -81,10 +86,25 @@ class _NeighborhoodAttention(nn.Module):
 
     rank = 0
 
-    def __init__(self, embed_dim, num_heads, kernel_size, stride=1, dilation=1, is_causal=False,
-                 rel_pos_bias=False, qkv_bias=True, qk_scale=None, attn_drop=0.0, proj_drop=0.0,
-                 *, use_fused: bool | None = None):
+    def __init__(self, embed_dim=None, num_heads=None, kernel_size=None, stride=1, dilation=1,
+                 is_causal=False, qkv_bias=True, qk_scale=None, proj_drop=0.0, *,
+                 rel_pos_bias=False, attn_drop=0.0, use_fused: bool | None = None, dim=None,
+                 use_experimental_ops=False):
         super().__init__()
+        # NATTEN 0.21's positional order; NATTEN 0.17's keywords: dim (= embed_dim),
+        # rel_pos_bias, attn_drop, use_experimental_ops (its kernels' switch: no effect here).
+        if dim is not None:
+            if embed_dim is not None:
+                raise TypeError("give embed_dim (NATTEN 0.21) or dim (NATTEN 0.17), not both")
+            embed_dim = dim
+        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads),
+                            ("kernel_size", kernel_size)):
+            if value is None:
+                raise TypeError(f"{type(self).__name__}() missing required argument: {name!r}")
+        _checks.flag("use_experimental_ops", use_experimental_ops)
+        stride = 1 if stride is None else stride
+        dilation = 1 if dilation is None else dilation
+        is_causal = False if is_causal is None else is_causal
         embed_dim = _checks.integer("embed_dim", embed_dim, 1)
         num_heads = _checks.integer("num_heads", num_heads, 1)
         if embed_dim % num_heads:

@@ -21,7 +21,34 @@ __all__ = [f"na{n}d_{op}" for op in ("qk", "av") for n in (1, 2, 3)]
 # Unfused (NATTEN 0.17): na*d_qk / na*d_av
 # ---------------------------------------------------------------------------------------------
 
+def _nested(op, tensors: dict, extra_name: str, extra, *args):
+    """NATTEN 0.17's nested inputs: each component is a whole input of ``op`` (its own batch,
+    heads and spatial size); the results are nested the same way. Forward only, as NATTEN."""
+    names = list(tensors)
+    if not all(isinstance(t, torch.Tensor) and t.is_nested for t in tensors.values()):
+        raise ValueError("Expected all inputs to be nested.")
+    if any(t.requires_grad for t in tensors.values()):
+        raise ValueError("Autograd is not supported for nested tensors.")
+    sizes = {t.size(0) for t in tensors.values()}
+    if extra is not None:
+        if not (isinstance(extra, torch.Tensor) and extra.is_nested):
+            raise ValueError(f"Expected all inputs to be nested, but {extra_name} were passed "
+                             f"and are not nested.")
+        sizes.add(extra.size(0))
+    if len(sizes) != 1:
+        raise ValueError("Got nested inputs, but they don't match in size.")
+    parts = zip(*(tensors[n].unbind() for n in names),
+                extra.unbind() if extra is not None else [None] * sizes.pop())
+    return torch.nested.nested_tensor([op(*part, *args) for part in parts])
+
+
 def _na_qk(rank, query, key, kernel_size, dilation, additional_keys, is_causal, rpb):
+    if getattr(query, "is_nested", False) or getattr(key, "is_nested", False):
+        if rpb is not None and rpb.is_nested:
+            raise ValueError("Positional biases cannot be nested.")
+        return _nested(lambda q, k, extra: _na_qk(rank, q, k, kernel_size, dilation, extra,
+                                                  is_causal, rpb),
+                       {"query": query, "key": key}, "additional keys", additional_keys)
     layout = "[B, H, *spatial, D]"
     _checks.tensor("query", query, ndim=rank + 3, what=layout, floating=True)
     _checks.tensor("key", key, ndim=rank + 3, what=layout, floating=True)
@@ -42,6 +69,10 @@ def _na_qk(rank, query, key, kernel_size, dilation, additional_keys, is_causal, 
 
 
 def _na_av(rank, attn, value, kernel_size, dilation, additional_values, is_causal):
+    if getattr(attn, "is_nested", False) or getattr(value, "is_nested", False):
+        return _nested(lambda a, v, extra: _na_av(rank, a, v, kernel_size, dilation, extra,
+                                                  is_causal),
+                       {"attn": attn, "value": value}, "additional values", additional_values)
     _checks.tensor("value", value, ndim=rank + 3, what="[B, H, *spatial, D]", floating=True)
     _checks.tensor("attn", attn, ndim=rank + 3, what="[B, H, *spatial, prod(kernel_size) (+n_extra)]",
                    floating=True)
@@ -76,7 +107,8 @@ _QK_DOC = """Unfused {rank}-D neighborhood logits (NATTEN 0.17 ``na{rank}d_qk``)
 
     Returns:
         ``attn`` ``[B, H, {axes}, prod(kernel_size) (+ n_extra)]``. Reverse AD (rpb included),
-        forward AD and float64 supported.
+        forward AD and float64 supported. Nested ``query``/``key`` (and ``additional_keys``):
+        each component is a whole input, the result is nested alike (forward only, as NATTEN).
 
     Equivalent PyTorch: ``attn[..., i, s] = (q[..., i, :] * k[..., key(i, s), :]).sum(-1) +
     rpb[h, rel(i, s)]``, slots row-major over the kernel dims.
@@ -91,7 +123,7 @@ _AV_DOC = """Unfused {rank}-D neighborhood weighting (NATTEN 0.17 ``na{rank}d_av
 
     Returns:
         ``[B, H, {axes}, D]``: ``out[..., i, :] = sum_s attn[..., i, s] * v[..., key(i, s), :]
-        (+ attn[..., i, K:] @ additional_values)``.
+        (+ attn[..., i, K:] @ additional_values)``. Nested inputs: per component, as ``qk``.
     """
 
 
