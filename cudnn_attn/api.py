@@ -95,11 +95,16 @@ class _AttentionFunction(torch.autograd.Function):
         out, lse = plan.forward(problem, Inputs(q, k, v, bias, dropout, dropout_mask))
         ctx.problem, ctx.plan, ctx.dropout, ctx.dropout_mask = problem, plan, dropout, dropout_mask
         ctx.save_for_backward(q, k, v, bias, out, lse)
+        # An unused lse then arrives as None, not zeros: engines skip its term (and the torch
+        # engine can use the fused kernels' own backward, which has none).
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, bias, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
         inputs = Inputs(q, k, v, bias, ctx.dropout, ctx.dropout_mask)
         dq, dk, dv, dbias = ctx.plan.backward(ctx.problem, inputs, out, lse, dout, dlse)
         return None, None, None, None, dq, dk, dv, dbias

@@ -270,6 +270,8 @@ class TorchPlan:
         ``dlse`` (optional) is the gradient reaching the returned LSE; d lse / d s = p.
         """
         q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
+        if self.fused_ok and dlse is None and problem.heads_q == problem.heads_kv:
+            return cpu_sdpa.whole_backward(problem, q, k, v, out, lse, dout)
         if self.fused_tiles and dlse is None and not problem.bias_requires_grad:
             return cpu_sdpa.tile_backward(self, problem, q, k, v, bias, out, lse, dout)
         dtype = compute_dtype(problem.dtype)

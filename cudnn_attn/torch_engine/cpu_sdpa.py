@@ -45,6 +45,21 @@ def whole_problem(problem, q, k, v, need_lse=True):
     return out, lse.to(lse_dtype(problem.dtype))
 
 
+def whole_backward(problem, q, k, v, out, lse, dout):
+    """``(dq, dk, dv, None)`` of a ``whole_problem`` (``H_q == H_kv``, no lse gradient) through
+    the fused kernel's own backward, from its forward's out and lse."""
+    tensors = (q, k, v, out, dout)
+    if problem.layout == "bshd":
+        tensors = tuple(t.transpose(1, 2) for t in tensors)
+    q, k, v, out, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in tensors)
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse.to(torch.float32 if q.dtype != torch.float64 else q.dtype), 0.0,
+        problem.mask is not None, scale=problem.scale)
+    if problem.layout == "bshd":
+        grads = tuple(g.transpose(1, 2) for g in grads)
+    return (*grads, None)
+
+
 def out_only(problem):
     """``(q, k, v) -> out`` of a whole problem without the lse, through the public SDPA op (for
     ``whole_problem_ok`` problems with ``H_q == H_kv``); callers may keep it per problem."""

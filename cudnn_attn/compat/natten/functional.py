@@ -14,7 +14,6 @@ The public namespace ``cudnn_attn.neighborhood`` adds the modules (:mod:`.module
 
 from __future__ import annotations
 
-import torch
 
 from ... import _checks
 from ...api import attention as _attention
