@@ -18,16 +18,13 @@ Prints pytest's summary and exits with pytest's status; ``--json`` also writes t
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from _suite import run_pytest
 
 # (pattern, replacement) applied to the test file's text, in order; each must match.
 DEVICE_EDITS = [
@@ -130,12 +127,6 @@ def build(source: Path, work: Path, per_test: int, seed: int) -> Path:
     return test
 
 
-def counts(summary: str) -> dict:
-    """pytest's final line as ``{"passed": n, "failed": n, ...}``."""
-    return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|"
-                                                  r"deselected|xfailed|xpassed)", summary)}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", type=Path, help="a FlashAttention 2.8.x checkout")
@@ -143,22 +134,12 @@ def main() -> int:
                         help="sampled cases per test function (0: the whole grid)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--json", type=Path, help="write the counts here")
-    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
-    args = parser.parse_args()
+    args, pytest_args = parser.parse_known_args()  # the rest goes to pytest (e.g. -k NAME)
     with tempfile.TemporaryDirectory(prefix="fa-suite-") as tmp:
         test = build(args.source.resolve(), Path(tmp), args.per_test, args.seed)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([tmp, str(REPO)]))
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
-               str(test), *args.pytest_args]
-        run = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
-    print(run.stdout[-20000:], run.stderr[-5000:], sep="\n")
-    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
-    if args.json:
-        args.json.write_text(json.dumps({"source": str(args.source), "per_test": args.per_test,
-                                         "seed": args.seed, "counts": counts(summary),
-                                         "summary": summary, "returncode": run.returncode},
-                                        indent=2))
-    return run.returncode
+        return run_pytest(Path(tmp), [test], pytest_args, args.json,
+                          {"source": str(args.source), "per_test": args.per_test,
+                           "seed": args.seed})
 
 
 if __name__ == "__main__":

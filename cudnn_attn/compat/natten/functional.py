@@ -38,6 +38,7 @@ __all__ = [
     "na3d",
     "na3d_av",
     "na3d_qk",
+    "neighborhood_attention_generic",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -237,6 +238,28 @@ def na3d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, 
                    backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel,
                    kernel_schedule, torch_compile)
     return _na(3, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+               additional_keys, additional_values, attention_kwargs, backend, hints, return_lse,
+               rpb)
+
+
+def neighborhood_attention_generic(query, key, value, kernel_size, stride=1, dilation=1,
+                                   is_causal=False, scale=None, additional_keys=None,
+                                   additional_values=None, attention_kwargs=None, backend=None,
+                                   q_tile_shape=None, kv_tile_shape=None,
+                                   backward_q_tile_shape=None, backward_kv_tile_shape=None,
+                                   backward_kv_splits=None, backward_use_pt_reduction=False,
+                                   run_persistent_kernel=True, kernel_schedule=None,
+                                   torch_compile=False, return_lse=False, *, rpb=None):
+    """``na1d``/``na2d``/``na3d`` by the query's rank (NATTEN 0.21's ``natten.functional`` name)."""
+    _checks.tensor("query", query)
+    rank = query.dim() - 3
+    if rank not in (1, 2, 3):
+        raise ValueError(f"query must be [B, *spatial, H, D] with 1 to 3 spatial axes, got shape "
+                         f"{tuple(query.shape)}")
+    hints = _hints(q_tile_shape, kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape,
+                   backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel,
+                   kernel_schedule, torch_compile)
+    return _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
                additional_keys, additional_values, attention_kwargs, backend, hints, return_lse,
                rpb)
 

@@ -1,0 +1,34 @@
+"""What the peer-suite runners share: run pytest on an adapted copy, report its counts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def counts(summary: str) -> dict:
+    """pytest's final line as ``{"passed": n, "failed": n, ...}``."""
+    return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|"
+                                                  r"deselected|xfailed|xpassed)", summary)}
+
+
+def run_pytest(workdir: Path, tests: list, extra_args: list, json_path, record: dict) -> int:
+    """Run ``tests`` in ``workdir`` with ``workdir`` and this repository first on the path; print
+    pytest's output, write ``record`` plus the counts to ``json_path`` (if given)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(workdir), str(REPO)]))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
+           *map(str, tests), *extra_args]
+    run = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
+    print(run.stdout[-20000:], run.stderr[-5000:], sep="\n")
+    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+    if json_path:
+        Path(json_path).write_text(json.dumps(
+            {**record, "counts": counts(summary), "summary": summary,
+             "returncode": run.returncode}, indent=2))
+    return run.returncode

@@ -1,0 +1,7 @@
+from typing import Any
+
+CausalArgType = DimensionType = Any
+
+
+class KernelSchedule:
+    pass

@@ -1,0 +1,5 @@
+import logging
+
+
+def get_logger(name):
+    return logging.getLogger(name)
