@@ -13,7 +13,7 @@ import math
 
 import torch
 
-__all__ = ["head_counts_differ", "repeat_to_common_heads"]
+__all__ = ["head_counts_differ", "repeat_to_common_heads", "sum_to_heads"]
 
 
 def _heads(t: torch.Tensor, layout: str) -> int:
@@ -36,3 +36,11 @@ def repeat_to_common_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
     common = math.lcm(h_k, h_v)
     dim = 1 if layout == "bhsd" else 2
     return (k.repeat_interleave(common // h_k, dim), v.repeat_interleave(common // h_v, dim))
+
+
+def sum_to_heads(grad: torch.Tensor, heads: int, layout: str) -> torch.Tensor:
+    """The gradient of ``repeat_to_common_heads`` for one side: ``grad`` of the repeated heads
+    summed back onto ``heads`` (for surfaces with their own backward, as the cuDNN builder's)."""
+    dim = 1 if layout == "bhsd" else 2
+    repeats = grad.shape[dim] // heads
+    return grad.unflatten(dim, (heads, repeats)).sum(dim + 1)

@@ -185,3 +185,41 @@ def test_sink_gradient_from_the_saved_forward_matches_autograd(layout):
     got = sink_gradient(out.detach(), lse.detach(), dout, sinks.detach(), layout, dlse)
     assert got.dtype == sinks.dtype
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# The cuDNN attribute builder: sink_token / dSink_token and H_k != H_v, as cuDNN's semantics
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("heads", [(4, 4, 4), (4, 2, 1), (6, 3, 2)])
+def test_builder_sink_token_and_head_counts_against_the_oracle(heads):
+    Hq, Hk, Hv = heads
+    q, k, v, sinks = _inputs(Hq=Hq, Hk=Hk, Hv=Hv)
+    sinks = sinks.view(1, Hq, 1, 1)
+    fwd = ca.SdpaAttributes().set_causal_mask(True).set_attn_scale(0.35).set_sink_token(sinks)
+    o, stats = ca.scaled_dot_product_flash_attention(q, k, v, fwd)
+    visible = oracle.build_visibility(2, 6, 8, causal="top_left")
+    qr, kr, vr, sr = (t.clone().requires_grad_() for t in (q, k, v, sinks.to(F64)))
+    ref_o, ref_lse = brute_force(qr, kr, vr, visible, sr.view(Hq), scale=0.35)
+    torch.testing.assert_close(o, ref_o, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(stats[..., 0], ref_lse, atol=1e-12, rtol=1e-10)
+    d_o = torch.randn(o.shape, generator=torch.Generator().manual_seed(4), dtype=F64)
+    dsink = torch.zeros(1, Hq, 1, 1, dtype=torch.float32)
+    bwd = (ca.SdpaBackwardAttributes().set_causal_mask(True).set_attn_scale(0.35)
+           .set_sink_token(sinks).set_dSink_token(dsink))
+    dq, dk, dv = ca.scaled_dot_product_flash_attention_backward(q, k, v, o, d_o, stats, bwd)
+    want = torch.autograd.grad((ref_o * d_o).sum(), (qr, kr, vr, sr))
+    for name, got, exp in zip(("dq", "dk", "dv", "dSink"), (dq, dk, dv, dsink), want):
+        assert got.shape == exp.shape, name
+        torch.testing.assert_close(got.to(F64), exp, atol=1e-5 if name == "dSink" else 1e-11,
+                                   rtol=1e-5 if name == "dSink" else 1e-9)
+
+
+def test_builder_dsink_needs_the_sink_token():
+    q, k, v, _ = _inputs(Hk=4, Hv=4)
+    o, stats = ca.scaled_dot_product_flash_attention(q, k, v, ca.SdpaAttributes())
+    bwd = ca.SdpaBackwardAttributes().set_dSink_token(torch.zeros(1, 4, 1, 1))
+    with pytest.raises(ValueError, match="set_sink_token"):
+        ca.scaled_dot_product_flash_attention_backward(q, k, v, o, o, stats, bwd)
+    with pytest.raises(TypeError, match="set_sink_token: sink_token must be float"):
+        ca.SdpaAttributes().set_sink_token(torch.zeros(4, dtype=torch.int64))

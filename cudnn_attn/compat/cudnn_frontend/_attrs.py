@@ -78,6 +78,7 @@ class _Attributes:
         self.attn_scale = 1.0                       # cuDNN: unset means no scaling
         self.dropout: tuple | None = None        # ("philox", p, seed, offset) | ("mask", m, s)
         self.compute_data_type = torch.float32
+        self.sink_token: torch.Tensor | None = None
         self.padding: tuple | None = None        # (seq_len_q, seq_len_kv) tuples
         self.alibi = False
 
@@ -232,6 +233,13 @@ class _Attributes:
         self.alibi = _flag("set_alibi_mask", value)
         return self
 
+    def set_sink_token(self, sink_token):
+        """Attention sinks: one float logit per query head, ``[1, H_q, 1, 1]`` (or ``[H_q]``),
+        joining every row's softmax with no value (``cudnn_attn.sinks``)."""
+        self.sink_token = _checks.tensor("sink_token", sink_token, floating=True,
+                                         prefix="set_sink_token: ")
+        return self
+
 
 class SdpaAttributes(_Attributes):
     """Forward attributes (cuDNN ``SDPA_attributes``); every setter returns ``self``."""
@@ -257,8 +265,17 @@ class SdpaBackwardAttributes(_Attributes):
     def __init__(self):
         super().__init__()
         self.deterministic = False
+        self.dsink_token: torch.Tensor | None = None
 
     def set_deterministic_algorithm(self, value):
         """Ask for a bitwise-repeatable backward (the torch engine always is)."""
         self.deterministic = _flag("set_deterministic_algorithm", value)
+        return self
+
+    def set_dSink_token(self, dsink_token):
+        """The sinks' gradient is written into this float32 ``[1, H_q, 1, 1]`` tensor (cuDNN's
+        output); needs ``set_sink_token``."""
+        self.dsink_token = _checks.tensor("dSink_token", dsink_token,
+                                          dtypes=(torch.float32, torch.float64),
+                                          prefix="set_dSink_token: ")
         return self

@@ -29,6 +29,9 @@ Conventions (where cuDNN leaves a choice or this library differs):
   broadcastable to ``[B, H, S_q, S_kv]``; it becomes the problem's ``dropout_mask`` (and
   ``dropout_scale``) and runs on the selected engine like any other call. ``scale_inv`` must
   equal ``1 / scale``.
+* ``set_sink_token(t)`` (``[1, H_q, 1, 1]`` float logits): attention sinks; the stats include
+  them, as cuDNN's. The backward's ``set_dSink_token(t)`` receives their gradient (written into
+  ``t``). ``k`` and ``v`` may have different head counts, both dividing ``H_q``.
 * ``set_compute_data_type`` takes ``torch.float32`` or ``cudnn.data_type.FLOAT`` (every engine
   computes in float32; float64 inputs stay float64 on the torch engine).
 """
@@ -40,7 +43,9 @@ import dataclasses
 import torch
 
 from ... import _checks, dispatch
+from ...kv_heads import head_counts_differ, repeat_to_common_heads, sum_to_heads
 from ...problem import AttnProblem
+from ...sinks import check_sinks, merge_sinks, sink_gradient
 from ...runtime import DropoutState, Inputs, hide_padded_rows, hide_padding
 from ._attrs import SdpaAttributes, SdpaBackwardAttributes
 from ._translate import check_broadcast, translate
@@ -97,8 +102,14 @@ def scaled_dot_product_flash_attention(q, k, v, attrs: SdpaAttributes):
     _check_attrs(attrs, SdpaAttributes, "scaled_dot_product_flash_attention")
     q, k, v = (t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     need = attrs.generate_stats
-    problem, plan, inputs = _problem(attrs, q, k, v, need)
-    o, lse = plan.forward(problem, hide_padding(problem, inputs), need_lse=need)
+    sinks = attrs.sink_token
+    if head_counts_differ(q, k, v, "bhsd"):  # H_k != H_v, as cuDNN allows
+        k, v = repeat_to_common_heads(q, k, v, "bhsd")
+    problem, plan, inputs = _problem(attrs, q, k, v, need or sinks is not None)
+    o, lse = plan.forward(problem, hide_padding(problem, inputs),
+                          need_lse=need or sinks is not None)
+    if sinks is not None:
+        o, lse = merge_sinks(o, lse, check_sinks(sinks, problem.heads_q, q), "bhsd")
     return o, (lse.unsqueeze(-1) if need else None)
 
 
@@ -116,11 +127,28 @@ def scaled_dot_product_flash_attention_backward(q, k, v, o, dO, stats,
     q, k, v, o, dO, stats = (t.detach() if isinstance(t, torch.Tensor) else t
                              for t in (q, k, v, o, dO, stats))
     _check_backward_inputs(q, v, o, dO, stats)
+    if attrs.dsink_token is not None and attrs.sink_token is None:
+        raise ValueError("set_dSink_token needs set_sink_token (the forward's sinks)")
     lse = stats.reshape(stats.shape[:3])
+    repeated = head_counts_differ(q, k, v, "bhsd")
+    if repeated:
+        heads_k, heads_v = k.shape[1], v.shape[1]
+        k, v = repeat_to_common_heads(q, k, v, "bhsd")
     problem, plan, inputs = _problem(attrs, q, k, v, True)
     # Positions past seq_len_q/kv are not tokens: whatever they hold never reaches a gradient.
     o, dO = hide_padded_rows(problem, o), hide_padded_rows(problem, dO)
+    # With sinks, the forward's stats include them: the engine's backward is then already the
+    # backward of attention with sinks (cudnn_attn.sinks); only dSink is computed here.
     dq, dk, dv, _ = plan.backward(problem, hide_padding(problem, inputs), o, lse, dO)
+    if attrs.dsink_token is not None:
+        sinks = check_sinks(attrs.sink_token, problem.heads_q, q)
+        dsink = sink_gradient(o, lse, dO, sinks, "bhsd")
+        if attrs.dsink_token.numel() != dsink.numel():
+            raise ValueError(f"set_dSink_token: dSink_token must have H_q = {dsink.numel()} "
+                             f"elements, got shape {tuple(attrs.dsink_token.shape)}")
+        attrs.dsink_token.copy_(dsink.view(attrs.dsink_token.shape))
+    if repeated:
+        dk, dv = sum_to_heads(dk, heads_k, "bhsd"), sum_to_heads(dv, heads_v, "bhsd")
     return dq, dk, dv
 
 
