@@ -14,6 +14,7 @@ torch.compile'd or exported graph calls instead. Prints a table and writes bench
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import time
@@ -99,6 +100,41 @@ def bench_whole_grid(args: argparse.Namespace) -> dict:
     sdpa_ms = _report.time_ms(sdpa, warmup=args.warmup, repeats=args.repeats)
     return {"problem": "NA 3-D 8x24x36 k=8x24x36 fwd+bwd", "S": seq, "ours_ms": ours_ms,
             "sdpa_ms": sdpa_ms, "ours/sdpa": ours_ms / sdpa_ms}
+
+
+def bench_varlen(args: argparse.Namespace) -> list[dict]:
+    """Packed causal sequences through ``attention_varlen``, forward + backward: the cost follows
+    the tokens, not ``max_seqlen`` nor the longest sequence. Beside it, the same tokens as one
+    batch padded to the longest sequence with a ``Padding`` mask (what a padded engine pays)."""
+    cases = [("4 x 100, max_seqlen 100", [100] * 4, 100),
+             ("4 x 100, max_seqlen 1024", [100] * 4, 1024),
+             ("4 x 100, max_seqlen 4096", [100] * 4, 4096),
+             ("4 x 100, max_seqlen 100000", [100] * 4, 100_000),
+             ("1 x 1000 + 31 x 20, max_seqlen 1024", [1000] + [20] * 31, 1024)]
+    rows = []
+    for name, lens, max_seqlen in cases:
+        total = sum(lens)
+        q, k, v = (torch.randn(total, H, D, requires_grad=True) for _ in range(3))
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+
+        def packed() -> None:
+            ca.attention_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen,
+                                mask=ca.Causal("bottom_right")).sum().backward()
+
+        longest = max(lens)
+        padded_q, padded_k, padded_v = (torch.randn(len(lens), longest, H, D, requires_grad=True)
+                                        for _ in range(3))
+        mask = ca.Causal("bottom_right") & ca.Padding(lens, lens)
+
+        def padded() -> None:
+            ca.attention(padded_q, padded_k, padded_v, mask=mask,
+                         layout="bshd").sum().backward()
+
+        ours = _report.time_ms(packed, warmup=args.warmup, repeats=args.repeats)
+        pad = _report.time_ms(padded, warmup=args.warmup, repeats=args.repeats)
+        rows.append({"problem": name, "tokens": total, "ours_ms": ours, "us_per_token": 1e3 * ours / total,
+                     "padded_ms": pad, "padded/ours": pad / ours})
+    return rows
 
 
 def bench_overhead(args: argparse.Namespace) -> list[dict]:
@@ -191,6 +227,7 @@ def main() -> None:
 
     rows = [] if args.overhead_only else [bench_neighborhood(*problem, args) for problem in PROBLEMS]
     whole_grid = [] if args.overhead_only else [bench_whole_grid(args)]
+    varlen = [] if args.overhead_only else bench_varlen(args)
     for row in rows:
         rank = len(row["spatial"])
         row["vs_sdpa_target"] = verdict(row["ours/sdpa"], TARGET_VS_SDPA, at_least=False) if rank < 3 else None
@@ -203,7 +240,10 @@ def main() -> None:
                                "natten/ours", "vs_natten_target", "max|ours-natten|"])
     print(f"targets: ours/sdpa <= {TARGET_VS_SDPA} (1-D, 2-D); natten/ours >= {TARGET_VS_NATTEN}\n")
     _report.print_table(whole_grid, ["problem", "S", "ours_ms", "sdpa_ms", "ours/sdpa"])
-    print("a kernel spanning the grid runs as dense attention: ours/sdpa should be near 1")
+    print("a kernel spanning the grid runs as dense attention: ours/sdpa should be near 1\n")
+    _report.print_table(varlen, ["problem", "tokens", "ours_ms", "us_per_token", "padded_ms",
+                                 "padded/ours"])
+    print("attention_varlen, causal, fwd+bwd: cost per token follows each sequence's length")
     load_end = os.getloadavg()
     print(f"load average {load_end[0]:.2f} at end (above {torch.get_num_threads()}: other work shared the cores)")
 
@@ -219,6 +259,7 @@ def main() -> None:
                         "graph_cache hit us <=": TARGET_CACHE_HIT_US},
             "neighborhood": rows,
             "whole_grid": whole_grid,
+            "varlen": varlen,
             "overhead": overhead,
         })
         print(f"\nwrote {path}")

@@ -1,8 +1,10 @@
 """Packed variable-length attention and decoding against a (paged) KV cache.
 
-Both entry points run on every engine: they turn the call into a padded ``bshd`` batch with a
-``Padding`` mask and hand it to :func:`cudnn_attn.attention`, so each engine sees an ordinary
-problem, and autograd flows through the (index) ops that pack and unpack.
+Both entry points run on every engine through :func:`cudnn_attn.attention`, so each engine sees an
+ordinary problem and autograd flows through the (index) ops that pack and unpack. Varlen calls the
+torch engine runs become one dense batch per distinct ``(len_q, len_k)``: each sequence costs what
+its own length costs. Others (GPU engines, dropout) become one ``bshd`` batch padded to the longest
+sequence with a ``Padding`` mask. A KV-cache call is one padded batch.
 
 * ``attention_varlen`` — FlashAttention's ``flash_attn_varlen_func`` layout: ``[total, H, D]``
   tensors with ``cu_seqlens``. Each sequence ``b`` (tokens ``cu_seqlens[b]:cu_seqlens[b+1]``) is an
@@ -23,6 +25,8 @@ Helpers for surfaces (public, shared with ``compat.flash_attn``; validators come
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -134,8 +138,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             the CPU): ``0``, non-decreasing, ending at ``total_q`` / ``total_k``. Sequence ``b`` owns queries
             ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and keys ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``.
             Empty sequences are allowed (an empty key set gives ``out = 0``, ``lse = -inf``).
-        max_seqlen_q, max_seqlen_k: ints at least the longest sequence; the batch is padded to them
-            (keeping them fixed, e.g. bucketed, keeps the engines' plan caches warm).
+        max_seqlen_q, max_seqlen_k: ints at least the longest sequence (bounds only: the cost
+            follows the sequences' own lengths).
         mask: ``Causal``, ``SlidingWindow`` or their ``&``, applied inside each sequence with its own
             lengths: ``"bottom_right"`` aligns each sequence's last query with its last key
             (``i' = i + len_k[b] - len_q[b]``). ``Padding`` and ``Neighborhood`` raise ``ValueError``.
@@ -186,6 +190,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _check_user_mask(mask, "attention_varlen")
     batch = len(lens_q)
     _check_bias(bias, (batch, q.shape[1], max_q, max_k), "[B, H_q, max_seqlen_q, max_seqlen_k]")
+    if _by_length_groups(q, backend, dropout_p):
+        return _grouped(q, k, v, lens_q, lens_k, mask, bias, scale, softcap, return_lse,
+                        backend)
     # The batch pads to the longest sequence, not to max_seqlen (a generous bound costs
     # nothing); the engines need non-empty axes: an all-empty side pads to one slot Padding hides.
     seq_q, seq_k = max(max(lens_q), 1), max(max(lens_k), 1)
@@ -210,6 +217,78 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     # [B, H, S] -> [H, B*S] -> the packed tokens: FlashAttention 2's varlen [H, total_q].
     lse = lse.permute(1, 0, 2).reshape(lse.shape[1], batch * seq_q).index_select(1, slots_q)
     return out, lse
+
+
+def _by_length_groups(q, backend, dropout_p) -> bool:
+    """Whether the call runs as one dense batch per distinct ``(len_q, len_k)`` (cost follows
+    each sequence's own length) instead of one batch padded to the longest sequence.
+
+    The torch engine runs it (any call it takes on the CPU, or ``backend="torch"``): a padded batch
+    costs it ``B * longest**2`` whatever the lengths. GPU engines keep the one padded call (one
+    graph or kernel launch). Dropout keeps it too: its masks are drawn over the padded batch, and
+    surfaces replay them with the call's seed.
+    """
+    return dropout_p == 0 and (backend == "torch" or (backend == "auto"
+                                                      and q.device.type == "cpu"))
+
+
+def _rows(cu: list[int], lengths: list[int], members: list[int], device) -> torch.Tensor:
+    """Packed rows of sequences ``members``, in order, each ``lengths[b]`` from ``cu[b]``."""
+    return torch.cat([torch.arange(cu[b], cu[b] + lengths[b]) for b in members]).to(device)
+
+
+def _group_bias(bias, members: list[int], len_q: int, len_k: int):
+    """The bias of sequences ``members`` cropped to their lengths (local positions)."""
+    if isinstance(bias, Alibi):
+        per_batch = bias.slopes is not None and isinstance(bias.slopes[0], tuple)
+        return Alibi([bias.slopes[b] for b in members]) if per_batch else bias
+    if not isinstance(bias, torch.Tensor):
+        return None
+    full = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    if full.shape[0] != 1:
+        full = full.index_select(0, torch.tensor(members, device=full.device))
+    return full[:, :, :len_q if full.shape[2] != 1 else 1, :len_k if full.shape[3] != 1 else 1]
+
+
+def _grouped(q, k, v, lens_q, lens_k, mask, bias, scale, softcap, return_lse, backend):
+    """``attention_varlen`` as one dense ``attention`` call per distinct ``(len_q, len_k)``: the
+    sequences of a group share their lengths, so nothing is padded and ``mask`` keeps its
+    per-sequence meaning (bottom-right aligns each sequence's last query with its last key)."""
+    cu_q = [0, *itertools.accumulate(lens_q)]
+    cu_k = [0, *itertools.accumulate(lens_k)]
+    groups: dict = {}
+    for b, pair in enumerate(zip(lens_q, lens_k)):
+        if pair[0]:
+            groups.setdefault(pair, []).append(b)
+    H, Dv, acc = q.shape[1], v.shape[2], accumulator_dtype(q.dtype)
+    outs, lses, order = [], [], []
+    for (len_q, len_k), members in groups.items():
+        rows = _rows(cu_q, lens_q, members, q.device)
+        n = len(members)
+        order.append(rows)
+        if len_k == 0:  # these queries see no key
+            outs.append(q.new_zeros(n * len_q, H, Dv))
+            lses.append(torch.full((H, n * len_q), float("-inf"), dtype=acc, device=q.device))
+            continue
+        keys = _rows(cu_k, lens_k, members, q.device)
+        out, lse = attention(q.index_select(0, rows).view(n, len_q, H, -1),
+                             *(t.index_select(0, keys).view(n, len_k, t.shape[1], -1)
+                               for t in (k, v)),
+                             mask=mask, bias=_group_bias(bias, members, len_q, len_k),
+                             scale=scale, softcap=softcap, layout="bshd", return_lse=True,
+                             backend=backend)
+        outs.append(out.reshape(n * len_q, H, Dv))
+        lses.append(lse.permute(1, 0, 2).reshape(H, n * len_q))
+    if not outs:  # no query anywhere
+        empty = q.new_zeros(0, H, Dv)
+        return (empty, torch.zeros(H, 0, dtype=acc, device=q.device)) if return_lse else empty
+    order = torch.cat(order)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
+                                                                      device=order.device))
+    out = torch.cat(outs).index_select(0, inverse)
+    if not return_lse:
+        return out
+    return out, torch.cat(lses, 1).index_select(1, inverse)
 
 
 # ---------------------------------------------------------------------------------------------

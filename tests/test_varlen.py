@@ -83,6 +83,9 @@ LENS = [  # (lens_q, lens_k)
     ((1, 2, 113), (1, 2, 113)),
     ((1, 2, 113), (5, 1, 40)),
     ((7, 3, 2), (2, 9, 30)),
+    # one long sequence among short ones that share their lengths (groups of several), and
+    # sequences with no query or no key
+    ((41, 3, 5, 3, 0, 3, 5), (41, 6, 2, 6, 4, 6, 0)),
 ]
 
 CASES = [
@@ -129,10 +132,32 @@ def run_case(case, lens_q, lens_k, dtype=F64, Hq=4, Hkv=2, D=16, Dv=8, extra=(3,
     check(out, lse, ref_out, ref_lse, dtype, sum(lens_q), Hq, Dv)
 
 
-@pytest.mark.parametrize("lens", LENS, ids=["same", "ragged", "short-q"])
+@pytest.mark.parametrize("lens", LENS, ids=["same", "ragged", "short-q", "mixed"])
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
 def test_forward_vs_oracle(case, lens):
     run_case(case, *lens)
+
+
+@pytest.mark.parametrize("lens", LENS[1:], ids=["ragged", "short-q", "mixed"])
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_padded_path_vs_oracle(case, lens, monkeypatch):
+    # The one padded batch GPU engines (and dropout) take; on the CPU calls group by length.
+    import cudnn_attn.varlen as varlen
+    monkeypatch.setattr(varlen, "_by_length_groups", lambda *args: False)
+    run_case(case, *lens)
+
+
+def test_cpu_cost_follows_each_sequence_not_the_longest(monkeypatch):
+    # 1 long + 30 short sequences: grouped by length, the short ones never pad to the long one.
+    import cudnn_attn.varlen as varlen
+    shapes = []
+    original = varlen.attention
+    monkeypatch.setattr(varlen, "attention",
+                        lambda q, k, v, **kw: shapes.append(tuple(q.shape[:2])) or original(
+                            q, k, v, **kw))
+    run_case(dict(id="causal", mask=dict(causal="bottom_right")), (60,) + (4,) * 30,
+             (60,) + (6,) * 30, Hq=2, Hkv=1, D=8, Dv=8)
+    assert sorted(shapes) == [(1, 60), (30, 4)]
 
 
 def test_float32_int64_cu_and_exact_max():
@@ -192,6 +217,8 @@ GRAD_CASES = [
     dict(id="gqa-causal-br", lens=((3, 1, 6), (4, 2, 6)), mask=dict(causal="bottom_right")),
     dict(id="bias-window", lens=((2, 5), (5, 3)), mask=dict(window=(2, 0)), bias=True),
     dict(id="empty-k-softcap", lens=((3, 2, 0), (0, 4, 2)), softcap=2.0),
+    dict(id="mixed-groups-bias", lens=((9, 2, 2, 0, 2), (9, 3, 3, 2, 3)),
+         mask=dict(causal="bottom_right"), bias=True),
 ]
 
 
