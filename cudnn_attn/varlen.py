@@ -21,7 +21,10 @@ Helpers for surfaces (public, shared with ``compat.flash_attn``; validators come
 * ``pad_tokens(x, lens, seq, slots)`` — ``[total, ...]`` -> ``[B, seq, ...]``, zeros past lengths;
 * ``gather_pages(k_cache, v_cache, block_table, lens)`` — dense ``[B, S, H_kv, D]`` from a paged cache;
 * ``with_padding(mask, lens_q, lens_kv, seq_q, seq_kv)`` — ``mask & Padding(...)`` when needed;
-* ``index_tensor(name, t, rank, device)`` — an int32/int64 tensor on q's device or the CPU.
+* ``index_tensor(name, t, rank, device)`` — an int32/int64 tensor on q's device or the CPU;
+* ``by_length_groups(q, backend, dropout_p)`` — whether a varlen call runs grouped by length;
+* ``length_groups(lens_q, lens_k)``, ``packed_rows(lengths, members, device)``,
+  ``group_bias(bias, members, len_q, len_k)`` — the groups, their packed rows and their bias.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from .problem import accumulator_dtype
 from .masks import Alibi, Mask, Neighborhood, Padding, mask_parts
 
 __all__ = ["attention_varlen", "attention_with_kvcache", "cu_lengths", "token_slots", "pad_tokens",
-           "gather_pages", "with_padding", "index_tensor"]
+           "gather_pages", "with_padding", "index_tensor", "by_length_groups", "length_groups",
+           "packed_rows", "group_bias"]
 
 # ---------------------------------------------------------------------------------------------
 # validation helpers
@@ -190,7 +194,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     _check_user_mask(mask, "attention_varlen")
     batch = len(lens_q)
     _check_bias(bias, (batch, q.shape[1], max_q, max_k), "[B, H_q, max_seqlen_q, max_seqlen_k]")
-    if _by_length_groups(q, backend, dropout_p):
+    if by_length_groups(q, backend, dropout_p):
         return _grouped(q, k, v, lens_q, lens_k, mask, bias, scale, softcap, return_lse,
                         backend)
     # The batch pads to the longest sequence, not to max_seqlen (a generous bound costs
@@ -219,7 +223,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return out, lse
 
 
-def _by_length_groups(q, backend, dropout_p) -> bool:
+def by_length_groups(q, backend, dropout_p) -> bool:
     """Whether the call runs as one dense batch per distinct ``(len_q, len_k)`` (cost follows
     each sequence's own length) instead of one batch padded to the longest sequence.
 
@@ -232,12 +236,23 @@ def _by_length_groups(q, backend, dropout_p) -> bool:
                                                       and q.device.type == "cpu"))
 
 
-def _rows(cu: list[int], lengths: list[int], members: list[int], device) -> torch.Tensor:
-    """Packed rows of sequences ``members``, in order, each ``lengths[b]`` from ``cu[b]``."""
-    return torch.cat([torch.arange(cu[b], cu[b] + lengths[b]) for b in members]).to(device)
+def length_groups(lens_q, lens_k) -> dict:
+    """``{(len_q, len_k): [sequences]}`` in first-seen order, sequences without queries left out."""
+    groups: dict = {}
+    for b, pair in enumerate(zip(lens_q, lens_k)):
+        if pair[0]:
+            groups.setdefault(pair, []).append(b)
+    return groups
 
 
-def _group_bias(bias, members: list[int], len_q: int, len_k: int):
+def packed_rows(lengths: list[int], members: list[int], device) -> torch.Tensor:
+    """Packed rows of sequences ``members``, in order (sequence ``b`` holds ``lengths[b]`` rows
+    after those of sequences ``0..b-1``)."""
+    starts = [0, *itertools.accumulate(lengths)]
+    return torch.cat([torch.arange(starts[b], starts[b] + lengths[b]) for b in members]).to(device)
+
+
+def group_bias(bias, members: list[int], len_q: int, len_k: int):
     """The bias of sequences ``members`` cropped to their lengths (local positions)."""
     if isinstance(bias, Alibi):
         per_batch = bias.slopes is not None and isinstance(bias.slopes[0], tuple)
@@ -254,27 +269,22 @@ def _grouped(q, k, v, lens_q, lens_k, mask, bias, scale, softcap, return_lse, ba
     """``attention_varlen`` as one dense ``attention`` call per distinct ``(len_q, len_k)``: the
     sequences of a group share their lengths, so nothing is padded and ``mask`` keeps its
     per-sequence meaning (bottom-right aligns each sequence's last query with its last key)."""
-    cu_q = [0, *itertools.accumulate(lens_q)]
-    cu_k = [0, *itertools.accumulate(lens_k)]
-    groups: dict = {}
-    for b, pair in enumerate(zip(lens_q, lens_k)):
-        if pair[0]:
-            groups.setdefault(pair, []).append(b)
+    groups = length_groups(lens_q, lens_k)
     H, Dv, acc = q.shape[1], v.shape[2], accumulator_dtype(q.dtype)
     outs, lses, order = [], [], []
     for (len_q, len_k), members in groups.items():
-        rows = _rows(cu_q, lens_q, members, q.device)
+        rows = packed_rows(lens_q, members, q.device)
         n = len(members)
         order.append(rows)
         if len_k == 0:  # these queries see no key
             outs.append(q.new_zeros(n * len_q, H, Dv))
             lses.append(torch.full((H, n * len_q), float("-inf"), dtype=acc, device=q.device))
             continue
-        keys = _rows(cu_k, lens_k, members, q.device)
+        keys = packed_rows(lens_k, members, q.device)
         out, lse = attention(q.index_select(0, rows).view(n, len_q, H, -1),
                              *(t.index_select(0, keys).view(n, len_k, t.shape[1], -1)
                                for t in (k, v)),
-                             mask=mask, bias=_group_bias(bias, members, len_q, len_k),
+                             mask=mask, bias=group_bias(bias, members, len_q, len_k),
                              scale=scale, softcap=softcap, layout="bshd", return_lse=True,
                              backend=backend)
         outs.append(out.reshape(n * len_q, H, Dv))

@@ -143,7 +143,7 @@ def test_forward_vs_oracle(case, lens):
 def test_padded_path_vs_oracle(case, lens, monkeypatch):
     # The one padded batch GPU engines (and dropout) take; on the CPU calls group by length.
     import cudnn_attn.varlen as varlen
-    monkeypatch.setattr(varlen, "_by_length_groups", lambda *args: False)
+    monkeypatch.setattr(varlen, "by_length_groups", lambda *args: False)
     run_case(case, *lens)
 
 

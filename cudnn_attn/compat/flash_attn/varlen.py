@@ -1,6 +1,9 @@
 """FlashAttention's packed (varlen) entry points ``mha_varlen_fwd`` / ``mha_varlen_bwd``
-(``[total, H, D]`` with ``cu_seqlens``, optional paged K/V); packed batches run as padded batches
-with a ``Padding`` mask. Conventions: ``cudnn_attn.compat.flash_attn.mha``'s docstring."""
+(``[total, H, D]`` with ``cu_seqlens``, optional paged K/V). On the torch engine (the rule of
+``cudnn_attn.varlen.by_length_groups``) and without dropout, weights or paging, the sequences run
+as one dense batch per distinct ``(len_q, len_k)``, so each costs its own length; otherwise as one
+batch padded to the longest with a ``Padding`` mask. Conventions:
+``cudnn_attn.compat.flash_attn.mha``'s docstring."""
 
 from __future__ import annotations
 
@@ -9,7 +12,10 @@ import math
 import torch
 
 from ... import _checks
-from ...varlen import cu_lengths, gather_pages, index_tensor, pad_tokens, token_slots, with_padding
+from ...problem import accumulator_dtype
+from ...runtime import DropoutState
+from ...varlen import (by_length_groups, cu_lengths, gather_pages, group_bias, index_tensor,
+                       length_groups, packed_rows, pad_tokens, token_slots, with_padding)
 from . import _core, _probs
 from ._args import (_Options, _alibi, _flag, _generator, _into, _like, _philox, _same_dtype,
                     _seed_tensors, _softmax_d, runtime_errors)
@@ -189,6 +195,10 @@ def mha_varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, block_t
     alibi = _alibi(alibi_slopes_, pack.batch, q.shape[1], q.device)
     _like("out_", out_, (q.shape[0], q.shape[1], v.shape[-1]), q, optional=True)
 
+    if (by_length_groups(q, "auto", opts.p_dropout) and not return_softmax and not paged
+            and seqused_k is None):
+        out, lse = _grouped_forward(q, k, v, lens_q, lens_k, pack.max_k, opts, alibi)
+        return (_into(out_, out), q, k, v, lse, *_seed_tensors(DropoutState(0, 0)), q.new_empty(0))
     kp, vp = _varlen_keys(k, v, lens_k, full_k, table, pack)
     out, lse, dropout, probs, keep = _core._forward(pack.pad_q(q), kp, vp, mask, alibi, opts,
                                                     return_softmax, gen_)
@@ -229,9 +239,65 @@ def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q,
     alibi = _alibi(alibi_slopes_, pack.batch, q.shape[1], q.device)
     dropout = _philox(philox_seed, philox_offset)
 
+    softmax_d = _softmax_d(dout, out, q.dtype).t().contiguous()
+    if by_length_groups(q, "auto", opts.p_dropout):
+        grads = _grouped_backward(dout, q, k, v, out, lse, lens_q, lens_k, pack.max_k, opts,
+                                  alibi, deterministic)
+        return (*(_into(b, g) for b, g in zip(bufs, grads)), softmax_d)
     grads = _core._backward(pack.pad_q(dout), pack.pad_q(q), pack.pad_k(k), pack.pad_k(v),
                             pack.pad_q(out), pack.lse_padded(lse), mask, alibi, opts,
                             deterministic, dropout)
     slots = (pack.slots_q, pack.slots_k, pack.slots_k)
-    softmax_d = _softmax_d(dout, out, q.dtype).t().contiguous()
     return (*(_into(b, pack.unpad(g, s)) for b, g, s in zip(bufs, grads, slots)), softmax_d)
+
+
+def _groups(q, lens_q, lens_k, max_k, opts, alibi):
+    """Per distinct ``(len_q, len_k)``: the packed query and key rows, the mask and the ALiBi of
+    one dense batch of those sequences. (FlashAttention normalizes its window against
+    ``max_seqlen_k``, not the sequence's length: so does the mask here.)"""
+    for (len_q, len_k), members in length_groups(lens_q, lens_k).items():
+        rows_q = packed_rows(lens_q, members, q.device)
+        rows_k = packed_rows(lens_k, members, q.device) if len_k else None
+        mask = _core._fa_mask(opts, max_k, len_q == len_k, alibi is not None)
+        yield (len(members), len_q, len_k, rows_q, rows_k, mask,
+               group_bias(alibi, members, len_q, len_k))
+
+
+def _grouped_forward(q, k, v, lens_q, lens_k, max_k, opts, alibi):
+    """``(out [total_q, H, D_v], lse [H, total_q])``, one dense batch per length group; rows
+    that see no key keep ``out = 0``, ``lse = -inf`` (as the engines give them)."""
+    heads = q.shape[1]
+    out = q.new_zeros(q.shape[0], heads, v.shape[-1])
+    lse = torch.full((heads, q.shape[0]), -math.inf, dtype=accumulator_dtype(q.dtype),
+                     device=q.device)
+    for n, len_q, len_k, rows_q, rows_k, mask, group_alibi in _groups(q, lens_q, lens_k, max_k,
+                                                                       opts, alibi):
+        if not len_k:
+            continue
+        q_g = q.index_select(0, rows_q).view(n, len_q, heads, -1)
+        k_g, v_g = (t.index_select(0, rows_k).view(n, len_k, t.shape[1], -1) for t in (k, v))
+        out_g, lse_g, *_ = _core._forward(q_g, k_g, v_g, mask, group_alibi, opts, False, None)
+        out.index_copy_(0, rows_q, out_g.reshape(n * len_q, heads, -1))
+        lse[:, rows_q] = lse_g.permute(1, 0, 2).reshape(heads, n * len_q).to(lse.dtype)
+    return out, lse
+
+
+def _grouped_backward(dout, q, k, v, out, lse, lens_q, lens_k, max_k, opts, alibi,
+                      deterministic):
+    """``(dq, dk, dv)``, one dense batch per length group (every key row belongs to one
+    sequence, so each gradient row is written once)."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    heads = q.shape[1]
+    for n, len_q, len_k, rows_q, rows_k, mask, group_alibi in _groups(q, lens_q, lens_k, max_k,
+                                                                       opts, alibi):
+        if not len_k:
+            continue
+        tensors = [t.index_select(0, rows_q).view(n, len_q, t.shape[1], -1) for t in (dout, q, out)]
+        k_g, v_g = (t.index_select(0, rows_k).view(n, len_k, t.shape[1], -1) for t in (k, v))
+        lse_g = lse[:, rows_q].reshape(heads, n, len_q).permute(1, 0, 2)
+        dq_g, dk_g, dv_g = _core._backward(tensors[0], tensors[1], k_g, v_g, tensors[2], lse_g,
+                                           mask, group_alibi, opts, deterministic, None)
+        dq.index_copy_(0, rows_q, dq_g.reshape(n * len_q, *q.shape[1:]))
+        dk.index_copy_(0, rows_k, dk_g.reshape(n * len_k, *k.shape[1:]))
+        dv.index_copy_(0, rows_k, dv_g.reshape(n * len_k, *v.shape[1:]))
+    return dq, dk, dv
