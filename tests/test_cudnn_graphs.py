@@ -22,7 +22,7 @@ import torch
 from common import Problem
 
 import cudnn_attn as ca
-from cudnn_attn import api, dispatch
+from cudnn_attn import dispatch
 from cudnn_attn.caches import clear_caches
 from cudnn_attn.graphs import _runtime
 from cudnn_attn.graphs import backend as cudnn_backend

@@ -14,7 +14,7 @@ from cudnn_attn.distributed.halo import halo_plan
 from cudnn_attn.distributed.ring import Schedule
 from cudnn_attn.distributed.sharding import chunks_of
 from cudnn_attn.geometry import neighborhood_axis_mask
-from cudnn_attn.masks import Causal, SlidingWindow
+from cudnn_attn.masks import Causal
 
 
 @pytest.mark.parametrize("length, world", [(13, 2), (16, 4), (7, 3), (3, 3)])

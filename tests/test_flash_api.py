@@ -20,7 +20,7 @@ import oracle
 import pytest
 import torch
 
-from cudnn_attn import NotSupportedError, dispatch, flash_api
+from cudnn_attn import NotSupportedError, dispatch
 from cudnn_attn.flash_api import mha_bwd, mha_fwd, mha_varlen_bwd, mha_varlen_fwd
 
 F64 = torch.float64

@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 import oracle
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -3,7 +3,6 @@ and it notices when an engine is wrong (each mutation below must turn its verdic
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
