@@ -21,6 +21,17 @@ from typing import Any
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def unshadow_cudnn() -> None:
+    """Take this folder off the import path. Running ``python benchmarks/<script>.py`` puts it
+    first, and its ``cudnn.py`` (a benchmark) would then be what ``import cudnn`` finds, in the
+    scripts and inside cudnn_attn, instead of the cuDNN frontend package."""
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    module = sys.modules.get("cudnn")
+    if module is not None and Path(getattr(module, "__file__", "") or ".").resolve().parent == here:
+        del sys.modules["cudnn"]
+
+
 def time_ms(
     fn: Callable[[], Any],
     *,

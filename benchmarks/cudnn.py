@@ -25,6 +25,8 @@ import time
 import timeit
 
 import _report  # benchmarks/_report.py (this script's folder is on sys.path)
+
+_report.unshadow_cudnn()  # this folder's cudnn.py is not the cuDNN frontend
 import torch
 
 TOKENS, HIDDEN = 16384, 2048

@@ -44,7 +44,8 @@ CASES = [
     case("padding-4d-causal-br", padding=((3, 5), (6, 2)), padding_form="4d",
          causal="bottom_right", Sq=5, Skv=6),
     case("alibi-causal", alibi=True, causal="top_left", H=4, Sq=6, Skv=8),
-    case("alibi-bias-padding-br", alibi=True, causal="bottom_right", bias_shape=(1, 2, 5, 6),
+    # cuDNN's ALiBi needs right bound 0 and top-left alignment (bottom-right is rejected).
+    case("alibi-bias-padding-tl", alibi=True, causal="top_left", bias_shape=(1, 2, 5, 6),
          padding=((4, 5), (6, 3)), Sq=5, Skv=6),
     case("bias-1h", bias_shape=(1, 2, 5, 7), Skv=7, scale=0.7),
     case("bias-b11s", bias_shape=(2, 1, 1, 7), Skv=7),
@@ -236,13 +237,13 @@ def test_translation_reaches_the_dispatcher(monkeypatch):
 
     monkeypatch.setattr(dispatch, "plan_for", spy)
     q, k, v, _ = make_inputs(case("x", Sq=4, Skv=8).values[0])
-    attrs = (SdpaAttributes().set_causal_mask_bottom_right(True).set_sliding_window(2, -1)
+    attrs = (SdpaAttributes().set_causal_mask(True).set_sliding_window(2, -1)
              .set_padding_mask([4, 3], [8, 6]).set_alibi_mask(True).set_attn_scale(0.25)
              .set_dropout(0.2, 5, 6))
     fwd(q, k, v, attrs)
     (problem,) = seen
     assert set(mask_parts(problem.mask)) == {
-        Causal("bottom_right"), SlidingWindow(2, -1, "bottom_right"), Padding((4, 3), (8, 6))}
+        Causal("top_left"), SlidingWindow(2, -1, "top_left"), Padding((4, 3), (8, 6))}
     assert problem.alibi == Alibi() and problem.scale == 0.25 and problem.dropout_p == 0.2
     assert problem.layout == "bhsd" and problem.return_lse
 
@@ -332,7 +333,7 @@ def test_dropout_backward_is_the_gradient_of_forward(form):
                for s in (4, 5, 5))
     attrs = []
     for cls in (SdpaAttributes, SdpaBackwardAttributes):
-        a = cls().set_causal_mask_bottom_right(True).set_attn_scale(0.8)
+        a = cls().set_causal_mask(True).set_attn_scale(0.8)  # cuDNN: no bottom-right dropout
         if form == "philox":
             a.set_dropout(0.4, 9, 1)
         else:
@@ -481,7 +482,7 @@ def test_call_time_errors():
         fwd(q, k, v, SdpaBackwardAttributes())
     with pytest.raises(TypeError, match="SdpaBackwardAttributes"):
         bwd(q, k, v, q, q, q[..., :1], SdpaAttributes())
-    with pytest.raises(ValueError, match=r"set_padding_mask.*3 entries.*batch 2"):
+    with pytest.raises(ValueError, match=r"set_padding_mask.*need 2 entries.*got 3"):
         fwd(q, k, v, SdpaAttributes().set_padding_mask([1, 2, 3], [1, 2, 3]))
     with pytest.raises(ValueError, match=r"set_padding_mask.*exceed.*S_kv=6"):
         fwd(q, k, v, SdpaAttributes().set_padding_mask([1, 2], [7, 2]))

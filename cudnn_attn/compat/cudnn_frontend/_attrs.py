@@ -79,6 +79,14 @@ class _Attributes:
         self.dropout: tuple | None = None        # ("philox", p, seed, offset) | ("mask", m, s)
         self.compute_data_type = torch.float32
         self.sink_token: torch.Tensor | None = None
+        # cuDNN's diagonal band (see band()): alignment, exclusive left bound, right bound.
+        self.alignment: str | None = None
+        self.left_bound: int | None = None
+        self.right_bound: int | None = None
+        self.window_length: int | None = None
+        self.use_padding = False
+        self.seq_len_q: tuple | None = None
+        self.seq_len_kv: tuple | None = None
         self.padding: tuple | None = None        # (seq_len_q, seq_len_kv) tuples
         self.alibi = False
 
@@ -138,6 +146,65 @@ class _Attributes:
             if right >= 0:
                 bounds[1] = right if bounds[1] is None else min(bounds[1], right)
         return bounds[0], bounds[1]
+
+    def set_diagonal_alignment(self, alignment):
+        """cuDNN's diagonal alignment: ``"top_left"`` / ``"bottom_right"`` (or
+        ``cudnn.diagonal_alignment.TOP_LEFT`` / ``BOTTOM_RIGHT``). The causal setters override it."""
+        name = getattr(alignment, "name", alignment)
+        name = name.lower() if isinstance(name, str) else name
+        if name not in _ALIGNMENTS:
+            raise ValueError(f"set_diagonal_alignment: expected one of {_ALIGNMENTS} (or cuDNN's "
+                             f"TOP_LEFT / BOTTOM_RIGHT), got {alignment!r}")
+        self.alignment = name
+        return self
+
+    def set_diagonal_band_left_bound(self, left_bound):
+        """cuDNN's left bound ``L`` (exclusive): query ``i`` sees keys ``j > i' - L``; ``None``
+        removes it. Overrides ``set_sliding_window_length``."""
+        self.left_bound = self._bound("set_diagonal_band_left_bound", left_bound, 1,
+                                      "Left bound needs to be greater than zero")
+        return self
+
+    def set_diagonal_band_right_bound(self, right_bound):
+        """cuDNN's right bound ``R``: query ``i`` sees keys ``j <= i' + R``; ``None`` removes it.
+        The causal setters pin it to 0."""
+        self.right_bound = self._bound("set_diagonal_band_right_bound", right_bound, 0,
+                                       "Right bound needs to be larger than or equal to zero")
+        return self
+
+    def set_sliding_window_length(self, window_length):
+        """cuDNN's older spelling of the left bound (``diagonal_band_left_bound`` wins)."""
+        self.window_length = self._bound("set_sliding_window_length", window_length, 1,
+                                         "Sliding window length needs to be greater than zero")
+        return self
+
+    @staticmethod
+    def _bound(setter: str, value, minimum: int, message: str):
+        if value is None:
+            return None
+        value = _scalar(setter, "bound", value, integer=True)
+        if value < minimum:
+            raise ValueError(f"{setter}: {message}, got {value}")
+        return value
+
+    def band(self) -> tuple[str, int | None, int | None]:
+        """cuDNN's effective ``(alignment, left_bound, right_bound)``: a causal setter fixes the
+        alignment and a right bound of 0; the left bound falls back on the sliding window
+        length; the alignment defaults to top-left."""
+        alignment = self.causal or self.alignment or "top_left"
+        right = 0 if self.causal else self.right_bound
+        left = self.left_bound if self.left_bound is not None else self.window_length
+        return alignment, left, right
+
+    def set_seq_len_q(self, seq_len_q):
+        """Per-batch query lengths (``[B]`` or ``[B, 1, 1, 1]``), with ``set_padding_mask(True)``."""
+        self.seq_len_q = _lengths("set_seq_len_q", "seq_len_q", seq_len_q)
+        return self
+
+    def set_seq_len_kv(self, seq_len_kv):
+        """Per-batch key lengths (``[B]`` or ``[B, 1, 1, 1]``), with ``set_padding_mask(True)``."""
+        self.seq_len_kv = _lengths("set_seq_len_kv", "seq_len_kv", seq_len_kv)
+        return self
 
     def set_bias(self, bias):
         """Additive bias broadcastable to ``[B, H_q, S_q, S_kv]`` (``None`` removes it)."""
@@ -210,12 +277,17 @@ class _Attributes:
     def set_padding_mask(self, seq_len_q, seq_len_kv=None):
         """Per-batch valid lengths (``[B]`` or ``[B, 1, 1, 1]`` integer tensors, or int
         sequences); rows ``i >= seq_len_q[b]`` see nothing, keys ``j >= seq_len_kv[b]`` are
-        hidden. ``set_padding_mask(False)`` removes it."""
+        hidden. ``set_padding_mask(True)`` is cuDNN's form, the lengths then come from
+        ``set_seq_len_q`` / ``set_seq_len_kv``. ``set_padding_mask(False)`` removes it."""
         if seq_len_q is False or seq_len_q is None:
             if seq_len_kv is not None:
                 raise TypeError(f"set_padding_mask: got seq_len_kv={seq_len_kv!r} with "
                                 f"seq_len_q={seq_len_q!r}")
             self.padding = None
+            self.use_padding = False
+            return self
+        if seq_len_q is True and seq_len_kv is None:  # cuDNN's form: lengths from set_seq_len_*
+            self.use_padding = True
             return self
         if seq_len_kv is None:
             raise TypeError("set_padding_mask: seq_len_kv is required with seq_len_q (cuDNN "

@@ -8,41 +8,94 @@ import operator
 
 
 from ... import _checks
-from ...masks import Alibi, Causal, Padding, SlidingWindow
+from ...errors import NotSupportedError
+from ...masks import Alibi, Causal, Padding, SlidingWindow, mask_parts
 from ._attrs import check_broadcast
 
 __all__ = ["translate", "check_broadcast"]
 
 
-def _mask_of(attrs, batch: int, seq_q: int, seq_kv: int):
-    parts = []
-    if attrs.causal is not None:
-        parts.append(Causal(attrs.causal))
-    if attrs.window is not None:
-        left, right, alignment = attrs.window
-        parts.append(SlidingWindow(left, right, alignment or attrs.causal or "top_left"))
+def _band_mask(attrs):
+    """cuDNN's diagonal band as a mask: ``i' - L < j <= i' + R`` (left bound exclusive)."""
+    alignment, left, right = attrs.band()
+    if left is None and right is None:
+        return None
+    if left is None and right == 0:
+        return Causal(alignment)
+    return SlidingWindow(-1 if left is None else left - 1, -1 if right is None else right,
+                         alignment)
+
+
+def _padding_of(attrs, batch: int, seq_q: int, seq_kv: int):
     if attrs.padding is not None:
         lens_q, lens_kv = attrs.padding
-        if len(lens_q) != batch:
-            raise ValueError(f"set_padding_mask: seq_len_q has {len(lens_q)} entries, q has "
-                             f"batch {batch}")
-        if max(lens_q) > seq_q or max(lens_kv) > seq_kv:
-            raise ValueError(f"set_padding_mask: lengths exceed the tensors: seq_len_q={lens_q} "
-                             f"(S_q={seq_q}), seq_len_kv={lens_kv} (S_kv={seq_kv})")
-        parts.append(Padding(lens_q, lens_kv))
+    elif attrs.use_padding:
+        if attrs.seq_len_q is None or attrs.seq_len_kv is None:
+            raise ValueError("Padding mask requires seq_len_q/seq_len_kv (or "
+                             "cu_seq_len_q/cu_seq_len_kv) to be set.")
+        lens_q, lens_kv = attrs.seq_len_q, attrs.seq_len_kv
+    elif attrs.seq_len_q is not None or attrs.seq_len_kv is not None:
+        raise ValueError("seq_len_q/seq_len_kv needs to be set only if padding mask is enabled.")
+    else:
+        return None
+    if len(lens_q) != batch or len(lens_kv) != batch:
+        raise ValueError(f"set_padding_mask: seq_len_q / seq_len_kv need {batch} entries (q's "
+                         f"batch), got {len(lens_q)} and {len(lens_kv)}")
+    if max(lens_q) > seq_q or max(lens_kv) > seq_kv:
+        raise ValueError(f"set_padding_mask: lengths exceed the tensors: seq_len_q={lens_q} "
+                         f"(S_q={seq_q}), seq_len_kv={lens_kv} (S_kv={seq_kv})")
+    return Padding(lens_q, lens_kv)
+
+
+def _cudnn_verdicts(attrs, seq_q: int, seq_kv: int, padded: bool, backward: bool) -> list[str]:
+    """What cuDNN's validators reject in this configuration, in their words."""
+    alignment, left, right = attrs.band()
+    reasons = []
+    if attrs.alibi and right != 0:
+        reasons.append("When alibi mask is used, diagonal_band_right_bound needs to be set to 0.")
+    if right is not None and alignment == "bottom_right":  # a bottom-right causal diagonal
+        dropout = attrs.dropout is not None and not (attrs.dropout[0] == "philox"
+                                                     and attrs.dropout[1] == 0)
+        if attrs.bias is not None or attrs.alibi or dropout:
+            reasons.append("Bottom right causal mask is only supported with is_bias=False, "
+                           "is_alibi=False, is_dropout=False.")
+        if seq_q > seq_kv and not padded:
+            reasons.append("Bottom right causal mask does not support max_s_q > max_s_kv.")
+    if left is not None and seq_q > seq_kv and not padded:
+        reasons.append("Sliding window attention is only supported with max_s_q <= max_s_kv.")
+    if backward and seq_q == seq_kv == 1:
+        reasons.append("s_q = s_kv = 1 is not supported.")
+    return reasons
+
+
+def _mask_of(attrs, batch: int, seq_q: int, seq_kv: int):
+    parts = [m for m in (_band_mask(attrs), _padding_of(attrs, batch, seq_q, seq_kv))
+             if m is not None]
+    if attrs.window is not None:  # this builder's FlashAttention-style window, on top
+        left, right, alignment = attrs.window
+        parts.append(SlidingWindow(left, right, alignment or attrs.band()[0]))
     return functools.reduce(operator.and_, parts) if parts else None
 
 
-def translate(attrs, q, k):
-    """``(mask, bias, alibi)`` for the call: a bias tensor or ``None``, an ``Alibi`` or ``None``."""
+def translate(attrs, q, k, backward: bool = False):
+    """``(mask, bias, alibi)`` for the call: a bias tensor or ``None``, an ``Alibi`` or ``None``.
+    What cuDNN rejects raises ``NotSupportedError`` with cuDNN's reason."""
     for name, t in (("q", q), ("k", k)):
         _checks.tensor(name, t, ndim=4, what="[B, H, S, D]")
     B, H, Sq, Skv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     mask = _mask_of(attrs, B, Sq, Skv)
+    padded = any(isinstance(m, Padding) for m in mask_parts(mask))
+    reasons = _cudnn_verdicts(attrs, Sq, Skv, padded, backward)
+    if reasons:
+        raise NotSupportedError(f"cuDNN SDPA{' backward' if backward else ''} with {attrs!r}",
+                                {"cudnn": reasons})
     bias = attrs.bias
     if bias is not None:
         if bias.device != q.device:
             raise ValueError(f"set_bias: bias must be on q's device {q.device}, got {bias.device}")
         check_broadcast("set_bias: bias", bias, (B, H, Sq, Skv))
         bias = bias.detach()
+    # cuDNN's ALiBi adds slope_h * (j - i) with right bound 0 and top-left alignment (anything
+    # else is rejected above): on every visible pair that is Alibi()'s -slope_h * |i - j|, and
+    # cuDNN's default slopes are the paper's, as Alibi()'s.
     return mask, bias, (Alibi() if attrs.alibi else None)

@@ -54,10 +54,10 @@ __all__ = ["SdpaAttributes", "SdpaBackwardAttributes", "scaled_dot_product_flash
            "scaled_dot_product_flash_attention_backward"]
 
 
-def _problem(attrs, q, k, v, need_stats):
+def _problem(attrs, q, k, v, need_stats, backward=False):
     """``(problem, plan, inputs)`` of the call: dropout as Philox ``(p, seed, offset)`` or as an
     explicit ``(mask, scale)`` (``AttnProblem.dropout_mask``), run by the selected plan."""
-    mask, bias, alibi = translate(attrs, q, k)
+    mask, bias, alibi = translate(attrs, q, k, backward)
     dropout_p, dropout, extra, keep = 0.0, None, {}, None
     if attrs.dropout is not None and attrs.dropout[0] == "philox" and attrs.dropout[1] > 0:
         dropout_p, dropout = attrs.dropout[1], DropoutState(*attrs.dropout[2:])
@@ -134,7 +134,7 @@ def scaled_dot_product_flash_attention_backward(q, k, v, o, dO, stats,
     if repeated:
         heads_k, heads_v = k.shape[1], v.shape[1]
         k, v = repeat_to_common_heads(q, k, v, "bhsd")
-    problem, plan, inputs = _problem(attrs, q, k, v, True)
+    problem, plan, inputs = _problem(attrs, q, k, v, True, backward=True)
     # Positions past seq_len_q/kv are not tokens: whatever they hold never reaches a gradient.
     o, dO = hide_padded_rows(problem, o), hide_padded_rows(problem, dO)
     # With sinks, the forward's stats include them: the engine's backward is then already the

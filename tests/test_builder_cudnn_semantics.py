@@ -1,0 +1,85 @@
+"""The cuDNN attribute builder speaks cuDNN: on random configurations drawn like the frontend's
+``test_mhas``, it accepts exactly what cuDNN's own validator accepts (rejecting with cuDNN's
+reason), and what it runs matches the frontend's reference semantics in float64.
+
+A deterministic sample runs by default; ``CUDNN_ATTN_FULL_SWEEP=1`` runs 1000 configurations
+(``benchmarks/builder_grid.py`` prints the counts of the full grid).
+"""
+
+import dataclasses
+import math
+import os
+
+import pytest
+import torch
+
+import builder_grid as grid
+import cudnn_attn as ca
+
+pytest.importorskip("cudnn")
+
+COUNT = 1000 if os.environ.get("CUDNN_ATTN_FULL_SWEEP") else 120
+
+
+@pytest.mark.parametrize("seed", range(COUNT))
+def test_builder_and_cudnn_agree(seed):
+    c = grid.sample(seed)
+    theirs = grid.cudnn_verdict(c)
+    if c.backward and theirs is not None:  # the builder runs the forward first
+        theirs = grid.cudnn_verdict(dataclasses.replace(c, backward=False)) or theirs
+    mine, out, stats, grads = grid.run_builder(c)
+    if theirs is not None:
+        assert mine is not None, f"cuDNN rejects {c}: {theirs}; the builder ran it"
+        assert any(reason in theirs for reason in mine.split(". ") if reason), (mine, theirs)
+        return
+    assert mine is None, f"cuDNN accepts {c}; the builder rejected it: {mine}"
+    err = grid.compare(c, out, stats, grads)
+    assert math.isnan(err) or err < 1e-9, f"{c}: error {err}"
+
+
+def test_the_sample_covers_both_verdicts_and_every_spelling():
+    configs = [grid.sample(seed) for seed in range(COUNT)]
+    verdicts = [grid.cudnn_verdict(c) for c in configs]
+    assert sum(v is None for v in verdicts) > COUNT // 3
+    assert sum(v is not None for v in verdicts) > 10
+    assert {c.spelling for c in configs} == {"none", "causal", "band", "window_length"}
+
+
+def test_band_setters_follow_cudnn_precedence():
+    a = (ca.SdpaAttributes().set_diagonal_alignment("bottom_right")
+         .set_diagonal_band_right_bound(3).set_sliding_window_length(4))
+    assert a.band() == ("bottom_right", 4, 3)
+    a.set_diagonal_band_left_bound(2)
+    assert a.band() == ("bottom_right", 2, 3)          # the left bound wins over the length
+    a.set_causal_mask(True)
+    assert a.band() == ("top_left", 2, 0)              # causal pins alignment and right bound
+    with pytest.raises(ValueError, match="Right bound needs to be larger than or equal to zero"):
+        a.set_diagonal_band_right_bound(-1)
+    with pytest.raises(ValueError, match="Left bound needs to be greater than zero"):
+        a.set_diagonal_band_left_bound(0)
+    with pytest.raises(ValueError, match="set_diagonal_alignment"):
+        a.set_diagonal_alignment("middle")
+
+
+def test_padding_in_cudnn_s_two_steps():
+    q = torch.randn(2, 1, 4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="Padding mask requires seq_len_q/seq_len_kv"):
+        ca.scaled_dot_product_flash_attention(q, q, q, ca.SdpaAttributes().set_padding_mask(True))
+    with pytest.raises(ValueError, match="only if padding mask is enabled"):
+        ca.scaled_dot_product_flash_attention(q, q, q, ca.SdpaAttributes().set_seq_len_q([2, 3])
+                                              .set_seq_len_kv([4, 4]))
+
+
+def test_the_grid_script_counts_agreement():
+    # Also proves the benchmarks folder's cudnn.py no longer shadows the frontend package.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "builder_grid.py"
+    run = subprocess.run([sys.executable, str(script), "--count", "30", "--no-json"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    header, _, values = run.stdout.strip().splitlines()[-3:]
+    counts = dict(zip(header.split(), values.split()))
+    assert counts["configs"] == "30" and counts["disagreements"] == "0"
