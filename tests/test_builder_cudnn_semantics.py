@@ -83,3 +83,26 @@ def test_the_grid_script_counts_agreement():
     header, _, values = run.stdout.strip().splitlines()[-3:]
     counts = dict(zip(header.split(), values.split()))
     assert counts["configs"] == "30" and counts["disagreements"] == "0"
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 2, 5, 7), (2, 1, 1, 7), (2, 2, 5, 7)])
+def test_backward_returns_dbias_when_asked(bias_shape):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 7, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    bias = torch.randn(bias_shape, generator=g, dtype=torch.float64)
+    fwd = ca.SdpaAttributes().set_attn_scale(0.5).set_bias(bias).set_causal_mask(True)
+    o, stats = ca.scaled_dot_product_flash_attention(q, k, v, fwd)
+    d_o = torch.randn(o.shape, generator=g, dtype=torch.float64)
+    dbias = torch.full(bias_shape, float("nan"), dtype=torch.float64)
+    bwd = (ca.SdpaBackwardAttributes().set_attn_scale(0.5).set_bias(bias).set_causal_mask(True)
+           .set_dbias(dbias))
+    ca.scaled_dot_product_flash_attention_backward(q, k, v, o, d_o, stats, bwd)
+    leaf = bias.clone().requires_grad_()
+    s = 0.5 * q @ k.transpose(-1, -2) + leaf
+    s = s.masked_fill(torch.ones(5, 7, dtype=torch.bool).triu(1), float("-inf"))
+    (want,) = torch.autograd.grad(torch.softmax(s, -1) @ v, leaf, d_o)
+    torch.testing.assert_close(dbias, want)
+    with pytest.raises(ValueError, match="set_dbias needs set_bias"):
+        ca.scaled_dot_product_flash_attention_backward(
+            q, k, v, o, d_o, stats, ca.SdpaBackwardAttributes().set_dbias(dbias))

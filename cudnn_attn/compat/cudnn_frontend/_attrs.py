@@ -338,10 +338,17 @@ class SdpaBackwardAttributes(_Attributes):
         super().__init__()
         self.deterministic = False
         self.dsink_token: torch.Tensor | None = None
+        self.dbias: torch.Tensor | None = None
 
     def set_deterministic_algorithm(self, value):
         """Ask for a bitwise-repeatable backward (the torch engine always is)."""
         self.deterministic = _flag("set_deterministic_algorithm", value)
+        return self
+
+    def set_dbias(self, dbias):
+        """The bias's gradient is written into this tensor (the bias's shape; cuDNN's dBias
+        output); needs ``set_bias``."""
+        self.dbias = _checks.tensor("dbias", dbias, floating=True, prefix="set_dbias: ")
         return self
 
     def set_dSink_token(self, dsink_token):

@@ -31,7 +31,7 @@ Conventions (where cuDNN leaves a choice or this library differs):
   equal ``1 / scale``.
 * ``set_sink_token(t)`` (``[1, H_q, 1, 1]`` float logits): attention sinks; the stats include
   them, as cuDNN's. The backward's ``set_dSink_token(t)`` receives their gradient (written into
-  ``t``). ``k`` and ``v`` may have different head counts, both dividing ``H_q``.
+  ``t``), as ``set_dbias(t)`` receives the bias's. ``k`` and ``v`` may have different head counts, both dividing ``H_q``.
 * ``set_compute_data_type`` takes ``torch.float32`` or ``cudnn.data_type.FLOAT`` (every engine
   computes in float32; float64 inputs stay float64 on the torch engine).
 """
@@ -76,6 +76,8 @@ def _problem(attrs, q, k, v, need_stats, backward=False):
     if getattr(attrs, "deterministic", False):
         # A deterministic backward is a different plan (plan_key includes the flag).
         problem = dataclasses.replace(problem, deterministic=True)
+    if backward and getattr(attrs, "dbias", None) is not None:
+        problem = dataclasses.replace(problem, requires_grad=True, bias_requires_grad=True)
     plan = dispatch.plan_for(problem)[1]
     return problem, plan, Inputs(q, k, v, bias, dropout, dropout_mask=keep)
 
@@ -129,6 +131,14 @@ def scaled_dot_product_flash_attention_backward(q, k, v, o, dO, stats,
     _check_backward_inputs(q, v, o, dO, stats)
     if attrs.dsink_token is not None and attrs.sink_token is None:
         raise ValueError("set_dSink_token needs set_sink_token (the forward's sinks)")
+    if attrs.dbias is not None:
+        if attrs.bias is None:
+            raise ValueError("set_dbias needs set_bias (the forward's bias)")
+        if tuple(attrs.dbias.shape) != tuple(attrs.bias.shape) \
+                or attrs.dbias.device != attrs.bias.device:
+            raise ValueError(f"set_dbias: dBias must have the bias's shape "
+                             f"{tuple(attrs.bias.shape)} and device {attrs.bias.device}, got "
+                             f"{tuple(attrs.dbias.shape)} on {attrs.dbias.device}")
     lse = stats.reshape(stats.shape[:3])
     repeated = head_counts_differ(q, k, v, "bhsd")
     if repeated:
@@ -139,7 +149,9 @@ def scaled_dot_product_flash_attention_backward(q, k, v, o, dO, stats,
     o, dO = hide_padded_rows(problem, o), hide_padded_rows(problem, dO)
     # With sinks, the forward's stats include them: the engine's backward is then already the
     # backward of attention with sinks (cudnn_attn.sinks); only dSink is computed here.
-    dq, dk, dv, _ = plan.backward(problem, hide_padding(problem, inputs), o, lse, dO)
+    dq, dk, dv, dbias = plan.backward(problem, hide_padding(problem, inputs), o, lse, dO)
+    if attrs.dbias is not None:
+        attrs.dbias.copy_(dbias.reshape(attrs.dbias.shape))
     if attrs.dsink_token is not None:
         sinks = check_sinks(attrs.sink_token, problem.heads_q, q)
         dsink = sink_gradient(o, lse, dO, sinks, "bhsd")
