@@ -143,13 +143,13 @@ def test_forward_vs_oracle(case, lens):
 def test_padded_path_vs_oracle(case, lens, monkeypatch):
     # The one padded batch GPU engines (and dropout) take; on the CPU calls group by length.
     import cudnn_attn.varlen as varlen
-    monkeypatch.setattr(varlen, "by_length_groups", lambda *args: False)
+    monkeypatch.setattr(varlen, "by_length_groups", lambda *args: False)  # as bound in varlen
     run_case(case, *lens)
 
 
 def test_cpu_cost_follows_each_sequence_not_the_longest(monkeypatch):
     # 1 long + 30 short sequences: grouped by length, the short ones never pad to the long one.
-    import cudnn_attn.varlen as varlen
+    import cudnn_attn.varlen_groups as varlen
     shapes = []
     original = varlen.attention
     monkeypatch.setattr(varlen, "attention",

@@ -1,6 +1,6 @@
 """FlashAttention's packed (varlen) entry points ``mha_varlen_fwd`` / ``mha_varlen_bwd``
 (``[total, H, D]`` with ``cu_seqlens``, optional paged K/V). On the torch engine (the rule of
-``cudnn_attn.varlen.by_length_groups``) and without dropout, weights or paging, the sequences run
+``cudnn_attn.varlen_groups.by_length_groups``) and without dropout, weights or paging, the sequences run
 as one dense batch per distinct ``(len_q, len_k)``, so each costs its own length; otherwise as one
 batch padded to the longest with a ``Padding`` mask. Conventions:
 ``cudnn_attn.compat.flash_attn.mha``'s docstring."""
@@ -14,8 +14,8 @@ import torch
 from ... import _checks
 from ...problem import accumulator_dtype
 from ...runtime import DropoutState
-from ...varlen import (by_length_groups, cu_lengths, gather_pages, group_bias, index_tensor,
-                       length_groups, packed_rows, pad_tokens, token_slots, with_padding)
+from ...varlen import cu_lengths, gather_pages, index_tensor, pad_tokens, token_slots, with_padding
+from ...varlen_groups import by_length_groups, group_bias, length_groups, packed_rows
 from . import _core, _probs
 from ._args import (_Options, _alibi, _flag, _generator, _into, _like, _philox, _same_dtype,
                     _seed_tensors, _softmax_d, runtime_errors)
