@@ -32,6 +32,7 @@ import torch
 
 from . import _checks, call_spec, entry_ops
 from .api import attention
+from .sinks import check_sinks, merge_sinks
 from .varlen_groups import by_length_groups, grouped_varlen
 from .custom_ops import SEED_BOUND
 from .problem import accumulator_dtype
@@ -263,7 +264,8 @@ def gather_pages(k_cache, v_cache, block_table, lens: list[int]):
 
 
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=None, mask=None,
-                           bias=None, scale=None, softcap=None, return_lse=False, backend="auto"):
+                           bias=None, scale=None, softcap=None, return_lse=False, backend="auto",
+                           sinks=None):
     """Queries against the first ``cache_seqlens[b]`` keys of each sequence's KV cache (inference).
 
     Args:
@@ -285,6 +287,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
             (paged), indexed by logical cache position.
         scale, softcap, backend: as in ``attention``. There is no dropout (inference).
         return_lse: also return the log-sum-exp ``[B, H_q, S_q]`` (as ``attention``).
+        sinks: attention sinks, ``[H_q]`` logits (as ``attention``; gpt-oss decoding).
 
     Returns:
         ``out`` ``[B, S_q, H_q, D_v]``, or ``(out, lse)``.
@@ -294,6 +297,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         out_b = attention(q[b:b+1], k_cache[b:b+1, :n], v_cache[b:b+1, :n], layout="bshd",
                           mask=mask)        # n = cache_seqlens[b], per sequence
     """
+    if sinks is not None:  # a merge over the result without them (cudnn_attn.sinks)
+        out, lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens,
+                                          block_table=block_table, mask=mask, bias=bias,
+                                          scale=scale, softcap=softcap, return_lse=True,
+                                          backend=backend)
+        out, lse = merge_sinks(out, lse, check_sinks(sinks, lse.shape[1], q), "bshd")
+        return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():  # lengths are read on the host: one op in the graph
         lens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
         ints = [] if lens is not None else [cache_seqlens] if isinstance(cache_seqlens, int) \

@@ -223,3 +223,35 @@ def test_builder_dsink_needs_the_sink_token():
         ca.scaled_dot_product_flash_attention_backward(q, k, v, o, o, stats, bwd)
     with pytest.raises(TypeError, match="set_sink_token: sink_token must be float"):
         ca.SdpaAttributes().set_sink_token(torch.zeros(4, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_decode_with_sinks_against_the_oracle(paged):
+    # gpt-oss style decoding: one new query per sequence against its cache, plus sinks.
+    g = torch.Generator().manual_seed(8)
+    B, H, Hkv, D, S_max = 2, 4, 2, 8, 12
+    q = torch.randn(B, 1, H, D, generator=g, dtype=F64)
+    k_cache, v_cache = (torch.randn(B, S_max, Hkv, D, generator=g, dtype=F64) for _ in range(2))
+    sinks = torch.randn(H, generator=g, dtype=F64, requires_grad=True)
+    lens = [7, 12]
+    kwargs = dict(mask=ca.Causal("bottom_right"), sinks=sinks, return_lse=True)
+    if paged:  # pages of 4 rows, shuffled
+        pages = torch.randperm(6, generator=g)
+        table = pages.view(B, 3)
+        k_pages = torch.empty(6, 4, Hkv, D, dtype=F64)
+        v_pages = torch.empty(6, 4, Hkv, D, dtype=F64)
+        k_pages[table.reshape(-1)] = k_cache.reshape(6, 4, Hkv, D)
+        v_pages[table.reshape(-1)] = v_cache.reshape(6, 4, Hkv, D)
+        out, lse = ca.attention_with_kvcache(q, k_pages, v_pages, lens, block_table=table,
+                                             **kwargs)
+    else:
+        out, lse = ca.attention_with_kvcache(q, k_cache, v_cache, lens, **kwargs)
+    for b, n in enumerate(lens):
+        visible = torch.ones(1, 1, n, dtype=torch.bool)
+        ref_out, ref_lse = brute_force(q[b:b + 1].transpose(1, 2),
+                                       k_cache[b:b + 1, :n].transpose(1, 2),
+                                       v_cache[b:b + 1, :n].transpose(1, 2), visible, sinks)
+        torch.testing.assert_close(out[b:b + 1].transpose(1, 2), ref_out)
+        torch.testing.assert_close(lse[b:b + 1], ref_lse)
+    (grad,) = torch.autograd.grad(out.sum(), sinks)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
