@@ -106,3 +106,35 @@ def test_backward_returns_dbias_when_asked(bias_shape):
     with pytest.raises(ValueError, match="set_dbias needs set_bias"):
         ca.scaled_dot_product_flash_attention_backward(
             q, k, v, o, d_o, stats, ca.SdpaBackwardAttributes().set_dbias(dbias))
+
+
+def test_paged_caches_read_through_the_page_tables():
+    g = torch.Generator().manual_seed(4)
+    B, H, D, page, pages = 2, 2, 8, 4, 3
+    q = torch.randn(B, H, 2, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, H, pages * page, D, generator=g, dtype=torch.float64) for _ in range(2))
+    order = torch.randperm(B * pages, generator=g)
+    table = order.view(B, pages).to(torch.int32)
+    containers = []
+    for dense in (k, v):  # cuDNN's container [num_blocks, H, page_size, D]
+        blocks = torch.empty(B * pages, H, page, D, dtype=torch.float64)
+        blocks[order] = dense.view(B, H, pages, page, D).permute(0, 2, 1, 3, 4).reshape(-1, H, page, D)
+        containers.append(blocks)
+    lens_kv = [9, 12]
+    attrs = (ca.SdpaAttributes().set_attn_scale(0.4).set_padding_mask(True)
+             .set_seq_len_q([2, 2]).set_seq_len_kv(lens_kv)
+             .set_paged_attention_k_table(table[:, None, :, None])
+             .set_paged_attention_v_table(table).set_paged_attention_max_seq_len_kv(12))
+    out, stats = ca.scaled_dot_product_flash_attention(q, *containers, attrs)
+    dense = (ca.SdpaAttributes().set_attn_scale(0.4).set_padding_mask(True).set_seq_len_q([2, 2])
+             .set_seq_len_kv(lens_kv))
+    want, want_stats = ca.scaled_dot_product_flash_attention(q, k, v, dense)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(stats, want_stats)
+    with pytest.raises(ca.NotSupportedError, match="Paged caches can only be used in combination"):
+        ca.scaled_dot_product_flash_attention(
+            q, *containers, ca.SdpaAttributes().set_paged_attention_k_table(table)
+            .set_paged_attention_v_table(table))
+    with pytest.raises(ca.NotSupportedError, match="no need to explicitly set max kv"):
+        ca.scaled_dot_product_flash_attention(
+            q, k, v, ca.SdpaAttributes().set_paged_attention_max_seq_len_kv(12))

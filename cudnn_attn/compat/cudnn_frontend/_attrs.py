@@ -60,6 +60,16 @@ def _lengths(setter: str, what: str, value) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _page_table(setter: str, table) -> torch.Tensor:
+    table = _checks.tensor("table", table, dtypes=(torch.int32, torch.int64), prefix=f"{setter}: ")
+    if table.dim() == 4 and table.shape[1] == table.shape[3] == 1:
+        table = table[:, 0, :, 0]
+    if table.dim() != 2:
+        raise ValueError(f"{setter}: table must be [B, 1, pages, 1] or [B, pages], got "
+                         f"{tuple(table.shape)}")
+    return table
+
+
 def check_broadcast(what: str, t: torch.Tensor, full: tuple) -> None:
     ok = t.dim() <= 4 and all(a in (1, b) for a, b in zip(reversed(t.shape), reversed(full)))
     if not ok:
@@ -87,6 +97,9 @@ class _Attributes:
         self.use_padding = False
         self.seq_len_q: tuple | None = None
         self.seq_len_kv: tuple | None = None
+        self.k_table: torch.Tensor | None = None
+        self.v_table: torch.Tensor | None = None
+        self.max_seq_len_kv: int | None = None
         self.padding: tuple | None = None        # (seq_len_q, seq_len_kv) tuples
         self.alibi = False
 
@@ -328,6 +341,24 @@ class SdpaAttributes(_Attributes):
     def set_generate_stats(self, value):
         """cuDNN's newer spelling: the opposite of ``set_is_inference``."""
         self.generate_stats = _flag("set_generate_stats", value)
+        return self
+
+    def set_paged_attention_k_table(self, table):
+        """Paged K: ``k`` is then a container ``[num_blocks, H_k, page_size, D]`` and this
+        int32/int64 ``[B, 1, pages, 1]`` (or ``[B, pages]``) table says which block holds each
+        page of each sequence (forward only, as cuDNN; needs padding with ``seq_len_kv``)."""
+        self.k_table = _page_table("set_paged_attention_k_table", table)
+        return self
+
+    def set_paged_attention_v_table(self, table):
+        """Paged V: as ``set_paged_attention_k_table``, for ``v``."""
+        self.v_table = _page_table("set_paged_attention_v_table", table)
+        return self
+
+    def set_paged_attention_max_seq_len_kv(self, max_seq_len_kv):
+        """The logical key length of a paged call (default: pages x page size)."""
+        self.max_seq_len_kv = _scalar("set_paged_attention_max_seq_len_kv", "max_seq_len_kv",
+                                      max_seq_len_kv, integer=True)
         return self
 
 

@@ -32,6 +32,8 @@ Conventions (where cuDNN leaves a choice or this library differs):
 * ``set_sink_token(t)`` (``[1, H_q, 1, 1]`` float logits): attention sinks; the stats include
   them, as cuDNN's. The backward's ``set_dSink_token(t)`` receives their gradient (written into
   ``t``), as ``set_dbias(t)`` receives the bias's. ``k`` and ``v`` may have different head counts, both dividing ``H_q``.
+* ``set_paged_attention_k_table`` / ``_v_table`` (forward): ``k``/``v`` are cuDNN's paged containers
+  ``[num_blocks, H_k, page_size, D]``; ``set_paged_attention_max_seq_len_kv`` bounds the keys.
 * ``set_compute_data_type`` takes ``torch.float32`` or ``cudnn.data_type.FLOAT`` (every engine
   computes in float32; float64 inputs stay float64 on the torch engine).
 """
@@ -43,6 +45,7 @@ import dataclasses
 import torch
 
 from ... import _checks, dispatch
+from ...errors import NotSupportedError
 from ...kv_heads import head_counts_differ, repeat_to_common_heads, sum_to_heads
 from ...problem import AttnProblem
 from ...sinks import check_sinks, merge_sinks, sink_gradient
@@ -82,6 +85,40 @@ def _problem(attrs, q, k, v, need_stats, backward=False):
     return problem, plan, Inputs(q, k, v, bias, dropout, dropout_mask=keep)
 
 
+def _unpage(attrs, q, k, v):
+    """Dense ``[B, H_k, S_kv, D]`` keys/values of a paged call (cuDNN's paged containers
+    ``[num_blocks, H_k, page_size, D]`` read through the page tables), else ``k``, ``v``."""
+    paged = attrs.k_table is not None or attrs.v_table is not None
+    if not paged:
+        if attrs.max_seq_len_kv is not None:
+            raise NotSupportedError("cuDNN SDPA", {"cudnn": [
+                "When not using paged attention, there is no need to explicitly set max kv "
+                "sequence length."]})
+        return k, v
+    if attrs.k_table is None or attrs.v_table is None:
+        raise ValueError("paged attention needs both set_paged_attention_k_table and "
+                         "set_paged_attention_v_table")
+    if not attrs.use_padding and attrs.padding is None:
+        raise NotSupportedError("cuDNN SDPA", {"cudnn": [
+            "Paged caches can only be used in combination with padding mask and variable "
+            "sequence lengths for both Q and KV."]})
+    dense = []
+    for name, cache, table in (("k", k, attrs.k_table), ("v", v, attrs.v_table)):
+        _checks.tensor(name, cache, ndim=4, what="[num_blocks, H_k, page_size, D] (paged)")
+        if table.shape[0] != q.shape[0] or table.device not in (cache.device,
+                                                                 torch.device("cpu")):
+            raise ValueError(f"the {name} page table must be [B={q.shape[0]}, pages] on "
+                             f"{cache.device}, got {tuple(table.shape)} on {table.device}")
+        if int(table.max()) >= cache.shape[0] or int(table.min()) < 0:
+            raise ValueError(f"the {name} page table points outside the {cache.shape[0]} "
+                             f"blocks of {name}")
+        pages = cache[table.to(cache.device).long()]        # [B, pages, H, page_size, D]
+        full = pages.permute(0, 2, 1, 3, 4).flatten(2, 3)   # [B, H, pages * page_size, D]
+        length = attrs.max_seq_len_kv or full.shape[2]
+        dense.append(full[:, :, :length])
+    return dense[0], dense[1]
+
+
 def _check_attrs(attrs, cls, fn):
     if not isinstance(attrs, cls):
         raise TypeError(f"{fn}: attrs must be {cls.__name__}, got {type(attrs).__name__}")
@@ -105,6 +142,7 @@ def scaled_dot_product_flash_attention(q, k, v, attrs: SdpaAttributes):
     q, k, v = (t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     need = attrs.generate_stats
     sinks = attrs.sink_token
+    k, v = _unpage(attrs, q, k, v)
     if head_counts_differ(q, k, v, "bhsd"):  # H_k != H_v, as cuDNN allows
         k, v = repeat_to_common_heads(q, k, v, "bhsd")
     problem, plan, inputs = _problem(attrs, q, k, v, need or sinks is not None)
