@@ -188,30 +188,31 @@ _FUSED_DOC = """{rank}-D neighborhood attention (NATTEN 0.21 ``na{rank}d``, same
     """
 
 
-def _hints(q_tile_shape, kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape,
-           backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel, kernel_schedule,
-           torch_compile) -> dict:
-    return dict(tiles=dict(q_tile_shape=q_tile_shape, kv_tile_shape=kv_tile_shape,
-                           backward_q_tile_shape=backward_q_tile_shape,
-                           backward_kv_tile_shape=backward_kv_tile_shape),
-                backward_kv_splits=backward_kv_splits,
-                backward_use_pt_reduction=backward_use_pt_reduction,
-                run_persistent_kernel=run_persistent_kernel, kernel_schedule=kernel_schedule,
-                torch_compile=torch_compile)
+_HINTS = ("q_tile_shape", "kv_tile_shape", "backward_q_tile_shape", "backward_kv_tile_shape")
 
 
+def _call(rank: int, args: dict):
+    """One neighborhood call from the named arguments of ``na{rank}d`` (its ``locals()``)."""
+    hints = dict(tiles={name: args[name] for name in _HINTS},
+                 **{name: args[name] for name in ("backward_kv_splits",
+                                                  "backward_use_pt_reduction",
+                                                  "run_persistent_kernel", "kernel_schedule",
+                                                  "torch_compile")})
+    return _na(rank, args["query"], args["key"], args["value"], args["kernel_size"],
+               args["stride"], args["dilation"], args["is_causal"], args["scale"],
+               args["additional_keys"], args["additional_values"], args["attention_kwargs"],
+               args["backend"], hints, args["return_lse"], args["rpb"])
+
+
+# The signatures are written out (not generated) so that they read as NATTEN's, in the source
+# and to inspect.signature.
 def na1d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
          additional_keys=None, additional_values=None, attention_kwargs=None, backend=None,
          q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
          backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
          run_persistent_kernel=True, kernel_schedule=None, torch_compile=False, return_lse=False,
          *, rpb=None):
-    hints = _hints(q_tile_shape, kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape,
-                   backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel,
-                   kernel_schedule, torch_compile)
-    return _na(1, query, key, value, kernel_size, stride, dilation, is_causal, scale,
-               additional_keys, additional_values, attention_kwargs, backend, hints, return_lse,
-               rpb)
+    return _call(1, locals())
 
 
 def na2d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
@@ -220,12 +221,7 @@ def na2d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, 
          backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
          run_persistent_kernel=True, kernel_schedule=None, torch_compile=False, return_lse=False,
          *, rpb=None):
-    hints = _hints(q_tile_shape, kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape,
-                   backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel,
-                   kernel_schedule, torch_compile)
-    return _na(2, query, key, value, kernel_size, stride, dilation, is_causal, scale,
-               additional_keys, additional_values, attention_kwargs, backend, hints, return_lse,
-               rpb)
+    return _call(2, locals())
 
 
 def na3d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
@@ -234,12 +230,7 @@ def na3d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, 
          backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
          run_persistent_kernel=True, kernel_schedule=None, torch_compile=False, return_lse=False,
          *, rpb=None):
-    hints = _hints(q_tile_shape, kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape,
-                   backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel,
-                   kernel_schedule, torch_compile)
-    return _na(3, query, key, value, kernel_size, stride, dilation, is_causal, scale,
-               additional_keys, additional_values, attention_kwargs, backend, hints, return_lse,
-               rpb)
+    return _call(3, locals())
 
 
 def neighborhood_attention_generic(query, key, value, kernel_size, stride=1, dilation=1,
@@ -252,16 +243,10 @@ def neighborhood_attention_generic(query, key, value, kernel_size, stride=1, dil
                                    torch_compile=False, return_lse=False, *, rpb=None):
     """``na1d``/``na2d``/``na3d`` by the query's rank (NATTEN 0.21's ``natten.functional`` name)."""
     _checks.tensor("query", query)
-    rank = query.dim() - 3
-    if rank not in (1, 2, 3):
+    if not 4 <= query.dim() <= 6:
         raise ValueError(f"query must be [B, *spatial, H, D] with 1 to 3 spatial axes, got shape "
                          f"{tuple(query.shape)}")
-    hints = _hints(q_tile_shape, kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape,
-                   backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel,
-                   kernel_schedule, torch_compile)
-    return _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
-               additional_keys, additional_values, attention_kwargs, backend, hints, return_lse,
-               rpb)
+    return _call(query.dim() - 3, locals())
 
 
 # ---------------------------------------------------------------------------------------------
