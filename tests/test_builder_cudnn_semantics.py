@@ -138,3 +138,27 @@ def test_paged_caches_read_through_the_page_tables():
     with pytest.raises(ca.NotSupportedError, match="no need to explicitly set max kv"):
         ca.scaled_dot_product_flash_attention(
             q, k, v, ca.SdpaAttributes().set_paged_attention_max_seq_len_kv(12))
+
+
+def test_cumulative_lengths_implementation_and_max_total():
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 7, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    by_lengths = (ca.SdpaAttributes().set_padding_mask(True).set_seq_len_q([3, 5])
+                  .set_seq_len_kv([7, 2]))
+    by_offsets = (ca.SdpaAttributes().set_padding_mask(True)
+                  .set_cu_seq_len_q(torch.tensor([0, 3, 8], dtype=torch.int32))
+                  .set_cu_seq_len_kv([0, 7, 9]).set_implementation("UNIFIED"))
+    want = ca.scaled_dot_product_flash_attention(q, k, v, by_lengths)
+    got = ca.scaled_dot_product_flash_attention(q, k, v, by_offsets)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="seq_len_q and cu_seq_len_q cannot both be set"):
+        ca.scaled_dot_product_flash_attention(q, k, v, by_offsets.set_seq_len_q([3, 5]))
+    with pytest.raises(ValueError, match="start at 0"):
+        ca.SdpaAttributes().set_cu_seq_len_q([1, 3])
+    with pytest.raises(ValueError, match="AUTO, COMPOSITE or UNIFIED"):
+        ca.SdpaAttributes().set_implementation("FAST")
+    with pytest.raises(ca.NotSupportedError, match="only supported with packed"):
+        ca.scaled_dot_product_flash_attention(q, k, v, ca.SdpaAttributes()
+                                              .set_max_total_seq_len_q(10))

@@ -60,6 +60,17 @@ def _lengths(setter: str, what: str, value) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _cumulative(setter: str, offsets) -> tuple[int, ...]:
+    """Lengths from cumulative offsets ``[B + 1]`` (``[B + 1, 1, 1, 1]`` too): 0, non-decreasing."""
+    if isinstance(offsets, torch.Tensor) and offsets.dim() == 4:
+        offsets = offsets.reshape(-1)
+    values = _lengths(setter, "offsets", offsets)
+    if len(values) < 2 or values[0] != 0 or any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{setter}: offsets must start at 0, be non-decreasing and have B + 1 "
+                         f"entries, got {values}")
+    return tuple(b - a for a, b in zip(values, values[1:]))
+
+
 def _page_table(setter: str, table) -> torch.Tensor:
     table = _checks.tensor("table", table, dtypes=(torch.int32, torch.int64), prefix=f"{setter}: ")
     if table.dim() == 4 and table.shape[1] == table.shape[3] == 1:
@@ -97,6 +108,11 @@ class _Attributes:
         self.use_padding = False
         self.seq_len_q: tuple | None = None
         self.seq_len_kv: tuple | None = None
+        self.cu_seq_len_q: tuple | None = None
+        self.cu_seq_len_kv: tuple | None = None
+        self.max_total_seq_len_q: int | None = None
+        self.max_total_seq_len_kv: int | None = None
+        self.implementation = "AUTO"
         self.k_table: torch.Tensor | None = None
         self.v_table: torch.Tensor | None = None
         self.max_seq_len_kv: int | None = None
@@ -217,6 +233,40 @@ class _Attributes:
     def set_seq_len_kv(self, seq_len_kv):
         """Per-batch key lengths (``[B]`` or ``[B, 1, 1, 1]``), with ``set_padding_mask(True)``."""
         self.seq_len_kv = _lengths("set_seq_len_kv", "seq_len_kv", seq_len_kv)
+        return self
+
+    def set_cu_seq_len_q(self, cu_seq_len_q):
+        """Query lengths as cumulative offsets ``[B + 1]`` (cuDNN's alternative to
+        ``set_seq_len_q``; not both), with ``set_padding_mask(True)``."""
+        self.cu_seq_len_q = _cumulative("set_cu_seq_len_q", cu_seq_len_q)
+        return self
+
+    def set_cu_seq_len_kv(self, cu_seq_len_kv):
+        """Key lengths as cumulative offsets ``[B + 1]``, as ``set_cu_seq_len_q``."""
+        self.cu_seq_len_kv = _cumulative("set_cu_seq_len_kv", cu_seq_len_kv)
+        return self
+
+    def set_max_total_seq_len_q(self, value):
+        """cuDNN's bound of a packed (ragged) query axis; this builder's tensors are dense
+        ``[B, H, S, D]``, so a call with it is rejected as cuDNN rejects it."""
+        self.max_total_seq_len_q = _scalar("set_max_total_seq_len_q", "value", value,
+                                           integer=True)
+        return self
+
+    def set_max_total_seq_len_kv(self, value):
+        """As ``set_max_total_seq_len_q``, for the keys."""
+        self.max_total_seq_len_kv = _scalar("set_max_total_seq_len_kv", "value", value,
+                                            integer=True)
+        return self
+
+    def set_implementation(self, implementation):
+        """cuDNN's engine family (``AUTO``, ``COMPOSITE``, ``UNIFIED``, or
+        ``cudnn.attention_implementation``): a hint; the result is the same."""
+        name = getattr(implementation, "name", implementation)
+        if not isinstance(name, str) or name.upper() not in ("AUTO", "COMPOSITE", "UNIFIED"):
+            raise ValueError(f"set_implementation: expected AUTO, COMPOSITE or UNIFIED, got "
+                             f"{implementation!r}")
+        self.implementation = name.upper()
         return self
 
     def set_bias(self, bias):

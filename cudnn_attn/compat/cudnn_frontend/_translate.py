@@ -26,15 +26,23 @@ def _band_mask(attrs):
                          alignment)
 
 
+def _side(lengths, cumulative, side: str):
+    """One side's lengths from ``seq_len_*`` or ``cu_seq_len_*`` (cuDNN: one form per side)."""
+    if lengths is not None and cumulative is not None:
+        raise ValueError(f"seq_len_{side} and cu_seq_len_{side} cannot both be set.")
+    return lengths if lengths is not None else cumulative
+
+
 def _padding_of(attrs, batch: int, seq_q: int, seq_kv: int):
+    lens_q = _side(attrs.seq_len_q, attrs.cu_seq_len_q, "q")
+    lens_kv = _side(attrs.seq_len_kv, attrs.cu_seq_len_kv, "kv")
     if attrs.padding is not None:
         lens_q, lens_kv = attrs.padding
     elif attrs.use_padding:
-        if attrs.seq_len_q is None or attrs.seq_len_kv is None:
+        if lens_q is None or lens_kv is None:
             raise ValueError("Padding mask requires seq_len_q/seq_len_kv (or "
                              "cu_seq_len_q/cu_seq_len_kv) to be set.")
-        lens_q, lens_kv = attrs.seq_len_q, attrs.seq_len_kv
-    elif attrs.seq_len_q is not None or attrs.seq_len_kv is not None:
+    elif lens_q is not None or lens_kv is not None:
         raise ValueError("seq_len_q/seq_len_kv needs to be set only if padding mask is enabled.")
     else:
         return None
@@ -65,6 +73,9 @@ def _cudnn_verdicts(attrs, seq_q: int, seq_kv: int, padded: bool, backward: bool
         reasons.append("Sliding window attention is only supported with max_s_q <= max_s_kv.")
     if backward and seq_q == seq_kv == 1:
         reasons.append("s_q = s_kv = 1 is not supported.")
+    if attrs.max_total_seq_len_q is not None or attrs.max_total_seq_len_kv is not None:
+        # This builder's tensors are dense [B, H, S, D], never cuDNN's ragged layout.
+        reasons.append("max_total_seq_len_q/kv is only supported with packed (ragged) layout")
     return reasons
 
 
