@@ -364,7 +364,8 @@ class _Attributes:
         return self
 
     def set_alibi_mask(self, value):
-        """ALiBi: adds ``-slope_h * |i' - j|`` with the paper's slopes for ``H_q`` heads."""
+        """cuDNN's ALiBi: adds ``slope_h * (j - i)`` (the paper's slopes for ``H_q`` heads); cuDNN
+        needs right bound 0 and top-left alignment with it, and so does this builder."""
         self.alibi = _flag("set_alibi_mask", value)
         return self
 

@@ -18,10 +18,17 @@ Conventions (where cuDNN leaves a choice or this library differs):
   in cuDNN: the last ``True`` wins. ``set_sliding_window(left, right)`` is FlashAttention's
   inclusive window ``i' - left <= j <= i' + right`` (``-1``: unbounded), ``i'`` aligned like the
   causal mask (bottom-right when it is) unless ``alignment=`` says otherwise. cuDNN's exclusive left
-  bound is ``left + 1``: see ``diagonal_band_bounds()``. Causal and window masks combine as an AND
-  (cuDNN instead lets an explicit right bound > 0 override causal's bound of 0).
-* ``set_alibi_mask(True)``: the ALiBi paper's slopes for ``H_q`` heads, aligned like the causal /
-  window mask; with a bias tensor too, the engine adds both.
+  bound is ``left + 1``: see ``diagonal_band_bounds()``.
+* cuDNN's diagonal band: ``set_diagonal_alignment``, ``set_diagonal_band_left_bound(L)``
+  (exclusive: ``j > i' - L``), ``set_diagonal_band_right_bound(R)`` (``j <= i' + R``),
+  ``set_sliding_window_length`` (the left bound wins over it); the causal setters fix the
+  alignment and ``R = 0`` (``band()`` gives the effective triple). The FlashAttention-style
+  ``set_sliding_window`` above is this builder's extra, ANDed with the band.
+* ``set_alibi_mask(True)``: cuDNN's ALiBi, ``slope_h * (j - i)`` with the paper's slopes for
+  ``H_q`` heads; cuDNN accepts it only with ``R = 0`` and top-left alignment (so it equals
+  ``Alibi()``), and so does this builder. With a bias tensor too, the engine adds both.
+* What cuDNN's validator rejects raises ``NotSupportedError`` with cuDNN's reason
+  (``_translate``); ``tests/builder_grid.py`` checks the verdicts against cuDNN's own validator.
 * ``set_dropout(p, seed, offset)``: the call's ``DropoutState(seed, offset)``: every engine draws
   its mask from that pair alone, so forward and backward see the same mask. Only the cuDNN engine
   draws the bits cuDNN's Philox would; the torch engine has its own stream for the pair.
