@@ -13,8 +13,8 @@ sequence with a ``Padding`` mask. A KV-cache call is one padded batch.
   append: queries ``[B, S_q, H, D]`` against the first ``cache_seqlens[b]`` keys of a dense
   ``[B, S_max, H_kv, D]`` cache or a paged ``[num_blocks, page_size, H_kv, D]`` one.
 
-Helpers for surfaces (public, shared with ``compat.flash_attn``; validators come from
-``cudnn_attn._checks``):
+Helpers for surfaces (public, shared with ``compat.flash_attn``; the argument rules are
+``varlen_args``, re-exported here where surfaces import them):
 
 * ``cu_lengths(name, cu, total, tensor_name, device)`` — checked ``cu_seqlens`` -> lengths;
 * ``token_slots(lens, seq, device)`` — padded-buffer row of each packed token;
@@ -30,54 +30,22 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks, call_spec, entry_ops
+from . import call_spec, entry_ops
 from .api import attention
 from .sinks import check_sinks, merge_sinks
 from .varlen_groups import by_length_groups, grouped_varlen
+from .varlen_args import (cache_lengths, check_bias, check_cache, check_maxima, check_packed,
+                          check_user_mask, cu_lengths, index_tensor, varlen_lengths)
 from .custom_ops import SEED_BOUND
 from .problem import accumulator_dtype
-from .masks import Alibi, Mask, Neighborhood, Padding, mask_parts
+from .masks import Alibi, Padding
 
 __all__ = ["attention_varlen", "attention_with_kvcache", "cu_lengths", "token_slots", "pad_tokens",
            "gather_pages", "with_padding", "index_tensor"]
 
 # ---------------------------------------------------------------------------------------------
-# validation helpers
+# padding helpers
 # ---------------------------------------------------------------------------------------------
-
-def index_tensor(name: str, t, rank: int, device: torch.device) -> torch.Tensor:
-    """``_checks.index_tensor`` (int32/int64, ``rank`` dims) on q's ``device`` or the CPU, with the
-    device named as q's (the wording the varlen/kvcache errors have always had)."""
-    return _checks.index_tensor(name, t, ndim=rank, device=device, device_name="q's device")
-
-
-def _check_user_mask(mask, where: str) -> None:
-    """Causal/SlidingWindow only: lengths come from the call, and a spatial shape cannot be ragged."""
-    if mask is None:
-        return
-    if not isinstance(mask, Mask):
-        raise TypeError(f"mask must be a cudnn_attn mask (Causal, SlidingWindow or their & "
-                        f"combination), got {type(mask).__name__}")
-    for part in mask_parts(mask):
-        if isinstance(part, Padding):
-            raise ValueError(f"mask must not contain Padding in {where}: the valid lengths come "
-                             f"from its length arguments")
-        if isinstance(part, Neighborhood):
-            raise ValueError(f"mask must not contain Neighborhood in {where}: a neighborhood needs "
-                             f"one fixed spatial shape, and sequences here have their own lengths")
-
-
-def _check_bias(bias, full: tuple, dims: str):
-    """``bias`` is None, an ``Alibi`` or a tensor broadcastable to ``full`` (named by ``dims``)."""
-    if bias is None or isinstance(bias, Alibi):
-        return
-    if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be None, an Alibi or a torch.Tensor, got {type(bias).__name__}")
-    ok = bias.dim() <= 4 and all(b in (1, f) for b, f in zip(reversed(bias.shape), reversed(full)))
-    if not ok:
-        raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to {dims} = "
-                         f"{list(full)}")
-
 
 def with_padding(mask, lens_q, lens_kv, seq_q: int, seq_kv: int):
     """``mask & Padding(...)``; the padding is left out when every sequence fills the batch."""
@@ -90,24 +58,6 @@ def with_padding(mask, lens_q, lens_kv, seq_q: int, seq_kv: int):
 # ---------------------------------------------------------------------------------------------
 # varlen
 # ---------------------------------------------------------------------------------------------
-
-def cu_lengths(name: str, cu, total: int, tensor_name: str, device) -> list[int]:
-    cu = index_tensor(name, cu, 1, device)
-    if cu.numel() < 2:
-        raise ValueError(f"{name} must have B + 1 >= 2 entries, got shape {tuple(cu.shape)}")
-    offsets = cu.tolist()
-    if offsets[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {name}[0] = {offsets[0]}")
-    lens = [b - a for a, b in zip(offsets, offsets[1:])]
-    for i, n in enumerate(lens):
-        if n < 0:
-            raise ValueError(f"{name} must be non-decreasing, got {name}[{i}] = {offsets[i]} > "
-                             f"{name}[{i + 1}] = {offsets[i + 1]}")
-    if offsets[-1] != total:
-        raise ValueError(f"{name}[-1] must equal the number of packed tokens in {tensor_name} "
-                         f"({total}), got {offsets[-1]}")
-    return lens
-
 
 def token_slots(lens: list[int], seq: int, device) -> torch.Tensor:
     """Row ``b * seq + i`` of the padded ``[B * seq, ...]`` buffer for each packed token."""
@@ -164,34 +114,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if torch.compiler.is_compiling():  # lengths are read on the host: one op in the graph
         return _traced("varlen", [q, k, v, cu_seqlens_q, cu_seqlens_k], [max_seqlen_q, max_seqlen_k],
                        mask, bias, scale, dropout_p, softcap, return_lse, backend, generator)
-    q = _checks.tensor("q", q, ndim=3, what="[total_q, H_q, D_qk]")
-    k = _checks.tensor("k", k, ndim=3, what="[total_k, H_kv, D_qk]")
-    v = _checks.tensor("v", v, ndim=3, what="[total_k, H_kv, D_v]")
-    if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v must have the same tokens and heads, got k={tuple(k.shape)}, "
-                         f"v={tuple(v.shape)}")
-    if k.shape[2] != q.shape[2]:
-        raise ValueError(f"k head dim must equal q head dim, got q={tuple(q.shape)}, "
-                         f"k={tuple(k.shape)}")
-    if q.shape[1] % max(k.shape[1], 1):
-        raise ValueError(f"query heads must be a multiple of kv heads (GQA/MQA), got "
-                         f"H_q={q.shape[1]}, H_kv={k.shape[1]}")
-    lens_q = cu_lengths("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q", q.device)
-    lens_k = cu_lengths("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k", q.device)
-    if len(lens_q) != len(lens_k):
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got "
-                         f"{len(lens_q)} and {len(lens_k)} sequences")
-    max_q, max_k = (_checks.integer(name, value, tensors=True, maximum=_checks.MAX_POSITION)
-                    for name, value in (("max_seqlen_q", max_seqlen_q),
-                                        ("max_seqlen_k", max_seqlen_k)))
-    for name, value, lens, cu_name in (("max_seqlen_q", max_q, lens_q, "cu_seqlens_q"),
-                                       ("max_seqlen_k", max_k, lens_k, "cu_seqlens_k")):
-        if value < max(lens):
-            raise ValueError(f"{name} must be >= the longest sequence in {cu_name} "
-                             f"({max(lens)}), got {value}")
-    _check_user_mask(mask, "attention_varlen")
+    q, k, v = check_packed(q, k, v)
+    lens_q, lens_k = varlen_lengths(q, k, cu_seqlens_q, cu_seqlens_k)
+    max_q, max_k = check_maxima(max_seqlen_q, max_seqlen_k, lens_q, lens_k)
+    check_user_mask(mask, "attention_varlen")
     batch = len(lens_q)
-    _check_bias(bias, (batch, q.shape[1], max_q, max_k), "[B, H_q, max_seqlen_q, max_seqlen_k]")
+    check_bias(bias, (batch, q.shape[1], max_q, max_k), "[B, H_q, max_seqlen_q, max_seqlen_k]")
     if by_length_groups(q, backend, dropout_p):
         return grouped_varlen(q, k, v, lens_q, lens_k, mask, bias, scale, softcap, return_lse,
                         backend)
@@ -224,21 +152,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 # ---------------------------------------------------------------------------------------------
 # KV cache
 # ---------------------------------------------------------------------------------------------
-
-def _cache_lengths(cache_seqlens, batch: int, capacity: int, device, where: str) -> list[int]:
-    if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dim() != 0:
-        lens = index_tensor("cache_seqlens", cache_seqlens, 1, device).tolist()
-    elif isinstance(cache_seqlens, (list, tuple)):
-        lens = [_checks.integer("cache_seqlens", n, tensors=True) for n in cache_seqlens]
-    else:
-        lens = [_checks.integer("cache_seqlens", cache_seqlens, tensors=True)] * batch
-    if len(lens) != batch:
-        raise ValueError(f"cache_seqlens must have one entry per batch ({batch}), got {len(lens)}")
-    for b, n in enumerate(lens):
-        if not 0 <= n <= capacity:
-            raise ValueError(f"cache_seqlens[{b}] = {n} is outside [0, {capacity}] ({where})")
-    return lens
-
 
 def gather_pages(k_cache, v_cache, block_table, lens: list[int]):
     """Copy each sequence's pages (only the first ``ceil(max(lens) / page_size)``) in order."""
@@ -310,36 +223,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
             else [-1, *cache_seqlens]
         return _traced("kvcache", [q, k_cache, v_cache, lens, block_table], ints, mask, bias,
                        scale, 0.0, softcap, return_lse, backend, None)
-    q = _checks.tensor("q", q, ndim=4, what="[B, S_q, H_q, D_qk] (bshd)")
-    paged = block_table is not None
-    leading = "num_blocks, page_size, H_kv" if paged else "B, S_max, H_kv"
-    shape = f"[{leading}, D]"
-    k_cache = _checks.tensor("k_cache", k_cache, ndim=4, what=shape)
-    v_cache = _checks.tensor("v_cache", v_cache, ndim=4, what=shape)
+    q, k_cache, v_cache, block_table, capacity, where = check_cache(q, k_cache, v_cache,
+                                                                    block_table)
     batch, seq_q, heads_q, _ = q.shape
-    if k_cache.shape[:3] != v_cache.shape[:3]:
-        raise ValueError(f"k_cache and v_cache must agree on [{leading}], got "
-                         f"k_cache={tuple(k_cache.shape)}, v_cache={tuple(v_cache.shape)}")
-    if k_cache.shape[3] != q.shape[3]:
-        raise ValueError(f"k_cache head dim must equal q head dim, got q={tuple(q.shape)}, "
-                         f"k_cache={tuple(k_cache.shape)}")
-    if paged:
-        block_table = index_tensor("block_table", block_table, 2, q.device)
-        if block_table.shape[0] != batch:
-            raise ValueError(f"block_table must have one row per batch ({batch}), got shape "
-                             f"{tuple(block_table.shape)}")
-        capacity = block_table.shape[1] * k_cache.shape[1]
-        where = f"block_table holds {block_table.shape[1]} pages of {k_cache.shape[1]} tokens"
-    else:
-        if k_cache.shape[0] != batch:
-            raise ValueError(f"k_cache must have q's batch size {batch}, got "
-                             f"k_cache={tuple(k_cache.shape)} (pass block_table for a paged cache)")
-        capacity, where = k_cache.shape[1], f"S_max = {k_cache.shape[1]}"
-    lens = _cache_lengths(cache_seqlens, batch, capacity, q.device, where)
-    _check_user_mask(mask, "attention_with_kvcache")
+    paged = block_table is not None
+    lens = cache_lengths(cache_seqlens, batch, capacity, q.device, where)
+    check_user_mask(mask, "attention_with_kvcache")
     dims = ("[B, H_q, S_q, max_blocks_per_seq * page_size]" if paged
             else "[B, H_q, S_q, S_max]")
-    _check_bias(bias, (batch, heads_q, seq_q, capacity), dims)
+    check_bias(bias, (batch, heads_q, seq_q, capacity), dims)
 
     if paged:
         k, v = gather_pages(k_cache, v_cache, block_table, lens)

@@ -7,6 +7,7 @@
   lse ignores dropout; backward uses the forward's mask (gradcheck with a reseeded generator).
 """
 
+import importlib.util
 from collections.abc import Mapping
 
 import pytest
@@ -208,3 +209,71 @@ def test_dropout_gradcheck_with_reseeded_generator(mask):
     out = fn(q, k, v)
     assert not torch.allclose(out, lib.attention(q, k, v, mask=m)), "dropout had no effect"
     assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------------
+# cudnn-attn explain for varlen and KV-cache calls
+# ------------------------------------------------------------------------------------------------------
+
+needs_fe = pytest.mark.skipif(importlib.util.find_spec("cudnn") is None,
+                              reason="nvidia-cudnn-frontend is not installed")
+
+
+def _cli(capsys, *argv):
+    from cudnn_attn import cli
+
+    code = cli.main(["explain", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@CPU_ONLY
+@needs_fe
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+def test_cli_explain_varlen_shows_the_verdicts_and_the_ragged_graph(capsys, backward):
+    lib = ca()
+    code, out, err = _cli(capsys, "--shape", "3,4,128,64", "--heads-kv", "2", "--dtype", "fp16",
+                          "--varlen", "100,3,17/128,60,12", "--mask", "causal:bottom_right",
+                          *(["--backward"] if backward else []))
+    assert code == 0, err
+    assert "varlen call: B=3, lengths [100, 3, 17] / [128, 60, 12], max_seqlen_q=128" in out
+    # the verdicts are those of the padded [B, max_seqlen, H, D] problem the engines see
+    q = torch.empty(3, 128, 4, 64, dtype=torch.float16)
+    k = torch.empty(3, 128, 2, 64, dtype=torch.float16)
+    mask = lib.Causal("bottom_right") & lib.Padding([100, 3, 17], [128, 60, 12])
+    assert str(lib.explain(q, k, k, layout="bshd", mask=mask)) in out
+    assert f"cuDNN graph ({'backward' if backward else 'forward'}, sm_90):" in out
+    offsets = {"q": "ragged_q", "k": "ragged_k", "v": "ragged_v", "o": "ragged_o"}
+    if backward:
+        offsets.update(dq="ragged_q", do="ragged_o", stats="ragged_stats")
+    for name, ragged in offsets.items():
+        assert f"  {name}: ragged offsets {ragged} (uid" in out, name
+    assert ("stats: ragged offsets" in out) == backward  # the forward builds no stats here
+
+
+@CPU_ONLY
+@needs_fe
+def test_cli_explain_paged_kvcache_shows_the_page_tables(capsys):
+    code, out, err = _cli(capsys, "--shape", "3,8,1,64", "--heads-kv", "2", "--seq-kv", "256",
+                          "--dtype", "fp16", "--cache-seqlens", "5,100,256", "--page-size", "64")
+    assert code == 0, err
+    assert "KV-cache call: B=3, cache_seqlens [5, 100, 256], 4 pages of 64 tokens" in out
+    assert "Page_table_K: uid 20, dims [3, 1, 4, 1]" in out and "max_seq_len_kv: 256" in out
+    code, out, _ = _cli(capsys, "--shape", "3,8,1,64", "--heads-kv", "2", "--seq-kv", "256",
+                        "--dtype", "fp16", "--cache-seqlens", "7", "--mask", "causal:bottom_right")
+    assert code == 0 and "cache_seqlens [7, 7, 7], S_max=256 (dense cache)" in out
+    assert "not supported" in out and "decode (S_q = 1)" in out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--varlen", "5,6"], "one length per batch (3"),
+    (["--varlen", "5,x,7"], "integers separated by ','"),
+    (["--varlen", "5,6,7", "--layout", "bhsd"], "--layout bshd"),
+    (["--varlen", "5,6,7", "--cache-seqlens", "4"], "pass one"),
+    (["--page-size", "16"], "--page-size needs --cache-seqlens"),
+    (["--cache-seqlens", "4,200,3"], "cache_seqlens[1] = 200 is outside [0, 64]"),
+    (["--varlen", "5,65,7"], "max_seqlen_q must be >= the longest sequence"),
+])
+def test_cli_explain_bad_varlen_and_cache_arguments(capsys, argv, match):
+    code, _, err = _cli(capsys, "--shape", "3,2,64,32", *argv)
+    assert code == 2 and match in err, err

@@ -14,13 +14,18 @@ from .specs import DTYPES, MASK_SYNTAX, build_inputs, default_device, device_arg
 def explain_on(device: str, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
     """``cudnn_attn.explain`` for tensors that would live on ``device``, described by ``meta``
     tensors of their shapes: the verdicts of the same problem on ``device``, nothing allocated."""
+    from cudnn_attn.problem import AttnProblem
+
+    return explain_problem(device, AttnProblem.from_tensors(q, k, v, **kwargs))
+
+
+def explain_problem(device: str, problem: Any) -> Any:
+    """Each backend's verdict for ``problem`` moved to ``device``."""
     import torch
 
     from cudnn_attn import dispatch
     from cudnn_attn.api import Explanation
-    from cudnn_attn.problem import AttnProblem
 
-    problem = AttnProblem.from_tensors(q, k, v, **kwargs)
     problem = dataclasses.replace(problem, device=torch.device(device))
     reasons = dispatch.verdicts(problem)
     chosen = next((name for name, found in reasons.items() if not found), None)
@@ -28,18 +33,119 @@ def explain_on(device: str, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
                                  for name, found in reasons.items()})
 
 
+def _lengths(name: str, text: str) -> list[int]:
+    try:
+        lens = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{name} must be integers separated by ',', got {text!r}") from None
+    if min(lens) < 0:
+        raise ValueError(f"{name} must be >= 0, got {text!r}")
+    return lens
+
+
+def call_inputs(args: argparse.Namespace, q: Any, k: Any, v: Any, kwargs: dict):
+    """``(label, q, k, v, call kwargs)`` of a ``--varlen`` call (packed ``[total, H, D]`` meta
+    tensors, ``cu_seqlens`` and maxima) or a ``--cache-seqlens`` call (``q [B, S, H, D]``, a dense
+    ``[B, seq_kv, H_kv, D]`` cache or, with ``--page-size``, a paged one and its block table);
+    ``None`` for a plain call."""
+    import torch
+
+    if args.varlen is None and args.cache_seqlens is None:
+        if args.page_size is not None:
+            raise ValueError("--page-size needs --cache-seqlens")
+        return None
+    if args.varlen is not None and args.cache_seqlens is not None:
+        raise ValueError("--varlen and --cache-seqlens describe different calls; pass one")
+    if args.layout is not None and args.layout != "bshd":
+        raise ValueError("varlen and KV-cache calls are token-major: use --layout bshd")
+    # build_inputs made [B, S, H, D] (bshd) tensors: B, S, H, D of each side come from them
+    batch, seq_q, heads_q, dim = q.shape
+    seq_kv, heads_kv, dim_v = k.shape[1], k.shape[2], v.shape[3]
+    kwargs = {**kwargs, "layout": "bshd"}
+
+    def packed(tokens: int, heads: int, d: int) -> Any:
+        return torch.empty(tokens, heads, d, dtype=q.dtype, device="meta",
+                           requires_grad=q.requires_grad)
+
+    if args.varlen is not None:
+        text_q, _, text_k = args.varlen.partition("/")
+        lens_q = _lengths("--varlen lengths", text_q)
+        lens_k = _lengths("--varlen kv lengths", text_k) if text_k else lens_q
+        if len(lens_q) != batch or len(lens_k) != batch:
+            raise ValueError(f"--varlen needs one length per batch ({batch}, from --shape), got "
+                             f"{len(lens_q)} and {len(lens_k)}")
+        cu = [torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+              for lens in (lens_q, lens_k)]
+        label = (f"varlen call: B={batch}, lengths {lens_q} / {lens_k}, max_seqlen_q={seq_q}, "
+                 f"max_seqlen_k={seq_kv} (cuDNN's ragged layout)")
+        call = dict(kwargs, cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=seq_q,
+                    max_seqlen_k=seq_kv)
+        return (label, packed(sum(lens_q), heads_q, dim), packed(sum(lens_k), heads_kv, dim),
+                packed(sum(lens_k), heads_kv, dim_v), call)
+    lens = _lengths("--cache-seqlens", args.cache_seqlens)
+    if len(lens) == 1:
+        lens = lens * batch
+    call = dict(kwargs, cache_seqlens=torch.tensor(lens, dtype=torch.int32))
+    if args.page_size is None:
+        label = f"KV-cache call: B={batch}, cache_seqlens {lens}, S_max={seq_kv} (dense cache)"
+        return label, q, k, v, call
+    pages = -(-seq_kv // args.page_size)
+    call["block_table"] = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+
+    def container(d: int) -> Any:
+        return torch.empty(batch * pages, args.page_size, heads_kv, d, dtype=q.dtype,
+                           device="meta")
+
+    label = (f"KV-cache call: B={batch}, cache_seqlens {lens}, {pages} pages of "
+             f"{args.page_size} tokens per sequence (cuDNN's page tables)")
+    return label, q, container(dim), container(dim_v), call
+
+
+def native_inputs(problem: Any, options: Any, backward: bool, target_sm: int) -> list[str]:
+    """The ragged offsets and page tables of the validated graph (``print(pygraph)`` omits
+    which tensor each offset belongs to), from the frontend's C++ graph for ``target_sm``."""
+    import json
+
+    from cudnn_attn.graphs.sdpa import validate_for
+
+    stats = backward or problem.requires_grad or problem.return_lse  # as describe builds it
+    graph = json.loads(str(validate_for(problem, target_sm, backward=backward, options=options,
+                                        stats=stats)))
+    lines = [f"  {t['name']}: ragged offsets {t['ragged_offset_name']} (uid "
+             f"{t['ragged_offset_uid']})" for t in graph["tensors"] if t.get("ragged_offset_name")]
+    node = graph["nodes"][0]
+    dims = {t["uid"]: t["dim"] for t in graph["tensors"]}
+    for port, uid in sorted(node["inputs"].items()):
+        if port.startswith("Page_table"):
+            lines.append(f"  {port}: uid {uid}, dims {dims[uid]}")
+    if node.get("max_seq_len_kv") is not None:
+        lines.append(f"  max_seq_len_kv: {node['max_seq_len_kv']}")
+    return lines
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     """Print each backend's verdict for one call and, with the cuDNN frontend, its graph."""
     import cudnn_attn as ca
     from cudnn_attn._probe import module_missing
 
+    layout = args.layout or ("bshd" if args.varlen or args.cache_seqlens else "bhsd")
     spec = {"shape": args.shape, "heads_kv": args.heads_kv, "seq_kv": args.seq_kv,
-            "dim_v": args.dim_v, "dtype": args.dtype, "mask": args.mask, "layout": args.layout,
+            "dim_v": args.dim_v, "dtype": args.dtype, "mask": args.mask, "layout": layout,
             "alibi": args.alibi, "softcap": args.softcap, "dropout_p": args.dropout,
             "backward": args.backward}
     try:  # meta tensors: any shape is described without allocating it
         q, k, v, kwargs = build_inputs(spec, "meta")
-        print(explain_on(args.device or default_device(), q, k, v, **kwargs))
+        call = call_inputs(args, q, k, v, kwargs)
+        options = None
+        if call is None:
+            print(explain_on(args.device or default_device(), q, k, v, **kwargs))
+        else:
+            from cudnn_attn.graphs.entry_calls import call_problem
+
+            label, q, k, v, kwargs = call
+            problem, options = call_problem(q, k, v, **kwargs)
+            print(label)
+            print(explain_problem(args.device or default_device(), problem))
     except (ValueError, TypeError) as exc:
         print(f"cudnn-attn explain: error: {exc}", file=sys.stderr)
         return 2
@@ -55,10 +161,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
         return 0
     try:
         graph = describe(q, k, v, backward=args.backward, target_sm=args.target_sm, **kwargs)
+        native = [] if call is None else native_inputs(problem, options, args.backward,
+                                                       args.target_sm)
     except ca.NotSupportedError as exc:
         print(f"\n{title}: not supported\n{exc}")
         return 0
     print(f"\n{title}:\n{graph}")
+    if native:
+        print("ragged offsets and page tables (graph inputs, with the lengths):")
+        print("\n".join(native))
     return 0
 
 
@@ -71,7 +182,16 @@ def add_parser(sub: Any) -> None:
     ex.add_argument("--dim-v", type=positive_int, help="value head dim (default D)")
     ex.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="default bf16")
     ex.add_argument("--mask", default="none", help=MASK_SYNTAX)
-    ex.add_argument("--layout", default="bhsd", choices=("bhsd", "bshd"))
+    ex.add_argument("--layout", choices=("bhsd", "bshd"),
+                    help="default bhsd (bshd for --varlen / --cache-seqlens)")
+    ex.add_argument("--varlen", metavar="LENS[/KV_LENS]",
+                    help="a packed varlen call (attention_varlen): comma-separated lengths, one "
+                         "per batch; --shape's S and --seq-kv are max_seqlen_q/k")
+    ex.add_argument("--cache-seqlens", metavar="LENS",
+                    help="a KV-cache call (attention_with_kvcache): cached lengths, one per "
+                         "batch or one for all; --shape's S is the new tokens, --seq-kv the cache")
+    ex.add_argument("--page-size", type=positive_int,
+                    help="with --cache-seqlens: a paged cache of pages of this many tokens")
     ex.add_argument("--alibi", action="store_true", help="add ALiBi")
     ex.add_argument("--softcap", type=float)
     ex.add_argument("--dropout", type=float, default=0.0, help="dropout_p")

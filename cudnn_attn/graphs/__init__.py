@@ -3,7 +3,8 @@ them (``backend``), the graph cache (``cache``) and shape bucketing (``buckets``
 
 Import-light: nothing here imports ``cudnn``; the builders import it when they first run.
 ``describe(q, k, v, **attention_kwargs)`` returns the validated graph the engine would build,
-without a GPU.
+without a GPU; with ``cu_seqlens_q/k`` + ``max_seqlen_q/k`` (a varlen call) or ``cache_seqlens``
+[+ ``block_table``] (a KV-cache call) it is the ragged or page-table graph (``entry_calls``).
 """
 
 from __future__ import annotations

@@ -28,9 +28,11 @@ from ..errors import NotSupportedError
 from ..problem import AttnProblem
 from ._emit import BACKWARD_KWARGS, FORWARD_KWARGS, UID, _cudnn, _dtype, emit, io_uids
 from ._spec import Band, GraphOptions, GraphSpec, PagedKV, analyze, cudnn_reasons
+from .entry_calls import CALL_ARGS, call_problem
 
 __all__ = ["UID", "BuiltGraph", "GraphOptions", "PagedKV", "cudnn_reasons", "build_forward",
-           "build_backward", "describe", "validate_for", "FORWARD_KWARGS", "BACKWARD_KWARGS"]
+           "build_backward", "describe", "describe_problem", "validate_for", "FORWARD_KWARGS",
+           "BACKWARD_KWARGS"]
 
 # SM counts of the reference parts, for the C++ validator without a device (only the graph key
 # depends on it).
@@ -227,19 +229,48 @@ _NOT_PROBLEM_KWARGS = ("backend", "generator")
 
 
 def describe(q, k, v, *, backward: bool = False, target_sm: Optional[int] = 90,
-             options: Optional[GraphOptions] = None, **attention_kwargs):
+             options: Optional[GraphOptions] = None, cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q=None, max_seqlen_k=None, cache_seqlens=None, block_table=None,
+             **attention_kwargs):
     """The validated ``cudnn.pygraph`` the cuDNN engine would build for
     ``attention(q, k, v, **attention_kwargs)`` (its backward with ``backward=True``).
+
+    Varlen and KV-cache calls: with ``cu_seqlens_q/k`` and ``max_seqlen_q/k``, the graph of
+    ``attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)``:
+    packed ``[total, H, D]`` tensors in cuDNN's ragged layout (``(B, H, max_seqlen, D)`` with
+    ragged offsets on Q/K/V/O/Stats, the lengths as ``seq_len_q/kv``). With ``cache_seqlens``
+    (and ``block_table``), the graph of ``attention_with_kvcache(q, k, v, cache_seqlens,
+    block_table=...)``: ``k``/``v`` are the caches, a paged one read through cuDNN's page tables.
+    Lengths, offsets and tables are graph inputs: one graph serves every batch of lengths, and
+    ``meta`` length tensors are fine (``graphs.entry_calls``).
 
     Works without a GPU: ``q``/``k``/``v`` (and a bias) may be CPU or ``meta`` tensors. The graph
     passes ``pygraph.validate()`` and the frontend's C++ validator for ``target_sm`` (``None``:
     skip the latter). ``print()`` shows its nodes and tensors. A combination cuDNN rejects raises
     ``NotSupportedError`` with the reason.
+
+    Equivalent (plain call)::
+
+        problem = AttnProblem.from_tensors(q, k, v, **attention_kwargs)
+        graph = build_forward(problem, target_sm=90, options=options, plans=False).graph
     """
-    for name in _NOT_PROBLEM_KWARGS:
-        attention_kwargs.pop(name, None)
-    problem = AttnProblem.from_tensors(q, k, v, **attention_kwargs)
+    problem, options = describe_problem(q, k, v, options=options, cu_seqlens_q=cu_seqlens_q,
+                                        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                        max_seqlen_k=max_seqlen_k, cache_seqlens=cache_seqlens,
+                                        block_table=block_table, **attention_kwargs)
     if backward and not problem.requires_grad:
         problem = dataclasses.replace(problem, requires_grad=True)
     build = build_backward if backward else build_forward
     return build(problem, target_sm=target_sm, options=options, plans=False).graph
+
+
+def describe_problem(q, k, v, *, options: Optional[GraphOptions] = None, **call_kwargs):
+    """``(problem, options)`` that ``describe`` builds from the same arguments."""
+    for name in _NOT_PROBLEM_KWARGS:
+        call_kwargs.pop(name, None)
+    found = call_problem(q, k, v, options=options, **call_kwargs)
+    if found is not None:
+        return found
+    for name in CALL_ARGS:
+        call_kwargs.pop(name, None)
+    return AttnProblem.from_tensors(q, k, v, **call_kwargs), options
