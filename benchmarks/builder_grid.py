@@ -51,7 +51,7 @@ def main() -> None:
                 worst = max(worst, err)
         else:
             counts["rejected_by_both"] += 1
-            counts["same_reason"] += any(r in theirs for r in mine.split(". ") if r)
+            counts["same_reason"] += grid.same_reason(mine, theirs)
     counts["max_abs_error_float64"] = worst
     _report.print_table([counts], list(counts))
     if not args.no_json:

@@ -19,7 +19,7 @@ bwd = attributes.scaled_dot_product_flash_attention_backward
 
 
 def case(id, **kw):
-    cfg = {"B": 2, "H": 2, "Hkv": None, "Sq": 5, "Skv": None, "D": 4, "Dv": None, "causal": None,
+    cfg = {"B": 2, "H": 2, "Hkv": None, "Sq": 5, "Skv": None, "D": 8, "Dv": None, "causal": None,
            "window": None, "padding": None, "padding_form": "1d", "alibi": False,
            "bias_shape": None, "scale": None, "strided": False}
     cfg.update(kw)
@@ -49,7 +49,7 @@ CASES = [
          padding=((4, 5), (6, 3)), Sq=5, Skv=6),
     case("bias-1h", bias_shape=(1, 2, 5, 7), Skv=7, scale=0.7),
     case("bias-b11s", bias_shape=(2, 1, 1, 7), Skv=7),
-    case("gqa-dv", H=4, Hkv=2, Dv=3, causal="top_left", Sq=6, Skv=6),
+    case("gqa-dv", H=4, Hkv=2, Dv=16, causal="top_left", Sq=6, Skv=6),
     case("mqa-strided", H=4, Hkv=1, strided=True, Sq=5, Skv=9, window=(3, 0)),
     case("kitchen-sink", H=4, Hkv=2, causal="top_left", window=(3, -1), alibi=True,
          bias_shape=(2, 4, 7, 7), padding=((7, 5), (6, 7)), Sq=7, Skv=7, scale=0.4),
@@ -329,7 +329,7 @@ class _Wrapped(torch.autograd.Function):
 @pytest.mark.parametrize("form", ["philox", "mask"])
 def test_dropout_backward_is_the_gradient_of_forward(form):
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 2, s, 3, generator=g, dtype=F64, requires_grad=True)
+    q, k, v = (torch.randn(1, 2, s, 8, generator=g, dtype=F64, requires_grad=True)
                for s in (4, 5, 5))
     attrs = []
     for cls in (SdpaAttributes, SdpaBackwardAttributes):
@@ -347,7 +347,7 @@ def test_dropout_backward_is_the_gradient_of_forward(form):
 MASK_CASES = [
     case("mask-plain", Sq=6, Skv=7, scale=0.5),
     case("mask-causal-padding-gqa-alibi", H=4, Hkv=2, causal="top_left", alibi=True,
-         padding=((6, 3), (7, 5)), Sq=6, Skv=7, Dv=3),
+         padding=((6, 3), (7, 5)), Sq=6, Skv=7, Dv=16),
     case("mask-window-bias-strided", window=(2, 1), bias_shape=(2, 1, 6, 6), strided=True,
          Sq=6, Skv=6),
 ]
@@ -490,7 +490,7 @@ def test_call_time_errors():
         fwd(q, k, v, SdpaAttributes().set_bias(torch.zeros(1, 2, 4, 5, dtype=F64)))
     with pytest.raises(ValueError, match=r"set_dropout: mask.*\(1, 1, 4, 5\)"):
         fwd(q, k, v, SdpaAttributes().set_dropout(torch.ones(1, 1, 4, 5), 1.0))
-    with pytest.raises(ValueError, match=r"q must be 4-D \[B, H, S, D\], got shape \(2, 4, 4\)"):
+    with pytest.raises(ValueError, match=r"q must be 4-D \[B, H, S, D\], got shape \(2, 4, 8\)"):
         fwd(q[0], k, v, SdpaAttributes())
     with pytest.raises(TypeError, match="k must be a torch.Tensor, got list"):
         fwd(q, [1], v, SdpaAttributes())

@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import operator
 
+import torch
+
 
 from ... import _checks
 from ...errors import NotSupportedError
@@ -55,10 +57,17 @@ def _padding_of(attrs, batch: int, seq_q: int, seq_kv: int):
     return Padding(lens_q, lens_kv)
 
 
-def _cudnn_verdicts(attrs, seq_q: int, seq_kv: int, padded: bool, backward: bool) -> list[str]:
+def _cudnn_verdicts(attrs, q, k, v, padded: bool, backward: bool) -> list[str]:
     """What cuDNN's validators reject in this configuration, in their words."""
+    seq_q, seq_kv = q.shape[2], k.shape[2]
     alignment, left, right = attrs.band()
     reasons = []
+    if q.shape[3] % 8 or (isinstance(v, torch.Tensor) and v.dim() == 4 and v.shape[3] % 8):
+        reasons.append("hidden_dim should be multiple of 8")
+    for name, t in (("Q", q), ("K", k), ("V", v)):
+        if isinstance(t, torch.Tensor) and t.dim() == 4 and t.stride(3) != 1:
+            reasons.append(f"The stride for the last dimension corresponding to the embedding "
+                           f"size per head should be 1 for {name}")
     if attrs.alibi and right != 0:
         reasons.append("When alibi mask is used, diagonal_band_right_bound needs to be set to 0.")
     if right is not None and alignment == "bottom_right":  # a bottom-right causal diagonal
@@ -88,7 +97,7 @@ def _mask_of(attrs, batch: int, seq_q: int, seq_kv: int):
     return functools.reduce(operator.and_, parts) if parts else None
 
 
-def translate(attrs, q, k, backward: bool = False):
+def translate(attrs, q, k, v=None, backward: bool = False):
     """``(mask, bias, alibi)`` for the call: a bias tensor or ``None``, an ``Alibi`` or ``None``.
     What cuDNN rejects raises ``NotSupportedError`` with cuDNN's reason."""
     for name, t in (("q", q), ("k", k)):
@@ -96,7 +105,7 @@ def translate(attrs, q, k, backward: bool = False):
     B, H, Sq, Skv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     mask = _mask_of(attrs, B, Sq, Skv)
     padded = any(isinstance(m, Padding) for m in mask_parts(mask))
-    reasons = _cudnn_verdicts(attrs, Sq, Skv, padded, backward)
+    reasons = _cudnn_verdicts(attrs, q, k, v, padded, backward)
     if reasons:
         raise NotSupportedError(f"cuDNN SDPA{' backward' if backward else ''} with {attrs!r}",
                                 {"cudnn": reasons})

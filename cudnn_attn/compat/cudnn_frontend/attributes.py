@@ -67,7 +67,7 @@ __all__ = ["SdpaAttributes", "SdpaBackwardAttributes", "scaled_dot_product_flash
 def _problem(attrs, q, k, v, need_stats, backward=False):
     """``(problem, plan, inputs)`` of the call: dropout as Philox ``(p, seed, offset)`` or as an
     explicit ``(mask, scale)`` (``AttnProblem.dropout_mask``), run by the selected plan."""
-    mask, bias, alibi = translate(attrs, q, k, backward)
+    mask, bias, alibi = translate(attrs, q, k, v, backward)
     dropout_p, dropout, extra, keep = 0.0, None, {}, None
     if attrs.dropout is not None and attrs.dropout[0] == "philox" and attrs.dropout[1] > 0:
         dropout_p, dropout = attrs.dropout[1], DropoutState(*attrs.dropout[2:])
