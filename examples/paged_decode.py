@@ -79,6 +79,20 @@ class PagedKVCache:
             self.lens[b] += take
             start += take
 
+    def reserve(self, b: int, tokens: int) -> None:
+        """Take, now, every page sequence ``b`` needs to hold ``tokens`` tokens (a server that
+        reserves at admission never changes a block table while decoding)."""
+        for pos in range(0, tokens, self.page_size):
+            self._page_for(b, pos)
+
+    def release(self, b: int) -> None:
+        """Return sequence ``b``'s pages to the free list and empty its slot."""
+        row = self.block_table[b]
+        self.free.extend(int(p) for p in row[row >= 0].tolist())
+        row.fill_(-1)
+        self.lens[b] = 0
+        self._table_dev = None
+
     def table(self, device):
         if self._table_dev is None:
             self._table_dev = self.block_table.to(device)
@@ -86,14 +100,15 @@ class PagedKVCache:
 
 
 def dense_attention(q, k, v, lens, scale):
-    """Plain PyTorch, float64: ``q`` ``[B, H, D]`` against the first ``lens[b]`` of ``k``/``v``
-    ``[B, S_max, H_kv, D]``. The reference each paged step is checked against."""
+    """Plain PyTorch, float64: ``q`` ``[B, H, D]`` against the first ``lens[b]`` (ints or a tensor)
+    of ``k``/``v`` ``[B, S_max, H_kv, D]``. The reference each paged step is checked against."""
     q, k, v = q.double(), k.double(), v.double()
     rep = q.shape[1] // k.shape[2]
     k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
     s = torch.einsum("bhd,bjhd->bhj", q, k) * scale
-    hidden = torch.arange(k.shape[1], device=q.device)[None] >= torch.tensor(lens,
-                                                                            device=q.device)[:, None]
+    # as_tensor: a device tensor of lengths stays where it is (no copy, no host sync)
+    hidden = torch.arange(k.shape[1], device=q.device)[None] >= torch.as_tensor(
+        lens, device=q.device)[:, None]
     s = s.masked_fill(hidden[:, None], float("-inf"))
     return torch.einsum("bhj,bjhd->bhd", s.softmax(-1), v)
 

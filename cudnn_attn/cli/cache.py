@@ -8,7 +8,15 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .specs import UsageError, build_inputs, default_device, real_device_arg
+from .specs import (
+    UsageError,
+    build_inputs,
+    decode_inputs,
+    default_device,
+    parse_decode,
+    positive_int,
+    real_device_arg,
+)
 
 
 def _print_info(info: dict) -> None:
@@ -124,29 +132,78 @@ def warm_one(backend: Any, spec: dict, device: str) -> str:
     return f"ok ({built} built, {loaded} loaded, {after['hits'] - before['hits']} cached)"
 
 
+def warm_decode(spec: Any, device: str) -> str:
+    """One real ``attention_with_kvcache`` call of ``spec``'s shapes (zeros) on the cuDNN engine:
+    it builds exactly the graphs a decode step of those shapes uses. A line saying what happened."""
+    import torch
+
+    import cudnn_attn as ca
+    from cudnn_attn.graphs.cache import graph_cache
+
+    call, kwargs = decode_inputs(spec, device)
+    before = graph_cache.info()
+    try:
+        ca.attention_with_kvcache(*call, **kwargs, backend="cudnn")
+        torch.cuda.synchronize(device)
+    except ca.NotSupportedError as exc:
+        return f"cannot build on cudnn: {exc}"
+    after = graph_cache.info()
+    built, loaded = after["builds"] - before["builds"], after["loads"] - before["loads"]
+    return f"ok ({built} built, {loaded} loaded, {after['hits'] - before['hits']} cached)"
+
+
+def _decode_spec(args: argparse.Namespace) -> Any:
+    """The ``--decode`` call (None without it); refuses without a CUDA device."""
+    import torch
+
+    options = {"--page-size": args.page_size, "--max-blocks": args.max_blocks,
+               "--num-blocks": args.num_blocks, "--seq-q": args.seq_q, "--dtype": args.dtype,
+               "--mask": args.mask}
+    if args.decode is None:
+        given = [name for name, value in options.items() if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)}: options of a --decode call; add --decode "
+                             f"B,H_Q,H_KV,D")
+        if args.config is None:
+            raise UsageError("nothing to warm: give a config file (JSON problems) and/or "
+                             "--decode B,H_Q,H_KV,D --page-size P --max-blocks N")
+        return None
+    spec = parse_decode(args.decode, page_size=args.page_size, max_blocks=args.max_blocks,
+                        num_blocks=args.num_blocks, seq_q=args.seq_q or 1,
+                        dtype=args.dtype or "fp16", mask=args.mask or "causal:bottom_right")
+    device = args.device or default_device()
+    if torch.device(device).type != "cuda":  # the cuDNN engine runs only there
+        why = "no CUDA device is available to torch" if args.device is None else f"got --device {device}"
+        raise UsageError(f"--decode warms cuDNN graphs with a real call and needs a CUDA device; {why}")
+    return spec
+
+
 def cmd_cache_warm(args: argparse.Namespace) -> int:
-    """Build every problem of a config through the graph cache, optionally saving the plans."""
+    """Build every problem of a config (and the ``--decode`` call) through the graph cache,
+    optionally saving the plans."""
     from cudnn_attn.dispatch import get_backend
     from cudnn_attn.graphs.cache import graph_cache
 
     if args.backend != "cudnn":
         raise UsageError(f"--backend {args.backend}: only cuDNN plans are graphs that the cache "
                          f"builds and saves; the {args.backend} backend has nothing to warm")
+    decode = _decode_spec(args)
     try:
-        specs = read_config(args.config)
+        specs = read_config(args.config) if args.config is not None else []
     except (OSError, ValueError) as exc:
         print(f"cudnn-attn cache warm: error: {exc}", file=sys.stderr)
         return 2
     if args.load:
         print(f"loaded {graph_cache.load(args.load)} graph file(s) from {args.load}")
     backend, device = get_backend(args.backend), args.device or default_device()
-    items, write = progress(specs, "warm")
+    items, write = progress(specs + ([decode] if decode else []), "warm")
     invalid = failed = 0
     for index, spec in enumerate(items):
         name = spec.get("name") if isinstance(spec, dict) else None
-        name = name or f"problem {index}"
+        name = spec.describe() if spec is decode else name or f"problem {index}"
         try:
-            status = warm_one(backend, spec, device)
+            status = (warm_decode(spec, device) if spec is decode
+                      else warm_one(backend, spec, device))
         except (ValueError, TypeError) as exc:
             invalid += 1
             status = f"invalid: {exc}"
@@ -182,8 +239,10 @@ def add_parser(sub: Any) -> None:
     info = csub.add_parser("info", help="counters and the cache directory")
     info.add_argument("--dir", type=Path, help="cache directory (default: the user cache dir)")
     info.set_defaults(func=cmd_cache_info)
-    warm = csub.add_parser("warm", help="build the problems of a JSON config through the cache")
-    warm.add_argument("config", help='JSON: {"defaults": {...}, "problems": [{"shape": '
+    warm = csub.add_parser("warm", help="build the problems of a JSON config (and/or a paged "
+                           "decode call) through the cache")
+    warm.add_argument("config", nargs="?",
+                      help='JSON: {"defaults": {...}, "problems": [{"shape": '
                       '[B,H,S,D], "dtype": "bf16", "mask": "causal", ...}]}')
     warm.add_argument("--backend", default="cudnn", choices=BACKEND_NAMES,
                       help="backend to build on (default and only useful choice: cudnn)")
@@ -191,6 +250,21 @@ def add_parser(sub: Any) -> None:
                       help="torch device (default: cuda if available, else cpu)")
     warm.add_argument("--load", type=Path, help="load saved graphs from DIR first")
     warm.add_argument("--save", type=Path, help="save the built graphs to DIR")
+    dec = warm.add_argument_group(
+        "paged decode (GPU only)", "warm the graphs of attention_with_kvcache(q [B, S_q, H_Q, D], "
+        "k/v pools [num_blocks, page_size, H_KV, D], cache_seqlens, block_table [B, max_blocks]) "
+        "by one real call with zeros, as a decode server makes it")
+    dec.add_argument("--decode", metavar="B,H_Q,H_KV,D", help="batch, query heads, K/V heads, "
+                     "head dim of the decode call")
+    dec.add_argument("--page-size", type=positive_int, help="tokens per page")
+    dec.add_argument("--max-blocks", type=positive_int, help="pages per sequence (block table "
+                     "width: the cache capacity)")
+    dec.add_argument("--num-blocks", type=positive_int, help="pages in the pool (default "
+                     "B * max-blocks)")
+    dec.add_argument("--seq-q", type=positive_int, help="query tokens per step (default 1)")
+    dec.add_argument("--dtype", help="bf16 | fp16 | fp32 (default fp16)")
+    dec.add_argument("--mask", help="none | causal[:bottom_right] | window:L,R[,bottom_right] "
+                     "(default causal:bottom_right)")
     warm.set_defaults(func=cmd_cache_warm)
     clear = csub.add_parser("clear", help="empty the cache and delete its files")
     clear.add_argument("--dir", type=Path, help="cache directory (default: the user cache dir)")

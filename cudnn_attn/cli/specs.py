@@ -1,7 +1,9 @@
-"""Problem specs shared by ``explain`` and ``cache warm``: masks, shapes, dtypes -> inputs."""
+"""Problem specs shared by ``explain`` and ``cache warm``: masks, shapes, dtypes -> inputs; the
+paged decode call ``cache warm --decode`` builds (``DecodeSpec``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
@@ -185,3 +187,73 @@ def default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """A paged KV-cache decode call (``attention_with_kvcache`` with ``block_table``): what fixes
+    its graph. ``q`` is ``[batch, seq_q, heads_q, head_dim]``; the K/V pools are
+    ``[num_blocks, page_size, heads_kv, head_dim]``; the block table ``[batch, max_blocks]``."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    page_size: int
+    max_blocks: int
+    num_blocks: int
+    seq_q: int
+    dtype: str
+    mask: Any
+
+    def describe(self) -> str:
+        return (f"decode B={self.batch} H_q={self.heads_q} H_kv={self.heads_kv} D={self.head_dim} "
+                f"S_q={self.seq_q}, pages of {self.page_size}, {self.max_blocks} per sequence, "
+                f"pool of {self.num_blocks}, {self.dtype}, mask {self.mask}")
+
+
+DECODE_MASKS = ("none", "causal", "window")  # what attention_with_kvcache takes
+
+
+def parse_decode(text: str, *, page_size: int | None, max_blocks: int | None,
+                 num_blocks: int | None, seq_q: int, dtype: str, mask: str) -> DecodeSpec:
+    """A ``DecodeSpec`` from ``cache warm``'s ``--decode B,H_Q,H_KV,D`` and its options."""
+    try:
+        dims = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        dims = ()
+    if len(dims) != 4 or min(dims) < 1:
+        raise ValueError(f"--decode must be four positive ints B,H_Q,H_KV,D, got {text!r}")
+    batch, heads_q, heads_kv, head_dim = dims
+    if heads_q % heads_kv:
+        raise ValueError(f"--decode: H_Q ({heads_q}) must be a multiple of H_KV ({heads_kv})")
+    if page_size is None or max_blocks is None:
+        raise ValueError("--decode needs --page-size and --max-blocks")
+    if seq_q > page_size * max_blocks:
+        raise ValueError(f"--seq-q {seq_q} exceeds a sequence's capacity ({max_blocks} pages of "
+                         f"{page_size} tokens)")
+    dtype_name = DTYPES.get(dtype.lower())
+    if dtype_name is None:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    kinds = {part.strip().lower().partition(":")[0] for part in mask.split("+")}
+    if not kinds <= set(DECODE_MASKS):
+        raise ValueError(f"--mask for --decode must be none, causal[:...] or window:... "
+                         f"(joined with '+'), got {mask!r}")
+    return DecodeSpec(batch, heads_q, heads_kv, head_dim, page_size, max_blocks,
+                      num_blocks or batch * max_blocks, seq_q, dtype_name, parse_mask(mask))
+
+
+def decode_inputs(spec: DecodeSpec, device: str) -> tuple[tuple, dict]:
+    """Zero-filled ``(q, k_pool, v_pool, cache_seqlens), kwargs`` of one ``attention_with_kvcache``
+    call of ``spec``'s shapes: int32 lengths (``seq_q`` each) and block table on ``device``."""
+    import torch
+
+    dtype = getattr(torch, spec.dtype)
+    q = torch.zeros(spec.batch, spec.seq_q, spec.heads_q, spec.head_dim, dtype=dtype,
+                    device=device)
+    k = torch.zeros(spec.num_blocks, spec.page_size, spec.heads_kv, spec.head_dim, dtype=dtype,
+                    device=device)
+    lens = torch.full((spec.batch,), spec.seq_q, dtype=torch.int32, device=device)
+    table = (torch.arange(spec.batch * spec.max_blocks, dtype=torch.int32, device=device)
+             % spec.num_blocks).view(spec.batch, spec.max_blocks)
+    return (q, k, torch.zeros_like(k), lens), {"block_table": table, "mask": spec.mask}
