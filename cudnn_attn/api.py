@@ -8,7 +8,7 @@ import torch
 
 from . import custom_ops, dispatch
 from .caches import LRU
-from .masks import Alibi, RelPosBias
+from .masks import Alibi, Mask, Padding, RelPosBias
 from .problem import AttnProblem
 from .kv_heads import head_counts_differ, repeat_to_common_heads
 from .runtime import DropoutState, Inputs, hide_padded_rows, hide_padding
@@ -48,6 +48,8 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
         bias_key = bias
     else:
         return None
+    if mask is not None and _runtime_padding(mask):
+        return None  # its lengths are this call's tensors: a cached problem holds another's
     if type(scale) is bool or type(dropout_p) is bool or type(softcap) is bool \
             or type(return_lse) is not bool:
         # True == 1 == 1.0 hash alike: a valid call (scale=1.0) must not vouch for an invalid one.
@@ -61,6 +63,11 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
                 _deterministic())
     except (AttributeError, TypeError):
         return None
+
+
+def _runtime_padding(mask) -> bool:
+    parts = mask.parts() if isinstance(mask, Mask) else ()
+    return any(isinstance(m, Padding) and m.runtime is not None for m in parts)
 
 
 def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse, backend,

@@ -186,11 +186,12 @@ def _check_length_tensor(name: str, value: torch.Tensor) -> None:
                          f"{tuple(value.shape)}")
 
 
-def _traced(value) -> bool:
-    """A tensor whose values cannot be read now: under torch.compile / torch.export, or a fake
-    (also functionalized) or meta tensor."""
+def _runtime_lengths(value) -> bool:
+    """A length tensor whose values stay on the device: one that cannot be read now (under
+    torch.compile / torch.export, fake or meta) or one on an accelerator, where reading it would
+    synchronise the host (and break CUDA-graph capture)."""
     return isinstance(value, torch.Tensor) and (
-        torch.compiler.is_compiling() or value.is_meta or is_fake(value))
+        value.device.type != "cpu" or torch.compiler.is_compiling() or is_fake(value))
 
 
 @dataclass(frozen=True, init=False)
@@ -205,9 +206,12 @@ class Padding(Mask):
         1 1 1 0
         0 0 0 0
 
-    Built from tensors while torch.compile / torch.export traces (or from fake/meta tensors),
-    the lengths cannot be read: ``seq_lens_q``/``seq_lens_kv`` are then ``None`` and ``runtime``
-    holds the two 1-D tensors, which ``attention()`` passes to its custom op as runtime inputs.
+    Lengths given as tensors on an accelerator (or meta/fake tensors, or any tensor while
+    torch.compile / torch.export traces) are **runtime values**: they are never read on the host,
+    ``seq_lens_q``/``seq_lens_kv`` are ``None``, ``runtime`` holds the two 1-D tensors, and every
+    such ``Padding`` of a batch size compares equal, so one plan (one cuDNN graph) serves every
+    batch of lengths and a call can be captured in a CUDA graph. Values past the sequence
+    (``> S``) are then not checked. Ints and CPU tensors are read and checked.
     """
 
     seq_lens_q: Optional[tuple[int, ...]]
@@ -215,7 +219,7 @@ class Padding(Mask):
     runtime: Optional[tuple] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __init__(self, seq_lens_q, seq_lens_kv=None):
-        if _traced(seq_lens_q) or _traced(seq_lens_kv):
+        if _runtime_lengths(seq_lens_q) or _runtime_lengths(seq_lens_kv):
             self._init_runtime(seq_lens_q, seq_lens_q if seq_lens_kv is None else seq_lens_kv)
             return
         lens_q = _as_lengths("seq_lens_q", seq_lens_q)
@@ -239,6 +243,18 @@ class Padding(Mask):
         object.__setattr__(self, "seq_lens_q", None)
         object.__setattr__(self, "seq_lens_kv", None)
         object.__setattr__(self, "runtime", tuple(tensors))
+
+    @property
+    def batch(self) -> int:
+        return len(self.seq_lens_q) if self.runtime is None else self.runtime[0].shape[0]
+
+    def tensors(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lens_q, lens_kv)`` as integer tensors on ``device``; runtime ones are moved, never
+        read (no host synchronisation)."""
+        if self.runtime is not None:
+            return tuple(t.to(device, non_blocking=True) for t in self.runtime)
+        return (torch.tensor(self.seq_lens_q, device=device),
+                torch.tensor(self.seq_lens_kv, device=device))
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from . import _checks
 from ._checks import FLOAT_DTYPES
 from .masks import (Alibi, Causal, Mask, Neighborhood, Padding, RelPosBias, SlidingWindow, mask_parts,
                     without_full_neighborhoods)
+from .storage import Storage
 
 __all__ = ["TensorSpec", "AttnProblem", "LAYOUTS", "FLOAT_DTYPES", "accumulator_dtype"]
 
@@ -95,6 +96,8 @@ class AttnProblem:
     bias_requires_grad: bool = False
     # torch.use_deterministic_algorithms at call time: engines pick deterministic backwards.
     deterministic: bool = False
+    # Packed (ragged) or paged tensors (cudnn_attn.storage); None: dense [B, S, H, D] batches.
+    storage: Optional[Storage] = None
     plan_key: tuple = field(default=(), compare=False, repr=False)
 
     def __post_init__(self):
@@ -104,7 +107,7 @@ class AttnProblem:
         key = (self.batch, self.heads_q, self.heads_kv, self.seq_q, self.seq_kv, self.dim_qk,
                self.dim_v, self.dtype, self.device, self.layout, self.q, self.k, self.v, parts,
                self.bias, self.alibi is not None, self.rpb, self.dropout_mask,
-               self.softcap is not None, self.dropout_p > 0, self.deterministic)
+               self.softcap is not None, self.dropout_p > 0, self.deterministic, self.storage)
         object.__setattr__(self, "plan_key", key)
 
     # -- convenience views used by every backend ----------------------------------------------
@@ -132,7 +135,8 @@ class AttnProblem:
                   f"rpb={list(self.rpb.shape)}" if self.rpb else "",
                   f"dropout_mask={list(self.dropout_mask.shape)}" if self.dropout_mask else "",
                   f"softcap={self.softcap}" if self.softcap else "",
-                  f"dropout_p={self.dropout_p}" if self.dropout_p else ""]
+                  f"dropout_p={self.dropout_p}" if self.dropout_p else "",
+                  f"storage={self.storage!r}" if self.storage else ""]
         return (f"q=[B={self.batch}, H={self.heads_q}, S={self.seq_q}, D={self.dim_qk}] "
                 f"k/v=[H={self.heads_kv}, S={self.seq_kv}, D_v={self.dim_v}] {self.dtype} "
                 f"{self.device} layout={self.layout} mask={masks} "
@@ -248,9 +252,11 @@ def _check_masks(mask, batch: int, seq_q: int, seq_kv: int, alibi: bool) -> None
             raise ValueError(f"Neighborhood over spatial_shape={m.spatial_shape} needs "
                              f"S_q == S_kv == {m.num_tokens} tokens, got S_q={seq_q}, S_kv={seq_kv}")
         if isinstance(m, Padding):
-            if len(m.seq_lens_q) != batch:
+            if m.batch != batch:
                 raise ValueError(f"Padding needs one length per batch ({batch}), got "
-                                 f"seq_lens_q={m.seq_lens_q}")
+                                 f"{m.batch}: {m!r}")
+            if m.runtime is not None:  # runtime lengths are never read on the host
+                continue
             if max(m.seq_lens_q) > seq_q or max(m.seq_lens_kv) > seq_kv:
                 raise ValueError(f"Padding lengths exceed the sequence: seq_lens_q={m.seq_lens_q} "
                                  f"(S_q={seq_q}), seq_lens_kv={m.seq_lens_kv} (S_kv={seq_kv})")

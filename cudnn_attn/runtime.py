@@ -88,11 +88,6 @@ def _bias_cells(valid_q: torch.Tensor, valid_kv: torch.Tensor, shape: torch.Size
     return rows & cols
 
 
-def _lengths(padding):
-    """Host lengths, or the runtime tensors of a ``Padding`` built while tracing."""
-    if padding.seq_lens_q is None:
-        return padding.runtime
-    return padding.seq_lens_q, padding.seq_lens_kv
 
 
 def hide_padding(problem, inputs: Inputs) -> Inputs:
@@ -104,10 +99,10 @@ def hide_padding(problem, inputs: Inputs) -> Inputs:
     and costs no host synchronisation. Calls without ``Padding`` pass through untouched.
     """
     padding = problem.padding
-    if padding is None:
-        return inputs
+    if padding is None or problem.storage is not None:  # packed: no positions past a length;
+        return inputs                                   # paged: the pools are read, not copied
     device = inputs.q.device
-    lens_q, lens_kv = _lengths(padding)
+    lens_q, lens_kv = padding.tensors(device)
     valid_q = valid_positions(lens_q, problem.seq_q, device)
     valid_kv = valid_positions(lens_kv, problem.seq_kv, device)
     rows, keys = (_on_sequence_axis(v, problem.layout) for v in (valid_q, valid_kv))
@@ -123,7 +118,7 @@ def hide_padded_rows(problem, out: torch.Tensor) -> torch.Tensor:
     """``out`` with the query rows past the ``Padding`` lengths set to 0 (they already are): the
     gradient reaching them, whatever it holds, then stops here instead of entering the backward."""
     padding = problem.padding
-    if padding is None:
+    if padding is None or problem.storage is not None:
         return out
-    valid_q = valid_positions(_lengths(padding)[0], problem.seq_q, out.device)
+    valid_q = valid_positions(padding.tensors(out.device)[0], problem.seq_q, out.device)
     return torch.where(_on_sequence_axis(valid_q, problem.layout), out, 0)

@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import torch
 
-from . import call_spec, entry_ops
-from .api import attention
+from . import call_spec, dispatch, entry_ops
+from .api import attention, run
+from .errors import NotSupportedError
+from .runtime import DropoutState, Inputs
+from .stored_calls import kvcache_problem, varlen_problem
 from .sinks import check_sinks, merge_sinks
 from .varlen_groups import by_length_groups, grouped_varlen
 from .varlen_args import (cache_lengths, check_bias, check_cache, check_maxima, check_packed,
@@ -115,6 +118,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         return _traced("varlen", [q, k, v, cu_seqlens_q, cu_seqlens_k], [max_seqlen_q, max_seqlen_k],
                        mask, bias, scale, dropout_p, softcap, return_lse, backend, generator)
     q, k, v = check_packed(q, k, v)
+    if _native_route(q, backend, bias):  # cuDNN's ragged layout: nothing read on the host
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the offsets' token stride
+        res = _run_native(lambda: varlen_problem(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask=mask,
+            bias=bias, read=False, scale=scale, dropout_p=dropout_p, softcap=softcap,
+            return_lse=return_lse), q, k, v, backend, generator, return_lse)
+        if res is not None:
+            return res
     lens_q, lens_k = varlen_lengths(q, k, cu_seqlens_q, cu_seqlens_k)
     max_q, max_k = check_maxima(max_seqlen_q, max_seqlen_k, lens_q, lens_k)
     check_user_mask(mask, "attention_varlen")
@@ -223,6 +234,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
             else [-1, *cache_seqlens]
         return _traced("kvcache", [q, k_cache, v_cache, lens, block_table], ints, mask, bias,
                        scale, 0.0, softcap, return_lse, backend, None)
+    if _native_route(q, backend, bias):  # the whole cache, lengths on the device, page tables
+        res = _run_native(lambda: kvcache_problem(
+            q, k_cache, v_cache, cache_seqlens, block_table, mask=mask, bias=bias, read=False,
+            scale=scale, softcap=softcap, return_lse=return_lse), q, k_cache, v_cache, backend,
+            None, return_lse)
+        if res is not None:
+            return res
     q, k_cache, v_cache, block_table, capacity, where = check_cache(q, k_cache, v_cache,
                                                                     block_table)
     batch, seq_q, heads_q, _ = q.shape
@@ -252,6 +270,35 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
                      bias=bias, scale=scale, softcap=softcap, layout="bshd",
                      return_lse=return_lse, backend=backend)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The native path: packed or paged storage as it lies, lengths never read on the host
+# ---------------------------------------------------------------------------------------------
+
+def _native_route(q, backend, bias) -> bool:
+    """Whether to try the engines that address packed/paged storage themselves (cuDNN): when
+    cuDNN is forced, or on an accelerator unless another engine is. A bias tensor spans
+    ``max_seqlen`` exactly, which the native graphs round up, so it takes the dense-batch path."""
+    if isinstance(bias, torch.Tensor) or not isinstance(q, torch.Tensor):
+        return False
+    return backend == "cudnn" or (backend == "auto" and q.device.type not in ("cpu", "meta"))
+
+
+def _run_native(problem_of, q, k, v, backend, generator, return_lse):
+    """``attention``'s result through an engine that runs ``problem_of()`` as stored, or
+    ``None`` when none can and the backend is ``"auto"`` (the caller then builds dense
+    batches). Malformed arguments raise as usual."""
+    problem = problem_of()
+    try:
+        plan = dispatch.plan_for(problem, backend)[1]
+    except NotSupportedError:
+        if backend != "auto":
+            raise
+        return None
+    dropout = DropoutState.draw(generator) if problem.dropout_p > 0 else None
+    out, lse = run(problem, plan, Inputs(q, k, v, None, dropout), return_lse)
+    return (out, lse) if return_lse else out
 
 
 # ---------------------------------------------------------------------------------------------

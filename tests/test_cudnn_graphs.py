@@ -14,18 +14,18 @@
 
 import importlib.util
 import json
-import math
 import re
 
 import pytest
 import torch
 from common import Problem
+import cudnn_fake
+from cudnn_fake import cudnn_visibility
 
 import cudnn_attn as ca
 from cudnn_attn import dispatch
 from cudnn_attn.caches import clear_caches
 from cudnn_attn.graphs import _runtime
-from cudnn_attn.graphs import backend as cudnn_backend
 from cudnn_attn.graphs._spec import GraphOptions, PagedKV, analyze, padded_rows
 from cudnn_attn.graphs.sdpa import UID, describe, validate_for
 
@@ -226,26 +226,6 @@ def test_diagonal_band_attributes(mask, sq, skv, align, left, right):
     assert (node["left_bound"], node["right_bound"]) == (left, right)
     if align is not None:
         assert node["diagonal_alignment"] == align
-
-
-def cudnn_visibility(spec, B, lens_q=None, lens_kv=None):
-    """What cuDNN keeps, from its documented rule: padding, then i' - L < j <= i' + R."""
-    sq, skv = spec.seq_q, spec.seq_kv
-    lq = torch.tensor(lens_q if lens_q else [sq] * B).view(B, 1, 1)
-    lkv = torch.tensor(lens_kv if lens_kv else [skv] * B).view(B, 1, 1)
-    i = torch.arange(sq).view(1, -1, 1)
-    j = torch.arange(skv).view(1, 1, -1)
-    vis = torch.ones(B, sq, skv, dtype=torch.bool)
-    if spec.padding:
-        vis &= (i < lq) & (j < lkv)
-    band = spec.band
-    if band is not None:
-        aligned = i + ((lkv - lq if spec.padding else skv - sq) if band.alignment == "bottom_right" else 0)
-        if band.left is not None:
-            vis &= j > aligned - band.left
-        if band.right is not None:
-            vis &= j <= aligned + band.right
-    return vis
 
 
 def _band_cases():
@@ -474,96 +454,10 @@ def test_the_frontend_rejects_what_the_rules_decline(changes, backward, sm):
 # the plan's host logic, against a stand-in for cuDNN's execute
 # ---------------------------------------------------------------------------------------------
 
-def cudnn_alibi_slopes(h):
-    """cudnn_frontend_utils.h get_alibi_slope, transcribed."""
-    n = 1 << int(math.log2(h))
-    exps = [i + 1.0 for i in range(n)] + [(i + 1) * 0.5 for i in range(0, 2 * (h - n), 2)]
-    return torch.tensor([2.0 ** (-8.0 * e / n) for e in exps], dtype=torch.float64)
-
-
-class FakeGraph:
-    """Computes what a cuDNN SDPA graph documents, in float64, from the bound buffers. Rows that
-    see no key come out NaN (out and stats): the engine must not rely on what cuDNN writes there."""
-
-    def __init__(self, spec, backward):
-        self.spec, self.backward, self.workspace_size, self.seeds = spec, backward, 0, []
-
-    def _bhsd(self, t):
-        t = t if self.spec.layout == "bhsd" else t.transpose(1, 2)
-        return t.to(torch.float64)
-
-    def _store(self, dst, value):
-        value = value if self.spec.layout == "bhsd" else value.transpose(1, 2)
-        dst.copy_(value.to(dst.dtype))
-
-    def execute(self, buffers, workspace, handle):
-        s = self.spec
-        g = s.heads_q // s.heads_kv
-        q = self._bhsd(buffers[UID.Q])
-        k = self._bhsd(buffers[UID.K]).repeat_interleave(g, 1)
-        v = self._bhsd(buffers[UID.V]).repeat_interleave(g, 1)
-        scale = buffers[UID.SCALE].item()
-        sc = scale * q @ k.transpose(-1, -2)
-        if UID.BIAS in buffers:
-            sc = sc + buffers[UID.BIAS].to(torch.float64)
-        if s.alibi:
-            i = torch.arange(s.seq_q).view(-1, 1)
-            j = torch.arange(s.seq_kv).view(1, -1)
-            sc = sc + cudnn_alibi_slopes(s.heads_q).view(1, -1, 1, 1) * (j - i)
-        lens = (buffers[UID.SEQ_LEN_Q].flatten().tolist(), buffers[UID.SEQ_LEN_KV].flatten().tolist()) \
-            if s.padding else (None, None)
-        vis = cudnn_visibility(s, s.batch, *lens)[:, None]
-        sc = sc.masked_fill(~vis, -math.inf)
-        keep = 1.0
-        if UID.DROPOUT_SEED in buffers:
-            seed = buffers[UID.DROPOUT_SEED].item()
-            self.seeds.append(seed)
-            gen = torch.Generator().manual_seed(seed)
-            draw = torch.rand(sc.shape, generator=gen, dtype=torch.float64)
-            keep = (draw >= s.dropout_p).to(torch.float64) / (1 - s.dropout_p)
-        if not self.backward:
-            lse = sc.logsumexp(-1, keepdim=True)
-            lse = torch.where(vis.any(-1, keepdim=True), lse, math.nan)
-            p = torch.exp(sc - lse)
-            self._store(buffers[UID.O], (p * keep) @ v)
-            if UID.STATS in buffers:
-                buffers[UID.STATS].copy_(lse)
-            return
-        p = torch.exp(sc - buffers[UID.STATS].to(torch.float64))
-        do, o = self._bhsd(buffers[UID.DO]), self._bhsd(buffers[UID.O])
-        delta = (do * o).sum(-1, keepdim=True)
-        ds = p * ((do @ v.transpose(-1, -2)) * keep - delta)
-        b, hkv = s.batch, s.heads_kv
-        self._store(buffers[UID.DQ], scale * ds @ k)
-        dk = (scale * ds.transpose(-1, -2) @ q).view(b, hkv, g, s.seq_kv, -1).sum(2)
-        dv = ((p * keep).transpose(-1, -2) @ do).view(b, hkv, g, s.seq_kv, -1).sum(2)
-        self._store(buffers[UID.DK], dk)
-        self._store(buffers[UID.DV], dv)
-        if UID.DBIAS in buffers:
-            dims = [d for d, n in enumerate(s.bias_dim) if n == 1]
-            buffers[UID.DBIAS].copy_(ds.sum(dims, keepdim=True) if dims else ds)
-
-
 @pytest.fixture
 def fake_cudnn(monkeypatch):
     """``backend="cudnn"`` runs on this CPU through ``FakeGraph`` and a private graph cache."""
-    from cudnn_attn.graphs import cache
-
-    engine = dispatch.get_backend("cudnn")
-    engine.clear()
-    built = []
-
-    def build(problem, spec, backward):
-        built.append((spec, backward))
-        return FakeGraph(spec, backward)
-
-    fresh = cache.GraphCache(16)
-    monkeypatch.setattr(cache, "graph_cache", fresh)
-    monkeypatch.setattr(cudnn_backend, "build_graph", build)
-    monkeypatch.setattr(_runtime, "handle_for", lambda device: None)
-    monkeypatch.setattr(engine, "supports", lambda problem: analyze(problem)[1])
-    clear_caches()  # no plan, call or decline from before the fake engine
-    yield fresh, built
+    yield cudnn_fake.install(monkeypatch)
     clear_caches()
 
 

@@ -101,6 +101,8 @@ def problem_reasons(problem) -> list[str]:
         reasons.append("ALiBi is not supported")
     if problem.padding is not None and not LIMITS.padding:
         reasons.append("Padding masks are not supported")
+    if problem.storage is not None:
+        reasons.append(f"the kernels address dense batches, not {problem.storage!r} storage")
     if problem.dropout_mask is not None and not LIMITS.dropout_mask:
         reasons.append("an explicit dropout mask is not supported")
     if problem.rpb is not None:

@@ -6,8 +6,10 @@
 * Workspaces come from torch's caching allocator, so they follow torch's stream semantics.
 * Runtime values are graph inputs, never graph attributes: the softmax scale (pass-by-value
   fp32), the padding lengths (``[B, 1, 1, 1]`` int32 on the device), the Philox seed/offset
-  (pass-by-value int64). Small bounded caches (``caches.LRU``) keep their host-side cost off the
-  hot path.
+  (pass-by-value int64), ragged offsets and page tables. Small bounded caches (``caches.LRU``)
+  keep the host-side cost of host lengths off the hot path; lengths, offsets and tables given as
+  device tensors are converted on the device and never read (no host synchronisation, so a call
+  can be captured in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 
 from ..caches import LRU
 
-__all__ = ["handle_for", "workspace", "ScalarCache", "LengthCache", "aligned", "philox_tensors"]
+__all__ = ["handle_for", "workspace", "ScalarCache", "LengthCache", "device_lengths",
+           "ragged_offsets", "token_rows", "page_table", "aligned", "philox_tensors"]
 
 # (thread id, device index) -> (handle, cudnn.set_stream). A handle is only ever used by the
 # thread that created it; a dead thread's id reused by a new thread reuses its handle safely.
@@ -104,3 +107,53 @@ def philox_tensors(state) -> tuple[torch.Tensor, torch.Tensor]:
     """cuDNN's pass-by-value Philox ``(seed, offset)`` tensors of a call's ``DropoutState``."""
     return (torch.full((1, 1, 1, 1), state.seed, dtype=torch.int64),
             torch.full((1, 1, 1, 1), state.offset, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------------------------------
+# Device-side lengths, ragged offsets and page tables (never read on the host)
+# ---------------------------------------------------------------------------------------------
+
+def _int32(t: torch.Tensor, shape: tuple) -> torch.Tensor:
+    return aligned(t.to(torch.int32).contiguous().view(shape))
+
+
+def device_lengths(spec, padding, device):
+    """``(seq_len_q, seq_len_kv, empty)`` of a ``Padding`` with runtime (device) lengths:
+    ``[B, 1, 1, 1]`` int32 graph inputs and the ``[B, S_q]`` bool of rows that see no key."""
+    from ._spec import padded_rows
+
+    b = spec.batch
+    lens_q, lens_kv = padding.tensors(device)
+    return (_int32(lens_q, (b, 1, 1, 1)), _int32(lens_kv, (b, 1, 1, 1)),
+            padded_rows(spec, lens_q, lens_kv))
+
+
+def ragged_offsets(spec, storage) -> dict:
+    """Element offsets of each sequence's first token in the packed (contiguous, token-major)
+    Q, K, V, O and Stats, ``[B + 1, 1, 1, 1]`` int32, from the cumulative lengths."""
+    from ._emit import UID
+
+    shape = (spec.batch + 1, 1, 1, 1)
+    cu_q = storage.cu_seqlens_q.to(torch.int64)
+    cu_k = storage.cu_seqlens_k.to(torch.int64)
+    return {UID.RAGGED_Q: _int32(cu_q * (spec.heads_q * spec.dim_qk), shape),
+            UID.RAGGED_K: _int32(cu_k * (spec.heads_kv * spec.dim_qk), shape),
+            UID.RAGGED_V: _int32(cu_k * (spec.heads_kv * spec.dim_v), shape),
+            UID.RAGGED_O: _int32(cu_q * (spec.heads_q * spec.dim_v), shape),
+            UID.RAGGED_STATS: _int32(cu_q * spec.heads_q, shape)}
+
+
+def token_rows(per_row: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """A ``[B, S]`` per-(sequence, row) tensor read at each of ``total`` packed tokens."""
+    token = torch.arange(total, device=per_row.device)
+    cu = cu_seqlens.to(device=per_row.device, dtype=torch.int64)
+    seq = torch.searchsorted(cu[1:].contiguous(), token, right=True)
+    seq = seq.clamp_(max=per_row.shape[0] - 1)  # tokens past cu[-1] (none in a valid call)
+    row = (token - cu[seq]).clamp_(0, per_row.shape[1] - 1)
+    return per_row[seq, row]
+
+
+def page_table(spec, storage) -> torch.Tensor:
+    """The block table as cuDNN's ``[B, 1, pages, 1]`` int32 page table."""
+    pages = spec.seq_kv // spec.paged.page_size
+    return _int32(storage.block_table, (spec.batch, 1, pages, 1))

@@ -20,9 +20,11 @@ import torch
 
 from ..masks import Causal, SlidingWindow, alibi_slopes, mask_parts
 from ..problem import AttnProblem
+from ..storage import Paged, Ragged
 from .limits import BACKWARD_HEAD_DIM, LIMITS, MAX_HEAD_DIM
 
-__all__ = ["Band", "PagedKV", "GraphOptions", "GraphSpec", "analyze", "cudnn_reasons",
+__all__ = ["Band", "PagedKV", "GraphOptions", "GraphSpec", "analyze", "cudnn_reasons", "empty_rows",
+           "with_storage",
            "device_sm", "MAX_HEAD_DIM", "BACKWARD_HEAD_DIM", "LIMITS"]
 
 @dataclass(frozen=True)
@@ -199,7 +201,7 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
     ``backward`` (default: ``problem.requires_grad``) adds the backward graph's rules;
     ``target_sm`` (default: the problem's CUDA device, if any) adds the architecture's.
     """
-    options = options or GraphOptions()
+    options = with_storage(options or GraphOptions(), problem.storage)
     backward = problem.requires_grad if backward is None else backward
     if target_sm is None:
         target_sm = device_sm(problem.device)
@@ -309,6 +311,16 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
     return spec, []
 
 
+def with_storage(options: GraphOptions, storage) -> GraphOptions:
+    """The builder options a problem's packed or paged storage implies."""
+    if isinstance(storage, Ragged):
+        return dataclasses.replace(options, ragged=True)
+    if isinstance(storage, Paged):
+        return dataclasses.replace(options, paged=PagedKV(storage.num_blocks, storage.page_size,
+                                                          "bshd"))
+    return options
+
+
 def _option_reasons(problem, options: GraphOptions, mask_dropout: bool, backward: bool,
                     reasons: list) -> None:
     if options.ragged:
@@ -316,6 +328,11 @@ def _option_reasons(problem, options: GraphOptions, mask_dropout: bool, backward
             reasons.append("ragged (packed) layouts need per-sequence lengths (a Padding mask)")
         if problem.layout != "bshd":
             reasons.append("ragged (packed) layouts are token-major: use layout='bshd'")
+        widest = problem.batch * problem.seq_q * problem.heads_q * max(problem.dim_qk,
+                                                                        problem.dim_v)
+        if widest >= 2 ** 31:
+            reasons.append(f"this engine's ragged offsets are int32: B * max_seqlen * H * D must "
+                           f"stay below 2**31, got {widest}")
     elif options.max_total_seq_len_q is not None or options.max_total_seq_len_kv is not None:
         reasons.append("max_total_seq_len_q/kv applies to ragged (packed) layouts only")
     if mask_dropout and problem.dropout_p > 0:
@@ -367,21 +384,29 @@ def cudnn_reasons(problem: AttnProblem, target_sm: Optional[int] = None, *,
     return analyze(problem, target_sm=target_sm, options=options, backward=backward)[1]
 
 
-def padded_rows(spec: GraphSpec, lens_q, lens_kv) -> torch.Tensor:
-    """Bool ``[B, S_q]`` (CPU): query rows that see no key (padding, or a band with per-batch
-    bottom-right alignment that misses every valid key)."""
-    b = spec.batch
-    lq = torch.tensor(lens_q, dtype=torch.int64).view(b, 1)
-    lkv = torch.tensor(lens_kv, dtype=torch.int64).view(b, 1)
-    i = torch.arange(spec.seq_q, dtype=torch.int64).view(1, -1)
+def empty_rows(band: Optional[Band], i: torch.Tensor, lq: torch.Tensor,
+               lkv: torch.Tensor) -> torch.Tensor:
+    """Whether query row ``i`` of a sequence with ``lq`` queries and ``lkv`` keys sees no key
+    (past its length, no keys, or a band that misses every key); broadcasts elementwise."""
     empty = (i >= lq) | (lkv == 0)
-    band = spec.band
     if band is not None:
         aligned = i + (lkv - lq if band.alignment == "bottom_right" else 0)
         lo = torch.clamp(aligned - band.left + 1, min=0) if band.left is not None else 0
         hi = torch.minimum(aligned + band.right, lkv - 1) if band.right is not None else lkv - 1
-        empty |= (hi < lo) if isinstance(lo, torch.Tensor) else (hi < 0)
+        empty = empty | ((hi < lo) if isinstance(lo, torch.Tensor) else (hi < 0))
     return empty
+
+
+def padded_rows(spec: GraphSpec, lens_q, lens_kv) -> torch.Tensor:
+    """Bool ``[B, S_q]``: query rows that see no key (padding, or a band with per-batch
+    bottom-right alignment that misses every valid key). Host lengths give a CPU tensor; length
+    tensors stay on their device (never read)."""
+    b = spec.batch
+    device = lens_q.device if isinstance(lens_q, torch.Tensor) else None
+    lq, lkv = (torch.as_tensor(n, device=device).to(torch.int64).view(b, 1)
+               for n in (lens_q, lens_kv))
+    i = torch.arange(spec.seq_q, dtype=torch.int64, device=device).view(1, -1)
+    return empty_rows(spec.band, i, lq, lkv)
 
 
 def problem_lengths(problem: AttnProblem) -> tuple[tuple, tuple]:

@@ -23,6 +23,7 @@ from .._probe import cuda_missing, module_missing
 from ..caches import LRU, memoize
 from ..errors import NotSupportedError
 from ..problem import AttnProblem
+from ..storage import Paged, Ragged
 from . import _runtime
 from ._spec import GraphSpec, analyze, problem_lengths
 from .sdpa import UID, BuiltGraph, build_graph
@@ -133,9 +134,21 @@ class CudnnPlan:
             buffers[UID.BIAS] = _runtime.aligned(bias)
         empty = None
         if self._lengths is not None:
-            lens_q, lens_kv = problem_lengths(problem)
-            seq_q, seq_kv, empty = self._lengths.get(lens_q, lens_kv, device)
+            padding = problem.padding
+            if padding is not None and padding.runtime is not None:
+                seq_q, seq_kv, empty = _runtime.device_lengths(self.spec, padding, device)
+            else:
+                lens_q, lens_kv = problem_lengths(problem)
+                seq_q, seq_kv, empty = self._lengths.get(lens_q, lens_kv, device)
             buffers[UID.SEQ_LEN_Q], buffers[UID.SEQ_LEN_KV] = seq_q, seq_kv
+        storage = problem.storage
+        if isinstance(storage, Ragged):
+            buffers.update(_runtime.ragged_offsets(self.spec, storage))
+            if empty is not None:  # [B, S_q] -> one flag per packed token
+                empty = _runtime.token_rows(empty, storage.cu_seqlens_q, q.shape[0])
+        elif isinstance(storage, Paged):
+            buffers[UID.PAGE_TABLE_K] = buffers[UID.PAGE_TABLE_V] = \
+                _runtime.page_table(self.spec, storage)
         return buffers, empty
 
     def _dropout_buffers(self, problem, inputs, buffers: dict, backward: bool) -> None:
@@ -157,9 +170,27 @@ class CudnnPlan:
                 _runtime.philox_tensors(inputs.dropout)
 
     def _empty_views(self, empty):
-        """``empty`` [B, S_q] broadcast against out (call layout) and stats [B, H, S_q, 1]."""
+        """``empty`` broadcast against out and stats: ``[B, S_q]`` against out (call layout) and
+        stats ``[B, H, S_q, 1]``; packed (``[total_q]``) against ``[total_q, H, *]`` both."""
+        if self.spec.ragged:
+            return empty[:, None, None], empty[:, None, None]
         rows = empty[:, :, None, None] if self.spec.layout == "bshd" else empty[:, None, :, None]
         return rows, empty[:, None, :, None]
+
+    def _shapes(self, q) -> tuple[tuple, tuple]:
+        """Shapes of out and stats: the call layout's, or packed ``[total_q, H, *]``."""
+        s = self.spec
+        if s.ragged:
+            return (q.shape[0], s.heads_q, s.dim_v), (q.shape[0], s.heads_q, 1)
+        return self.o_shape, (s.batch, s.heads_q, s.seq_q, 1)
+
+    def _lse(self, stats: torch.Tensor) -> torch.Tensor:
+        """Stats as the package's lse: ``[B, H, S_q]``, or ``[H, total_q]`` when packed (the
+        varlen convention)."""
+        s = self.spec
+        if s.ragged:
+            return stats.view(stats.shape[0], s.heads_q).t()
+        return stats.view(s.batch, s.heads_q, s.seq_q)
 
     # -- Backend protocol ------------------------------------------------------------------------
     def forward(self, problem, inputs, need_lse=True):
@@ -172,24 +203,23 @@ class CudnnPlan:
         handle = _runtime.handle_for(device)
         buffers, empty = self._common(problem, q, k, v, bias, device)
         self._dropout_buffers(problem, inputs, buffers, backward=False)
-        out = torch.empty(self.o_shape, dtype=problem.dtype, device=device)
+        o_shape, stats_shape = self._shapes(q)
+        out = torch.empty(o_shape, dtype=problem.dtype, device=device)
         buffers[UID.O] = out
         stats = None
         if need_lse:
-            stats = torch.empty((s.batch, s.heads_q, s.seq_q, 1), dtype=torch.float32,
-                                device=device)
+            stats = torch.empty(stats_shape, dtype=torch.float32, device=device)
             buffers[UID.STATS] = stats
         built.execute(buffers, _runtime.workspace(built.workspace_size, device), handle)
         if stats is None:
             if empty is not None:
                 out.masked_fill_(self._empty_views(empty)[0], 0)
             return out, None
-        lse = stats.view(s.batch, s.heads_q, s.seq_q)
         if empty is not None:
             rows, stat_rows = self._empty_views(empty)
             out.masked_fill_(rows, 0)
-            lse = stats.masked_fill(stat_rows, -math.inf).view(s.batch, s.heads_q, s.seq_q)
-        return out, lse
+            stats = stats.masked_fill(stat_rows, -math.inf)
+        return out, self._lse(stats)
 
     def backward(self, problem, inputs, out, lse, dout, dlse=None):
         """``(dq, dk, dv, dbias)`` from the forward's LSE; ``dlse`` (the gradient reaching the
@@ -201,13 +231,16 @@ class CudnnPlan:
         buffers, _ = self._common(problem, q, k, v, bias, device)
         # exp(S - (+inf)) = 0: rows that see no key (lse -inf) contribute nothing, whatever
         # cuDNN wrote for them in the forward (FlashAttention's convention).
-        stats = lse.reshape(s.batch, s.heads_q, s.seq_q, 1).to(torch.float32)
+        o_shape, stats_shape = self._shapes(q)
+        packed = lse.t() if s.ragged else lse  # back to the stats' own row order
+        stats = packed.reshape(stats_shape).to(torch.float32)
         stats = stats.masked_fill(stats == -math.inf, math.inf)
         self._dropout_buffers(problem, inputs, buffers, backward=True)
-        dout = _like_layout(dout, self.o_shape)
+        dout = _like_layout(dout, o_shape)
         if dlse is not None:
-            out = _fold_dlse(out, dout, dlse, s.layout)
-        buffers[UID.O] = _like_layout(out, self.o_shape)
+            out = _fold_dlse(out, dout, dlse.t() if s.ragged else dlse,
+                             "ragged" if s.ragged else s.layout)
+        buffers[UID.O] = _like_layout(out, o_shape)
         buffers[UID.DO] = dout
         buffers[UID.STATS] = stats.contiguous()
         # Gradients contiguous in the call's layout (the strides the backward graph expects).
@@ -234,7 +267,8 @@ def _fold_dlse(out, dout, dlse, layout: str):
     """An ``O'`` with ``rowsum(dO * O') = rowsum(dO * O) - dlse``: cuDNN reads O only for that
     row sum, so the LSE's gradient rides along. Rows with ``dO = 0`` keep O (their dlse term is
     lost; a loss using a row's LSE but not its output is the one case this does not cover)."""
-    d = dlse if layout == "bhsd" else dlse.transpose(1, 2)  # -> out's [B, *, *] row order
+    # -> out's row order: [B, H, S] (bhsd), [B, S, H] (bshd), [total, H] (ragged, given so)
+    d = dlse if layout in ("bhsd", "ragged") else dlse.transpose(1, 2)
     d = d.to(torch.float32).unsqueeze(-1)
     g = dout.to(torch.float32)
     norm = (g * g).sum(-1, keepdim=True)

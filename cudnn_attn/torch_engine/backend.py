@@ -44,6 +44,8 @@ class TorchBackend:
         return []
 
     def supports(self, problem: AttnProblem) -> list[str]:
+        if problem.storage is not None:  # attention_varlen / _with_kvcache run it as dense batches
+            return [f"the torch engine addresses dense batches, not {problem.storage!r} storage"]
         return []
 
     def plan(self, problem: AttnProblem) -> "TorchPlan":

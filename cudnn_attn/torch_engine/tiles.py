@@ -273,8 +273,8 @@ class Visibility:
             return 0
         if padding is None:
             return self.seq_kv - self.seq_q
-        lens = torch.tensor(padding.seq_lens_kv) - torch.tensor(padding.seq_lens_q)
-        return lens.to(device).view(-1, 1, 1, 1)
+        lens_q, lens_kv = padding.tensors(device)
+        return (lens_kv - lens_q).view(-1, 1, 1, 1)
 
     def static(self, qi: torch.Tensor, kj: torch.Tensor, dynamic_lines: bool) -> torch.Tensor | None:
         """Masks that do not depend on per-call values; line masks only if not ``dynamic_lines``."""
@@ -310,6 +310,5 @@ class Visibility:
     def padded(qi: torch.Tensor, kj: torch.Tensor, padding) -> torch.Tensor | None:
         if padding is None:
             return None
-        lens_q = torch.tensor(padding.seq_lens_q, device=qi.device).view(-1, 1, 1, 1)
-        lens_kv = torch.tensor(padding.seq_lens_kv, device=qi.device).view(-1, 1, 1, 1)
+        lens_q, lens_kv = (t.view(-1, 1, 1, 1) for t in padding.tensors(qi.device))
         return (qi < lens_q) & (kj < lens_kv)

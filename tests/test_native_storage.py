@@ -1,0 +1,275 @@
+"""Varlen and KV-cache calls on the cuDNN engine's own storage paths, run on this CPU through the
+stand-in executor of ``cudnn_fake`` (what cuDNN documents for ragged offsets and page tables):
+
+* ``attention_varlen`` runs cuDNN's ragged (THD) graph on the packed tensors as they lie: no
+  padding, no host reads of ``cu_seqlens``; forward, lse and gradients against the float64 oracle
+  on each sequence alone; one graph serves every batch of lengths whose maxima share a bucket.
+* ``attention_with_kvcache`` runs cuDNN's page-table graph over the page pools (no gathering) and
+  the dense graph over the whole cache, with ``cache_seqlens`` on the device; decode steps with new
+  lengths reuse the graph.
+* Lengths, offsets and block tables are never read on the host: they arrive as a tensor type that
+  raises on any host read, and the "device" role is played by CPU tensors (``Padding`` is told so).
+* Declines name cuDNN's reasons; ``backend="auto"`` falls back to dense batches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_varlen import cu, oracle_varlen, pack
+
+import cudnn_attn as ca
+import cudnn_fake
+from cudnn_attn import dispatch, masks
+from cudnn_attn.caches import clear_caches
+from cudnn_attn.errors import NotSupportedError
+from cudnn_attn.stored_calls import varlen_problem
+from cudnn_attn.varlen import attention_varlen, attention_with_kvcache
+
+F16, F64 = torch.float16, torch.float64
+needs_fe = pytest.mark.skipif(not cudnn_fake.frontend_present(), reason="nvidia-cudnn-frontend "
+                              "is not installed")
+pytestmark = needs_fe
+
+
+class HostReadError(AssertionError):
+    pass
+
+
+class DeviceOnly(torch.Tensor):
+    """A length/offset/table tensor that refuses to be read on the host, as a CUDA tensor must
+    not be on a sync-free path. Arithmetic on it stays ``DeviceOnly``; the stand-in executor
+    (which plays the GPU) reads it through ``cudnn_fake.host``."""
+
+    _FORBIDDEN = {"tolist", "item", "__int__", "__index__", "__bool__", "__float__", "numpy",
+                  "__iter__"}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in cls._FORBIDDEN:
+            raise HostReadError(f"{func.__name__} read a device-only tensor on the host")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def device_only(t: torch.Tensor) -> torch.Tensor:
+    return t.as_subclass(DeviceOnly)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """The fake cuDNN engine, with CPU length tensors kept on the "device" (runtime values)."""
+    monkeypatch.setattr(masks, "_runtime_lengths", lambda value: isinstance(value, torch.Tensor))
+    yield cudnn_fake.install(monkeypatch)
+    clear_caches()
+
+
+def _graphs_built(fake_state):
+    return len(fake_state[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# varlen: cuDNN's ragged layout
+# ---------------------------------------------------------------------------------------------
+
+VARLEN_CASES = [
+    dict(id="plain"),
+    dict(id="causal-tl", mask=dict(causal="top_left")),
+    dict(id="causal-br", mask=dict(causal="bottom_right")),
+    dict(id="window-br", mask=dict(window=(4, 0, "bottom_right"))),
+    dict(id="alibi-causal", alibi=True, mask=dict(causal="top_left")),
+]
+LENS = [((1, 2, 37), (1, 2, 37)), ((5, 0, 9, 3), (7, 4, 0, 12)), ((1, 1, 1), (20, 3, 9))]
+
+
+def _lib_mask(mask_kw):
+    causal, window = mask_kw.get("causal"), mask_kw.get("window")
+    mask = None if causal is None else ca.Causal(causal)
+    if window is not None:
+        w = ca.SlidingWindow(*window)
+        mask = w if mask is None else mask & w
+    return mask
+
+
+def _varlen_inputs(lens_q, lens_k, Hq=4, Hkv=2, D=16, Dv=8, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = pack(lens_q, Hq, D, F16, g), pack(lens_k, Hkv, D, F16, g), pack(lens_k, Hkv, Dv, F16, g)
+    if grad:
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    return q, k, v
+
+
+@pytest.mark.parametrize("lens", LENS, ids=["same", "empty-seqs", "decode-like"])
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=[c["id"] for c in VARLEN_CASES])
+def test_varlen_runs_the_ragged_graph_and_matches_the_oracle(case, lens, fake):
+    lens_q, lens_k = lens
+    Hq = 4
+    q, k, v = _varlen_inputs(lens_q, lens_k, Hq=Hq, grad=True)
+    mask_kw = case.get("mask", {})
+    bias = ca.Alibi() if case.get("alibi") else None
+    cu_q, cu_k = device_only(cu(lens_q)), device_only(cu(lens_k))
+    out, lse = attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                mask=_lib_mask(mask_kw), bias=bias, return_lse=True,
+                                backend="cudnn")
+    out, lse = cudnn_fake.host(out), cudnn_fake.host(lse)  # results may carry the length type
+    specs = [spec for spec, _ in fake[1]]
+    assert specs and all(spec.ragged for spec in specs), "the ragged graph did not run"
+    slopes = None
+    if bias is not None:
+        import oracle
+        slopes = oracle.default_alibi_slopes(Hq)
+    ref_inputs = [t.detach().to(F64).requires_grad_(True) for t in (q, k, v)]
+    ref_out, ref_lse = oracle_varlen(*ref_inputs, lens_q, lens_k, slopes=slopes, **mask_kw)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out.to(F64), ref_out, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.to(F64), ref_lse, atol=1e-4, rtol=1e-4)  # -inf rows too
+    # Gradients through out and lse (the lse's reaches q and k through the dlse fold).
+    g = torch.Generator().manual_seed(3)
+    g_out = torch.randn(ref_out.shape, generator=g, dtype=F64)
+    g_lse = torch.randn(ref_lse.shape, generator=g, dtype=F64)
+
+    def loss(o, l_):
+        return (o.to(F64) * g_out).sum() + (l_.to(F64).masked_fill(l_.isinf(), 0) * g_lse).sum()
+
+    got = torch.autograd.grad(loss(out, lse), [q, k, v])
+    expected = torch.autograd.grad(loss(ref_out, ref_lse), ref_inputs)
+    assert any(backward for _, backward in fake[1]), "the ragged backward graph did not run"
+    for name, a, e in zip("qkv", got, expected):
+        assert a.shape == e.shape
+        torch.testing.assert_close(a.to(F64), e, atol=2e-2, rtol=2e-2,
+                                   msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_one_ragged_graph_serves_every_batch_of_lengths_in_a_bucket(fake):
+    for lens_q, lens_k in (((30, 2, 9), (30, 2, 9)), ((1, 60, 4), (3, 64, 4)), ((0, 0, 33), (5, 5, 40))):
+        q, k, v = _varlen_inputs(lens_q, lens_k)
+        out = attention_varlen(q, k, v, device_only(cu(lens_q)), device_only(cu(lens_k)),
+                               max(lens_q), max(lens_k), mask=ca.Causal("bottom_right"),
+                               backend="cudnn")
+        out = cudnn_fake.host(out)
+        ref, _ = oracle_varlen(q.to(F64), k.to(F64), v.to(F64), lens_q, lens_k,
+                               causal="bottom_right")
+        torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
+    assert _graphs_built(fake) == 1  # maxima 33..64 share the bucket 64: one forward graph
+    (spec, _), = fake[1]
+    assert spec.seq_q == spec.seq_kv == 64
+
+
+def test_varlen_dropout_seed_reaches_the_ragged_backward(fake):
+    q, k, v = _varlen_inputs((6, 9), (6, 9), grad=True)
+    gen = torch.Generator().manual_seed(4)
+    out = attention_varlen(q, k, v, device_only(cu((6, 9))), device_only(cu((6, 9))), 9, 9,
+                           dropout_p=0.25, generator=gen, backend="cudnn")
+    out.float().sum().backward()
+    graphs = [fake[0].get_or_build(key, None) for key in fake[0].keys()]
+    forward, backward = sorted(graphs, key=lambda graph: graph.backward)
+    assert forward.seeds and forward.seeds == backward.seeds
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache: page tables and the whole dense cache
+# ---------------------------------------------------------------------------------------------
+
+def _paged_cache(lens, page, Hkv, D, seed, poison=True, pages=None):
+    """A shuffled page pool holding each sequence's first ``lens[b]`` tokens, NaN elsewhere,
+    the ``[B, pages]`` block table and the dense ``[B, S, H, D]`` copy (zeros past the
+    lengths)."""
+    g = torch.Generator().manual_seed(seed)
+    B, pages = len(lens), pages or max(1, -(-max(lens) // page)) + 1
+    num_blocks = B * pages + 3
+    order = torch.randperm(num_blocks, generator=g)
+    table = order[:B * pages].view(B, pages).to(torch.int32)
+    fill = float("nan") if poison else 0.0
+    k_pool = torch.full((num_blocks, page, Hkv, D), fill, dtype=F16)
+    v_pool = torch.full((num_blocks, page, Hkv, D), fill, dtype=F16)
+    dense_k = torch.zeros(B, pages * page, Hkv, D, dtype=F16)
+    dense_v = torch.zeros(B, pages * page, Hkv, D, dtype=F16)
+    for b, n in enumerate(lens):
+        dense_k[b, :n] = torch.randn(n, Hkv, D, generator=g).to(F16)
+        dense_v[b, :n] = torch.randn(n, Hkv, D, generator=g).to(F16)
+        for t in range(n):
+            page_id = table[b, t // page]
+            k_pool[page_id, t % page] = dense_k[b, t]
+            v_pool[page_id, t % page] = dense_v[b, t]
+    for b, n in enumerate(lens):  # entries past a sequence's pages may hold anything
+        table[b, -(-n // page):] = -7
+    return k_pool, v_pool, table, dense_k, dense_v
+
+
+def _kvcache_oracle(q, dense_k, dense_v, lens, causal):
+    outs, lses = [], []
+    for b, n in enumerate(lens):
+        o, lse = oracle_varlen(q[b].to(F64), dense_k[b, :n].to(F64), dense_v[b, :n].to(F64),
+                               [q.shape[1]], [n], causal=causal)
+        outs.append(o)
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_paged_cache_runs_cudnn_page_tables_without_gathering(causal, fake):
+    page, Hq, Hkv, D = 16, 4, 2, 16
+    g = torch.Generator().manual_seed(1)
+    for step, lens in enumerate(([40, 1, 17, 0], [41, 2, 18, 1], [57, 33, 3, 16])):
+        # One pool and capacity (4 pages a sequence) for every step: one graph serves them all.
+        k_pool, v_pool, table, dense_k, dense_v = _paged_cache(lens, page, Hkv, D, seed=step,
+                                                               pages=4)
+        q = torch.randn(len(lens), 2, Hq, D, generator=g).to(F16)
+        out, lse = attention_with_kvcache(
+            q, k_pool, v_pool, device_only(torch.tensor(lens, dtype=torch.int32)),
+            block_table=device_only(table), mask=None if causal is None else ca.Causal(causal),
+            return_lse=True, backend="cudnn")
+        out, lse = cudnn_fake.host(out), cudnn_fake.host(lse)
+        ref_out, ref_lse = _kvcache_oracle(q, dense_k, dense_v, lens, causal)
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.to(F64), ref_out, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(lse.to(F64), ref_lse, atol=1e-4, rtol=1e-4)
+    assert _graphs_built(fake) == 1
+    (spec, backward), = fake[1]
+    assert spec.paged is not None and spec.paged.page_size == page and not backward
+
+
+def test_dense_cache_reads_the_whole_cache_with_device_lengths(fake):
+    Hq, Hkv, D = 4, 4, 16  # decode with causal and GQA is declined (cuDNN 9.18.1 notes)
+    g = torch.Generator().manual_seed(2)
+    k_cache = torch.randn(3, 48, Hkv, D, generator=g).to(F16)
+    v_cache = torch.randn(3, 48, Hkv, D, generator=g).to(F16)
+    for lens in ([48, 5, 0], [1, 30, 47]):
+        q = torch.randn(3, 1, Hq, D, generator=g).to(F16)
+        out = attention_with_kvcache(q, k_cache, v_cache,
+                                     device_only(torch.tensor(lens, dtype=torch.int32)),
+                                     mask=ca.Causal("bottom_right"), backend="cudnn")
+        out = cudnn_fake.host(out)
+        ref, _ = _kvcache_oracle(q, k_cache, v_cache, lens, "bottom_right")
+        torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
+    assert _graphs_built(fake) == 1
+    assert fake[1][0][0].seq_kv == 48  # the whole cache, not the longest length
+
+
+def test_a_page_size_cudnn_refuses_is_declined_with_its_reason(fake):
+    lens, page = [7, 3], 5
+    k_pool, v_pool, table, dense_k, dense_v = _paged_cache(lens, page, 2, 16, seed=0, poison=False)
+    q = torch.randn(2, 1, 2, 16).to(F16)
+    with pytest.raises(NotSupportedError, match="page size must be a power of two"):
+        attention_with_kvcache(q, k_pool, v_pool, torch.tensor(lens), block_table=table,
+                               backend="cudnn")
+    # "auto" on this CPU takes the dense-batch path, with the same result as the oracle.
+    table[table < 0] = 0
+    out = attention_with_kvcache(q, k_pool, v_pool, torch.tensor(lens), block_table=table)
+    ref, _ = _kvcache_oracle(q, dense_k, dense_v, lens, None)
+    torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_ragged_problems_are_declined_by_engines_that_address_dense_batches():
+    q = torch.randn(10, 2, 16, dtype=F16)
+    problem = varlen_problem(q, q, q, cu((4, 6)), cu((4, 6)), 6, 6, read=False)
+    verdicts = dispatch.verdicts(problem)
+    assert any("dense batches" in r for r in verdicts["torch"])
+    assert any("dense batches" in r for r in verdicts["cupy"])
+
+
+def test_device_only_tensors_do_refuse_host_reads():
+    t = device_only(torch.tensor([1, 2]))
+    for read in (t.tolist, lambda: int(t[0]), lambda: bool(t[0] > 0)):
+        with pytest.raises(HostReadError):
+            read()
