@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from ...api import attention
 from ...errors import NotSupportedError
+from ...varlen import attention_varlen
+from . import _core
 from .dense import mha_bwd, mha_fwd
 from .varlen import mha_varlen_bwd, mha_varlen_fwd
-from ._args import runtime_errors
+from ._args import _Options, runtime_errors
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
@@ -30,6 +33,38 @@ def window_pair(window_size) -> tuple:
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a pair (left, right), got {window_size!r}")
     return tuple(window_size)
+
+
+def _traced(q, k, v) -> bool:
+    """Whether this call is being traced (torch.compile, torch.export, FakeTensor or meta inputs):
+    then the ``mha_*`` entry points, which read lengths and build tile tables on the host, are
+    bypassed for ``attention()``/``attention_varlen()``, whose custom ops trace without a break."""
+    if torch.compiler.is_compiling():
+        return True
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return False  # validation explains it
+    return any(type(t) is not torch.Tensor or t.is_meta for t in tensors)
+
+
+def _traceable(alibi_slopes, dropout_p, return_probs) -> bool:
+    """What the traced route computes: everything but ALiBi slopes given as a tensor (the ops keep
+    slopes as constants) and the dropout-encoded probabilities (``S_dmask``)."""
+    return alibi_slopes is None and not (return_probs and dropout_p > 0)
+
+
+def _traced_options(head_dim, dropout_p, softmax_scale, causal, window_size, softcap):
+    left, right = window_pair(window_size)
+    return _Options.of(head_dim, dropout_p, softmax_scale, causal, left, right, softcap)
+
+
+def _traced_results(result, q, return_probs):
+    """``attention()``'s result in FlashAttention's form (``S_dmask`` empty without dropout;
+    ``softmax_lse`` not differentiable, as the eager path marks it)."""
+    if not return_probs:
+        return result
+    out, lse = result
+    return out, lse.detach(), q.new_empty(0)
 
 
 def _results(ctx, out, lse, probs, return_softmax):
@@ -120,7 +155,18 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
         s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # masked as above
         out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+
+    Under ``torch.compile``/``torch.export`` (and FakeTensor/meta inputs) the call runs as
+    ``attention()``'s custom ops, without a graph break, except with ``alibi_slopes`` or with
+    ``return_attn_probs`` and dropout (``S_dmask``), which take the eager path.
     """
+    if _traced(q, k, v) and _traceable(alibi_slopes, dropout_p, return_attn_probs):
+        opts = _traced_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, softcap)
+        mask = _core._fa_mask(opts, k.shape[1], q.shape[1] == k.shape[1], False)
+        return _traced_results(
+            attention(q, k, v, mask=mask, scale=opts.scale, dropout_p=opts.p_dropout,
+                      softcap=opts.softcap, layout="bshd", return_lse=bool(return_attn_probs)),
+            q, return_attn_probs)
     return _FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                                 alibi_slopes, deterministic, return_attn_probs)
 
@@ -175,7 +221,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         ``out`` ``[total_q, H, D_v]``, or ``(out, softmax_lse [H, total_q], S_dmask)``.
 
     Equivalent PyTorch: ``flash_attn_func`` on each sequence alone, outputs concatenated.
+
+    Under ``torch.compile`` (and strict ``torch.export``) dense-k/v calls run as ``attention_varlen()``'s
+    op, as ``flash_attn_func`` does (same exceptions: ``alibi_slopes``, ``S_dmask``).
     """
+    if block_table is None and torch.compiler.is_compiling() and \
+            _traceable(alibi_slopes, dropout_p, return_attn_probs):
+        opts = _traced_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, softcap)
+        # Per sequence, bottom-right equals top-left where lengths agree: one alignment for all.
+        mask = _core._fa_mask(opts, max_seqlen_k, False, False)
+        return _traced_results(
+            attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             mask=mask, scale=opts.scale, dropout_p=opts.p_dropout,
+                             softcap=opts.softcap, return_lse=bool(return_attn_probs)),
+            q, return_attn_probs)
     return _FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
                                       softcap, alibi_slopes, deterministic, return_attn_probs,
