@@ -73,12 +73,14 @@ def _with(mask, padding: Padding):
 
 
 def varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, *, mask=None, bias=None, read=True,
-                   **kwargs) -> AttnProblem:
+                   seqused_k=None, **kwargs) -> AttnProblem:
     """The problem of ``attention_varlen``'s native (ragged) graph, with ``Ragged`` storage.
 
     ``read=True`` checks the ``cu_seqlens`` values on the host (``describe``); ``read=False``
     keeps them on the device: the lengths become a runtime ``Padding`` computed there, and the
     sequence bounds are bucketed (``bucket_seqlen``) unless a bias tensor fixes them.
+    ``seqused_k`` (``read=False`` only; FlashAttention's) limits sequence ``b`` to its first
+    ``seqused_k[b]`` keys, which still start at ``cu_seqlens_k[b]``.
     """
     q, k, v = varlen_args.check_packed(q, k, v)
     if cu_q is None or cu_k is None or max_q is None or max_k is None:
@@ -95,8 +97,11 @@ def varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, *, mask=None, bias=None, r
             raise ValueError(f"cu_seqlens_q must have B + 1 >= 2 entries, got shape "
                              f"{tuple(cu_q.shape)}")
         lens_q = lens_k = None
-        if not read:
-            padding = Padding(cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1])
+        if not read:  # offsets are read where the graph runs: on q's device
+            cu_q, cu_k = (t.to(q.device, non_blocking=True) for t in (cu_q, cu_k))
+            used_k = cu_k[1:] - cu_k[:-1] if seqused_k is None else \
+                _lengths_tensor("seqused_k", seqused_k, cu_q.shape[0] - 1, q.device)
+            padding = Padding(cu_q[1:] - cu_q[:-1], used_k)
     batch = (cu_q.shape[0] - 1) if lens_q is None else len(lens_q)
     max_q, max_k = varlen_args.check_maxima(max_q, max_k, lens_q, lens_k)
     if not read and not isinstance(bias, torch.Tensor):
@@ -152,4 +157,6 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, block_table, *, mask=Non
                 f"cuDNN's paged {name} must be a contiguous [num_blocks, page_size, H_kv, D] "
                 f"container, got strides {tuple(cache.stride())}"]}, forced="cudnn")
     num_blocks, page_size = k_cache.shape[:2]
+    if not read:  # the page tables are read where the graph runs: on q's device
+        block_table = block_table.to(q.device, non_blocking=True)
     return dataclasses.replace(problem, storage=Paged(num_blocks, page_size, block_table))

@@ -187,6 +187,21 @@ def test_paged_kvcache_is_cuDNNs_page_table_graph(page):
     assert problem.padding.seq_lens_kv == tuple(CACHE_LENS)
 
 
+def test_bottom_right_causal_decode_needs_no_band_so_gqa_decode_runs():
+    """A decode query (S_q = 1) aligned bottom-right sits at its sequence's last key: causality
+    hides nothing there, so the graph has no diagonal band and cuDNN's decode + causal + GQA
+    defect does not apply."""
+    q, table = meta(3, 1, H, D), meta(3, 4, dtype=torch.int32)
+    k_cache = meta(16, 64, HKV, D)
+    kw = dict(cache_seqlens=torch.tensor(CACHE_LENS), block_table=table)
+    plain = cpp_json(*describe_problem(q, k_cache, k_cache, **kw))
+    causal = cpp_json(*describe_problem(q, k_cache, k_cache, mask=ca.Causal("bottom_right"), **kw))
+    assert causal == plain
+    # A left window bound is still a band: declined as before (the defect is not narrowed).
+    with pytest.raises(ca.NotSupportedError, match="decode"):
+        describe(q, k_cache, k_cache, mask=ca.SlidingWindow(5, 0, "bottom_right"), **kw)
+
+
 @pytest.mark.parametrize("case, fragment", [
     ("paged-backward", "no SDPA backward for paged"),
     ("page-48", "power of two"),
@@ -207,8 +222,8 @@ def test_declined_calls_name_the_reason(case, fragment):
     elif case == "strided-container":
         cache = meta(16, 64, 2 * HKV, D)[:, :, ::2]
         args, kw = (q, cache, cache), dict(cache_seqlens=lens, block_table=table)
-    elif case == "decode-causal-gqa":
-        kw = dict(cache_seqlens=lens, block_table=table, mask=ca.Causal("bottom_right"))
+    elif case == "decode-causal-gqa":  # top-left: the band is real (query 0 sees key 0)
+        kw = dict(cache_seqlens=lens, block_table=table, mask=ca.Causal())
     else:
         args, kw = varlen_call(grad=True)
         sm, backward = 80, True

@@ -273,3 +273,90 @@ def test_device_only_tensors_do_refuse_host_reads():
     for read in (t.tolist, lambda: int(t[0]), lambda: bool(t[0] > 0)):
         with pytest.raises(HostReadError):
             read()
+
+
+# ---------------------------------------------------------------------------------------------
+# FlashAttention's varlen API on the same graph
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("same_cu", [True, False], ids=["self", "cross"])
+def test_flash_attn_varlen_func_runs_the_ragged_graph(causal, same_cu, fake, monkeypatch):
+    from cudnn_attn.compat.flash_attn import native
+    from cudnn_attn.flash_attn_interface import flash_attn_varlen_func
+
+    # This CPU plays the accelerator for the route decision too.
+    monkeypatch.setattr(native, "takes", lambda q, paged, slopes, probs: not (paged or probs)
+                        and slopes is None)
+    lens_q = (9, 1, 0, 30)
+    lens_k = lens_q if same_cu else (4, 12, 3, 30)
+    q, k, v = _varlen_inputs(lens_q, lens_k, Hq=4, Hkv=2, D=16, Dv=16, grad=True)
+    cu_q = device_only(cu(lens_q))
+    cu_k = cu_q if same_cu else device_only(cu(lens_k))
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                         causal=causal, return_attn_probs=True)
+    out, lse = cudnn_fake.host(out), cudnn_fake.host(lse)
+    assert [spec.ragged for spec, _ in fake[1]] == [True]
+    mask_kw = dict(causal="bottom_right") if causal else {}
+    ref_inputs = [t.detach().to(F64).requires_grad_(True) for t in (q, k, v)]
+    ref_out, ref_lse = oracle_varlen(*ref_inputs, lens_q, lens_k, **mask_kw)
+    torch.testing.assert_close(out.to(F64), ref_out, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.to(F64), ref_lse, atol=1e-4, rtol=1e-4)
+    g_out = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(5), dtype=F64)
+    got = torch.autograd.grad((out.to(F64) * g_out).sum(), [q, k, v])
+    expected = torch.autograd.grad((ref_out * g_out).sum(), ref_inputs)
+    assert [backward for _, backward in fake[1]] == [False, True]
+    for name, a, e in zip("qkv", got, expected):
+        torch.testing.assert_close(a.to(F64), e, atol=2e-2, rtol=2e-2,
+                                   msg=lambda m, name=name: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "dense"])
+@pytest.mark.parametrize("rotary", [None, "interleaved", "half"])
+def test_flash_attn_with_kvcache_appends_rotates_and_attends_on_the_device(paged, rotary, fake,
+                                                                            monkeypatch):
+    """The same decode step through the device route (cuDNN's graph, lengths and tables never
+    read) and through the dense-batch route FlashAttention's own test file checks: identical
+    caches after the in-place append, outputs equal to fp16 rounding."""
+    from cudnn_attn.compat.flash_attn import native
+    from cudnn_attn.flash_attn_interface import flash_attn_with_kvcache
+
+    B, Hq, Hkv, D, page, pages, s_new = 3, 4, 4, 16, 16, 4, 2
+    lens = [5, 0, 40]
+    g = torch.Generator().manual_seed(8)
+    if paged:
+        k_pool, v_pool, table, _, _ = _paged_cache(lens, page, Hkv, D, seed=3, poison=False,
+                                                   pages=pages)
+        table[table < 0] = torch.arange(B * pages, B * pages + 3)[0]  # spare pages, unused
+    else:
+        k_pool = torch.randn(B, pages * page, Hkv, D, generator=g).to(F16)
+        v_pool = torch.randn(B, pages * page, Hkv, D, generator=g).to(F16)
+        table = None
+    q = torch.randn(B, s_new, Hq, D, generator=g).to(F16)
+    k_new = torch.randn(B, s_new, Hkv, D, generator=g).to(F16)
+    v_new = torch.randn(B, s_new, Hkv, D, generator=g).to(F16)
+    kw = dict(causal=True, return_softmax_lse=True)
+    if rotary is not None:
+        angles = torch.rand(pages * page, D // 4, generator=g) * 6
+        kw.update(rotary_cos=angles.cos().to(F16), rotary_sin=angles.sin().to(F16),
+                  rotary_interleaved=rotary == "interleaved")
+
+    def step(device_route):
+        monkeypatch.setattr(native, "takes_kvcache",
+                            lambda *args: device_route and args[2] is None and args[3] is None)
+        kc, vc = k_pool.clone(), v_pool.clone()
+        lens_t = torch.tensor(lens, dtype=torch.int32)
+        out, lse = flash_attn_with_kvcache(
+            q, kc, vc, k_new, v_new, cache_seqlens=device_only(lens_t) if device_route else lens_t,
+            block_table=None if table is None else (device_only(table) if device_route else table),
+            **kw)
+        return cudnn_fake.host(out), cudnn_fake.host(lse), kc, vc
+
+    built_before = _graphs_built(fake)
+    out, lse, kc, vc = step(True)
+    assert _graphs_built(fake) == built_before + 1, "the device route did not run cuDNN's graph"
+    assert (fake[1][-1][0].paged is not None) == paged
+    ref_out, ref_lse, ref_kc, ref_vc = step(False)
+    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
+    torch.testing.assert_close(out.to(F64), ref_out.to(F64), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.to(F64), ref_lse.to(F64), atol=1e-4, rtol=1e-4)

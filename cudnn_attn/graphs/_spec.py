@@ -182,6 +182,8 @@ def _band(problem: AttnProblem, padding: bool, alibi: bool, reasons: list) -> Op
                 rights.append(m.right)
     left = min(lefts) if lefts else None  # FlashAttention convention (inclusive)
     right = min(rights) if rights else None
+    if padding and alignment == "bottom_right" and s_q == 1 and not alibi:
+        right = None  # a decode query sits at its sequence's last key: nothing lies to its right
     if not padding:  # drop bounds that hide nothing (e.g. bottom-right causal at S_q = 1)
         offset = s_kv - s_q if alignment == "bottom_right" else 0
         if right is not None and not alibi and offset + right >= s_kv - 1:

@@ -196,9 +196,9 @@ class CudnnPlan:
     def forward(self, problem, inputs, need_lse=True):
         """``(out, lse)``: out in the call's layout and dtype; lse ``[B, H, S_q]`` fp32
         (natural log; ``-inf`` and out 0 on rows that see no key), ``None`` unless
-        ``need_lse``."""
+        ``need_lse``. Packed (ragged) problems: out ``[total_q, H, D_v]``, lse ``[H, total_q]``."""
         q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
-        s, device = self.spec, q.device
+        device = q.device
         built = self._get(problem, "stats" if need_lse else "plain")
         handle = _runtime.handle_for(device)
         buffers, empty = self._common(problem, q, k, v, bias, device)

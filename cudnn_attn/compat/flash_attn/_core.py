@@ -41,6 +41,14 @@ def _fa_mask(opts: _Options, seq_k: int, aligned_equal: bool, alibi: bool):
     return SlidingWindow(left, right, alignment)
 
 
+def fa_positions_per_token(opts: _Options, seq_k: int) -> bool:
+    """Whether ``flash_attn_with_kvcache`` rotates query ``i`` at ``n + i`` (a causal or local
+    call, after the window's normalization against ``seq_k``) rather than every query at ``n``."""
+    left = -1 if opts.left >= seq_k else opts.left
+    right = 0 if opts.causal else (-1 if opts.right >= seq_k else opts.right)
+    return left >= 0 or right >= 0
+
+
 def _problem(q, k, v, mask, alibi, opts: _Options) -> AttnProblem:
     return AttnProblem.from_tensors(q, k, v, mask=mask, bias=alibi, scale=opts.scale,
                                     dropout_p=opts.p_dropout, softcap=opts.softcap,

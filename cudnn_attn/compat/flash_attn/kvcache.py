@@ -22,7 +22,7 @@ import torch
 
 from ... import _checks
 from ...varlen import gather_pages, index_tensor, with_padding
-from . import _core
+from . import _core, native
 from ._args import _Options, _alibi, runtime_errors
 from .functions import window_pair
 from .rotary import apply_rotary
@@ -99,24 +99,28 @@ class _Cache:
                 _check_range("cache_batch_idx", values, 0, rows - 1, "rows of k_cache")
                 self.rows = idx.to(device=k_cache.device, dtype=torch.int64)
 
-    def _slots(self, positions: torch.Tensor):
-        """Index tuple of cache positions ``[B, S]`` (every one inside the cache)."""
+    def _slots(self, positions: torch.Tensor, check: bool = True):
+        """Index tuple of cache positions ``[B, S]`` (every one inside the cache); ``check``
+        reads the pages on the host to name a bad block table entry."""
         if not self.paged:
             return self.rows[:, None].expand_as(positions), positions
         table = self.table.to(device=positions.device, dtype=torch.int64)
         pages = table.gather(1, positions // self.page)
         bad = (pages < 0) | (pages >= self.k_cache.shape[0])
-        if bool(bad.any()):
+        if check and bool(bad.any()):
             b, s = (int(i) for i in bad.nonzero()[0])
             raise ValueError(f"block_table[{b}, {int(positions[b, s]) // self.page}] = "
                              f"{int(pages[b, s])} is not a page of k_cache (num_blocks = "
                              f"{self.k_cache.shape[0]})")
         return pages, positions % self.page
 
-    def append(self, k, v, starts: list[int]) -> None:
-        positions = torch.tensor(starts, device=k.device)[:, None] + \
-            torch.arange(k.shape[1], device=k.device)
-        where = self._slots(positions)
+    def append(self, k, v, starts, check: bool = True) -> None:
+        """Write ``k``/``v`` ``[B, S_new, ...]`` at positions ``starts[b] ..`` (host ints, or a
+        ``[B, 1]`` device tensor)."""
+        if not isinstance(starts, torch.Tensor):
+            starts = torch.tensor(starts, device=k.device)[:, None]
+        positions = starts + torch.arange(k.shape[1], device=k.device)
+        where = self._slots(positions, check)
         self.k_cache.index_put_(where, k)
         self.v_cache.index_put_(where, v)
 
@@ -226,6 +230,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     seq_new = 0 if k is None else k.shape[1]
     if k is not None and cache_seqlens is None:
         raise ValueError("cache_seqlens must be given with new k/v (where to append them)")
+    if native.takes_kvcache(q, cache_seqlens, cache_batch_idx, cache_leftpad, alibi_slopes):
+        left, right = window_pair(window_size)
+        opts = _Options.of(head_dim, 0.0, softmax_scale, causal, left, right, softcap)
+        _checks.flag("rotary_interleaved", rotary_interleaved)
+        _checks.integer("num_splits", num_splits, tensors=True)
+        _checks.flag("return_softmax_lse", return_softmax_lse)
+        rotary = _rotary_tables(rotary_cos, rotary_sin, head_dim, 0)
+        if rotary is not None and k is None:
+            raise ValueError("rotary_cos/rotary_sin need new k/v (rotary embedding is applied "
+                             "to q and to the appended keys)")
+        res = native.kvcache(q, cache, k, v, cache_seqlens, block_table, rotary,
+                             rotary_interleaved, opts)
+        if res is not None:
+            out, lse = res
+            out = out.contiguous()
+            return (out, lse.contiguous()) if return_softmax_lse else out
     lens = _lengths("cache_seqlens", cache_seqlens, batch, q.device, cache.capacity)
     _check_range("cache_seqlens", lens, 0, cache.capacity - seq_new,
                  f"the cache holds {cache.capacity} tokens and {seq_new} are appended")
@@ -243,10 +263,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _checks.integer("num_splits", num_splits, tensors=True)
     _checks.flag("return_softmax_lse", return_softmax_lse)
     alibi = _alibi(alibi_slopes, batch, heads, q.device)
-    # The queries sit at n + i when the call is causal or local (FlashAttention's rule).
-    norm_left = -1 if opts.left >= cache.capacity else opts.left
-    norm_right = 0 if opts.causal else (-1 if opts.right >= cache.capacity else opts.right)
-    per_token = norm_left >= 0 or norm_right >= 0
+    per_token = _core.fa_positions_per_token(opts, cache.capacity)
     need = max(n + max(seq_new, seq_q if per_token else 1) for n in lens)
     rotary = _rotary_tables(rotary_cos, rotary_sin, head_dim, need)
     if rotary is not None and k is None:

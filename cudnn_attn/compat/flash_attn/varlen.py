@@ -16,7 +16,7 @@ from ...problem import accumulator_dtype
 from ...runtime import DropoutState
 from ...varlen import cu_lengths, gather_pages, index_tensor, pad_tokens, token_slots, with_padding
 from ...varlen_groups import by_length_groups, group_bias, length_groups, packed_rows
-from . import _core, _probs
+from . import _core, _probs, native
 from ._args import (_Options, _alibi, _flag, _generator, _into, _like, _philox, _same_dtype,
                     _seed_tensors, _softmax_d, runtime_errors)
 
@@ -182,6 +182,17 @@ def mha_varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, block_t
     """
     paged = block_table_ is not None
     q, k, v = _varlen_heads(q, k, v, paged)
+    return_softmax = _flag("return_softmax", return_softmax)
+    if native.takes(q, paged, alibi_slopes_, return_softmax):
+        opts = _Options.of(q.shape[-1], p_dropout, softmax_scale, is_causal, window_size_left,
+                           window_size_right, softcap)
+        _flag("zero_tensors", zero_tensors)
+        _like("out_", out_, (q.shape[0], q.shape[1], v.shape[-1]), q, optional=True)
+        res = native.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                             max_seqlen_k, opts, _generator(gen_))
+        if res is not None:
+            out, lse, dropout = res
+            return (_into(out_, out), q, k, v, lse, *_seed_tensors(dropout), q.new_empty(0))
     lens_q, full_k = _batch_lengths(q, k, cu_seqlens_q, cu_seqlens_k, paged)
     lens_k = full_k if seqused_k is None else _used_lengths(seqused_k, full_k, paged, q.device)
     table = _block_table(block_table_, lens_k, k.shape[1], q.device) if paged else None
@@ -190,7 +201,6 @@ def mha_varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, block_t
                        window_size_right, softcap)
     _flag("zero_tensors", zero_tensors)
     mask = pack.mask(opts, alibi_slopes_ is not None)
-    return_softmax = _flag("return_softmax", return_softmax)
     gen_ = _generator(gen_)
     alibi = _alibi(alibi_slopes_, pack.batch, q.shape[1], q.device)
     _like("out_", out_, (q.shape[0], q.shape[1], v.shape[-1]), q, optional=True)
@@ -229,6 +239,17 @@ def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q,
     lse = _like("softmax_lse", softmax_lse, (q.shape[1], q.shape[0]), q, any_float=True)
     bufs = [_like(n, b, t.shape, q, optional=True)
             for n, b, t in (("dq_", dq_, q), ("dk_", dk_, k), ("dv_", dv_, v))]
+    if native.takes(q, False, alibi_slopes_, False):
+        opts = _Options.of(q.shape[-1], p_dropout, softmax_scale, is_causal, window_size_left,
+                           window_size_right, softcap)
+        _flag("zero_tensors", zero_tensors)
+        grads = native.backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                max_seqlen_q, max_seqlen_k, opts,
+                                _flag("deterministic", deterministic),
+                                _philox(philox_seed, philox_offset))
+        if grads is not None:
+            softmax_d = _softmax_d(dout, out, q.dtype).t().contiguous()
+            return (*(_into(b, g) for b, g in zip(bufs, grads)), softmax_d)
     lens_q, lens_k = _batch_lengths(q, k, cu_seqlens_q, cu_seqlens_k, False)
     pack = _Packing(lens_q, lens_k, max_seqlen_q, max_seqlen_k, q.device)
     opts = _Options.of(q.shape[-1], p_dropout, softmax_scale, is_causal, window_size_left,

@@ -1,0 +1,143 @@
+"""FlashAttention's packed and KV-cache calls on an engine that reads the tensors as they lie:
+cuDNN's ragged (THD) graph for ``mha_varlen_fwd`` / ``mha_varlen_bwd`` (``cu_seqlens`` and
+``seqused_k`` kept on the device), and its page-table (or whole-cache) graph for
+``flash_attn_with_kvcache`` (``cache_seqlens`` on the device, the append and rotary done there),
+so nothing is padded or gathered and nothing is read on the host.
+
+Taken on an accelerator for calls without paging, ALiBi slopes or returned weights (those need
+the lengths on the host, or slopes cuDNN cannot take); when no engine runs the packed problem
+the caller builds dense batches instead. FlashAttention aligns causal masks and windows to each
+sequence's bottom-right; when ``cu_seqlens_q is cu_seqlens_k`` every sequence has as many queries
+as keys and top-left is the same diagonal (which cuDNN combines with dropout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+
+from ... import _checks, dispatch
+from ...api import run
+from ...errors import NotSupportedError
+from ...problem import AttnProblem
+from ...runtime import DropoutState, Inputs
+from ...stored_calls import kvcache_problem, varlen_problem
+from . import _core
+from ._args import _Options
+from .rotary import apply_rotary
+
+__all__ = ["takes", "forward", "backward", "takes_kvcache", "kvcache"]
+
+
+def takes(q, paged: bool, alibi_slopes, return_softmax: bool) -> bool:
+    """Whether a varlen call tries the packed engines first."""
+    return (q.device.type not in ("cpu", "meta") and not paged and alibi_slopes is None
+            and not return_softmax)
+
+
+def _problem(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts: _Options, grad: bool,
+             deterministic: bool = False) -> AttnProblem:
+    same = cu_q is cu_k and seqused_k is None
+    mask = _core._fa_mask(opts, max_k, same, False)
+    problem = varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, mask=mask, read=False,
+                             seqused_k=seqused_k, scale=opts.scale, dropout_p=opts.p_dropout,
+                             softcap=opts.softcap, return_lse=True)
+    # A dropout forward is planned as for its backward, so both pick the engine (and mask).
+    return dataclasses.replace(problem, requires_grad=grad or opts.p_dropout > 0,
+                               deterministic=deterministic)
+
+
+def forward(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts: _Options, gen_):
+    """``(out [total_q, H, D_v], lse [H, total_q], dropout state)``, or ``None`` when no engine
+    runs the packed problem."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    problem = _problem(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts, grad=False)
+    try:
+        plan = dispatch.plan_for(problem, "auto")[1]
+    except NotSupportedError:  # the caller builds dense batches
+        return None
+    dropout = DropoutState.draw(gen_) if opts.p_dropout > 0 else DropoutState(0, 0)
+    inputs = Inputs(q, k, v, None, dropout if opts.p_dropout > 0 else None)
+    with torch.no_grad():
+        out, lse = plan.forward(problem, inputs, need_lse=True)
+    return out, lse, dropout
+
+
+def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts: _Options,
+             deterministic: bool, dropout: DropoutState) -> Optional[tuple]:
+    """``(dq, dk, dv)`` through the packed engine's backward, or ``None`` when none runs it.
+    A dropout mask can only be replayed by the engine that drew it: then a decline raises."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    problem = _problem(q, k, v, cu_q, cu_k, None, max_q, max_k, opts, grad=True,
+                       deterministic=deterministic or torch.are_deterministic_algorithms_enabled())
+    try:
+        plan = dispatch.plan_for(problem, "auto")[1]
+    except NotSupportedError:
+        if opts.p_dropout > 0:
+            raise
+        return None
+    # Rows that see no key: FlashAttention writes +inf, the engines take -inf.
+    lse = lse.masked_fill(lse == math.inf, -math.inf)
+    inputs = Inputs(q, k, v, None, dropout if opts.p_dropout > 0 else None)
+    with torch.no_grad():
+        dq, dk, dv, _ = plan.backward(problem, inputs, out.contiguous(), lse, dout.contiguous())
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache
+# ---------------------------------------------------------------------------------------------
+
+def takes_kvcache(q, cache_seqlens, cache_batch_idx, cache_leftpad, alibi_slopes) -> bool:
+    """Whether a KV-cache call tries the engines that read the cache as it lies (whole cache,
+    device lengths, page tables): on an accelerator, without the arguments whose values the
+    dense path must read (``cache_batch_idx``, ``cache_leftpad``, ALiBi slopes)."""
+    return (q.device.type not in ("cpu", "meta") and cache_batch_idx is None
+            and cache_leftpad is None and alibi_slopes is None
+            and not (isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dim() == 0))
+
+
+def kvcache(q, cache, k, v, cache_seqlens, block_table, rotary, interleaved: bool,
+            opts: _Options):
+    """``(out, lse)`` of ``flash_attn_with_kvcache`` with nothing read on the host (a decode
+    step that can be captured in a CUDA graph), or ``None`` (before any side effect) when no
+    engine runs the cache as it lies. ``cache`` is ``kvcache._Cache``; ``rotary`` its checked
+    ``(cos, sin)`` or None. New ``k``/``v`` are written at ``cache_seqlens[b] ..`` unchecked,
+    as FlashAttention does."""
+    batch, seq_q = q.shape[:2]
+    seq_new = 0 if k is None else k.shape[1]
+    if rotary is not None and rotary[0].shape[0] < cache.capacity:
+        return None  # the dense path checks the positions it actually rotates
+    if cache_seqlens is None:
+        lens = torch.full((batch,), cache.capacity, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, torch.Tensor):
+        lens = _checks.index_tensor("cache_seqlens", cache_seqlens, ndim=1, device=q.device)
+        if lens.shape[0] != batch:
+            raise ValueError(f"cache_seqlens must have one entry per batch ({batch}), got shape "
+                             f"{tuple(lens.shape)}")
+        lens = lens.to(q.device, non_blocking=True)
+    else:
+        lens = torch.full((batch,), _checks.integer("cache_seqlens", cache_seqlens),
+                          dtype=torch.int32, device=q.device)
+    starts = lens.to(torch.int64)[:, None]
+    if rotary is not None:
+        per_token = torch.arange(seq_q, device=q.device)
+        step = per_token if _core.fa_positions_per_token(opts, cache.capacity) else \
+            torch.zeros_like(per_token)
+        q = apply_rotary(q, *rotary, starts + step, interleaved)
+        k = apply_rotary(k, *rotary, starts + torch.arange(seq_new, device=q.device), interleaved)
+    mask = _core._fa_mask(opts, cache.capacity, False, False)
+    try:
+        problem = kvcache_problem(q, cache.k_cache, cache.v_cache, lens + seq_new, block_table,
+                                  mask=mask, read=False, scale=opts.scale, softcap=opts.softcap,
+                                  return_lse=True)
+        plan = dispatch.plan_for(problem, "auto")[1]
+    except NotSupportedError:
+        return None
+    if k is not None:
+        cache.append(k, v, starts, check=False)
+    with torch.no_grad():
+        return run(problem, plan, Inputs(q, cache.k_cache, cache.v_cache), True)
