@@ -30,7 +30,7 @@ from .masks import Padding
 from .problem import AttnProblem
 from .storage import Paged, Ragged
 
-__all__ = ["varlen_problem", "kvcache_problem", "bucket_seqlen"]
+__all__ = ["varlen_problem", "kvcache_problem", "bucket_seqlen", "meta_like", "on_accelerator"]
 
 
 def _readable(t) -> bool:
@@ -60,7 +60,14 @@ def _as_batched(x: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
                                dtype=x.dtype, device="meta", requires_grad=x.requires_grad)
 
 
-def _meta(t):
+def on_accelerator(t) -> bool:
+    """Whether the surfaces try the engines that read packed/paged storage as it lies for a call
+    on ``t``'s device: reading lengths there would synchronise the host (on the CPU the engines
+    that run are the dense ones, and reading is free)."""
+    return isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")
+
+
+def meta_like(t):
     """A tensor's shape, strides, dtype and ``requires_grad`` on the meta device (others as is)."""
     if not isinstance(t, torch.Tensor) or t.is_meta:
         return t
@@ -113,7 +120,7 @@ def varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, *, mask=None, bias=None, r
                            "[B, H_q, max_seqlen_q, max_seqlen_k]")
     problem = AttnProblem.from_tensors(_as_batched(q, batch, max_q), _as_batched(k, batch, max_k),
                                        _as_batched(v, batch, max_k), mask=_with(mask, padding),
-                                       bias=_meta(bias), layout="bshd", **kwargs)
+                                       bias=meta_like(bias), layout="bshd", **kwargs)
     return dataclasses.replace(problem, device=q.device, storage=Ragged(cu_q, cu_k))
 
 
@@ -148,7 +155,7 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, block_table, *, mask=Non
     # (described, never allocated: the problem is built on meta tensors, then put on q's device).
     k, v = (torch.empty(batch, capacity, *c.shape[2:], dtype=c.dtype, device="meta",
                         requires_grad=c.requires_grad) for c in (k_cache, v_cache))
-    problem = AttnProblem.from_tensors(_meta(q), k, v, mask=_with(mask, padding), bias=_meta(bias),
+    problem = AttnProblem.from_tensors(meta_like(q), k, v, mask=_with(mask, padding), bias=meta_like(bias),
                                        layout="bshd", **kwargs)
     problem = dataclasses.replace(problem, device=q.device)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):

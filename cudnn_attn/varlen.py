@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from . import call_spec, dispatch, entry_ops
+from . import call_spec, dispatch, entry_ops, stored_calls
 from .api import attention, run
 from .errors import NotSupportedError
 from .runtime import DropoutState, Inputs
@@ -282,7 +282,7 @@ def _native_route(q, backend, bias) -> bool:
     ``max_seqlen`` exactly, which the native graphs round up, so it takes the dense-batch path."""
     if isinstance(bias, torch.Tensor) or not isinstance(q, torch.Tensor):
         return False
-    return backend == "cudnn" or (backend == "auto" and q.device.type not in ("cpu", "meta"))
+    return backend == "cudnn" or (backend == "auto" and stored_calls.on_accelerator(q))
 
 
 def _run_native(problem_of, q, k, v, backend, generator, return_lse):

@@ -90,7 +90,9 @@ class FakeGraph:
         if s.paged is None:
             ragged = UID.RAGGED_K if uid == UID.K else UID.RAGGED_V
             return self._read(buffers, uid, ragged, s.heads_kv, s.seq_kv, lens_kv)
-        pool, page = buffers[uid], s.paged.page_size  # [num_blocks, page, H, D] (bshd pools)
+        pool, page = buffers[uid], s.paged.page_size
+        if s.paged.layout == "bhsd":  # cuDNN's [num_blocks, H, page, D] containers
+            pool = pool.transpose(1, 2)  # -> [num_blocks, page, H, D], as bshd pools
         table = host(buffers[table_uid]).view(s.batch, -1).tolist()
         out = torch.zeros(s.batch, s.heads_kv, s.seq_kv, pool.shape[-1], dtype=torch.float64)
         for b, n in enumerate(lens_kv):

@@ -360,3 +360,43 @@ def test_flash_attn_with_kvcache_appends_rotates_and_attends_on_the_device(paged
     assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
     torch.testing.assert_close(out.to(F64), ref_out.to(F64), atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(lse.to(F64), ref_lse.to(F64), atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cuDNN builder's paged containers
+# ---------------------------------------------------------------------------------------------
+
+def test_builder_reads_cudnn_paged_containers_through_the_tables(fake, monkeypatch):
+    """``set_paged_attention_k/v_table`` on the device route: cuDNN's [num_blocks, H, page, D]
+    containers bound as they lie (different K and V tables), against the builder's dense call."""
+    from cudnn_attn import stored_calls
+
+    g = torch.Generator().manual_seed(6)
+    B, H, D, page, pages = 2, 2, 16, 4, 3
+    q = torch.randn(B, H, 2, D, generator=g).to(F16)
+    k, v = (torch.randn(B, H, pages * page, D, generator=g).to(F16) for _ in range(2))
+    containers, tables = [], []
+    for dense in (k, v):  # each with its own page order
+        order = torch.randperm(B * pages, generator=g)
+        blocks = torch.empty(B * pages, H, page, D, dtype=F16)
+        blocks[order] = dense.view(B, H, pages, page, D).permute(0, 2, 1, 3, 4).reshape(-1, H, page, D)
+        containers.append(blocks)
+        tables.append(order.view(B, pages).to(torch.int32))
+    lens_kv = [9, 12]
+
+    def attrs(paged):
+        a = (ca.SdpaAttributes().set_attn_scale(0.4).set_padding_mask(True)
+             .set_seq_len_q([2, 2]).set_seq_len_kv(lens_kv))
+        if paged:
+            a = a.set_paged_attention_k_table(tables[0][:, None, :, None]) \
+                .set_paged_attention_v_table(tables[1])
+        return a
+
+    monkeypatch.setattr(stored_calls, "on_accelerator", lambda t: True)  # this CPU plays it
+    out, stats = ca.scaled_dot_product_flash_attention(q, *containers, attrs(True))
+    (spec, _), = fake[1]
+    assert spec.paged is not None and spec.paged.layout == "bhsd"
+    monkeypatch.setattr(stored_calls, "on_accelerator", lambda t: False)
+    want, want_stats = ca.scaled_dot_product_flash_attention(q, k, v, attrs(False))
+    torch.testing.assert_close(out.to(F64), want.to(F64), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(stats, want_stats, atol=1e-4, rtol=1e-4)

@@ -22,7 +22,7 @@ import torch
 from ..caches import LRU
 
 __all__ = ["handle_for", "workspace", "ScalarCache", "LengthCache", "device_lengths",
-           "ragged_offsets", "token_rows", "page_table", "aligned", "philox_tensors"]
+           "ragged_offsets", "token_rows", "page_tables", "aligned", "philox_tensors"]
 
 # (thread id, device index) -> (handle, cudnn.set_stream). A handle is only ever used by the
 # thread that created it; a dead thread's id reused by a new thread reuses its handle safely.
@@ -153,7 +153,9 @@ def token_rows(per_row: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> t
     return per_row[seq, row]
 
 
-def page_table(spec, storage) -> torch.Tensor:
-    """The block table as cuDNN's ``[B, 1, pages, 1]`` int32 page table."""
-    pages = spec.seq_kv // spec.paged.page_size
-    return _int32(storage.block_table, (spec.batch, 1, pages, 1))
+def page_tables(spec, storage) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V block tables as cuDNN's ``[B, 1, pages, 1]`` int32 page tables."""
+    shape = (spec.batch, 1, spec.seq_kv // spec.paged.page_size, 1)
+    table_k = _int32(storage.block_table, shape)
+    table_v = table_k if storage.v_table is None else _int32(storage.v_table, shape)
+    return table_k, table_v

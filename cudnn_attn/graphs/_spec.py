@@ -319,7 +319,7 @@ def with_storage(options: GraphOptions, storage) -> GraphOptions:
         return dataclasses.replace(options, ragged=True)
     if isinstance(storage, Paged):
         return dataclasses.replace(options, paged=PagedKV(storage.num_blocks, storage.page_size,
-                                                          "bshd"))
+                                                          storage.layout))
     return options
 
 

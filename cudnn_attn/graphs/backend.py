@@ -147,8 +147,8 @@ class CudnnPlan:
             if empty is not None:  # [B, S_q] -> one flag per packed token
                 empty = _runtime.token_rows(empty, storage.cu_seqlens_q, q.shape[0])
         elif isinstance(storage, Paged):
-            buffers[UID.PAGE_TABLE_K] = buffers[UID.PAGE_TABLE_V] = \
-                _runtime.page_table(self.spec, storage)
+            buffers[UID.PAGE_TABLE_K], buffers[UID.PAGE_TABLE_V] = \
+                _runtime.page_tables(self.spec, storage)
         return buffers, empty
 
     def _dropout_buffers(self, problem, inputs, buffers: dict, backward: bool) -> None:

@@ -40,7 +40,9 @@ Conventions (where cuDNN leaves a choice or this library differs):
   them, as cuDNN's. The backward's ``set_dSink_token(t)`` receives their gradient (written into
   ``t``), as ``set_dbias(t)`` receives the bias's. ``k`` and ``v`` may have different head counts, both dividing ``H_q``.
 * ``set_paged_attention_k_table`` / ``_v_table`` (forward): ``k``/``v`` are cuDNN's paged containers
-  ``[num_blocks, H_k, page_size, D]``; ``set_paged_attention_max_seq_len_kv`` bounds the keys.
+  ``[num_blocks, H_k, page_size, D]``; ``set_paged_attention_max_seq_len_kv`` bounds the keys. On an
+  accelerator the cuDNN engine reads the containers through the tables (no gathering); elsewhere,
+  or where cuDNN declines, the pages are gathered into dense keys.
 * ``set_compute_data_type`` takes ``torch.float32`` or ``cudnn.data_type.FLOAT`` (every engine
   computes in float32; float64 inputs stay float64 on the torch engine).
 """
@@ -51,12 +53,14 @@ import dataclasses
 
 import torch
 
-from ... import _checks, dispatch
+from ... import _checks, dispatch, stored_calls
 from ...errors import NotSupportedError
 from ...kv_heads import head_counts_differ, repeat_to_common_heads, sum_to_heads
 from ...problem import AttnProblem
 from ...sinks import check_sinks, merge_sinks, sink_gradient
 from ...runtime import DropoutState, Inputs, hide_padded_rows, hide_padding
+from ...storage import Paged
+from ...stored_calls import meta_like
 from ._attrs import SdpaAttributes, SdpaBackwardAttributes
 from ._translate import check_broadcast, translate
 
@@ -64,9 +68,10 @@ __all__ = ["SdpaAttributes", "SdpaBackwardAttributes", "scaled_dot_product_flash
            "scaled_dot_product_flash_attention_backward"]
 
 
-def _problem(attrs, q, k, v, need_stats, backward=False):
+def _problem(attrs, q, k, v, need_stats, backward=False, storage=None):
     """``(problem, plan, inputs)`` of the call: dropout as Philox ``(p, seed, offset)`` or as an
-    explicit ``(mask, scale)`` (``AttnProblem.dropout_mask``), run by the selected plan."""
+    explicit ``(mask, scale)`` (``AttnProblem.dropout_mask``), run by the selected plan.
+    With ``storage`` (paged pools), ``k``/``v`` only describe the logical keys (meta)."""
     mask, bias, alibi = translate(attrs, q, k, v, backward)
     dropout_p, dropout, extra, keep = 0.0, None, {}, None
     if attrs.dropout is not None and attrs.dropout[0] == "philox" and attrs.dropout[1] > 0:
@@ -79,10 +84,16 @@ def _problem(attrs, q, k, v, need_stats, backward=False):
         check_broadcast("set_dropout: mask", keep, (q.shape[0], q.shape[1], q.shape[2],
                                                     k.shape[2]))
         extra = dict(dropout_mask=keep, dropout_scale=attrs.dropout[2])
-    problem = AttnProblem.from_tensors(q, k, v, mask=mask, bias=bias, alibi=alibi,
+    described = (q, k, v, bias) if storage is None else map(meta_like, (q, k, v, bias))
+    q_, k_, v_, bias_ = described
+    if storage is not None and keep is not None:
+        extra["dropout_mask"] = meta_like(keep)
+    problem = AttnProblem.from_tensors(q_, k_, v_, mask=mask, bias=bias_, alibi=alibi,
                                        scale=attrs.attn_scale,
                                        dropout_p=dropout_p, layout="bhsd", return_lse=need_stats,
                                        **extra)
+    if storage is not None:
+        problem = dataclasses.replace(problem, device=q.device, storage=storage)
     if getattr(attrs, "deterministic", False):
         # A deterministic backward is a different plan (plan_key includes the flag).
         problem = dataclasses.replace(problem, deterministic=True)
@@ -90,6 +101,28 @@ def _problem(attrs, q, k, v, need_stats, backward=False):
         problem = dataclasses.replace(problem, requires_grad=True, bias_requires_grad=True)
     plan = dispatch.plan_for(problem)[1]
     return problem, plan, Inputs(q, k, v, bias, dropout, dropout_mask=keep)
+
+
+def _paged_natively(attrs, q, k, v, need_stats):
+    """``(problem, plan, inputs)`` reading cuDNN's paged containers through the page tables on
+    an engine that addresses them (cuDNN on an accelerator), or ``None`` (then ``_unpage``)."""
+    if not stored_calls.on_accelerator(q) or not isinstance(k, torch.Tensor) or k.dim() != 4 \
+            or not isinstance(v, torch.Tensor) or v.dim() != 4 or k.shape[:3] != v.shape[:3] \
+            or attrs.k_table.shape != attrs.v_table.shape:
+        return None
+    num_blocks, heads, page, _ = k.shape
+    capacity = attrs.k_table.shape[1] * page
+    if attrs.max_seq_len_kv not in (None, capacity) or q.shape[1] % heads:
+        return None
+    logical = [torch.empty(q.shape[0], heads, capacity, t.shape[3], dtype=t.dtype, device="meta")
+               for t in (k, v)]
+    storage = Paged(num_blocks, page, attrs.k_table.to(q.device, non_blocking=True), "bhsd",
+                    attrs.v_table.to(q.device, non_blocking=True))
+    try:
+        problem, plan, inputs = _problem(attrs, q, *logical, need_stats, storage=storage)
+    except NotSupportedError:
+        return None
+    return problem, plan, Inputs(q, k, v, inputs.bias, inputs.dropout, inputs.dropout_mask)
 
 
 def _unpage(attrs, q, k, v):
@@ -149,10 +182,16 @@ def scaled_dot_product_flash_attention(q, k, v, attrs: SdpaAttributes):
     q, k, v = (t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     need = attrs.generate_stats
     sinks = attrs.sink_token
-    k, v = _unpage(attrs, q, k, v)
-    if head_counts_differ(q, k, v, "bhsd"):  # H_k != H_v, as cuDNN allows
-        k, v = repeat_to_common_heads(q, k, v, "bhsd")
-    problem, plan, inputs = _problem(attrs, q, k, v, need or sinks is not None)
+    native = None
+    if attrs.k_table is not None and attrs.v_table is not None and \
+            (attrs.use_padding or attrs.padding is not None):
+        native = _paged_natively(attrs, q, k, v, need or sinks is not None)
+    if native is None:
+        k, v = _unpage(attrs, q, k, v)
+        if head_counts_differ(q, k, v, "bhsd"):  # H_k != H_v, as cuDNN allows
+            k, v = repeat_to_common_heads(q, k, v, "bhsd")
+        native = _problem(attrs, q, k, v, need or sinks is not None)
+    problem, plan, inputs = native
     o, lse = plan.forward(problem, hide_padding(problem, inputs),
                           need_lse=need or sinks is not None)
     if sinks is not None:

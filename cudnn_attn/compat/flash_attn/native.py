@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ... import _checks, dispatch
+from ... import _checks, dispatch, stored_calls
 from ...api import run
 from ...errors import NotSupportedError
 from ...problem import AttnProblem
@@ -34,7 +34,7 @@ __all__ = ["takes", "forward", "backward", "takes_kvcache", "kvcache"]
 
 def takes(q, paged: bool, alibi_slopes, return_softmax: bool) -> bool:
     """Whether a varlen call tries the packed engines first."""
-    return (q.device.type not in ("cpu", "meta") and not paged and alibi_slopes is None
+    return (stored_calls.on_accelerator(q) and not paged and alibi_slopes is None
             and not return_softmax)
 
 
@@ -95,7 +95,7 @@ def takes_kvcache(q, cache_seqlens, cache_batch_idx, cache_leftpad, alibi_slopes
     """Whether a KV-cache call tries the engines that read the cache as it lies (whole cache,
     device lengths, page tables): on an accelerator, without the arguments whose values the
     dense path must read (``cache_batch_idx``, ``cache_leftpad``, ALiBi slopes)."""
-    return (q.device.type not in ("cpu", "meta") and cache_batch_idx is None
+    return (stored_calls.on_accelerator(q) and cache_batch_idx is None
             and cache_leftpad is None and alibi_slopes is None
             and not (isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dim() == 0))
 
