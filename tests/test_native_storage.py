@@ -400,3 +400,30 @@ def test_builder_reads_cudnn_paged_containers_through_the_tables(fake, monkeypat
     want, want_stats = ca.scaled_dot_product_flash_attention(q, k, v, attrs(False))
     torch.testing.assert_close(out.to(F64), want.to(F64), atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(stats, want_stats, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Padding with runtime (device) lengths on dense batches
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["cudnn", "torch"])
+def test_runtime_padding_lengths_are_never_read_and_share_one_plan(backend, fake):
+    import oracle
+
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(3, 2, 20, 16, generator=g).to(F16) for _ in range(3))
+    for lens_q, lens_k in (([20, 7, 1], [20, 3, 0]), ([5, 20, 13], [9, 20, 20])):
+        # The torch engine may read them (on the host it runs anyway); cuDNN must not.
+        wrap = device_only if backend == "cudnn" else (lambda t: t)
+        mask = ca.Causal("bottom_right") & ca.Padding(wrap(torch.tensor(lens_q)),
+                                                      wrap(torch.tensor(lens_k)))
+        assert mask.parts()[-1].runtime is not None or mask.parts()[0].runtime is not None
+        out, lse = ca.attention(q, k, v, mask=mask, return_lse=True, backend=backend)
+        out, lse = cudnn_fake.host(out), cudnn_fake.host(lse)
+        vis = oracle.build_visibility(3, 20, 20, causal="bottom_right", seq_lens_q=lens_q,
+                                      seq_lens_kv=lens_k)
+        ref, ref_lse = oracle.reference_attention(q.to(F64), k.to(F64), v.to(F64), vis)
+        torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(lse.to(F64), ref_lse, atol=1e-3, rtol=1e-3)
+    if backend == "cudnn":
+        assert _graphs_built(fake) == 1 and fake[1][0][0].padding

@@ -197,3 +197,24 @@ def test_decode_step_is_captured_in_a_cuda_graph_and_replayed(surface):
                                    rtol=3e-3)
         if appends:  # the next step appends after this one's token
             seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+
+
+def test_padding_with_device_lengths_is_sync_free_and_reuses_the_graph():
+    import oracle
+
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(3, 4, 130, 64, generator=g).to(F16) for _ in range(3))
+    qd, kd, vd = (t.to(DEV) for t in (q, k, v))
+    builds = None
+    for lens in ([130, 64, 1], [7, 130, 0]):
+        lens_d = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        with sync_free():
+            out = ca.attention(qd, kd, vd, mask=ca.Causal() & ca.Padding(lens_d, lens_d),
+                               backend="cudnn")
+        vis = oracle.build_visibility(3, 130, 130, causal="top_left", seq_lens_q=lens,
+                                      seq_lens_kv=lens)
+        ref, _ = oracle.reference_attention(q, k, v, vis)
+        torch.testing.assert_close(out.cpu().to(F64), ref, atol=3e-3, rtol=3e-3)
+        if builds is None:
+            builds = graph_cache.info()["builds"]
+    assert graph_cache.info()["builds"] == builds  # new lengths, same graph
