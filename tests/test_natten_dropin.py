@@ -388,3 +388,44 @@ def test_na_compiles_without_graph_breaks():
     explanation = torch._dynamo.explain(lambda q, k, v: ours.na2d(q, k, v, 3, 1, 2, (True, False)))(
         q, k, v)
     assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+def test_use_fused_na_takes_natten_017_arguments():
+    import cudnn_attn.natten as N
+    from cudnn_attn.natten import context
+    try:
+        N.use_fused_na(True, kv_parallel=False)
+        assert N.is_fused_na_enabled() and not N.is_kv_parallelism_in_fused_na_enabled()
+        N.use_fused_na(True)
+        assert N.is_kv_parallelism_in_fused_na_enabled()
+        N.use_fused_na(False)  # off turns KV parallelism off too (NATTEN 0.17)
+        assert not N.is_fused_na_enabled() and not N.is_kv_parallelism_in_fused_na_enabled()
+        N.use_deterministic_algorithms(True)
+        with pytest.raises(RuntimeError):
+            N.use_fused_na(True, kv_parallel=True)
+        N.use_fused_na(False, kv_parallel=True)  # ignored when turning off
+    finally:
+        N.use_fused_na(False)
+        context.reset()
+
+
+def test_compiled_modules_of_different_sizes_match_eager():
+    # A second compile of the same forward sees new sizes and head dims (dynamo's automatic
+    # dynamic shapes); the result must still equal the eager module's.
+    import cudnn_attn.natten as N
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    try:
+        N.use_fused_na(True)
+        for cls, shape, k, dim, heads in ((N.NeighborhoodAttention1D, (40,), 5, 64, 4),
+                                          (N.NeighborhoodAttention2D, (9, 7), (5, 3), 32, 2),
+                                          (N.NeighborhoodAttention3D, (6, 5, 8), (3, 3, 5), 48, 3)):
+            m = cls(dim, heads, k).eval()
+            x = torch.randn(2, *shape, dim)
+            with torch.no_grad():
+                got = torch.compile(m, fullgraph=True)(x)
+                want = m(x)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    finally:
+        N.use_fused_na(False)
+        torch._dynamo.reset()

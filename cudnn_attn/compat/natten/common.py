@@ -4,6 +4,8 @@ neighborhood call (heads-last, optional rpb) translated into one ``cudnn_attn.at
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ... import _checks
@@ -16,8 +18,11 @@ __all__ = ["check_rpb", "doc_fields", "geometry", "lse_dtype", "neighborhood_att
 
 
 def geometry(spatial, kernel_size, stride, dilation, is_causal) -> NaGeometry:
-    """Per-axis tuples of one call; ``masks.Neighborhood`` validates every rule."""
-    nb = Neighborhood(tuple(spatial), kernel_size, stride, dilation, is_causal)
+    """Per-axis tuples of one call; ``masks.Neighborhood`` validates every rule. The spatial extent
+    is made concrete with ``operator.index`` (which dynamo specialises, unlike ``int``): under
+    ``torch.compile``'s dynamic shapes the mask is specialised to it, never a symbolic size."""
+    nb = Neighborhood(tuple(operator.index(s) for s in spatial), kernel_size, stride, dilation,
+                      is_causal)
     return NaGeometry(nb.spatial_shape, nb.kernel_size, nb.stride, nb.dilation, nb.is_causal)
 
 

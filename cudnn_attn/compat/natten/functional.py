@@ -14,6 +14,8 @@ The public namespace ``cudnn_attn.neighborhood`` adds the modules (:mod:`.module
 
 from __future__ import annotations
 
+import operator
+
 
 from ... import _checks
 from ...api import attention as _attention
@@ -112,7 +114,8 @@ def _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale
     # NATTEN: None means the default (stride 1, dilation 1, not causal).
     geom = geometry(spatial, kernel_size, 1 if stride is None else stride,
                     1 if dilation is None else dilation, False if is_causal is None else is_causal)
-    scale = _checks.softmax_scale("scale", scale, D, error=TypeError)
+    # operator.index: the default scale from a concrete head dim, even under dynamic shapes.
+    scale = _checks.softmax_scale("scale", scale, operator.index(D), error=TypeError)
     engine = options.engine_for(backend, options.NATTEN_NA_BACKENDS)
     options.check_hints(rank, **hints)
     if attention_kwargs is not None and not isinstance(attention_kwargs, dict):

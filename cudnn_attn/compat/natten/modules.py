@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import functional
+from . import context, functional
 from ... import _checks
 from ...torch_engine import neighborhood_ops as _engine
 from .common import geometry
@@ -29,11 +29,24 @@ __all__ = [
 _FUSED_NA = False
 
 
-def use_fused_na(mode: bool = True) -> None:
+def use_fused_na(mode: bool = True, kv_parallel: bool = True, use_flex_attention: bool = False,
+                 force_flex_attention: bool = False) -> None:
     """Make every module whose ``use_fused`` is ``None`` take the fused path (``mode=False``: the
-    unfused path, the default). As ``natten.use_fused_na`` in NATTEN 0.17."""
+    unfused path, the default). NATTEN 0.17's signature and rules: turning it on also sets KV
+    parallelism to ``kv_parallel`` (:func:`.context.use_kv_parallelism_in_fused_na`, with its
+    errors), turning it off turns KV parallelism off. NATTEN's FlexAttention switches are accepted
+    as hints: the fused path runs on cudnn_attn's engines either way."""
     global _FUSED_NA
-    _FUSED_NA = _checks.flag("mode", mode)
+    mode = _checks.flag("mode", mode)
+    for name, value in (("kv_parallel", kv_parallel), ("use_flex_attention", use_flex_attention),
+                        ("force_flex_attention", force_flex_attention)):
+        _checks.flag(name, value)
+    if not mode:
+        _FUSED_NA = False
+        context.use_kv_parallelism_in_fused_na(False)
+        return
+    context.use_kv_parallelism_in_fused_na(kv_parallel)
+    _FUSED_NA = True
 
 
 def is_fna_enabled() -> bool:
@@ -126,6 +139,7 @@ class _NeighborhoodAttention(nn.Module):
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
         self.scale = _checks.softmax_scale("qk_scale", qk_scale, self.head_dim, error=TypeError)
+        self._default_scale = qk_scale is None
         self.use_fused = use_fused
         self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bool(qkv_bias))
         self.proj = nn.Linear(embed_dim, embed_dim)
@@ -158,7 +172,10 @@ class _NeighborhoodAttention(nn.Module):
         params = (self.kernel_size, self.stride, self.dilation, self.is_causal)
         if self.uses_fused(return_attn_weights):
             na = getattr(functional, f"na{self.rank}d")
-            out = na(q, k, v, *params, scale=self.scale, rpb=self.rpb)
+            # The default scale goes as None (na*d derives it from the head dim): a float attribute
+            # that differs between modules would turn symbolic under torch.compile's recompiles.
+            scale = None if self._default_scale else self.scale
+            out = na(q, k, v, *params, scale=scale, rpb=self.rpb)
         else:
             geom = geometry(spatial, *params)
             q, k, v = (t.reshape(B, -1, H, hd).transpose(1, 2) for t in (q, k, v))
