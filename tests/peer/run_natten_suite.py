@@ -33,15 +33,45 @@ from pathlib import Path
 from _suite import run_pytest
 
 HERE = Path(__file__).resolve().parent
-FILES = {"0.17": ("test_na1d.py", "test_na2d.py", "test_na3d.py"),
+FILES = {"0.17": ("test_na1d.py", "test_na2d.py", "test_na3d.py", "test_fna1d.py", "test_fna2d.py",
+                  "test_fna3d.py", "test_compile.py", "test_context.py"),
          "0.21": ("__init__.py", "utils.py", "test_attn_merge.py", "test_torch_compile.py")}
 
 DEVICE_EDITS = [(r'device="cuda"', 'device="cpu"'), (r'device = "cuda"', 'device = "cpu"'),
                 (r"dtype = torch\.float16", "dtype = torch.float32"),
                 (r"torch\.cuda\.empty_cache\(\)", "None")]
 
+# NATTEN 0.17's fused-attention, compile and context tests name CUDA only as their device (fused NA
+# ran on CUDA alone there); here they run on the CPU. Its unfused test_na*d.py files are left as
+# they are: their CUDA tests compare NATTEN's CUDA kernels with its CPU ones.
+CPU_EDITS_017 = [(r'device="cuda"', 'device="cpu"'), (r"\.is_cuda\b", ".is_cpu"),
+                 (r"\.cuda\(\)", ".cpu()"),
+                 (r"\n *@skip_if_cuda_is_not_supported\(\)", "")]
+
 # NATTEN 0.21's problem sizes are for a GPU: the same shapes of problem, CPU-sized.
+# NATTEN 0.17's test_compile.py marks three tests as expected failures because NATTEN's own ops
+# break the graph there; cudnn_attn's compile with fullgraph=True, so the mark goes and they must pass.
 SIZE_EDITS = {
+    # NATTEN 0.17's fused 1-D sizes (L up to 5000, kernels up to 2047, up to 48 heads) become
+    # CPU-sized problems with the same kernel/length/dilation relations.
+    "test_fna1d.py": [(r"\(4, 3, 256, 56, 255, 1\)", "(1, 3, 256, 56, 255, 1)"),
+                      (r"\(2, 2, 4096, 64, 2047, 1\)", "(1, 2, 256, 64, 127, 1)"),
+                      (r"\(2, 4, 4096, 72, 2047, 2\)", "(1, 2, 256, 72, 127, 2)"),
+                      (r"\(4, 3, 5000, 80, 511, 8\)", "(1, 3, 500, 80, 51, 8)"),
+                      (r"\(4, 3, 5000, 88, 255, 16\)", "(1, 3, 500, 88, 25, 16)"),
+                      (r"\(1, 12, 512, 96, 255, 1\)", "(1, 2, 512, 96, 255, 1)"),
+                      (r"\(4, 24, 512, 128, 99, 1\)", "(1, 2, 512, 128, 99, 1)"),
+                      (r"\(1, 48, 512, 256, 45, 4\)", "(1, 2, 512, 256, 45, 4)"),
+                      (r"\(1, 1, 4096, 128\)", "(1, 1, 512, 128)"),
+                      (r"\(1, 1, 2047, 256\)", "(1, 1, 255, 256)"),
+                      (r"\(1, 2, 1023, 256\)", "(1, 2, 127, 256)")],
+    "test_fna2d.py": [(r"\(2, 4, 64, 128, 72, 55, 101, 1, 1\)", "(1, 2, 32, 64, 72, 27, 51, 1, 1)"),
+                      (r"\(2, 4, 64, 128, 72, 21, 29, 3, 4\)", "(1, 2, 64, 128, 72, 21, 29, 3, 4)")],
+    "test_fna3d.py": [(r"\(4, 8, 32, 10, 10, 48, 7, 3, 3, 1, 2, 3\)",
+                       "(1, 2, 32, 10, 10, 48, 7, 3, 3, 1, 2, 3)"),
+                      (r"\(1, 12, 32, 8, 8, 48, 7, 5, 5, 2, 1, 1\)",
+                       "(1, 2, 32, 8, 8, 48, 7, 5, 5, 2, 1, 1)")],
+    "test_compile.py": [(r"\n *@unittest\.expectedFailure(?=\n *@skip_if_torch_compile)", "")],
     "test_attn_merge.py": [(r"max_Q_ = 16384", "max_Q_ = 256"),
                            (r"max_KV_total_ = 2\*\*15", "max_KV_total_ = 512"),
                            (r"head_dim_choices = range\(8, 256 \+ 1, 8\)",
@@ -61,13 +91,23 @@ SIZE_EDITS = {
 }
 
 
+# Left out, with the reason: NATTEN 0.17's kernel autotuner (``use_autotuner`` and its flags) picks
+# among NATTEN's compiled CUDA kernel configurations; cudnn_attn does not provide it.
+DESELECT = {"0.17": ["tests/test_context.py::AutotunerContextTests"], "0.21": []}
+
+
 def version_of(source: Path) -> str:
     return "0.21" if (source / "tests" / "test_attn_merge.py").exists() else "0.17"
 
 
 def adapt(name: str, text: str, version: str) -> str:
     if version == "0.17":
-        return text  # unchanged: its CPU tests run on the CPU as they are
+        if name.startswith("test_na") or name == "test_context.py":
+            return text  # unchanged: its CPU tests run on the CPU as they are
+        edits = CPU_EDITS_017 + SIZE_EDITS.get(name, [])
+        for pattern, replacement in edits:
+            text = re.sub(pattern, replacement, text)
+        return text
     for pattern, replacement in DEVICE_EDITS + SIZE_EDITS.get(name, []):
         text = re.sub(pattern, replacement, text)
     return text
@@ -93,9 +133,10 @@ def main() -> int:
     version = version_of(source)
     with tempfile.TemporaryDirectory(prefix="natten-suite-") as tmp:
         tests = build(source, Path(tmp), version)
-        return run_pytest(Path(tmp), tests, pytest_args, args.json,
+        deselect = [f"--deselect={node}" for node in DESELECT[version]]
+        return run_pytest(Path(tmp), tests, deselect + pytest_args, args.json,
                           {"source": str(args.source), "natten": version,
-                           "files": [t.name for t in tests]})
+                           "files": [t.name for t in tests], "deselected": DESELECT[version]})
 
 
 if __name__ == "__main__":
