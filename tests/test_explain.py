@@ -262,7 +262,11 @@ def test_cli_explain_paged_kvcache_shows_the_page_tables(capsys):
     code, out, _ = _cli(capsys, "--shape", "3,8,1,64", "--heads-kv", "2", "--seq-kv", "256",
                         "--dtype", "fp16", "--cache-seqlens", "7", "--mask", "causal:bottom_right")
     assert code == 0 and "cache_seqlens [7, 7, 7], S_max=256 (dense cache)" in out
-    assert "not supported" in out and "decode (S_q = 1)" in out
+    # A bottom-right decode query sits at the last key: no band, so GQA decode is served.
+    assert "decode (S_q = 1)" not in out and "cuDNN graph (forward, sm_90)" in out
+    code, out, _ = _cli(capsys, "--shape", "3,8,1,64", "--heads-kv", "2", "--seq-kv", "256",
+                        "--dtype", "fp16", "--cache-seqlens", "7", "--mask", "causal:top_left")
+    assert code == 0 and "not supported" in out and "decode (S_q = 1)" in out
 
 
 @pytest.mark.parametrize("argv, match", [
