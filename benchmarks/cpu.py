@@ -193,8 +193,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of ours and SDPA (default 5)")
     parser.add_argument("--natten-repeats", type=int, default=3, help="timed NATTEN runs (default 3)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up runs (default 2)")
-    parser.add_argument("--overhead-iters", type=int, default=500, help="calls per overhead batch")
-    parser.add_argument("--overhead-batches", type=int, default=7,
+    # Many short batches: on a loaded machine (load above the core count) 7 batches of 500 calls
+    # each could all be preempted, leaving one row's best batch disturbed (ratios 0.5x..4x);
+    # 60 batches of 100 calls give the same ratios unloaded and loaded (measured at load 5-6 on 2 cores).
+    parser.add_argument("--overhead-iters", type=int, default=100, help="calls per overhead batch")
+    parser.add_argument("--overhead-batches", type=int, default=60,
                         help="overhead batches, interleaved across the calls (best batch)")
     parser.add_argument("--quick", action="store_true",
                         help="development run: 2 repeats, 1 warm-up, 1 NATTEN run (none for 3-D), "
@@ -207,7 +210,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.warmup, args.natten_repeats = 2, 1, 1
-        args.overhead_iters, args.overhead_batches = 100, 3
+        args.overhead_iters, args.overhead_batches = 100, 20
 
     if args.threads:
         torch.set_num_threads(args.threads)
