@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,7 +27,9 @@ BIAS_KINDS = ("none", "tensor", "rpb")
 
 
 def _ints(values) -> str:
-    return "[" + ",".join(str(int(x)) for x in values) + "]"
+    # operator.index, not int(): Dynamo specialises a symbolic size through it (a guard) where
+    # int() of a SymInt breaks the graph.
+    return "[" + ",".join(str(operator.index(x)) for x in values) + "]"
 
 
 def _number(x) -> str:

@@ -291,11 +291,13 @@ def _run_native(problem_of, q, k, v, backend, generator, return_lse):
     batches). Malformed arguments raise as usual."""
     problem = problem_of()
     try:
-        plan = dispatch.plan_for(problem, backend)[1]
+        engine, plan = dispatch.plan_for(problem, backend)
     except NotSupportedError:
         if backend != "auto":
             raise
         return None
+    if engine.name != "cudnn":  # a dense cache another engine would read whole: the
+        return None             # dense-batch path gives it only the prefix in use
     dropout = DropoutState.draw(generator) if problem.dropout_p > 0 else None
     out, lse = run(problem, plan, Inputs(q, k, v, None, dropout), return_lse)
     return (out, lse) if return_lse else out

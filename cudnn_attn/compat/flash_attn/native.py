@@ -134,8 +134,10 @@ def kvcache(q, cache, k, v, cache_seqlens, block_table, rotary, interleaved: boo
         problem = kvcache_problem(q, cache.k_cache, cache.v_cache, lens + seq_new, block_table,
                                   mask=mask, read=False, scale=opts.scale, softcap=opts.softcap,
                                   return_lse=True)
-        plan = dispatch.plan_for(problem, "auto")[1]
+        engine, plan = dispatch.plan_for(problem, "auto")
     except NotSupportedError:
+        return None
+    if engine.name != "cudnn":  # another engine would read a dense cache whole: dense path
         return None
     if k is not None:
         cache.append(k, v, starts, check=False)
