@@ -22,6 +22,9 @@ def _cu(*lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
+SLOPES_H = torch.tensor([0.5, 0.25, 0.125, 0.0625])  # fp32, as FlashAttention requires
+SLOPES_BH = torch.rand(2, 4, generator=torch.Generator().manual_seed(3))
+
 CASES = {  # name -> (fn, make_args)
     "causal_gqa_bottom_right": (lambda q, k, v: flash_attn_func(q, k, v, causal=True),
                                 lambda: (rand(2, 7, 4, 8), rand(2, 12, 2, 8), rand(2, 12, 2, 8))),
@@ -32,6 +35,12 @@ CASES = {  # name -> (fn, make_args)
     "dv_ne_d_lse": (lambda q, k, v: flash_attn_func(q, k, v, causal=True,
                                                     return_attn_probs=True)[:2],
                     lambda: (rand(2, 9, 2, 8), rand(2, 9, 2, 8), rand(2, 9, 2, 5))),
+    "alibi_slopes_h": (lambda q, k, v: flash_attn_func(q, k, v, causal=True,
+                                                       alibi_slopes=SLOPES_H),
+                       lambda: (rand(2, 7, 4, 8), rand(2, 12, 2, 8), rand(2, 12, 2, 8))),
+    "alibi_slopes_bh_window": (
+        lambda q, k, v: flash_attn_func(q, k, v, window_size=(3, 2), alibi_slopes=SLOPES_BH),
+        lambda: (rand(2, 9, 4, 8), rand(2, 9, 4, 8), rand(2, 9, 4, 8))),
     "dropout": (lambda q, k, v: flash_attn_func(q, k, v, dropout_p=0.25, causal=True),
                 lambda: (rand(2, 10, 2, 8), rand(2, 10, 2, 8), rand(2, 10, 2, 8))),
     "qkvpacked": (lambda qkv: flash_attn_qkvpacked_func(qkv, causal=True),

@@ -11,6 +11,7 @@ import torch
 
 from ...api import attention
 from ...errors import NotSupportedError
+from ...problem import accumulator_dtype
 from ...varlen import attention_varlen
 from . import _core
 from .dense import mha_bwd, mha_fwd
@@ -47,10 +48,30 @@ def _traced(q, k, v) -> bool:
     return any(type(t) is not torch.Tensor or t.is_meta for t in tensors)
 
 
-def _traceable(alibi_slopes, dropout_p, return_probs) -> bool:
-    """What the traced route computes: everything but ALiBi slopes given as a tensor (the ops keep
-    slopes as constants) and the dropout-encoded probabilities (``S_dmask``)."""
-    return alibi_slopes is None and not (return_probs and dropout_p > 0)
+def _traceable(alibi_slopes, dropout_p, return_probs, q=None) -> bool:
+    """What the traced route computes: everything but the dropout-encoded probabilities
+    (``S_dmask``) and ALiBi slopes the route cannot build a bias from (varlen calls, or slopes
+    that are not an fp32 ``[H]`` / ``[B, H]`` tensor, which the eager path then explains)."""
+    if return_probs and dropout_p > 0:
+        return False
+    if alibi_slopes is None:
+        return True
+    if q is None or not isinstance(alibi_slopes, torch.Tensor) \
+            or alibi_slopes.dtype != torch.float32:
+        return False
+    return tuple(alibi_slopes.shape) in ((q.shape[2],), (q.shape[0], q.shape[2]))
+
+
+def _alibi_bias(slopes: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """FlashAttention's ALiBi as an additive bias ``[B|1, H, S_q, S_k]`` built on the device
+    (traceable, no host read): ``-slope * |i + S_k - S_q - j|``, in the scores' precision
+    (float32; float64 for float64 inputs)."""
+    seq_q, heads, seq_k = q.shape[1], q.shape[2], k.shape[1]
+    work = accumulator_dtype(q.dtype)
+    rows = torch.arange(seq_q, device=q.device)[:, None] + (seq_k - seq_q)
+    cols = torch.arange(seq_k, device=q.device)[None, :]
+    distance = (rows - cols).abs().to(work)
+    return -slopes.detach().to(q.device, work).reshape(-1, heads, 1, 1) * distance
 
 
 def _traced_options(head_dim, dropout_p, softmax_scale, causal, window_size, softcap):
@@ -157,14 +178,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
 
     Under ``torch.compile``/``torch.export`` (and FakeTensor/meta inputs) the call runs as
-    ``attention()``'s custom ops, without a graph break, except with ``alibi_slopes`` or with
-    ``return_attn_probs`` and dropout (``S_dmask``), which take the eager path.
+    ``attention()``'s custom ops, without a graph break (``alibi_slopes`` as a bias tensor built
+    in the graph), except with ``return_attn_probs`` and dropout (``S_dmask``), which take the
+    eager path.
     """
-    if _traced(q, k, v) and _traceable(alibi_slopes, dropout_p, return_attn_probs):
+    if _traced(q, k, v) and _traceable(alibi_slopes, dropout_p, return_attn_probs, q):
         opts = _traced_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, softcap)
         mask = _core._fa_mask(opts, k.shape[1], q.shape[1] == k.shape[1], False)
+        bias = None if alibi_slopes is None else _alibi_bias(alibi_slopes, q, k)
         return _traced_results(
-            attention(q, k, v, mask=mask, scale=opts.scale, dropout_p=opts.p_dropout,
+            attention(q, k, v, mask=mask, bias=bias, scale=opts.scale, dropout_p=opts.p_dropout,
                       softcap=opts.softcap, layout="bshd", return_lse=bool(return_attn_probs)),
             q, return_attn_probs)
     return _FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
