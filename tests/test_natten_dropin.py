@@ -281,6 +281,77 @@ def test_context_flags_follow_natten_s_rules(fresh_context):
     assert not ours.is_flex_compile_allowed()
 
 
+def _autotuner_state():
+    a = ours.AutotunerContext
+    return (ours.is_autotuner_enabled_for_forward(), ours.is_autotuner_enabled_for_backward(),
+            ours.is_autotuner_thorough_for_forward(), ours.is_autotuner_thorough_for_backward(),
+            a.warmup_steps_forward, a.warmup_steps_backward, a.steps_forward, a.steps_backward)
+
+
+def test_autotuner_flags_follow_natten_017_s_rules(fresh_context):
+    """NATTEN 0.17's use_autotuner (natten/context.py): None leaves a setting; (False, False, ...)
+    turns both passes off and returns before touching anything else; disable_autotuner keeps
+    the step counts."""
+    assert _autotuner_state() == (False, False, False, False, 5, 5, 5, 5)
+    assert not ours.is_autotuner_enabled()
+    ours.use_autotuner(True)
+    assert _autotuner_state()[:4] == (True, False, False, False) and ours.is_autotuner_enabled()
+    ours.use_autotuner(False, True, False, True, 8, 3, 2, 1)
+    assert _autotuner_state() == (False, True, False, True, 8, 3, 2, 1)
+    ours.use_autotuner(False, False, True, False, 9, 9, 9, 9)  # both off: nothing else changes
+    assert _autotuner_state() == (False, False, False, True, 8, 3, 2, 1)
+    ours.use_autotuner(thorough_mode_forward=True, steps_backward=17)
+    assert _autotuner_state() == (False, False, True, True, 8, 3, 2, 17)
+    ours.disable_autotuner()
+    assert _autotuner_state() == (False, False, False, False, 8, 3, 2, 17)
+    ours.AutotunerContext.reset()
+    assert _autotuner_state() == (False, False, False, False, 5, 5, 5, 5)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(forward_pass=1), ValueError, "Expected `bool`"),
+    (dict(backward_pass="yes"), ValueError, "Expected `bool`"),
+    (dict(thorough_mode_forward=0), ValueError, "Expected `bool`"),
+    (dict(steps_forward=2.0), ValueError, "Expected `int`"),
+    (dict(warmup_steps_backward="5"), ValueError, "Expected `int`"),
+])
+def test_autotuner_arguments_raise_natten_s_errors(fresh_context, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ours.use_autotuner(**kwargs)
+
+
+def test_autotuner_and_deterministic_modes(fresh_context):
+    ours.use_deterministic_algorithms(True)
+    for kwargs in (dict(forward_pass=True), dict(backward_pass=True)):
+        with pytest.raises(RuntimeError, match="deterministic mode"):
+            ours.use_autotuner(**kwargs)
+    ours.use_autotuner(False, False)  # turning it off is allowed
+    ours.use_deterministic_algorithms(False)
+    torch.use_deterministic_algorithms(True)
+    try:
+        ours.use_autotuner(True, True, warmup_steps_forward=2)  # torch's mode: ignored entirely
+        assert _autotuner_state() == (False, False, False, False, 5, 5, 5, 5)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_autotuner_is_a_hint_that_changes_no_result(fresh_context):
+    q, k, v = _qkv(1, (9, 9), 2, 8, seed=5)
+    before = ours.na2d(q, k, v, 3, dilation=2, is_causal=(True, False))
+    ours.use_autotuner(True, True, True, True, 1, 1, 1, 1)
+    assert ours.is_autotuner_enabled()
+    assert torch.equal(ours.na2d(q, k, v, 3, dilation=2, is_causal=(True, False)), before)
+
+
+def test_natten_context_reset_keeps_the_autotuner_and_reset_clears_both(fresh_context):
+    ours.use_autotuner(True)
+    ours.set_memory_usage_preference("strict")
+    ours.NattenContext.reset()
+    assert ours.is_memory_usage_default() and ours.is_autotuner_enabled_for_forward()
+    ours.context.reset()
+    assert not ours.is_autotuner_enabled()
+
+
 # ------------------------------------------------------------------------------------------------
 # Modules: NATTEN 0.21 positional construction, NATTEN 0.17 keywords, state_dict
 # ------------------------------------------------------------------------------------------------

@@ -5,13 +5,19 @@ functions under test are ``cudnn_attn.natten``'s; beside them sit only the helpe
 that are not attention (NATTEN's kernel switches and capability probes, argument normalisation,
 skip decorators, a logger, NATTEN's backend queries answered with NATTEN's own names).
 
-* NATTEN 0.17.5: ``tests/test_na{1,2,3}d.py`` (the unfused ``na*d_qk/av`` ops), unchanged.
-  Tests of NATTEN's CUDA kernels skip without CUDA; those of its GEMM kernels always skip.
+* NATTEN 0.17.5: ``tests/test_na{1,2,3}d.py`` (the unfused ``na*d_qk/av`` ops) and
+  ``test_context.py``, unchanged (tests of NATTEN's CUDA kernels skip without CUDA; those of its
+  GEMM kernels always skip); ``test_fna{1,2,3}d.py``, ``test_compile.py`` with the CPU as the device
+  and CPU-sized problems (``CPU_EDITS_017``, ``SIZE_EDITS``); tests of NATTEN's FlexAttention
+  backend (``natten.flex``) skip.
 * NATTEN 0.21.x: ``tests/test_attn_merge.py`` (merged partial attentions against the whole, values
-  and gradients) and ``tests/test_torch_compile.py`` (``torch.compile(fullgraph=True)`` modules
-  against eager ones). Adapted for the CPU only: ``"cuda"`` becomes ``"cpu"``, float16 becomes
-  float32, and problem sizes shrink (``SIZE_EDITS``). NATTEN 0.21's other files compare NATTEN's
-  kernels with NATTEN's compiled reference, which does not exist here.
+  and gradients), ``tests/test_torch_compile.py`` (``torch.compile(fullgraph=True)`` modules
+  against eager ones), ``tests/test_fmha.py`` (``natten.attention`` against torch SDPA, and run
+  twice for determinism) and ``tests/test_fmha_varlen.py`` (varlen against each sequence alone).
+  Adapted for the CPU only: ``"cuda"`` becomes ``"cpu"``, float16 becomes float32 where a file
+  fixes it, SDPA's CUDA-only kernel choice becomes the CPU's, and problem sizes shrink
+  (``SIZE_EDITS``). Hopper/Blackwell kernel tests and extended sweeps skip. NATTEN 0.21's other
+  files compare NATTEN's kernels with NATTEN's compiled reference, which does not exist here.
 
     git clone --branch v0.17.5 https://github.com/SHI-Labs/NATTEN /tmp/natten-0.17.5
     python tests/peer/run_natten_suite.py /tmp/natten-0.17.5 --json natten-0.17.json
@@ -35,11 +41,25 @@ from _suite import run_pytest
 HERE = Path(__file__).resolve().parent
 FILES = {"0.17": ("test_na1d.py", "test_na2d.py", "test_na3d.py", "test_fna1d.py", "test_fna2d.py",
                   "test_fna3d.py", "test_compile.py", "test_context.py"),
-         "0.21": ("__init__.py", "utils.py", "test_attn_merge.py", "test_torch_compile.py")}
+         "0.21": ("__init__.py", "utils.py", "test_attn_merge.py", "test_torch_compile.py",
+                  "test_fmha.py", "test_fmha_varlen.py")}
 
 DEVICE_EDITS = [(r'device="cuda"', 'device="cpu"'), (r'device = "cuda"', 'device = "cpu"'),
+                (r'set_default_device\("cuda"\)', 'set_default_device("cpu")'),
                 (r"dtype = torch\.float16", "dtype = torch.float32"),
-                (r"torch\.cuda\.empty_cache\(\)", "None")]
+                (r"torch\.cuda\.empty_cache\(\)", "None"),
+                # test_fmha.py's torch reference asks for SDPA's memory-efficient kernel, which is
+                # CUDA-only; on the CPU: SDPA's fused CPU kernel, or its math path where that
+                # kernel declines (D_v != D)
+                (r"backends=\[torch\.nn\.attention\.SDPBackend\.EFFICIENT_ATTENTION\]",
+                 "backends=[torch.nn.attention.SDPBackend.FLASH_ATTENTION, "
+                 "torch.nn.attention.SDPBackend.MATH]")]
+
+
+def _shrink_lengths(match, factor=16):
+    """A varlen problem's list of sequence lengths, each divided by ``factor`` (rounded up)."""
+    lengths = [-(-int(n) // factor) for n in match.group(2).split(", ")]
+    return match.group(1) + "[" + ", ".join(map(str, lengths)) + "]"
 
 # NATTEN 0.17's fused-attention, compile and context tests name CUDA only as their device (fused NA
 # ran on CUDA alone there); here they run on the CPU. Its unfused test_na*d.py files are left as
@@ -65,13 +85,38 @@ SIZE_EDITS = {
                       (r"\(1, 1, 4096, 128\)", "(1, 1, 512, 128)"),
                       (r"\(1, 1, 2047, 256\)", "(1, 1, 255, 256)"),
                       (r"\(1, 2, 1023, 256\)", "(1, 2, 127, 256)")],
-    "test_fna2d.py": [(r"\(2, 4, 64, 128, 72, 55, 101, 1, 1\)", "(1, 2, 32, 64, 72, 27, 51, 1, 1)"),
-                      (r"\(2, 4, 64, 128, 72, 21, 29, 3, 4\)", "(1, 2, 64, 128, 72, 21, 29, 3, 4)")],
+    # NATTEN 0.17's fused 2-D/3-D grids: the fused result is checked against NATTEN's unfused
+    # na*d_qk/av with their backward (the reference), whose cost grows with batch x heads x tokens
+    # x kernel. Problems whose reference exceeds ~1M (token, slot) pairs per (batch, head) run
+    # with batch = heads = 1; one whose grid is larger is halved on an axis with the same
+    # kernel and dilation (kernel x dilation still fits). Grids, kernels, dilations, head dims and
+    # every causal / additional-KV / bias combination are NATTEN's.
+    "test_fna2d.py": [(r"\(4, 3, 32, 32, 56, 31, 31, 1, 1\)", "(1, 1, 32, 32, 56, 31, 31, 1, 1)"),
+                      (r"\(2, 2, 32, 64, 64, 25, 31, 1, 2\)", "(1, 1, 32, 64, 64, 25, 31, 1, 2)"),
+                      (r"\(2, 4, 64, 128, 72, 55, 101, 1, 1\)", "(1, 1, 32, 64, 72, 27, 51, 1, 1)"),
+                      (r"\(2, 4, 64, 128, 72, 21, 29, 3, 4\)", "(1, 1, 64, 128, 72, 21, 29, 3, 4)"),
+                      (r"\(4, 3, 56, 56, 80, 7, 7, 2, 4\)", "(1, 1, 56, 56, 80, 7, 7, 2, 4)"),
+                      (r"\(4, 3, 28, 46, 88, 11, 13, 1, 1\)", "(1, 1, 28, 46, 88, 11, 13, 1, 1)")],
     "test_fna3d.py": [(r"\(4, 8, 32, 10, 10, 48, 7, 3, 3, 1, 2, 3\)",
-                       "(1, 2, 32, 10, 10, 48, 7, 3, 3, 1, 2, 3)"),
+                       "(1, 1, 32, 10, 10, 48, 7, 3, 3, 1, 2, 3)"),
                       (r"\(1, 12, 32, 8, 8, 48, 7, 5, 5, 2, 1, 1\)",
-                       "(1, 2, 32, 8, 8, 48, 7, 5, 5, 2, 1, 1)")],
+                       "(1, 1, 32, 8, 8, 48, 7, 5, 5, 2, 1, 1)")],
     "test_compile.py": [(r"\n *@unittest\.expectedFailure(?=\n *@skip_if_torch_compile)", "")],
+    # NATTEN 0.21's FMHA problems (sequence lengths up to 12072 x 1680, 4096 x 4096) with their
+    # sequence lengths divided by 8; batch, heads, head dims (D != D_v included) and causal as NATTEN's.
+    "test_fmha.py": [(r"\(1, 1, 192, 64, 3584, 381\)", "(1, 1, 192, 64, 448, 381)"),
+                     (r"\(1, 1, 288, 256, 12072, 1680\)", "(1, 1, 288, 256, 1509, 210)"),
+                     (r"\(1, 1, 32, 128, 128, 4096\)", "(1, 1, 32, 128, 128, 512)"),
+                     (r"\(1, 1, 192, 192, 3584, 381\)", "(1, 1, 192, 192, 448, 381)"),
+                     (r"\(1, 1, 288, 288, 12072, 1680\)", "(1, 1, 288, 288, 1509, 210)"),
+                     (r"\(1, 1, 32, 32, 128, 4096\)", "(1, 1, 32, 32, 128, 512)"),
+                     (r"\(1, 1, 128, 128, 256, 10240\)", "(1, 1, 128, 128, 256, 1280)"),
+                     (r"\(3, 7, 1, 128, 3584, 2077\)", "(3, 7, 1, 128, 448, 260)"),
+                     (r"\(2, 4, 2, 32, 1639, 4000\)", "(2, 4, 2, 32, 205, 500)"),
+                     (r"\(2, 4, 4, 32, 4096, 4096\)", "(2, 4, 4, 32, 512, 512)")],
+    # Every varlen problem's sequence lengths divided by 16 (rounded up): the same batches,
+    # heads, head dims and mixes of Q longer / shorter than KV.
+    "test_fmha_varlen.py": [(r"(?m)(^\s+|, )\[(\d+(?:, \d+)+)\]", _shrink_lengths)],
     "test_attn_merge.py": [(r"max_Q_ = 16384", "max_Q_ = 256"),
                            (r"max_KV_total_ = 2\*\*15", "max_KV_total_ = 512"),
                            (r"head_dim_choices = range\(8, 256 \+ 1, 8\)",
@@ -91,9 +136,8 @@ SIZE_EDITS = {
 }
 
 
-# Left out, with the reason: NATTEN 0.17's kernel autotuner (``use_autotuner`` and its flags) picks
-# among NATTEN's compiled CUDA kernel configurations; cudnn_attn does not provide it.
-DESELECT = {"0.17": ["tests/test_context.py::AutotunerContextTests"], "0.21": []}
+# Left out, with the reason (none at present).
+DESELECT = {"0.17": [], "0.21": []}
 
 
 def version_of(source: Path) -> str:

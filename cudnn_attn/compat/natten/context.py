@@ -6,6 +6,12 @@ Same names, defaults, accepted values and errors as NATTEN. What they mean here:
   under ``torch.use_deterministic_algorithms(True)`` (the engines' deterministic backwards);
 * KV parallelism, the memory-usage preference and Flex compilation tune NATTEN's own kernels,
   which do not exist here: the flags are kept and reported, and change no result.
+* NATTEN 0.17's kernel autotuner (``use_autotuner``, ``disable_autotuner``, ``is_autotuner_*``,
+  ``AutotunerContext``): NATTEN benchmarks its compiled tile configurations and keeps the fastest.
+  cudnn_attn's engines pick their own tiles, so these are hints: recorded, validated with NATTEN's
+  rules and errors (a non-bool mode or non-int step count is a ``ValueError``; enabling it under
+  NATTEN's deterministic mode a ``RuntimeError``; under torch's deterministic mode a warning and
+  no change), reported by the ``is_autotuner_*`` queries, and never change a result.
 """
 
 from __future__ import annotations
@@ -19,14 +25,22 @@ import torch
 from ... import _checks
 
 __all__ = [
+    "AutotunerContext",
     "MemoryUsagePreference",
+    "NattenContext",
     "allow_flex_compile",
     "allow_flex_compile_backprop",
     "are_deterministic_algorithms_enabled",
     "deterministic_scope",
+    "disable_autotuner",
     "disable_flex_compile",
     "disable_flex_compile_backprop",
     "get_memory_usage_preference",
+    "is_autotuner_enabled",
+    "is_autotuner_enabled_for_backward",
+    "is_autotuner_enabled_for_forward",
+    "is_autotuner_thorough_for_backward",
+    "is_autotuner_thorough_for_forward",
     "is_flex_compile_allowed",
     "is_flex_compile_backprop_allowed",
     "is_kv_parallelism_in_fused_na_enabled",
@@ -35,6 +49,7 @@ __all__ = [
     "is_memory_usage_unrestricted",
     "reset",
     "set_memory_usage_preference",
+    "use_autotuner",
     "use_deterministic_algorithms",
     "use_kv_parallelism_in_fused_na",
 ]
@@ -54,8 +69,19 @@ _state = dict(_DEFAULTS)
 
 
 def reset() -> None:
-    """Every flag back to NATTEN's default."""
+    """Every flag back to NATTEN's default (the autotuner's too)."""
     _state.update(_DEFAULTS)
+    AutotunerContext.reset()
+
+
+class NattenContext:
+    """NATTEN's ``natten.context.NattenContext``: ``reset()`` puts NATTEN 0.21's flags
+    (deterministic mode, KV parallelism, memory preference, Flex compilation) back to their
+    defaults; the autotuner has its own ``AutotunerContext.reset()``."""
+
+    @staticmethod
+    def reset() -> None:
+        _state.update(_DEFAULTS)
 
 
 def use_deterministic_algorithms(mode: bool = True) -> None:
@@ -155,3 +181,131 @@ def is_flex_compile_allowed() -> bool:
 
 def is_flex_compile_backprop_allowed() -> bool:
     return _state["flex_compile_backprop"]
+
+
+# --- NATTEN 0.17's kernel autotuner: hints, validated and recorded --------------------------------
+
+class AutotunerContext:
+    """NATTEN 0.17's autotuner settings, as class attributes (as NATTEN keeps them). The setters
+    take ``None`` as "leave unchanged" and validate like NATTEN's."""
+
+    enabled_for_forward: bool = False
+    enabled_for_backward: bool = False
+    thorough_mode_forward: bool = False
+    thorough_mode_backward: bool = False
+    warmup_steps_forward: int = 5
+    warmup_steps_backward: int = 5
+    steps_forward: int = 5
+    steps_backward: int = 5
+
+    @staticmethod
+    def reset() -> None:
+        for name, value in _AUTOTUNER_DEFAULTS.items():
+            setattr(AutotunerContext, name, value)
+
+    @staticmethod
+    def set_enabled_for_forward(mode) -> None:
+        _set_enabled("enabled_for_forward", mode, "forward pass")
+
+    @staticmethod
+    def set_enabled_for_backward(mode) -> None:
+        _set_enabled("enabled_for_backward", mode, "backward pass")
+
+    @staticmethod
+    def set_thorough_mode_forward(mode) -> None:
+        _set_checked("thorough_mode_forward", mode, bool)
+
+    @staticmethod
+    def set_thorough_mode_backward(mode) -> None:
+        _set_checked("thorough_mode_backward", mode, bool)
+
+    @staticmethod
+    def set_warmup_steps_forward(value) -> None:
+        _set_checked("warmup_steps_forward", value, int)
+
+    @staticmethod
+    def set_warmup_steps_backward(value) -> None:
+        _set_checked("warmup_steps_backward", value, int)
+
+    @staticmethod
+    def set_steps_forward(value) -> None:
+        _set_checked("steps_forward", value, int)
+
+    @staticmethod
+    def set_steps_backward(value) -> None:
+        _set_checked("steps_backward", value, int)
+
+
+_AUTOTUNER_DEFAULTS = {name: getattr(AutotunerContext, name) for name in (
+    "enabled_for_forward", "enabled_for_backward", "thorough_mode_forward",
+    "thorough_mode_backward", "warmup_steps_forward", "warmup_steps_backward", "steps_forward",
+    "steps_backward")}
+
+
+def _set_checked(name: str, value, kind: type) -> None:
+    if value is None:
+        return
+    if not isinstance(value, kind):  # NATTEN's check: an int flag also takes a bool
+        raise ValueError(f"Expected `{kind.__name__}`, got {type(value)}.")
+    setattr(AutotunerContext, name, value)
+
+
+def _set_enabled(name: str, mode, which: str) -> None:
+    if mode is None:
+        return
+    if not isinstance(mode, bool):
+        raise ValueError(f"Expected `bool`, got {type(mode)}.")
+    if mode and _state["deterministic"]:
+        raise RuntimeError("You enabled NATTEN's deterministic mode, but attempted to enable "
+                           f"auto-tuning for {which}, which results in non-determinism. ")
+    setattr(AutotunerContext, name, mode)
+
+
+def use_autotuner(forward_pass=None, backward_pass=None, thorough_mode_forward=None,
+                  thorough_mode_backward=None, warmup_steps_forward=None,
+                  warmup_steps_backward=None, steps_forward=None, steps_backward=None) -> None:
+    """NATTEN 0.17's ``use_autotuner``: ``None`` leaves a setting as it is; ``(False, False)``
+    turns both passes off and changes nothing else. A hint here (tiles are the engines' own)."""
+    if forward_pass is not None and backward_pass is not None and not forward_pass \
+            and not backward_pass:
+        AutotunerContext.enabled_for_forward = False
+        AutotunerContext.enabled_for_backward = False
+        return
+    if (forward_pass or backward_pass) and torch.are_deterministic_algorithms_enabled():
+        _log.warning("Failed to enable NATTEN auto-tuner; PyTorch's deterministic mode was "
+                     "enabled, and using auto-tuner is non-deterministic.")
+        return
+    AutotunerContext.set_enabled_for_forward(forward_pass)
+    AutotunerContext.set_enabled_for_backward(backward_pass)
+    AutotunerContext.set_thorough_mode_forward(thorough_mode_forward)
+    AutotunerContext.set_thorough_mode_backward(thorough_mode_backward)
+    AutotunerContext.set_warmup_steps_forward(warmup_steps_forward)
+    AutotunerContext.set_warmup_steps_backward(warmup_steps_backward)
+    AutotunerContext.set_steps_forward(steps_forward)
+    AutotunerContext.set_steps_backward(steps_backward)
+
+
+def disable_autotuner() -> None:
+    """Both passes off and thorough mode off (step counts are kept, as in NATTEN)."""
+    AutotunerContext.enabled_for_forward = AutotunerContext.enabled_for_backward = False
+    AutotunerContext.thorough_mode_forward = AutotunerContext.thorough_mode_backward = False
+
+
+def is_autotuner_enabled() -> bool:
+    return AutotunerContext.enabled_for_forward or AutotunerContext.enabled_for_backward
+
+
+def is_autotuner_enabled_for_forward() -> bool:
+    return AutotunerContext.enabled_for_forward
+
+
+def is_autotuner_enabled_for_backward() -> bool:
+    return AutotunerContext.enabled_for_backward
+
+
+def is_autotuner_thorough_for_forward() -> bool:
+    return AutotunerContext.thorough_mode_forward
+
+
+def is_autotuner_thorough_for_backward() -> bool:
+    return AutotunerContext.thorough_mode_backward

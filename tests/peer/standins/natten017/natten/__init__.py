@@ -1,7 +1,7 @@
 """Stand-in for NATTEN 0.17: cudnn_attn.natten, plus NATTEN's kernel switches and capability probes.
 
 No CUDA kernels of NATTEN's exist here: the probes say what this machine has, the switches (which
-of NATTEN's kernels to run) do nothing.
+of NATTEN's kernels to run) do nothing. The autotuner flags are cudnn_attn.natten's own.
 """
 import torch
 
@@ -32,4 +32,4 @@ def _kernel_switch(*args, **kwargs):
 has_gemm = has_fp32_gemm = has_fp64_gemm = has_tf32_gemm = has_fna = _no_natten_kernel
 use_tiled_na = use_gemm_na = use_tf32_in_gemm_na = _kernel_switch
 enable_gemm_na = disable_gemm_na = enable_tf32 = disable_tf32 = _kernel_switch
-enable_tiled_na = disable_tiled_na = use_autotuner = disable_autotuner = _kernel_switch
+enable_tiled_na = disable_tiled_na = _kernel_switch

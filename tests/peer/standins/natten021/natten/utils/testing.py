@@ -24,3 +24,11 @@ def skip_if_hopper_kernels_not_supported():
 
 def skip_if_blackwell_kernels_not_supported():
     return _skip("NATTEN's Blackwell kernels")
+
+
+def supports_float16(device):  # NATTEN 0.21: True on any non-CUDA device
+    return True
+
+
+def supports_bfloat16(device):  # NATTEN 0.21: False on any non-CUDA device
+    return False
