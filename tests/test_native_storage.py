@@ -427,3 +427,40 @@ def test_runtime_padding_lengths_are_never_read_and_share_one_plan(backend, fake
         torch.testing.assert_close(lse.to(F64), ref_lse, atol=1e-3, rtol=1e-3)
     if backend == "cudnn":
         assert _graphs_built(fake) == 1 and fake[1][0][0].padding
+
+
+def test_builder_lengths_on_the_device_are_runtime_values(fake, monkeypatch):
+    """``set_seq_len_q/kv`` and ``set_cu_seq_len_q/kv`` with device tensors: never read on the
+    host (cuDNN's seq_len tensors are graph inputs); same results, forward and backward, as the
+    same lengths given as ints."""
+    from cudnn_attn import stored_calls
+
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(3, 2, 24, 16, generator=g).to(F16) for _ in range(3))
+    d_o = torch.randn(3, 2, 24, 16, generator=g).to(F16)
+
+    def run(lens_q, lens_kv, wrap, cumulative):
+        fwd, bwd = ca.SdpaAttributes(), ca.SdpaBackwardAttributes()
+        for attrs in (fwd, bwd):
+            attrs.set_causal_mask(True).set_padding_mask(True).set_attn_scale(0.3)
+            if cumulative:
+                attrs.set_cu_seq_len_q(wrap(cu(lens_q))).set_cu_seq_len_kv(wrap(cu(lens_kv)))
+            else:
+                attrs.set_seq_len_q(wrap(torch.tensor(lens_q))) \
+                    .set_seq_len_kv(wrap(torch.tensor(lens_kv)))
+        fwd.set_generate_stats(True)
+        o, stats = ca.scaled_dot_product_flash_attention(q, k, v, fwd)
+        grads = ca.scaled_dot_product_flash_attention_backward(q, k, v, o, d_o, stats, bwd)
+        return [cudnn_fake.host(t) for t in (o, stats, *grads)]
+
+    for cumulative in (False, True):
+        for lens in (([24, 5, 1], [24, 9, 3]), ([2, 24, 17], [7, 24, 20])):
+            monkeypatch.setattr(stored_calls, "on_accelerator", lambda t: True)
+            monkeypatch.setattr(masks, "_runtime_lengths",
+                                lambda value: isinstance(value, torch.Tensor))
+            got = run(*lens, device_only, cumulative)
+            monkeypatch.undo()
+            cudnn_fake.install(monkeypatch)
+            want = run(*lens, lambda t: t, cumulative)
+            for name, a, b in zip(("o", "stats", "dq", "dk", "dv"), got, want):
+                torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name}: {m}")

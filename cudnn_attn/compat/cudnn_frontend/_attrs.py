@@ -8,7 +8,7 @@ import numbers
 
 import torch
 
-from ... import _checks
+from ... import _checks, stored_calls
 
 __all__ = ["SdpaAttributes", "SdpaBackwardAttributes"]
 
@@ -37,13 +37,19 @@ def _scalar(setter: str, what: str, value, *, integer: bool = False):
     return _checks.real(what, value, prefix=prefix)
 
 
-def _lengths(setter: str, what: str, value) -> tuple[int, ...]:
+def _lengths(setter: str, what: str, value):
+    """Checked lengths: a tuple of ints, or (a tensor on an accelerator) the flat tensor itself,
+    a runtime value never read on the host (as cuDNN's seq_len tensors)."""
     if isinstance(value, torch.Tensor):
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{setter}: {what} must be an integer tensor, got {value.dtype}")
         if value.dim() not in (1, 4) or (value.dim() == 4 and value.shape[1:] != (1, 1, 1)):
             raise ValueError(f"{setter}: {what} must have shape [B] or [B, 1, 1, 1], got "
                              f"{tuple(value.shape)}")
+        if stored_calls.on_accelerator(value):
+            if value.numel() == 0:
+                raise ValueError(f"{setter}: {what} must not be empty")
+            return value.reshape(-1)
         value = value.reshape(-1).tolist()
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise TypeError(f"{setter}: {what} must be an integer tensor or a sequence of ints, "
@@ -60,11 +66,17 @@ def _lengths(setter: str, what: str, value) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _cumulative(setter: str, offsets) -> tuple[int, ...]:
-    """Lengths from cumulative offsets ``[B + 1]`` (``[B + 1, 1, 1, 1]`` too): 0, non-decreasing."""
+def _cumulative(setter: str, offsets):
+    """Lengths from cumulative offsets ``[B + 1]`` (``[B + 1, 1, 1, 1]`` too): 0, non-decreasing
+    (checked unless they are a runtime tensor on an accelerator)."""
     if isinstance(offsets, torch.Tensor) and offsets.dim() == 4:
         offsets = offsets.reshape(-1)
     values = _lengths(setter, "offsets", offsets)
+    if isinstance(values, torch.Tensor):
+        if values.shape[0] < 2:
+            raise ValueError(f"{setter}: offsets must have B + 1 >= 2 entries, got shape "
+                             f"{tuple(values.shape)}")
+        return values[1:] - values[:-1]
     if len(values) < 2 or values[0] != 0 or any(b < a for a, b in zip(values, values[1:])):
         raise ValueError(f"{setter}: offsets must start at 0, be non-decreasing and have B + 1 "
                          f"entries, got {values}")

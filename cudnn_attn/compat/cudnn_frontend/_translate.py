@@ -51,7 +51,8 @@ def _padding_of(attrs, batch: int, seq_q: int, seq_kv: int):
     if len(lens_q) != batch or len(lens_kv) != batch:
         raise ValueError(f"set_padding_mask: seq_len_q / seq_len_kv need {batch} entries (q's "
                          f"batch), got {len(lens_q)} and {len(lens_kv)}")
-    if max(lens_q) > seq_q or max(lens_kv) > seq_kv:
+    runtime = isinstance(lens_q, torch.Tensor) or isinstance(lens_kv, torch.Tensor)
+    if not runtime and (max(lens_q) > seq_q or max(lens_kv) > seq_kv):  # runtime: never read
         raise ValueError(f"set_padding_mask: lengths exceed the tensors: seq_len_q={lens_q} "
                          f"(S_q={seq_q}), seq_len_kv={lens_kv} (S_kv={seq_kv})")
     return Padding(lens_q, lens_kv)
