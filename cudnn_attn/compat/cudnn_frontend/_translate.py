@@ -14,7 +14,7 @@ from ...errors import NotSupportedError
 from ...masks import Alibi, Causal, Padding, SlidingWindow, mask_parts
 from ._attrs import check_broadcast
 
-__all__ = ["translate", "check_broadcast"]
+__all__ = ["translate", "check_broadcast", "band_mask"]
 
 
 def _band_mask(attrs):
@@ -58,7 +58,7 @@ def _padding_of(attrs, batch: int, seq_q: int, seq_kv: int):
     return Padding(lens_q, lens_kv)
 
 
-def _cudnn_verdicts(attrs, q, k, v, padded: bool, backward: bool) -> list[str]:
+def _cudnn_verdicts(attrs, q, k, v, padded: bool, backward: bool, packed: bool) -> list[str]:
     """What cuDNN's validators reject in this configuration, in their words."""
     seq_q, seq_kv = q.shape[2], k.shape[2]
     alignment, left, right = attrs.band()
@@ -83,30 +83,38 @@ def _cudnn_verdicts(attrs, q, k, v, padded: bool, backward: bool) -> list[str]:
         reasons.append("Sliding window attention is only supported with max_s_q <= max_s_kv.")
     if backward and seq_q == seq_kv == 1:
         reasons.append("s_q = s_kv = 1 is not supported.")
-    if attrs.max_total_seq_len_q is not None or attrs.max_total_seq_len_kv is not None:
+    if not packed and (attrs.max_total_seq_len_q is not None
+                       or attrs.max_total_seq_len_kv is not None):
         # This builder's tensors are dense [B, H, S, D], never cuDNN's ragged layout.
         reasons.append("max_total_seq_len_q/kv is only supported with packed (ragged) layout")
     return reasons
 
 
-def _mask_of(attrs, batch: int, seq_q: int, seq_kv: int):
-    parts = [m for m in (_band_mask(attrs), _padding_of(attrs, batch, seq_q, seq_kv))
-             if m is not None]
+def band_mask(attrs):
+    """The call's diagonal band and window as one mask (no lengths), or ``None``."""
+    parts = [m for m in (_band_mask(attrs),) if m is not None]
     if attrs.window is not None:  # this builder's FlashAttention-style window, on top
         left, right, alignment = attrs.window
         parts.append(SlidingWindow(left, right, alignment or attrs.band()[0]))
     return functools.reduce(operator.and_, parts) if parts else None
 
 
-def translate(attrs, q, k, v=None, backward: bool = False):
+def _mask_of(attrs, batch: int, seq_q: int, seq_kv: int):
+    parts = [m for m in (band_mask(attrs), _padding_of(attrs, batch, seq_q, seq_kv))
+             if m is not None]
+    return functools.reduce(operator.and_, parts) if parts else None
+
+
+def translate(attrs, q, k, v=None, backward: bool = False, packed: bool = False):
     """``(mask, bias, alibi)`` for the call: a bias tensor or ``None``, an ``Alibi`` or ``None``.
-    What cuDNN rejects raises ``NotSupportedError`` with cuDNN's reason."""
+    What cuDNN rejects raises ``NotSupportedError`` with cuDNN's reason. ``packed``: q/k/v are
+    the logical ``[B, H, max_seqlen, D]`` views of packed (ragged) tensors."""
     for name, t in (("q", q), ("k", k)):
         _checks.tensor(name, t, ndim=4, what="[B, H, S, D]")
     B, H, Sq, Skv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     mask = _mask_of(attrs, B, Sq, Skv)
     padded = any(isinstance(m, Padding) for m in mask_parts(mask))
-    reasons = _cudnn_verdicts(attrs, q, k, v, padded, backward)
+    reasons = _cudnn_verdicts(attrs, q, k, v, padded, backward, packed)
     if reasons:
         raise NotSupportedError(f"cuDNN SDPA{' backward' if backward else ''} with {attrs!r}",
                                 {"cudnn": reasons})

@@ -61,6 +61,7 @@ from ...sinks import check_sinks, merge_sinks, sink_gradient
 from ...runtime import DropoutState, Inputs, hide_padded_rows, hide_padding
 from ...storage import Paged
 from ...stored_calls import meta_like
+from . import packed
 from ._attrs import SdpaAttributes, SdpaBackwardAttributes
 from ._translate import check_broadcast, translate
 
@@ -170,6 +171,8 @@ def scaled_dot_product_flash_attention(q, k, v, attrs: SdpaAttributes):
     ``q`` ``[B, H_q, S_q, D_qk]``, ``k`` ``[B, H_kv, S_kv, D_qk]``, ``v`` ``[B, H_kv, S_kv, D_v]``
     (any strides; ``H_q % H_kv == 0``). ``o`` is ``[B, H_q, S_q, D_v]`` in q's dtype, ``stats``
     ``[B, H_q, S_q, 1]`` float32 (float64 for float64 inputs) or ``None`` for inference.
+    Packed (ragged) calls take ``[total, H, D]`` tensors with ``set_cu_seq_len_q/kv`` and give
+    ``o`` ``[total_q, H_q, D_v]``, ``stats`` ``[total_q, H_q, 1]`` (``compat.cudnn_frontend.packed``).
 
     Equivalent PyTorch (no GQA; ``visible`` the causal/window/padding mask)::
 
@@ -179,6 +182,8 @@ def scaled_dot_product_flash_attention(q, k, v, attrs: SdpaAttributes):
         o = (torch.softmax(s, -1) * keep * dropout_scale) @ v
     """
     _check_attrs(attrs, SdpaAttributes, "scaled_dot_product_flash_attention")
+    if packed.is_packed(q, k, v):  # [total, H, D]: cuDNN's ragged layout (compat.cudnn_frontend.packed)
+        return packed.forward(attrs, q, k, v, attrs.generate_stats)
     q, k, v = (t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     need = attrs.generate_stats
     sinks = attrs.sink_token
@@ -210,6 +215,10 @@ def scaled_dot_product_flash_attention_backward(q, k, v, o, dO, stats,
     """
     fn = "scaled_dot_product_flash_attention_backward"
     _check_attrs(attrs, SdpaBackwardAttributes, fn)
+    if packed.is_packed(q, k, v):
+        for name, t in (("o", o), ("dO", dO), ("stats", stats)):
+            _checks.tensor(name, t)
+        return packed.backward(attrs, q, k, v, o, dO, stats)
     q, k, v, o, dO, stats = (t.detach() if isinstance(t, torch.Tensor) else t
                              for t in (q, k, v, o, dO, stats))
     _check_backward_inputs(q, v, o, dO, stats)
