@@ -1,10 +1,14 @@
 """Packed variable-length attention and decoding against a (paged) KV cache.
 
-Both entry points run on every engine through :func:`cudnn_attn.attention`, so each engine sees an
-ordinary problem and autograd flows through the (index) ops that pack and unpack. Varlen calls the
-torch engine runs become one dense batch per distinct ``(len_q, len_k)``: each sequence costs what
-its own length costs. Others (GPU engines, dropout) become one ``bshd`` batch padded to the longest
-sequence with a ``Padding`` mask. A KV-cache call is one padded batch.
+On an accelerator (or with ``backend="cudnn"``) both entry points first try the tensors as they
+lie (``cudnn_attn.stored_calls``): packed ``[total, H, D]`` tensors as cuDNN's ragged layout, a
+cache as its page-table (or whole-cache) graph, the lengths, offsets and block table kept on the
+device (no host synchronisation; a decode step can be captured in a CUDA graph). Otherwise, or where
+cuDNN declines, they run on every engine through :func:`cudnn_attn.attention`, autograd flowing
+through the (index) ops that pack and unpack: varlen calls the torch engine runs become one dense
+batch per distinct ``(len_q, len_k)`` (each sequence costs what its own length costs); others
+(dropout, a forced GPU engine) one ``bshd`` batch padded to the longest sequence with a ``Padding``
+mask. A KV-cache call is then one padded batch of the prefix in use.
 
 * ``attention_varlen`` — FlashAttention's ``flash_attn_varlen_func`` layout: ``[total, H, D]``
   tensors with ``cu_seqlens``. Each sequence ``b`` (tokens ``cu_seqlens[b]:cu_seqlens[b+1]``) is an
