@@ -84,8 +84,9 @@ def varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, *, mask=None, bias=None, r
     """The problem of ``attention_varlen``'s native (ragged) graph, with ``Ragged`` storage.
 
     ``read=True`` checks the ``cu_seqlens`` values on the host (``describe``); ``read=False``
-    keeps them on the device: the lengths become a runtime ``Padding`` computed there, and the
-    sequence bounds are bucketed (``bucket_seqlen``) unless a bias tensor fixes them.
+    keeps accelerator tensors unread (the lengths become a runtime ``Padding`` computed on the
+    device; CPU ones are still checked) and buckets the sequence bounds (``bucket_seqlen``)
+    unless a bias tensor fixes them.
     ``seqused_k`` (``read=False`` only; FlashAttention's) limits sequence ``b`` to its first
     ``seqused_k[b]`` keys, which still start at ``cu_seqlens_k[b]``.
     """
@@ -94,7 +95,11 @@ def varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, *, mask=None, bias=None, r
         raise ValueError("a varlen call needs cu_seqlens_q, cu_seqlens_k, max_seqlen_q and "
                          "max_seqlen_k")
     padding = None
-    if read and _readable(cu_q) and _readable(cu_k):
+    # Values are checked on the host where reading them is free: always for describe, and for
+    # CPU tensors otherwise; accelerator (and meta) tensors stay unread.
+    host = _readable(cu_q) and _readable(cu_k) and (read or (
+        seqused_k is None and not (on_accelerator(cu_q) or on_accelerator(cu_k))))
+    if host:
         lens_q, lens_k = varlen_args.varlen_lengths(q, k, cu_q, cu_k)
         padding = Padding(lens_q, lens_k)
     else:  # lengths stay runtime tensors, as the graph takes them
@@ -104,8 +109,9 @@ def varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, *, mask=None, bias=None, r
             raise ValueError(f"cu_seqlens_q must have B + 1 >= 2 entries, got shape "
                              f"{tuple(cu_q.shape)}")
         lens_q = lens_k = None
-        if not read:  # offsets are read where the graph runs: on q's device
-            cu_q, cu_k = (t.to(q.device, non_blocking=True) for t in (cu_q, cu_k))
+    if not read:  # offsets are read where the graph runs: on q's device
+        cu_q, cu_k = (t.to(q.device, non_blocking=True) for t in (cu_q, cu_k))
+        if padding is None:
             used_k = cu_k[1:] - cu_k[:-1] if seqused_k is None else \
                 _lengths_tensor("seqused_k", seqused_k, cu_q.shape[0] - 1, q.device)
             padding = Padding(cu_q[1:] - cu_q[:-1], used_k)
@@ -130,18 +136,20 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, block_table, *, mask=Non
     whole capacity with ``seq_len_kv`` = the cache lengths; a paged cache has ``Paged`` storage
     (cuDNN's page tables over its ``[num_blocks, page_size, H_kv, D]`` pools).
 
-    ``read=False`` keeps a tensor ``cache_seqlens`` on the device (a runtime ``Padding``)."""
+    ``read=False`` keeps an accelerator ``cache_seqlens`` tensor on the device (a runtime
+    ``Padding``); CPU lengths are checked on the host."""
     q, k_cache, v_cache, block_table, capacity, where = varlen_args.check_cache(
         q, k_cache, v_cache, block_table)
     batch, seq_q, heads_q, _ = q.shape
-    if isinstance(cache_seqlens, torch.Tensor) and (not read or not _readable(cache_seqlens)):
+    if isinstance(cache_seqlens, torch.Tensor) and not _readable(cache_seqlens):
+        # never read: the graph is the same for any lengths, full ones stand in
+        _lengths_tensor("cache_seqlens", cache_seqlens, batch, q.device)
+        padding = Padding([seq_q] * batch, [capacity] * batch)
+    elif isinstance(cache_seqlens, torch.Tensor) and not read and on_accelerator(cache_seqlens):
         lens = _lengths_tensor("cache_seqlens", cache_seqlens, batch, q.device)
-        if _readable(lens):  # on q's device, where the graph reads them
-            full = torch.full((batch,), seq_q, dtype=torch.int32, device=q.device)
-            padding = Padding(full, lens.to(q.device, non_blocking=True))
-        else:  # never read: the graph is the same for any lengths, full ones stand in
-            padding = Padding([seq_q] * batch, [capacity] * batch)
-    else:
+        full = torch.full((batch,), seq_q, dtype=torch.int32, device=q.device)
+        padding = Padding(full, lens.to(q.device, non_blocking=True))
+    else:  # checked on the host, where reading is free
         lens = varlen_args.cache_lengths(cache_seqlens, batch, capacity, q.device, where)
         padding = Padding([seq_q] * batch, lens)
     varlen_args.check_user_mask(mask, "attention_with_kvcache")

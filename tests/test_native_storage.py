@@ -58,7 +58,10 @@ def device_only(t: torch.Tensor) -> torch.Tensor:
 @pytest.fixture
 def fake(monkeypatch):
     """The fake cuDNN engine, with CPU length tensors kept on the "device" (runtime values)."""
+    from cudnn_attn import stored_calls
+
     monkeypatch.setattr(masks, "_runtime_lengths", lambda value: isinstance(value, torch.Tensor))
+    monkeypatch.setattr(stored_calls, "on_accelerator", lambda t: isinstance(t, torch.Tensor))
     yield cudnn_fake.install(monkeypatch)
     clear_caches()
 
@@ -522,3 +525,18 @@ def test_builder_packed_calls_match_the_oracle_on_every_engine(causal, alibi, fa
     for name, a, e in zip(("o", "stats", "dq", "dk", "dv"), got, (o, stats, *grads)):
         torch.testing.assert_close(a.to(F64), e, atol=3e-2, rtol=3e-2,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_cpu_lengths_are_still_checked_on_the_device_route():
+    """Reading CPU lengths is free: a malformed one is a ValueError naming it, also when cuDNN
+    is forced (which then declines the call on this machine)."""
+    q = torch.randn(10, 2, 16, dtype=F16)
+    bad = torch.tensor([0, 6, 4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        attention_varlen(q, q, q, bad, cu((4, 2, 4)), 6, 6, backend="cudnn")
+    k_cache = torch.randn(2, 8, 2, 16, dtype=F16)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        attention_with_kvcache(q[:2, None], k_cache, k_cache, torch.tensor([3, 9]),
+                               backend="cudnn")
+    with pytest.raises(NotSupportedError, match="cudnn"):
+        attention_varlen(q, q, q, cu((4, 6)), cu((4, 6)), 6, 6, backend="cudnn")
