@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import math
 import operator
 from dataclasses import dataclass, field
@@ -241,3 +242,11 @@ def check_grads(problem: Problem, seed=0, atol=1e-9):
         assert a is not None, f"no gradient for {n}"
         assert not torch.isnan(a).any(), f"NaN in d{n}"
         torch.testing.assert_close(a, e, atol=atol, rtol=1e-7, msg=lambda m, n=n: f"d{n}: {m}")
+
+
+def load_script(path, module_name: str):
+    """Import a script that is not a package module (an example, a benchmark) by its path."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,7 +2,6 @@
 FlexAttention (its main peer) is NATTEN's rule, checked against tests/oracle.py."""
 
 import datetime
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 import oracle
 import pytest
 import torch
+from common import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "neighborhood.py"
@@ -19,9 +19,7 @@ SCRIPT = ROOT / "benchmarks" / "neighborhood.py"
 def _load_script():
     sys.path.insert(0, str(SCRIPT.parent))  # the script imports its sibling _report
     try:
-        spec = importlib.util.spec_from_file_location("bench_neighborhood", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = load_script(SCRIPT, "bench_neighborhood")
     finally:
         sys.path.remove(str(SCRIPT.parent))
     return module

@@ -3,7 +3,6 @@ a real subprocess), returns 0, and prints what it promises."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from common import load_script
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -26,10 +26,7 @@ def one_thread():
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLES / f"{name}.py", f"example_{name}")
 
 
 def test_quickstart(capsys):

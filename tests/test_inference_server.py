@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from common import load_script
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "inference_server.py"
 
 
 @pytest.fixture(scope="module")
 def server():
-    spec = importlib.util.spec_from_file_location("inference_server_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE, "inference_server_example")
 
 
 TINY = ["--requests", "8", "--concurrency", "3", "--max-batch", "3", "--min-seq", "16",

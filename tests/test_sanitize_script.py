@@ -2,7 +2,6 @@
 instance), and the parsing of compute-sanitizer's text reports (samples written from the
 Compute Sanitizer documentation's report formats for memcheck, racecheck and initcheck)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from common import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "sanitize.py"
@@ -17,10 +17,7 @@ SCRIPT = ROOT / "benchmarks" / "sanitize.py"
 
 @pytest.fixture(scope="module")
 def S():
-    spec = importlib.util.spec_from_file_location("bench_sanitize", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "bench_sanitize")
 
 
 MEMCHECK_ERROR = """\

@@ -5,13 +5,13 @@ and ``cudnn-attn cache warm --decode``'s arguments (the warm itself needs a GPU:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from common import load_script
 from test_cli_errors import assert_one_line_usage_error, run_main
 
 import cudnn_attn as ca
@@ -22,10 +22,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "inference_server.p
 
 @pytest.fixture(scope="module")
 def server():
-    spec = importlib.util.spec_from_file_location("inference_server_decode", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE, "inference_server_decode")
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from common import load_script
 
 pytestmark = [
     pytest.mark.gpu,
@@ -87,9 +88,7 @@ def test_a_warmed_cache_serves_with_zero_graph_builds(tmp_path, env):
 
 
 def test_decode_steps_do_not_synchronize():
-    spec = importlib.util.spec_from_file_location("inference_server_gpu", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # puts examples/ on sys.path for decode_service
+    module = load_script(EXAMPLE, "inference_server_gpu")  # puts examples/ on sys.path
     shape = module.DecodeShape(batch=B, heads=HQ, kv_heads=HKV, head_dim=D, page_size=PAGE,
                                max_blocks=BLOCKS, num_blocks=B * BLOCKS, dtype=torch.float16,
                                device="cuda")
