@@ -159,3 +159,38 @@ def grads(result, wrt) -> tuple:
     total = sum((i + 1) * torch.where(torch.isfinite(o), o, 0).sum()
                 for i, o in enumerate(outputs(result)))
     return torch.autograd.grad(total, wrt, allow_unused=True)
+
+
+def cold():
+    """Dynamo reset and every cache cleared: the next compile is cold."""
+    torch._dynamo.reset()
+    ca.clear_caches()
+
+
+def assert_one_graph(fn, *args):
+    """Cold, ``fn(*args)`` traces as one graph with no break."""
+    cold()
+    explanation = torch._dynamo.explain(fn)(*args)
+    assert explanation.graph_break_count == 0, [str(r.reason) for r in explanation.break_reasons]
+    assert explanation.graph_count == 1
+
+
+def differentiable(args):
+    return [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+
+
+def assert_eager_equal(fn, args, extra_wrt=(), backend="aot_eager", tol=1e-12):
+    """Compiled forward and gradients equal eager's (same dropout stream: same seed first)."""
+    cold()
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    wrt = differentiable(args) + list(extra_wrt)
+    torch.manual_seed(123)
+    got = compiled(*args)
+    torch.manual_seed(123)
+    want = fn(*args)
+    for g, w in zip(outputs(got), outputs(want), strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+    for g, w in zip(grads(got, wrt), grads(want, wrt), strict=True):
+        assert w is not None and g is not None
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
+from compile_cases import assert_eager_equal, assert_one_graph
 
-import cudnn_attn as ca
 from cudnn_attn.flash_attn_interface import (flash_attn_func, flash_attn_kvpacked_func,
                                              flash_attn_qkvpacked_func, flash_attn_varlen_func)
 
@@ -58,41 +58,12 @@ CASES = {  # name -> (fn, make_args)
 }
 
 
-def _outputs(result):
-    return result if isinstance(result, tuple) else (result,)
-
-
-def _grads(result, wrt):
-    total = sum((i + 1) * torch.where(torch.isfinite(o), o, 0).sum()
-                for i, o in enumerate(_outputs(result)))
-    return torch.autograd.grad(total, wrt)
-
-
-def _cold():
-    torch._dynamo.reset()
-    ca.clear_caches()
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_compiles_without_breaks_and_equals_eager(name):
     fn, make = CASES[name]
     args = make()
-    _cold()
-    explanation = torch._dynamo.explain(fn)(*args)
-    assert explanation.graph_break_count == 0, [str(r.reason) for r in explanation.break_reasons]
-    assert explanation.graph_count == 1
-    _cold()
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
-    wrt = [a for a in args if a.requires_grad]
-    torch.manual_seed(7)
-    got = compiled(*args)
-    torch.manual_seed(7)
-    want = fn(*args)
-    for g, w in zip(_outputs(got), _outputs(want), strict=True):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
-    for g, w in zip(_grads(got, wrt), _grads(want, wrt), strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    assert_one_graph(fn, *args)
+    assert_eager_equal(fn, args)
 
 
 def _brute_force(q, k, v, scale, visible):
