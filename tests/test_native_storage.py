@@ -318,9 +318,10 @@ def test_flash_attn_varlen_func_runs_the_ragged_graph(causal, same_cu, fake, mon
 @pytest.mark.parametrize("rotary", [None, "interleaved", "half"])
 def test_flash_attn_with_kvcache_appends_rotates_and_attends_on_the_device(paged, rotary, fake,
                                                                             monkeypatch):
-    """The same decode step through the device route (cuDNN's graph, lengths and tables never
-    read) and through the dense-batch route FlashAttention's own test file checks: identical
-    caches after the in-place append, outputs equal to fp16 rounding."""
+    """One decode step through the device route (cuDNN's graph, lengths and tables never read):
+    out and lse against a float64 oracle (rotary by FlashAttention's published formula, then
+    causal attention over each sequence's ``n + S_new`` tokens), and the same caches and
+    results as the dense-batch route FlashAttention's own test file checks."""
     from cudnn_attn.compat.flash_attn import native
     from cudnn_attn.flash_attn_interface import flash_attn_with_kvcache
 
@@ -328,13 +329,13 @@ def test_flash_attn_with_kvcache_appends_rotates_and_attends_on_the_device(paged
     lens = [5, 0, 40]
     g = torch.Generator().manual_seed(8)
     if paged:
-        k_pool, v_pool, table, _, _ = _paged_cache(lens, page, Hkv, D, seed=3, poison=False,
-                                                   pages=pages)
+        k_pool, v_pool, table, dense_k, dense_v = _paged_cache(lens, page, Hkv, D, seed=3,
+                                                               poison=False, pages=pages)
         table[table < 0] = torch.arange(B * pages, B * pages + 3)[0]  # spare pages, unused
     else:
         k_pool = torch.randn(B, pages * page, Hkv, D, generator=g).to(F16)
         v_pool = torch.randn(B, pages * page, Hkv, D, generator=g).to(F16)
-        table = None
+        dense_k, dense_v, table = k_pool, v_pool, None
     q = torch.randn(B, s_new, Hq, D, generator=g).to(F16)
     k_new = torch.randn(B, s_new, Hkv, D, generator=g).to(F16)
     v_new = torch.randn(B, s_new, Hkv, D, generator=g).to(F16)
@@ -363,6 +364,34 @@ def test_flash_attn_with_kvcache_appends_rotates_and_attends_on_the_device(paged
     assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
     torch.testing.assert_close(out.to(F64), ref_out.to(F64), atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(lse.to(F64), ref_lse.to(F64), atol=1e-4, rtol=1e-4)
+
+    for b, n in enumerate(lens):  # the float64 oracle (the cache keeps rotated k in fp16)
+        positions = torch.arange(n, n + s_new)
+        q_b, k_b = q[b].to(F64), k_new[b].to(F64)
+        if rotary is not None:
+            q_b, k_b = (_rotate(x, kw["rotary_cos"], kw["rotary_sin"], positions,
+                                rotary == "interleaved") for x in (q_b, k_b))
+        keys = torch.cat([dense_k[b, :n].to(F64), k_b])
+        values = torch.cat([dense_v[b, :n].to(F64), v_new[b].to(F64)])
+        o_b, lse_b = oracle_varlen(q_b, keys, values, [s_new], [n + s_new], causal="bottom_right")
+        torch.testing.assert_close(out[b].to(F64), o_b, atol=5e-3, rtol=5e-3)
+        torch.testing.assert_close(lse[b].to(F64), lse_b, atol=5e-3, rtol=5e-3)
+
+
+def _rotate(x, cos, sin, positions, interleaved):
+    """Rotary embedding, FlashAttention's formula: pairs ``(a, b)`` of the first ``2 * cos.shape[1]``
+    features become ``(a cos - b sin, a sin + b cos)``; interleaved pairs ``(0, 1), (2, 3)``,
+    else ``(i, i + r / 2)``. ``x`` ``[S, H, D]`` float64, ``positions`` ``[S]``."""
+    r = 2 * cos.shape[1]
+    c, s = (t.to(F64)[positions][:, None, :] for t in (cos, sin))
+    head, tail = x[..., :r], x[..., r:]
+    if interleaved:
+        a, b = head[..., 0::2], head[..., 1::2]
+        turned = torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
+    else:
+        a, b = head[..., :r // 2], head[..., r // 2:]
+        turned = torch.cat([a * c - b * s, a * s + b * c], dim=-1)
+    return torch.cat([turned, tail], dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------
