@@ -49,6 +49,12 @@ def fa_positions_per_token(opts: _Options, seq_k: int) -> bool:
     return left >= 0 or right >= 0
 
 
+def engine_lse(lse: torch.Tensor) -> torch.Tensor:
+    """A FlashAttention ``softmax_lse`` in the engines' convention: rows that see no key are
+    ``+inf`` in FlashAttention's, ``-inf`` in the engines'."""
+    return lse.masked_fill(lse == math.inf, -math.inf)
+
+
 def _problem(q, k, v, mask, alibi, opts: _Options) -> AttnProblem:
     return AttnProblem.from_tensors(q, k, v, mask=mask, bias=alibi, scale=opts.scale,
                                     dropout_p=opts.p_dropout, softcap=opts.softcap,
@@ -130,8 +136,7 @@ def _backward(dout, q, k, v, out, lse, mask, alibi, opts: _Options, deterministi
     else:
         backend = dispatch.select(problem)
     plan = backend.plan(problem)
-    # Rows that see no key: FlashAttention writes +inf, the engines take -inf.
-    lse = lse.masked_fill(lse == math.inf, -math.inf)
+    lse = engine_lse(lse)
     inputs = Inputs(q, k, v, None, dropout if opts.p_dropout > 0 else None)
     with torch.no_grad():
         dq, dk, dv, _ = plan.backward(problem, inputs, out, lse, dout)

@@ -14,7 +14,6 @@ as keys and top-left is the same diagonal (which cuDNN combines with dropout).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
 import torch
@@ -79,8 +78,7 @@ def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts: _Options,
         if opts.p_dropout > 0:
             raise
         return None
-    # Rows that see no key: FlashAttention writes +inf, the engines take -inf.
-    lse = lse.masked_fill(lse == math.inf, -math.inf)
+    lse = _core.engine_lse(lse)
     inputs = Inputs(q, k, v, None, dropout if opts.p_dropout > 0 else None)
     with torch.no_grad():
         dq, dk, dv, _ = plan.backward(problem, inputs, out.contiguous(), lse, dout.contiguous())
