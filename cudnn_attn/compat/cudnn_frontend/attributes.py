@@ -187,16 +187,16 @@ def scaled_dot_product_flash_attention(q, k, v, attrs: SdpaAttributes):
     q, k, v = (t.detach() if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     need = attrs.generate_stats
     sinks = attrs.sink_token
-    native = None
+    call = None
     if attrs.k_table is not None and attrs.v_table is not None and \
             (attrs.use_padding or attrs.padding is not None):
-        native = _paged_natively(attrs, q, k, v, need or sinks is not None)
-    if native is None:
+        call = _paged_natively(attrs, q, k, v, need or sinks is not None)
+    if call is None:
         k, v = _unpage(attrs, q, k, v)
         if head_counts_differ(q, k, v, "bhsd"):  # H_k != H_v, as cuDNN allows
             k, v = repeat_to_common_heads(q, k, v, "bhsd")
-        native = _problem(attrs, q, k, v, need or sinks is not None)
-    problem, plan, inputs = native
+        call = _problem(attrs, q, k, v, need or sinks is not None)
+    problem, plan, inputs = call
     o, lse = plan.forward(problem, hide_padding(problem, inputs),
                           need_lse=need or sinks is not None)
     if sinks is not None:
