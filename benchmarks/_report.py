@@ -8,6 +8,7 @@ the command line, the date, the options and every figure the run printed.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import shlex
 import statistics
@@ -16,6 +17,7 @@ import sys
 import timeit
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -59,23 +61,38 @@ def time_ms(
     return 1e3 * statistics.median(timeit.repeat(batch, number=1, repeat=repeats)) / number
 
 
+def format_cell(value: Any) -> str:
+    """A table cell: None as "-", floats with 2 decimals (3 significant digits below 0.01)."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1e-2 else f"{value:.2f}"
+    return str(value)
+
+
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
     """Print ``rows`` (dicts) as an aligned text table with the given ``columns`` (missing: "-")."""
-
-    def cell(value: Any) -> str:
-        if value is None:
-            return "-"
-        if isinstance(value, float):
-            return f"{value:.3g}" if abs(value) < 1e-2 else f"{value:.2f}"
-        return str(value)
-
-    cells = [[cell(row.get(col)) for col in columns] for row in rows]
+    cells = [[format_cell(row.get(col)) for col in columns] for row in rows]
     widths = [max([len(col), *(len(r[i]) for r in cells)]) for i, col in enumerate(columns)]
     line = "  ".join(f"{col:>{w}}" if i else f"{col:<{w}}" for i, (col, w) in enumerate(zip(columns, widths)))
     print(line)
     print("-" * len(line))
     for r in cells:
         print("  ".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(r, widths))))
+
+
+def load_sibling(name: str) -> ModuleType:
+    """Import the benchmark script ``benchmarks/<name>.py`` as module ``bench_<name>`` (once).
+
+    By path and under another name: ``cudnn.py`` imported as ``cudnn`` would shadow the frontend.
+    """
+    module_name = f"bench_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, Path(__file__).parent / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
 
 
 def _git_describe() -> str | None:

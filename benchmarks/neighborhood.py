@@ -15,8 +15,10 @@ each we time
   * sdpa-cudnn / sdpa-flash: dense SDPA on the same tokens (sdpa_kernel); their TFLOP/s count the
                  dense 4 * B * H * N^2 * D, so compare them by milliseconds
 A peer that cannot run is recorded as an error string, never a crash. Target (issue 4): H200,
-bf16, D=128, 2-D 128x128 k=31x31 forward: ours >= 250 TFLOP/s and >= 1.5x Flex.
-JSON: benchmarks/results/neighborhood-<date>.json.
+bf16, D=128, 2-D 128x128 k=31x31 forward: ours >= 250 TFLOP/s and >= 1.5x Flex. The machine's
+ceilings (benchmarks/ceilings.py) are measured once per run; rows get ``ours/ceiling`` (ours over
+the bf16 matmul ceiling).
+JSON: <--results-dir>/neighborhood-<date>.json (default benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import math
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import _report  # benchmarks/_report.py (this script's folder is on sys.path)
+import ceilings
 import torch
 
 PROBLEMS = {  # rank: (spatial shape, kernel size)
@@ -253,6 +257,10 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true",
                         help="the target row only: 2-D, bf16, D=128, 3 repeats")
     parser.add_argument("--no-json", action="store_true", help="print only, write no results file")
+    parser.add_argument("--no-ceilings", action="store_true",
+                        help="skip measuring the copy and matmul ceilings")
+    parser.add_argument("--results-dir", type=Path, default=_report.RESULTS_DIR,
+                        help="where the JSON goes (default benchmarks/results)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/neighborhood.py needs a CUDA GPU; torch sees none here. "
@@ -261,15 +269,19 @@ def main() -> int:
     if args.quick:
         args.dims, args.dtypes, args.head_dims, args.repeats, args.warmup = [2], ["bf16"], [128], 3, 2
     torch.manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}\n")
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
+    machine = None if args.no_ceilings else ceilings.measure()
+    print(ceilings.describe(machine) + "\n")
 
     rows = []
     for rank in args.dims:
         for dtype_name in args.dtypes:
             for dim in args.head_dims:
                 rows += bench_problem(rank, dtype_name, dim, args)
+    ceilings.add_fraction(rows, machine)
     columns = ["problem", "dtype", "D", "dir", "ours_ms", "ours_tflops", "flex_tflops",
-               "natten-flex_tflops", "sdpa-cudnn_ms", "sdpa-flash_ms", "ours/flex", "max|ours-flex|"]
+               "natten-flex_tflops", "sdpa-cudnn_ms", "sdpa-flash_ms", "ours/flex", "ours/ceiling",
+               "max|ours-flex|"]
     _report.print_table(rows, columns)
     print("TFLOP/s: useful (neighborhood) FLOPs for ours/flex/natten-flex; sdpa-* run dense "
           "attention on the same tokens (compare by ms)")
@@ -280,11 +292,11 @@ def main() -> int:
     print(f"\n{text}")
     if not args.no_json:
         path = _report.write_json("neighborhood", {
-            "options": vars(args), "device": torch.cuda.get_device_name(),
+            "options": vars(args), "device": torch.cuda.get_device_name(), "ceilings": machine,
             "problems": {str(r): {"spatial": s, "kernel": k} for r, (s, k) in PROBLEMS.items()},
             "hidden": HIDDEN, "engines": ENGINES, "rows": rows,
             "target": {"tflops >=": TARGET_TFLOPS, "vs flex >=": TARGET_VS_FLEX, "met": met,
-                       "text": text}})
+                       "text": text}}, results_dir=args.results_dir)
         print(f"\nwrote {path}")
     return 0
 
