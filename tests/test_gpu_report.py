@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from common import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,7 +123,7 @@ def table_line(markdown, *leading):
 
 def test_ceilings_need_cuda_and_smoke_run_on_cpu(report):
     ceilings = report.ceilings
-    if not __import__("torch").cuda.is_available():
+    if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
             ceilings.measure()
     got = ceilings.measure("cpu", copy_bytes=2 ** 16, matmul_n=32, repeats=2, number=1)
