@@ -8,6 +8,7 @@ import functools
 import importlib.util
 import math
 import operator
+import sys
 from dataclasses import dataclass, field
 
 import oracle
@@ -248,5 +249,6 @@ def load_script(path, module_name: str):
     """Import a script that is not a package module (an example, a benchmark) by its path."""
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module

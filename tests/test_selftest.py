@@ -47,6 +47,7 @@ def test_quick_grid_passes_on_the_torch_engine_and_covers_every_feature(tmp_path
     assert data["ok"] and data["counts"]["pass"] == len(report.outcomes)
     assert {r["case"] for r in data["results"]} == {c.name for c in grid(quick=True)}
     assert data["environment"]["torch"] == torch.__version__
+    assert data["table"] == report.table()  # what the run printed travels with the record
 
 
 def test_full_grid_adds_head_dims_and_larger_problems():

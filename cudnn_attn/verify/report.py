@@ -90,9 +90,10 @@ class SelftestReport:
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
-        return {"ok": self.ok, "counts": self.counts, "settings": self.settings,
-                "environment": self.environment, "unavailable": self.unavailable,
-                "results": [o.as_dict() for o in self.outcomes]}
+        # The table goes in too: a record read on another machine shows what the run printed.
+        return {"ok": self.ok, "counts": self.counts, "table": self.table(),
+                "settings": self.settings, "environment": self.environment,
+                "unavailable": self.unavailable, "results": [o.as_dict() for o in self.outcomes]}
 
     def to_json(self, path) -> None:
         Path(path).write_text(json.dumps(self.as_dict(), indent=1, default=str) + "\n")
