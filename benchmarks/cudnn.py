@@ -291,7 +291,11 @@ def main() -> int:
             "options": {k: (str(v) if k == "dtypes" else v) for k, v in vars(args).items()},
             "device": torch.cuda.get_device_name(), "problem": {"tokens": TOKENS, "hidden": HIDDEN},
             "ceilings": machine, "overhead": overhead, "builds": builds, "throughput": rows,
-            "headline_tflops": headline, "targets": verdicts}, results_dir=args.results_dir)
+            "headline_tflops": headline,
+            # name -> met (as before: gpu_proof.py reads it) and, apart, name -> the figure judged
+            "targets": {name: v["met"] for name, v in verdicts.items()},
+            "target_values": {name: v["value"] for name, v in verdicts.items()}},
+            results_dir=args.results_dir)
         print(f"\nwrote {path}")
     return 0
 

@@ -97,11 +97,13 @@ def write_records(report, tmp_path, *, cudnn=None, neighborhood=None, ceilings=T
     if cudnn is not None:
         report.ceilings.add_fraction(cudnn, machine)
         overhead = overhead_rows()
+        verdicts = report.bench_cudnn.target_verdicts(cudnn, overhead)
         paths.append(report._report.write_json("cudnn", {
             "options": {"quick": True}, "device": DEVICE, "problem": {"tokens": 16384, "hidden": 2048},
             "ceilings": machine, "overhead": overhead, "builds": [], "throughput": cudnn,
             "headline_tflops": report.bench_cudnn.headline_tflops(cudnn),
-            "targets": report.bench_cudnn.target_verdicts(cudnn, overhead)}, results_dir=tmp_path))
+            "targets": {name: v["met"] for name, v in verdicts.items()},
+            "target_values": {name: v["value"] for name, v in verdicts.items()}}, results_dir=tmp_path))
     if neighborhood is not None:
         report.ceilings.add_fraction(neighborhood, machine)
         met, text = report.bench_neighborhood.target_verdict(neighborhood)
