@@ -279,7 +279,7 @@ def summarize(result: StepResult, work: Path) -> dict[str, Any]:
     if name.startswith("bench-"):
         path = _newest(work, name.removeprefix("bench-"))
         data = _load_json(path) if path else None
-        keep = ("ceilings", "headline_tflops", "targets", "target", "overhead")
+        keep = ("ceilings", "headline_tflops", "targets", "target_values", "target", "overhead")
         return {} if data is None else {"file": path.name,
                                          **{k: data[k] for k in keep if k in data}}
     return {}
@@ -361,8 +361,11 @@ def summary_lines(results: list[StepResult]) -> list[str]:
                       f"{'' if v.get('ok') else ', ' + '; '.join(v.get('why') or [])}"
                       for tool, v in s.items()]
         elif r.name.startswith("bench-"):
-            verdicts = s.get("targets") or {}
-            lines += [f"{'':<20} {'ok  ' if ok else 'MISS'} {what}" for what, ok in verdicts.items()]
+            values = s.get("target_values") or {}
+            for what, met in (s.get("targets") or {}).items():
+                mark = "n/a " if met is None else "ok  " if met else "MISS"
+                value = values.get(what)
+                lines.append(f"{'':<20} {mark} {what}" + ("" if value is None else f": {value:.3g}"))
             if "target" in s:
                 lines.append(f"{'':<20} {s['target'].get('text')}")
     return lines

@@ -200,3 +200,21 @@ def test_smoke_run_writes_the_record_and_the_tarball(G, tmp_path):
     last = done.stdout.strip().splitlines()[-4:]  # the compact summary ends the output
     assert any(line.startswith("gpu-tests") and "ok (exit 0" in line for line in last)
     assert any(line.startswith("selftest-plain") and "FAILED (exit 1" in line for line in last)
+
+
+def test_summary_lines_name_every_verdict_and_count(G):
+    bench = G.StepResult("bench-cudnn", "python cudnn.py", returncode=0, seconds=61.0, summary={
+        "targets": {"tiny call": True, "large shapes": False, "headline": None},
+        "target_values": {"tiny call": 1.02, "large shapes": 0.95, "headline": None}})
+    tests = G.StepResult("gpu-tests", "pytest", returncode=1, seconds=200.0, summary={
+        "gpu": {"passed": 300, "failed": 1, "errors": 0, "skipped": 3},
+        "failures": [{"test": "tests/x.py::test_y", "outcome": "failed", "message": "boom"}]})
+    late = G.StepResult("bench-neighborhood", "python neighborhood.py", timed_out=True, seconds=150)
+    lines = G.summary_lines([tests, bench, late])
+    text = "\n".join(lines)
+    assert lines[0].startswith("gpu-tests") and "FAILED (exit 1" in lines[0]
+    assert "'failed': 1" in text and "failed: tests/x.py::test_y: boom" in text
+    assert "ok   tiny call: 1.02" in text and "MISS large shapes: 0.95" in text
+    assert "n/a  headline" in text
+    assert any(line.startswith("bench-neighborhood") and "TIMED OUT after 150 s" in line
+               for line in lines)
