@@ -69,8 +69,26 @@ def autocast_off(device_type: str):
     return contextlib.nullcontext()
 
 
+def _autocast_devices() -> frozenset:
+    """The device types autocast supports here, asked once at import: ``is_autocast_available``
+    cannot be traced by torch.compile before torch 2.13, and the answer never changes."""
+    candidates = {"cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla",
+                  torch._C._get_privateuse1_backend_name()}
+    found = set()
+    for device_type in candidates:
+        try:
+            if torch.amp.is_autocast_available(device_type):
+                found.add(device_type)
+        except RuntimeError:  # a device type this build does not know
+            pass
+    return frozenset(found)
+
+
+_AUTOCAST_DEVICES = _autocast_devices()
+
+
 def _autocast_on(device_type: str) -> bool:
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    return device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type)
 
 
 def autocast_inputs(q: Tensor, k: Tensor, v: Tensor):

@@ -216,7 +216,9 @@ class Padding(Mask):
 
     seq_lens_q: Optional[tuple[int, ...]]
     seq_lens_kv: Optional[tuple[int, ...]]
-    runtime: Optional[tuple] = dataclasses.field(default=None, compare=False, repr=False)
+    # init=False: torch.compile before 2.13 passes defaulted init fields to a custom __init__.
+    runtime: Optional[tuple] = dataclasses.field(default=None, compare=False, repr=False,
+                                                 init=False)
 
     def __init__(self, seq_lens_q, seq_lens_kv=None):
         if _runtime_lengths(seq_lens_q) or _runtime_lengths(seq_lens_kv):

@@ -191,20 +191,23 @@ _FUSED_DOC = """{rank}-D neighborhood attention (NATTEN 0.21 ``na{rank}d``, same
     """
 
 
-_HINTS = ("q_tile_shape", "kv_tile_shape", "backward_q_tile_shape", "backward_kv_tile_shape")
-
-
-def _call(rank: int, args: dict):
-    """One neighborhood call from the named arguments of ``na{rank}d`` (its ``locals()``)."""
-    hints = dict(tiles={name: args[name] for name in _HINTS},
-                 **{name: args[name] for name in ("backward_kv_splits",
-                                                  "backward_use_pt_reduction",
-                                                  "run_persistent_kernel", "kernel_schedule",
-                                                  "torch_compile")})
-    return _na(rank, args["query"], args["key"], args["value"], args["kernel_size"],
-               args["stride"], args["dilation"], args["is_causal"], args["scale"],
-               args["additional_keys"], args["additional_values"], args["attention_kwargs"],
-               args["backend"], hints, args["return_lse"], args["rpb"])
+def _call(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+          additional_keys, additional_values, attention_kwargs, backend, q_tile_shape,
+          kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
+          backward_use_pt_reduction, run_persistent_kernel, kernel_schedule, torch_compile,
+          return_lse, rpb):
+    """One neighborhood call from the arguments of ``na{rank}d``, in their order. (Passed by
+    name, not as ``locals()``: torch.compile before 2.13 cannot trace ``locals()``.)"""
+    hints = dict(tiles=dict(q_tile_shape=q_tile_shape, kv_tile_shape=kv_tile_shape,
+                            backward_q_tile_shape=backward_q_tile_shape,
+                            backward_kv_tile_shape=backward_kv_tile_shape),
+                 backward_kv_splits=backward_kv_splits,
+                 backward_use_pt_reduction=backward_use_pt_reduction,
+                 run_persistent_kernel=run_persistent_kernel, kernel_schedule=kernel_schedule,
+                 torch_compile=torch_compile)
+    return _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+               additional_keys, additional_values, attention_kwargs, backend, hints, return_lse,
+               rpb)
 
 
 # The signatures are written out (not generated) so that they read as NATTEN's, in the source
@@ -215,7 +218,11 @@ def na1d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, 
          backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
          run_persistent_kernel=True, kernel_schedule=None, torch_compile=False, return_lse=False,
          *, rpb=None):
-    return _call(1, locals())
+    return _call(1, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+                 additional_keys, additional_values, attention_kwargs, backend, q_tile_shape,
+                 kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
+                 backward_use_pt_reduction, run_persistent_kernel, kernel_schedule, torch_compile,
+                 return_lse, rpb)
 
 
 def na2d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
@@ -224,7 +231,11 @@ def na2d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, 
          backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
          run_persistent_kernel=True, kernel_schedule=None, torch_compile=False, return_lse=False,
          *, rpb=None):
-    return _call(2, locals())
+    return _call(2, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+                 additional_keys, additional_values, attention_kwargs, backend, q_tile_shape,
+                 kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
+                 backward_use_pt_reduction, run_persistent_kernel, kernel_schedule, torch_compile,
+                 return_lse, rpb)
 
 
 def na3d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
@@ -233,7 +244,11 @@ def na3d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, 
          backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
          run_persistent_kernel=True, kernel_schedule=None, torch_compile=False, return_lse=False,
          *, rpb=None):
-    return _call(3, locals())
+    return _call(3, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+                 additional_keys, additional_values, attention_kwargs, backend, q_tile_shape,
+                 kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
+                 backward_use_pt_reduction, run_persistent_kernel, kernel_schedule, torch_compile,
+                 return_lse, rpb)
 
 
 def neighborhood_attention_generic(query, key, value, kernel_size, stride=1, dilation=1,
@@ -249,7 +264,11 @@ def neighborhood_attention_generic(query, key, value, kernel_size, stride=1, dil
     if not 4 <= query.dim() <= 6:
         raise ValueError(f"query must be [B, *spatial, H, D] with 1 to 3 spatial axes, got shape "
                          f"{tuple(query.shape)}")
-    return _call(query.dim() - 3, locals())
+    return _call(query.dim() - 3, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+                 additional_keys, additional_values, attention_kwargs, backend, q_tile_shape,
+                 kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
+                 backward_use_pt_reduction, run_persistent_kernel, kernel_schedule, torch_compile,
+                 return_lse, rpb)
 
 
 # ---------------------------------------------------------------------------------------------
