@@ -11,7 +11,9 @@ writes ``gpu-<date>.md`` (device, date, ceilings, every table and target verdict
 matplotlib is installed (the ``plot`` extra), ``cudnn-<date>.png`` (TFLOP/s against sequence length
 per engine and peer) and ``neighborhood-<date>.png`` (bars per problem); it prints a README-ready
 summary table. The verdicts are recomputed from the rows with the benchmark scripts' own rules.
-Any other JSON (e.g. a gpu_proof summary) only contributes its device and date.
+A ``gpu_proof-<date>.json`` adds a correctness section (each step's state, the pytest counts
+and failures, the selftest tables, the sanitizer's counts, in gpu_proof's own words); any other
+JSON only contributes its device and date.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import ceilings  # before load_sibling("cudnn"), which takes this folder off sys
 # The scripts' own verdict rules, not copies of them (loading cudnn.py also unshadows `cudnn`).
 bench_cudnn = _report.load_sibling("cudnn")
 bench_neighborhood = _report.load_sibling("neighborhood")
+gpu_proof = _report.load_sibling("gpu_proof")  # its summary lines, for the correctness section
 
 CUDNN_ENGINES = ("ours", "bare", "torch-flash", "torch-cudnn")
 NEIGHBORHOOD_ENGINES = ("ours", "flex", "natten-flex")  # the useful-TFLOP/s ones (sdpa-* run dense)
@@ -50,14 +53,17 @@ NEIGHBORHOOD_COLUMNS = [("problem", "problem"), ("dtype", "dtype"), ("D", "D"), 
 
 # -- input ---------------------------------------------------------------------------------------
 
+KNOWN_SUITES = ("cudnn", "neighborhood", "gpu_proof")
+
+
 def load_records(paths: Sequence[Path]) -> dict[str, dict[str, Any]]:
-    """``{suite: record}``; a file of another suite (a gpu_proof summary, say) is kept under its
-    file name, for its device and date only."""
+    """``{suite: record}``; a file of another suite is kept under its file name, for its device
+    and date only."""
     records = {}
     for path in paths:
         record = json.loads(Path(path).read_text())
         suite = record.get("suite")
-        records[suite if suite in ("cudnn", "neighborhood") else Path(path).name] = record
+        records[suite if suite in KNOWN_SUITES else Path(path).name] = record
     return records
 
 
@@ -120,6 +126,21 @@ def peer_errors(records: dict[str, dict[str, Any]]) -> list[str]:
     return [f"* {engine}: {msg}" for engine, msg in sorted(found)]
 
 
+def correctness_lines(record: dict[str, Any]) -> list[str]:
+    """A gpu_proof record as its run printed it: the step summary, then each selftest table."""
+    results = [gpu_proof.StepResult(**step) for step in record["steps"]]
+    state = "every step passed" if record.get("ok") else "NOT every step passed"
+    cubins = record.get("cubins") or {}
+    lines = [f"{state}; {record.get('seconds')} s of a {record.get('budget_s')} s budget; cubins "
+             f"carried {cubins.get('carried')}, compiled on the device "
+             f"{cubins.get('compiled_on_device')}.", "",
+             "```", *gpu_proof.summary_lines(results), "```"]
+    for r in results:
+        if r.summary.get("table"):
+            lines += ["", f"### {r.name}", "", "```", r.summary["table"], "```"]
+    return lines
+
+
 def _times(value: float | None, base: float | None) -> str:
     return f" ({value / base:.2f}x)" if value and base else ""
 
@@ -165,6 +186,8 @@ def report_markdown(records: dict[str, dict[str, Any]]) -> str:
     parts = [f"# GPU benchmarks, {date}, {device}", "",
              "Inputs: " + ", ".join(f"{name} ({record_date(r)}, {record_device(r)}, "
                                     f"git {r.get('git')})" for name, r in records.items()), "",
+             *(["## Correctness", "", *correctness_lines(records["gpu_proof"]), ""]
+               if "gpu_proof" in records else []),
              "## Ceilings", "", *ceilings_lines(records), "",
              "## Targets", "", *verdict_lines(records), "",
              "## Summary", "", summary_markdown(records)]
@@ -305,8 +328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="where gpu-<date>.md and the PNGs go (default benchmarks/results)")
     args = parser.parse_args(argv)
     records = load_records(args.json)
-    if not {"cudnn", "neighborhood"} & records.keys():
-        parser.error("none of the files is a cudnn or neighborhood benchmark record")
+    if not set(KNOWN_SUITES) & records.keys():
+        parser.error("none of the files is a cudnn, neighborhood or gpu_proof record")
     args.out.mkdir(parents=True, exist_ok=True)
     _, date = run_facts(records)
     report = args.out / f"gpu-{date}.md"

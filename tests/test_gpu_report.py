@@ -257,8 +257,8 @@ def test_neighborhood_bars_are_the_input_figures(report):
 def test_without_matplotlib_the_markdown_is_still_written(report, tmp_path, monkeypatch, capsys):
     paths = write_records(report, tmp_path / "in", cudnn=cudnn_rows(report),
                           neighborhood=neighborhood_rows(report))
-    proof = tmp_path / "in" / "gpu_proof.json"  # unknown keys: only its device and date count
-    proof.write_text(json.dumps({"suite": "gpu_proof", "selftest": {"passed": 812, "failed": 0},
+    proof = tmp_path / "in" / "notes.json"  # another suite: only its device and date count
+    proof.write_text(json.dumps({"suite": "notes", "selftest": {"passed": 812, "failed": 0},
                                  "env": {"gpu": DEVICE, "date": "2026-11-27T01:02:03+00:00"}}))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
@@ -268,7 +268,7 @@ def test_without_matplotlib_the_markdown_is_still_written(report, tmp_path, monk
     date = json.loads(paths[0].read_text())["date"][:10]
     written = out / f"gpu-{date}.md"
     assert written.read_text().startswith(f"# GPU benchmarks, {date}, {DEVICE}")
-    assert "gpu_proof.json (2026-11-27" in written.read_text()
+    assert "notes.json (2026-11-27" in written.read_text()
     assert "plots skipped: matplotlib is not installed" in printed
     assert sorted(p.name for p in out.iterdir()) == [written.name]
     assert f"Measured on {date} on {DEVICE}" in printed and "| row | ours TFLOP/s |" in printed
@@ -292,3 +292,37 @@ def test_a_run_without_benchmark_records_is_refused(report, tmp_path):
     proof.write_text(json.dumps({"selftest": {"passed": 1}}))
     with pytest.raises(SystemExit):
         report.main([str(proof), "--out", str(tmp_path)])
+
+
+def test_a_gpu_proof_record_adds_the_correctness_section(report, tmp_path):
+    proof = report.gpu_proof
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    table = "feature  cudnn\n-------  -----\ndense    pass 0.41x 3ms\n1 passed, 0 failed, 0 declined (1 runs)"
+    steps = [
+        proof.StepResult("gpu-tests", "pytest -m gpu", returncode=1, seconds=212.0, summary={
+            "gpu": {"passed": 301, "failed": 2, "errors": 0, "skipped": 1},
+            "failures": [{"test": "tests/test_cupy_gpu.py::test_x", "outcome": "failed",
+                          "message": "AssertionError: 3.1x > 2x"}]}),
+        proof.StepResult("selftest-full", "selftest --full", returncode=0, seconds=95.0,
+                         summary={"ok": True, "counts": {"pass": 1, "FAIL": 0, "declined": 0},
+                                  "table": table, "unavailable": {}}),
+        proof.StepResult("sanitize-memcheck", "sanitize.py", timed_out=True, seconds=330.0),
+    ]
+    path = proof.write_record(tmp_path, work, steps, {"budget_s": 540.0, "seconds": 498.2,
+                                                      "cubins": {"carried": 3,
+                                                                 "compiled_on_device": 0}})
+    bench = write_records(report, tmp_path, cudnn=cudnn_rows(report))
+    assert report.main([str(path), *map(str, bench), "--out", str(out)]) == 0
+    [md] = out.glob("gpu-*.md")
+    text = md.read_text()
+    section = text.split("## Correctness", 1)[1].split("## Ceilings", 1)[0]
+    assert "NOT every step passed; 498.2 s of a 540.0 s budget" in section
+    assert "carried 3, compiled on the device 0" in section
+    assert "'passed': 301, 'failed': 2" in section
+    assert "failed: tests/test_cupy_gpu.py::test_x: AssertionError: 3.1x > 2x" in section
+    assert "sanitize-memcheck    TIMED OUT after 330 s" in section
+    assert table in section  # the selftest table as the run printed it
+    # The benchmark sections are still there, and a proof alone is a record too.
+    assert "## cuDNN engine: TFLOP/s" in text
+    assert report.main([str(path), "--out", str(tmp_path / "alone")]) == 0
