@@ -196,8 +196,8 @@ def _call(rank, query, key, value, kernel_size, stride, dilation, is_causal, sca
           kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
           backward_use_pt_reduction, run_persistent_kernel, kernel_schedule, torch_compile,
           return_lse, rpb):
-    """One neighborhood call from the arguments of ``na{rank}d``, in their order. (Passed by
-    name, not as ``locals()``: torch.compile before 2.13 cannot trace ``locals()``.)"""
+    """One neighborhood call from the arguments of ``na{rank}d``, in their order. (Passed one by
+    one, not as ``locals()``: torch.compile before torch 2.13 cannot trace ``locals()``.)"""
     hints = dict(tiles=dict(q_tile_shape=q_tile_shape, kv_tile_shape=kv_tile_shape,
                             backward_q_tile_shape=backward_q_tile_shape,
                             backward_kv_tile_shape=backward_kv_tile_shape),
