@@ -244,6 +244,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--overhead-iters", type=int, default=300)
     parser.add_argument("--quick", action="store_true", help="bf16, D=128, S in {1k, 8k} only")
+    parser.add_argument("--seqs", type=int, nargs="+", choices=SEQS, default=None,
+                        help="these sequence lengths instead (e.g. the rest of a --quick run's "
+                             "curve)")
     parser.add_argument("--no-json", action="store_true", help="print only, write no results file")
     parser.add_argument("--no-ceilings", action="store_true",
                         help="skip measuring the copy and matmul ceilings")
@@ -259,7 +262,7 @@ def main() -> int:
         return 0
     args.dtypes = (torch.bfloat16,) if args.quick else (torch.float16, torch.bfloat16)
     dims = (128,) if args.quick else (64, 128)
-    seqs = (1024, 8192) if args.quick else SEQS
+    seqs = args.seqs or ((1024, 8192) if args.quick else SEQS)
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}")
     machine = None if args.no_ceilings else ceilings.measure()

@@ -11,8 +11,10 @@ Phase 1, correctness, runs its steps side by side (they share the GPU, not timin
   selftest-full     cudnn-attn selftest --full, every engine that can run there
   selftest-plain    the CuPy engine's selftest on the plain (not cp.async-pipelined) build
   sanitize-<tool>   benchmarks/sanitize.py, one process per compute-sanitizer tool
-Phase 2, speed, alone on the GPU while time is left: benchmarks/cudnn.py --quick, then
-benchmarks/neighborhood.py --quick, each writing its JSON into the run's folder.
+Phase 2, speed, alone on the GPU: benchmarks/cudnn.py --quick, then benchmarks/neighborhood.py
+--quick, each writing its JSON into the run's folder, with the machine's ceilings. Phase 3, only
+with time left: the rest of the bf16 D=128 rows (the cuDNN curve's other sequence lengths; the
+1-D and 3-D neighborhoods) into ``more/``; ``gpu_report.py`` merges them with phase 2's.
 
 Every step has a deadline (its cap, never past the budget). At the deadline its whole process
 group is killed and it is recorded as timed out, with the tail of its log. After each phase the
@@ -21,7 +23,8 @@ seconds, pytest counts per marker with the failing test ids, the selftest tables
 sanitizer's counts, the cubins compiled on the device, the benchmarks' verdicts) and
 ``OUT/gpu_proof-files.tar.gz`` (every log, the junit XML, every raw JSON: two files, well inside
 the device tool's eight). The summary is printed last, so the call's output tail holds it even
-when no file comes back. Exit status 1 when any step failed or timed out.
+when no file comes back. Exit status 1 when any step failed or timed out (phase 3's may run out
+of time).
 
 ``--cubins DIR`` seeds the NVRTC cubin cache with programs compiled ahead, so no process on the
 device spends its minutes compiling: ``--prebuild DIR --arch sm_90`` fills DIR on any machine
@@ -60,17 +63,19 @@ DEVICE_NVRTC = "13.0"  # the H100/H200 image's CUDA 13.0 (../shared/gpu.md)
 MIN_START_S = 20.0  # a step with less time than this left is not started
 KILL_GRACE_S = 5.0  # SIGTERM, then SIGKILL this much later
 PHASE_2_RESERVE_S = 150.0  # the benchmarks' share of the budget when phase 1 runs long
+MORE = "more"  # the phase 3 benchmarks' folder
 
 
 @dataclass
 class Step:
-    """One command of the run: ``phase`` 1 steps run side by side, phase 2 steps one at a time."""
+    """One command of the run: ``phase`` 1 steps run side by side, later phases one at a time."""
 
     name: str
     argv: list[str]
     phase: int
     cap_s: float
     env: dict[str, str] = field(default_factory=dict)
+    optional: bool = False  # a timeout or no time to start is no failure (extra rows)
 
 
 @dataclass
@@ -83,10 +88,16 @@ class StepResult:
     not_started: str | None = None  # why, when it never ran
     log_tail: list[str] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    optional: bool = False
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0 and not self.timed_out
+
+    @property
+    def failed(self) -> bool:
+        """Not ok, unless an optional step merely ran out of time."""
+        return not self.ok and not (self.optional and (self.timed_out or self.not_started))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,6 +135,16 @@ def plan(work: Path, python: str = sys.executable, workers: int = 8,
     for suite in ("cudnn", "neighborhood"):
         steps.append(Step(f"bench-{suite}", [python, str(bench / f"{suite}.py"), "--quick",
                                              "--results-dir", str(work)], 2, 150.0))
+    # With time left: the rest of the bf16 D=128 rows (the cuDNN curve's other sequence lengths,
+    # the 1-D and 3-D neighborhoods), in a folder of their own; gpu_report merges them.
+    more = ["--no-ceilings", "--results-dir", str(work / MORE)]
+    steps += [
+        Step("bench-cudnn-more", [python, str(bench / "cudnn.py"), "--quick", "--seqs", "512",
+                                  "2048", "4096", "16384", *more], 3, 240.0, optional=True),
+        Step("bench-neighborhood-more", [python, str(bench / "neighborhood.py"), "--dims", "1", "3",
+                                         "--dtypes", "bf16", "--head-dims", "128", "--repeats", "3",
+                                         "--warmup", "2", *more], 3, 240.0, optional=True),
+    ]
     return steps
 
 
@@ -193,7 +214,7 @@ def _finish(run: _Running, timed_out: bool) -> StepResult:
     return StepResult(run.step.name, shlex.join(run.step.argv),
                       None if timed_out else run.proc.returncode,
                       round(time.monotonic() - run.started, 1), timed_out,
-                      log_tail=_tail(run.log_path))
+                      log_tail=_tail(run.log_path), optional=run.step.optional)
 
 
 def run_steps(steps: list[Step], work: Path, stop_at: float, *, side_by_side: bool,
@@ -209,7 +230,8 @@ def run_steps(steps: list[Step], work: Path, stop_at: float, *, side_by_side: bo
             step = pending.pop(0)
             if stop_at - now < MIN_START_S:
                 results[step.name] = StepResult(step.name, shlex.join(step.argv),
-                                                not_started="no time left in the budget")
+                                                not_started="no time left in the budget",
+                                                optional=step.optional)
                 continue
             running.append(_start(step, work, min(now + step.cap_s, stop_at), env))
         for run in list(running):
@@ -277,10 +299,12 @@ def summarize(result: StepResult, work: Path) -> dict[str, Any]:
                                              "cases_failed", "seconds")}
                 for tool, v in data.get("tools", {}).items()}
     if name.startswith("bench-"):
-        path = _newest(work, name.removeprefix("bench-"))
+        suite = name.removeprefix("bench-")
+        folder = work / MORE if suite.endswith("-" + MORE) else work
+        path = _newest(folder, suite.removesuffix("-" + MORE))
         data = _load_json(path) if path else None
         keep = ("ceilings", "headline_tflops", "targets", "target_values", "target", "overhead")
-        return {} if data is None else {"file": path.name,
+        return {} if data is None else {"file": str(path.relative_to(work)),
                                          **{k: data[k] for k in keep if k in data}}
     return {}
 
@@ -332,7 +356,8 @@ def prebuild(directory: Path, archs: list[str], expect_nvrtc: str) -> int:
 
 def write_record(out: Path, work: Path, results: list[StepResult], extra: dict[str, Any]) -> Path:
     """The summary JSON and the tarball of every file the steps wrote (cubins excluded)."""
-    payload = {"ok": all(r.ok for r in results), "steps": [vars(r) for r in results], **extra}
+    payload = {"ok": not any(r.failed for r in results), "steps": [vars(r) for r in results],
+               **extra}
     path = _report.write_json("gpu_proof", payload, results_dir=out)
     with tarfile.open(out / "gpu_proof-files.tar.gz", "w:gz") as tar:
         for item in sorted(work.iterdir()):
@@ -348,6 +373,8 @@ def summary_lines(results: list[StepResult]) -> list[str]:
         state = ("not started: " + r.not_started if r.not_started else
                  f"TIMED OUT after {r.seconds:.0f} s" if r.timed_out else
                  f"{'ok' if r.ok else 'FAILED'} (exit {r.returncode}, {r.seconds:.0f} s)")
+        if r.optional and not r.ok and not r.failed:
+            state += " (extra rows: not a failure)"
         lines.append(f"{r.name:<20} {state}")
         s = r.summary
         if r.name == "gpu-tests" and s:
@@ -389,12 +416,12 @@ def run(args: argparse.Namespace) -> int:
     stop_at = begin + args.budget
     extra: dict[str, Any] = {"budget_s": args.budget, "cubins": {"carried": carried}}
     results: list[StepResult] = []
-    for phase, side_by_side in ((1, True), (2, False)):
+    for phase, side_by_side in ((1, True), (2, False), (3, False)):
         todo = [s for s in steps if s.phase == phase]
         if not todo:
             continue
         # Phase 1 leaves the benchmarks their share of the budget, unless there are none.
-        reserve = PHASE_2_RESERVE_S if phase == 1 and any(s.phase == 2 for s in steps) else 0.0
+        reserve = PHASE_2_RESERVE_S if phase == 1 and any(s.phase > 1 for s in steps) else 0.0
         end = max(stop_at - reserve, time.monotonic() + MIN_START_S) if reserve else stop_at
         print(f"phase {phase}: {', '.join(s.name for s in todo)} "
               f"({end - time.monotonic():.0f} s at most)", flush=True)
@@ -411,7 +438,7 @@ def run(args: argparse.Namespace) -> int:
           f"cubins carried {carried}, compiled here {extra['cubins']['compiled_on_device']})")
     print("\n".join(summary_lines(results)))
     shutil.rmtree(work, ignore_errors=True)  # everything worth keeping is in the tarball
-    return 0 if all(r.ok for r in results) else 1
+    return 1 if any(r.failed for r in results) else 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

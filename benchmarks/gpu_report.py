@@ -5,7 +5,7 @@ The GPU session runs, writing its JSON under $OUT:
     python benchmarks/neighborhood.py --quick --results-dir $OUT
 and then, here:
     python benchmarks/gpu_report.py $OUT/cudnn-<date>.json $OUT/neighborhood-<date>.json \\
-        [gpu_proof.json] --out benchmarks/results
+        [more/cudnn-<date>.json ...] [gpu_proof.json] --out benchmarks/results
 
 writes ``gpu-<date>.md`` (device, date, ceilings, every table and target verdict) and, when
 matplotlib is installed (the ``plot`` extra), ``cudnn-<date>.png`` (TFLOP/s against sequence length
@@ -56,14 +56,34 @@ NEIGHBORHOOD_COLUMNS = [("problem", "problem"), ("dtype", "dtype"), ("D", "D"), 
 KNOWN_SUITES = ("cudnn", "neighborhood", "gpu_proof")
 
 
+# Each benchmark's list of rows, and the fields naming one row: a second record of the same
+# suite (gpu_proof's extra rows) adds the rows the first lacks.
+ROWS = {"cudnn": ("throughput", ("dtype", "D", "S", "causal", "dir")),
+        "neighborhood": ("rows", ("problem", "dtype", "D", "dir"))}
+
+
+def merge_rows(base: dict[str, Any], extra: dict[str, Any], suite: str) -> None:
+    """Add ``extra``'s rows that ``base`` lacks to ``base`` (in place); ``base`` keeps its
+    ceilings, overhead and options unless it has none."""
+    field, naming = ROWS[suite]
+    seen = {tuple(row[k] for k in naming) for row in base[field]}
+    base[field] += [row for row in extra[field] if tuple(row[k] for k in naming) not in seen]
+    for key, value in extra.items():
+        if base.get(key) is None:
+            base[key] = value
+
+
 def load_records(paths: Sequence[Path]) -> dict[str, dict[str, Any]]:
-    """``{suite: record}``; a file of another suite is kept under its file name, for its device
-    and date only."""
+    """``{suite: record}``: benchmark records of one suite merged (the first given first); a file
+    of another suite is kept under its file name, for its device and date only."""
     records = {}
     for path in paths:
         record = json.loads(Path(path).read_text())
         suite = record.get("suite")
-        records[suite if suite in KNOWN_SUITES else Path(path).name] = record
+        if suite in ROWS and suite in records:
+            merge_rows(records[suite], record, suite)
+        else:
+            records[suite if suite in KNOWN_SUITES else Path(path).name] = record
     return records
 
 

@@ -129,8 +129,11 @@ def test_step_selection_by_prefix(G, tmp_path):
         ["gpu-tests", "selftest-full", "selftest-plain"]
     with pytest.raises(ValueError, match="'benchmark'"):
         G.select(steps, "benchmark", None)
-    assert all(s.phase == 2 for s in steps if s.name.startswith("bench"))
+    assert all(s.phase == (3 if s.name.endswith("-more") else 2)
+               for s in steps if s.name.startswith("bench"))
     assert all(s.phase == 1 for s in steps if not s.name.startswith("bench"))
+    assert [s.name for s in G.select(steps, "bench-cudnn", None)] == \
+        ["bench-cudnn", "bench-cudnn-more"]
 
 
 def test_carried_cubins_seed_a_cache_of_our_own(G, tmp_path):
@@ -218,3 +221,35 @@ def test_summary_lines_name_every_verdict_and_count(G):
     assert "n/a  headline" in text
     assert any(line.startswith("bench-neighborhood") and "TIMED OUT after 150 s" in line
                for line in lines)
+
+
+def test_extra_rows_may_run_out_of_time_without_failing_the_run(G, tmp_path):
+    code = "import time; time.sleep(120)"
+    extra = G.Step("bench-extra", [sys.executable, "-c", code], 3, 1.0, optional=True)
+    needed = G.Step("gpu-tests", [sys.executable, "-c", code], 1, 1.0)
+    results = G.run_steps([extra, needed], tmp_path, time.monotonic() + 100, side_by_side=True)
+    assert all(r.timed_out and not r.ok for r in results)
+    assert [r.failed for r in results] == [False, True]
+    crashed = G.run_steps([G.Step("bench-crash", [sys.executable, "-c", "raise SystemExit(2)"], 3,
+                                  30.0, optional=True)], tmp_path, time.monotonic() + 100,
+                          side_by_side=False)
+    assert crashed[0].failed  # an optional step that ran and failed is a failure
+    steps = G.plan(tmp_path)
+    assert {s.name for s in steps if s.optional} == {s.name for s in steps if s.phase == 3} \
+        == {"bench-cudnn-more", "bench-neighborhood-more"}
+    lines = G.summary_lines(results)
+    assert "(extra rows: not a failure)" in lines[0] and "not a failure" not in lines[1]
+
+
+def test_benchmark_steps_read_their_own_folder(G, tmp_path):
+    (tmp_path / G.MORE).mkdir()
+    quick = {"targets": {"tiny call": True}, "target_values": {"tiny call": 1.01}, "rows": []}
+    more = {"targets": {"tiny call": False}, "target_values": {"tiny call": 1.2}}
+    (tmp_path / "cudnn-2026-11-26.json").write_text(json.dumps(quick))
+    (tmp_path / G.MORE / "cudnn-2026-11-26.json").write_text(json.dumps(more))
+    first = G.summarize(G.StepResult("bench-cudnn", "cmd"), tmp_path)
+    second = G.summarize(G.StepResult("bench-cudnn-more", "cmd"), tmp_path)
+    assert first["file"] == "cudnn-2026-11-26.json" and first["targets"] == {"tiny call": True}
+    assert second["file"] == "more/cudnn-2026-11-26.json"
+    assert second["target_values"] == {"tiny call": 1.2}
+    assert G.summarize(G.StepResult("bench-neighborhood", "cmd"), tmp_path) == {}

@@ -326,3 +326,23 @@ def test_a_gpu_proof_record_adds_the_correctness_section(report, tmp_path):
     # The benchmark sections are still there, and a proof alone is a record too.
     assert "## cuDNN engine: TFLOP/s" in text
     assert report.main([str(path), "--out", str(tmp_path / "alone")]) == 0
+
+
+def test_extra_rows_of_a_second_record_join_the_first(report, tmp_path):
+    [quick] = write_records(report, tmp_path / "quick", cudnn=cudnn_rows(report))
+    more_rows = [cudnn_row(report, 4096, True, "fwd", 580.0, 590.0, 520.0, 575.0),
+                 cudnn_row(report, 16384, True, "fwd", 640.0, 650.0, 600.0, 630.0),
+                 # A row the quick record has too: the first record's figures stay.
+                 cudnn_row(report, 8192, True, "bwd", 1.0, 1.0, 1.0, 1.0)]
+    [more] = write_records(report, tmp_path / "more", cudnn=more_rows, ceilings=False)
+    records = report.load_records([quick, more])
+    rows = records["cudnn"]["throughput"]
+    assert len(rows) == len(cudnn_rows(report)) + 2
+    causal = report.cudnn_series(rows)[("bfloat16", 128, True, "fwd")]
+    assert causal["ours"][0] == [4096, 8192, 16384] and causal["ours"][1][::2] == [580.0, 640.0]
+    assert report.cudnn_series(rows)[("bfloat16", 128, True, "bwd")]["ours"] == ([8192], [512.0])
+    assert records["cudnn"]["ceilings"] == CEILINGS  # the second record measured none
+    # The verdicts see the joined rows: ours/bare at S >= 4096 now includes 580 / 590.
+    verdicts = report.bench_cudnn.target_verdicts(rows, records["cudnn"]["overhead"])
+    large = next(v for k, v in verdicts.items() if k.startswith("large shapes"))
+    assert large["value"] == pytest.approx(min(580.0 / 590.0, 0.99, 512.0 / 515.0, 640.0 / 650.0))
