@@ -64,6 +64,7 @@ MIN_START_S = 20.0  # a step with less time than this left is not started
 KILL_GRACE_S = 5.0  # SIGTERM, then SIGKILL this much later
 PHASE_2_RESERVE_S = 150.0  # the benchmarks' share of the budget when phase 1 runs long
 MORE = "more"  # the phase 3 benchmarks' folder
+NAME_WIDTH = 24  # the step-name column of the printed summary
 
 
 @dataclass
@@ -375,16 +376,16 @@ def summary_lines(results: list[StepResult]) -> list[str]:
                  f"{'ok' if r.ok else 'FAILED'} (exit {r.returncode}, {r.seconds:.0f} s)")
         if r.optional and not r.ok and not r.failed:
             state += " (extra rows: not a failure)"
-        lines.append(f"{r.name:<20} {state}")
-        s = r.summary
+        lines.append(f"{r.name:<{NAME_WIDTH}} {state}")
+        s, pad = r.summary, " " * NAME_WIDTH
         if r.name == "gpu-tests" and s:
-            lines.append(f"{'':<20} gpu: {s['gpu']}")
-            lines += [f"{'':<20} {f['outcome']}: {f['test']}: {f['message'][:160]}"
+            lines.append(f"{pad} gpu: {s['gpu']}")
+            lines += [f"{pad} {f['outcome']}: {f['test']}: {f['message'][:160]}"
                       for f in s["failures"][:15]]
         elif r.name.startswith("selftest-") and s.get("counts"):
-            lines.append(f"{'':<20} {s['counts']}")
+            lines.append(f"{pad} {s['counts']}")
         elif r.name.startswith("sanitize-"):
-            lines += [f"{'':<20} {tool}: {v.get('errors')} errors, {v.get('cases_ok')} cases ok"
+            lines += [f"{pad} {tool}: {v.get('errors')} errors, {v.get('cases_ok')} cases ok"
                       f"{'' if v.get('ok') else ', ' + '; '.join(v.get('why') or [])}"
                       for tool, v in s.items()]
         elif r.name.startswith("bench-"):
@@ -392,9 +393,9 @@ def summary_lines(results: list[StepResult]) -> list[str]:
             for what, met in (s.get("targets") or {}).items():
                 mark = "n/a " if met is None else "ok  " if met else "MISS"
                 value = values.get(what)
-                lines.append(f"{'':<20} {mark} {what}" + ("" if value is None else f": {value:.3g}"))
+                lines.append(f"{pad} {mark} {what}" + ("" if value is None else f": {value:.3g}"))
             if "target" in s:
-                lines.append(f"{'':<20} {s['target'].get('text')}")
+                lines.append(f"{pad} {s['target'].get('text')}")
     return lines
 
 
