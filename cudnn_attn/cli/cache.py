@@ -178,15 +178,66 @@ def _decode_spec(args: argparse.Namespace) -> Any:
     return spec
 
 
+def warm_for_target(args: argparse.Namespace) -> int:
+    """``cache warm CONFIG --target T --save DIR``: plan the config's graphs for a described
+    device without a GPU (``graphs.aot.warm``) and save them for that device."""
+    import cudnn_attn as ca
+    from cudnn_attn.graphs import aot
+    from cudnn_attn.graphs.targets import target
+
+    if args.save is None:
+        raise UsageError("--target warms a cache for another machine: give --save DIR")
+    extra = [flag for flag, given in (("--load", args.load), ("--decode", args.decode),
+                                      ("--device", args.device)) if given is not None]
+    if extra:
+        raise UsageError(f"{', '.join(extra)}: not used with --target (the graphs are planned "
+                         f"for the described device; put every call in the config)")
+    if args.config is None:
+        raise UsageError("nothing to warm: give a config file (JSON problems) with --target")
+    try:
+        device = target(args.target)
+        specs = read_config(args.config)
+    except (OSError, ValueError) as exc:
+        print(f"cudnn-attn cache warm: error: {exc}", file=sys.stderr)
+        return 2
+    names, problems, invalid = [], [], 0
+    for index, spec in enumerate(specs):
+        name = (spec.get("name") if isinstance(spec, dict) else None) or f"problem {index}"
+        try:
+            q, k, v, kwargs = build_inputs(spec, "meta")
+            problems.append(ca.AttnProblem.from_tensors(q, k, v, **kwargs))
+            names.append(name)
+        except (ValueError, TypeError) as exc:
+            invalid += 1
+            print(f"{name}: invalid: {exc}")
+    print(f"target {device.name}: {device.device_name}, sm_{device.sm}, {device.sm_count} SMs "
+          f"(planned without a GPU)")
+    results, written = aot.warm(problems, device, args.save)
+    failed = 0
+    for name, result in zip(names, results):
+        if result.ok:
+            print(f"{name}: ok")
+            for tag, engine in result.graphs:
+                print(f"  {tag}: {engine}".replace("\n", "\n  "))
+        else:
+            failed += result.error.startswith("cuDNN refused")
+            print(f"{name}: {result.error}")
+    print(f"saved {written} graph file(s) to {args.save}; on a GPU that matches the target, "
+          f"graph_cache.load() serves them without building plans (others rebuild)")
+    return 2 if invalid else 1 if failed else 0
+
+
 def cmd_cache_warm(args: argparse.Namespace) -> int:
     """Build every problem of a config (and the ``--decode`` call) through the graph cache,
-    optionally saving the plans."""
+    optionally saving the plans; with ``--target``, plan them for a described device."""
     from cudnn_attn.dispatch import get_backend
     from cudnn_attn.graphs.cache import graph_cache
 
     if args.backend != "cudnn":
         raise UsageError(f"--backend {args.backend}: only cuDNN plans are graphs that the cache "
                          f"builds and saves; the {args.backend} backend has nothing to warm")
+    if args.target is not None:
+        return warm_for_target(args)
     decode = _decode_spec(args)
     try:
         specs = read_config(args.config) if args.config is not None else []
@@ -250,6 +301,10 @@ def add_parser(sub: Any) -> None:
                       help="torch device (default: cuda if available, else cpu)")
     warm.add_argument("--load", type=Path, help="load saved graphs from DIR first")
     warm.add_argument("--save", type=Path, help="save the built graphs to DIR")
+    warm.add_argument("--target", metavar="DEVICE",
+                      help="plan for a described GPU without one (a100, h100, h200, b200, or "
+                           "the path of a device JSON from cudnn.create_device_properties(i)"
+                           ".serialize()); needs --save")
     dec = warm.add_argument_group(
         "paged decode (GPU only)", "warm the graphs of attention_with_kvcache(q [B, S_q, H_Q, D], "
         "k/v pools [num_blocks, page_size, H_KV, D], cache_seqlens, block_table [B, max_blocks]) "

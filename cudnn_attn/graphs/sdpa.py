@@ -92,19 +92,28 @@ class BuiltGraph:
                            "target": self.target}).encode()
         return struct.pack("<I", len(meta)) + meta + blob
 
-    @classmethod
-    def from_bytes(cls, data: bytes) -> "BuiltGraph":
-        from ._runtime import handle_for
-
+    @staticmethod
+    def split_payload(data: bytes) -> tuple[dict, bytes]:
+        """``(meta, cuDNN blob)`` of ``serialize()``'s bytes."""
         (n,) = struct.unpack_from("<I", data)
-        meta = json.loads(data[4:4 + n])
-        graph = _cudnn().pygraph()
-        graph.deserialize(handle_for(torch.device("cuda", torch.cuda.current_device())),
-                          data[4 + n:])
+        return json.loads(data[4:4 + n]), bytes(data[4 + n:])
+
+    @classmethod
+    def from_meta(cls, graph, meta: dict) -> "BuiltGraph":
+        """A built graph around a deserialized ``graph`` and its ``serialize()`` meta."""
         return cls(graph, _spec_from_json(meta["spec"]), meta["backward"],
                    tuple(UID(u) for u in meta["inputs"]), tuple(UID(u) for u in meta["outputs"]),
                    int(graph.get_workspace_size()), True,
                    engine=EngineChoice.from_json(meta.get("engine")), target=meta.get("target"))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "BuiltGraph":
+        from ._runtime import handle_for
+
+        meta, blob = cls.split_payload(data)
+        graph = _cudnn().pygraph()
+        graph.deserialize(handle_for(torch.device("cuda", torch.cuda.current_device())), blob)
+        return cls.from_meta(graph, meta)
 
 
 def _spec_to_json(spec: GraphSpec) -> dict:
