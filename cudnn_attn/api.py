@@ -227,11 +227,16 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softc
 
 
 class Explanation(Mapping):
-    """Each backend's verdict, in priority order: ``"selected"``, ``"available"`` or reasons."""
+    """Each backend's verdict, in priority order: ``"selected"``, ``"available"`` or reasons.
 
-    def __init__(self, problem: AttnProblem, verdicts: dict):
+    ``engines``: for a call cuDNN can run whose graphs ``graph_cache`` already holds (an earlier
+    call, or a loaded warm cache), the engine cuDNN picked per graph (``"sdpa_forward"``,
+    ``"sdpa_backward"`` -> ``EngineChoice``: engine id, knobs, kernels)."""
+
+    def __init__(self, problem: AttnProblem, verdicts: dict, engines: Optional[dict] = None):
         self.problem = problem
         self._verdicts = verdicts
+        self.engines = dict(engines or {})
 
     def __getitem__(self, name: str):
         return self._verdicts[name]
@@ -247,7 +252,10 @@ class Explanation(Mapping):
         return next((n for n, v in self._verdicts.items() if v == "selected"), None)
 
     def __str__(self) -> str:
-        return f"{self.problem.describe()}\n{dispatch.format_reasons(self._verdicts)}"
+        text = f"{self.problem.describe()}\n{dispatch.format_reasons(self._verdicts)}"
+        for tag, engine in self.engines.items():
+            text += f"\ncuDNN {tag}: " + str(engine).replace("\n", "\n  ")
+        return text
 
     def __repr__(self) -> str:
         return f"Explanation({self._verdicts!r})"
@@ -282,4 +290,7 @@ def explain(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap
             verdicts[name] = chosen = "selected"
         else:
             verdicts[name] = "available"
-    return Explanation(problem, verdicts)
+    engines = {}
+    if isinstance(verdicts.get("cudnn"), str):  # cuDNN can run it: its graphs may be cached
+        engines = dispatch.get_backend("cudnn").known_engines(problem)
+    return Explanation(problem, verdicts, engines)

@@ -128,6 +128,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     import cudnn_attn as ca
     from cudnn_attn._probe import module_missing
 
+    if args.target is not None:
+        from cudnn_attn.graphs.targets import target
+
+        target(args.target)  # a bad name fails before anything is printed
     layout = args.layout or ("bshd" if args.varlen or args.cache_seqlens else "bhsd")
     spec = {"shape": args.shape, "heads_kv": args.heads_kv, "seq_kv": args.seq_kv,
             "dim_v": args.dim_v, "dtype": args.dtype, "mask": args.mask, "layout": layout,
@@ -170,7 +174,18 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if native:
         print("ragged offsets and page tables (graph inputs, with the lengths):")
         print("\n".join(native))
+    if args.target is not None:
+        print_target_plan(args, q, k, v, kwargs)
     return 0
+
+
+def print_target_plan(args: argparse.Namespace, q: Any, k: Any, v: Any, kwargs: dict) -> None:
+    """The engine cuDNN picks for the call on a described device, planned without a GPU."""
+    from cudnn_attn.graphs.deviceless import describe_plan
+
+    result = describe_plan(q, k, v, target=args.target, backward=args.backward, **kwargs)
+    print(f"\ncuDNN execution plan for {args.target} (planned without a GPU): "
+          + str(result).split(": ", 1)[1].replace("\n", "\n  "))
 
 
 def add_parser(sub: Any) -> None:
@@ -197,6 +212,9 @@ def add_parser(sub: Any) -> None:
     ex.add_argument("--dropout", type=float, default=0.0, help="dropout_p")
     ex.add_argument("--backward", action="store_true", help="describe the backward graph")
     ex.add_argument("--target-sm", type=int, default=90, help="graph target (default 90)")
+    ex.add_argument("--target", metavar="DEVICE",
+                    help="also plan the graph for a described GPU without one and name the "
+                         "engine cuDNN picks: a100, h100, h200, b200 or a device JSON path")
     ex.add_argument("--device", type=device_arg,
                     help="device the call would run on (default: cuda if available, else cpu); "
                          "nothing is allocated")

@@ -28,7 +28,7 @@ from . import _runtime
 from ._spec import GraphSpec, analyze, problem_lengths
 from .sdpa import UID, BuiltGraph, build_graph
 
-__all__ = ["CudnnBackend", "CudnnPlan"]
+__all__ = ["CudnnBackend", "CudnnPlan", "graph_specs"]
 
 PLAN_CACHE_SIZE = 128
 
@@ -76,6 +76,33 @@ class CudnnBackend:
     def clear(self) -> None:
         """Forget plans (graphs stay in ``graph_cache``)."""
         self._plans.clear()
+
+    def known_engines(self, problem: AttnProblem) -> dict:
+        """``{tag: EngineChoice}`` of the graphs ``problem`` needs that ``graph_cache`` already
+        holds with a plan (built by an earlier call, or loaded from a warmed cache and used);
+        builds, loads and counts nothing."""
+        spec, reasons = analyze(problem)
+        if reasons:
+            return {}
+        from .cache import graph_cache, make_key
+
+        found = {}
+        for tag, gspec, _ in graph_specs(problem, spec):
+            built = graph_cache.peek(make_key((tag, gspec), problem.device))
+            if built is not None and getattr(built, "engine", None) is not None:
+                found[tag] = built.engine
+        return found
+
+
+def graph_specs(problem: AttnProblem, spec: GraphSpec) -> list[tuple[str, GraphSpec, bool]]:
+    """``(tag, spec, backward)`` of every graph the engine builds for ``problem`` (the rule of
+    ``CudnnPlan.prepare``): the forward, with stats when a backward or the LSE is needed, and
+    the backward when the problem requires grad."""
+    stats = problem.requires_grad or problem.return_lse
+    out = [("sdpa_forward", spec.forward_variant(stats), False)]
+    if problem.requires_grad:
+        out.append(("sdpa_backward", spec.backward_variant(), True))
+    return out
 
 
 def _plan_key(problem: AttnProblem, spec: GraphSpec) -> tuple:

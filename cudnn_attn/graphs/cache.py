@@ -216,6 +216,16 @@ class GraphCache:
         self._entries.put(key, value)
         self._evictions += before - len(self._entries)
 
+    def peek(self, key: Hashable, default: Any = None) -> Any:
+        """The value cached under ``key``, or ``default``: never builds or loads, and leaves the
+        counters alone (for reports such as ``explain()``)."""
+        with self._lock:
+            try:
+                value = self._entries.get(key, _MISSING)
+            except TypeError:
+                return default
+        return default if value is _MISSING else value
+
     def __contains__(self, key) -> bool:
         with self._lock:
             return key in self._entries

@@ -33,10 +33,11 @@ from ..problem import AttnProblem
 from . import driver_standin
 from ._spec import GraphOptions, GraphSpec, analyze
 from .plan_choice import EngineChoice
-from .sdpa import BuiltGraph, build_graph
+from .backend import graph_specs
+from .sdpa import BuiltGraph, build_graph, describe_problem
 from .targets import DeviceTarget, target as as_target
 
-__all__ = ["PlanResult", "prepare", "plan_spec", "plan_problem", "graph_specs"]
+__all__ = ["PlanResult", "prepare", "plan_spec", "plan_problem", "graph_specs", "describe_plan"]
 
 _RESULTS = LRU("cudnn.deviceless", 1024)
 
@@ -114,17 +115,6 @@ def plan_spec(spec: GraphSpec, backward: bool, device: Union[str, DeviceTarget],
     return _cached(spec, spec, backward, as_target(device), build)
 
 
-def graph_specs(problem: AttnProblem, spec: GraphSpec) -> list[tuple[str, GraphSpec, bool]]:
-    """``(tag, spec, backward)`` of every graph the cuDNN engine builds for ``problem``
-    (``CudnnPlan.prepare``'s rule): the forward, with stats when a backward or the LSE is
-    needed, and the backward when the problem requires grad."""
-    stats = problem.requires_grad or problem.return_lse
-    out = [("sdpa_forward", spec.forward_variant(stats), False)]
-    if problem.requires_grad:
-        out.append(("sdpa_backward", spec.backward_variant(), True))
-    return out
-
-
 def plan_problem(problem: AttnProblem, device: Union[str, DeviceTarget], *,
                  backward: bool = False, options: Optional[GraphOptions] = None,
                  stats: Optional[bool] = None, build: bool = True) -> PlanResult:
@@ -144,3 +134,17 @@ def plan_problem(problem: AttnProblem, device: Union[str, DeviceTarget], *,
         spec = spec.forward_variant(problem.requires_grad or problem.return_lse
                                     if stats is None else stats)
     return _cached(problem, spec, backward, device, build)
+
+
+def describe_plan(q, k, v, *, target: Union[str, DeviceTarget], backward: bool = False,
+                  options: Optional[GraphOptions] = None, **call_kwargs) -> PlanResult:
+    """``graphs.describe``'s arguments (plain, varlen or KV-cache calls) planned for ``target``:
+    ``print()`` names the engine cuDNN picked, its knobs and kernels, or why it refused.
+
+    Equivalent::
+
+        problem, options = describe_problem(q, k, v, options=options, **call_kwargs)
+        plan_problem(problem, target, backward=backward, options=options)
+    """
+    problem, options = describe_problem(q, k, v, options=options, **call_kwargs)
+    return plan_problem(problem, target, backward=backward, options=options)

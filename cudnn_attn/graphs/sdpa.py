@@ -242,23 +242,25 @@ def build_graph(problem: AttnProblem, spec: GraphSpec, backward: bool, *,
 
 def build_forward(problem: AttnProblem, *, target_sm: Optional[int] = None,
                   options: Optional[GraphOptions] = None, stats: Optional[bool] = None,
-                  plans: Optional[bool] = None) -> BuiltGraph:
+                  plans: Optional[bool] = None, target=None) -> BuiltGraph:
     """The forward graph of ``problem``: ``O`` (and the fp32 ``Stats`` = LSE, ``[B, H, S_q, 1]``,
-    when ``stats`` — default: the problem needs a backward or returns its LSE)."""
+    when ``stats`` — default: the problem needs a backward or returns its LSE). ``target``: a
+    described device (``targets.target``) to build the plans for without a GPU."""
     spec = _spec_for(problem, target_sm, options, False)
     if stats is None:
         stats = problem.requires_grad or problem.return_lse
     return build_graph(problem, spec.forward_variant(stats), False, target_sm=target_sm,
-                       plans=plans)
+                       plans=plans, target=target)
 
 
 def build_backward(problem: AttnProblem, *, target_sm: Optional[int] = None,
                    options: Optional[GraphOptions] = None,
-                   plans: Optional[bool] = None) -> BuiltGraph:
+                   plans: Optional[bool] = None, target=None) -> BuiltGraph:
     """The backward graph of ``problem``: ``dQ, dK, dV`` (and ``dBias`` when the bias needs a
     gradient) from ``Q, K, V, O, dO`` and the forward's ``Stats``."""
     spec = _spec_for(problem, target_sm, options, True)
-    return build_graph(problem, spec.backward_variant(), True, target_sm=target_sm, plans=plans)
+    return build_graph(problem, spec.backward_variant(), True, target_sm=target_sm, plans=plans,
+                       target=target)
 
 
 _NOT_PROBLEM_KWARGS = ("backend", "generator")
@@ -267,7 +269,7 @@ _NOT_PROBLEM_KWARGS = ("backend", "generator")
 def describe(q, k, v, *, backward: bool = False, target_sm: Optional[int] = 90,
              options: Optional[GraphOptions] = None, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None, cache_seqlens=None, block_table=None,
-             **attention_kwargs):
+             target=None, **attention_kwargs):
     """The validated ``cudnn.pygraph`` the cuDNN engine would build for
     ``attention(q, k, v, **attention_kwargs)`` (its backward with ``backward=True``).
 
@@ -285,6 +287,12 @@ def describe(q, k, v, *, backward: bool = False, target_sm: Optional[int] = 90,
     skip the latter). ``print()`` shows its nodes and tensors. A combination cuDNN rejects raises
     ``NotSupportedError`` with the reason.
 
+    ``target`` (``"a100"``, ``"h100"``, ``"h200"``, ``"b200"``, a device JSON path or a
+    ``targets.DeviceTarget``): the graph also gets its execution plan for that described device,
+    without a GPU (``target_sm`` is then the device's); cuDNN's refusal raises
+    ``NotSupportedError``. The engine cuDNN picked: ``deviceless.describe_plan(...)`` (same
+    arguments) or ``graph.get_plan_name_at_index(0)``.
+
     Equivalent (plain call)::
 
         problem = AttnProblem.from_tensors(q, k, v, **attention_kwargs)
@@ -297,6 +305,11 @@ def describe(q, k, v, *, backward: bool = False, target_sm: Optional[int] = 90,
     if backward and not problem.requires_grad:
         problem = dataclasses.replace(problem, requires_grad=True)
     build = build_backward if backward else build_forward
+    if target is not None:
+        from .targets import target as as_target
+
+        device = as_target(target)
+        return build(problem, target_sm=device.sm, options=options, target=device).graph
     return build(problem, target_sm=target_sm, options=options, plans=False).graph
 
 
