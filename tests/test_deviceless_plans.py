@@ -175,10 +175,11 @@ def test_plans_build_and_name_a_kernel_for_the_architecture(name, direction, dev
 
 
 @needs_fe
-@pytest.mark.parametrize("device,forward,backward", [("h100", 9, 6), ("b200", 10, 5)])
+@pytest.mark.parametrize("device,forward,backward",
+                         [("h100", 9, 6), ("h200", 9, 6), ("b200", 10, 5)])
 def test_dense_graphs_get_the_architectures_flash_engines(device, forward, backward, deviceless):
-    # cuDNN 9.28's own picks for plain SDPA: Hopper flash fprop/bprop (engines 9/6), Blackwell
-    # (10/5), each with a kernel compiled for that architecture.
+    # cuDNN 9.28's own picks for plain SDPA: Hopper flash fprop/bprop (engines 9/6, on H100 and
+    # H200), Blackwell (10/5), each with a kernel compiled for that architecture.
     sm = target(device).sm
     for direction, engine_id in (("fwd-stats", forward), ("bwd", backward)):
         result = deviceless.plan_problem(problem_for("dense", direction), device,
