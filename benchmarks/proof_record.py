@@ -49,6 +49,8 @@ def junit_counts(path: Path, marker: str = "gpu", failures_shown: int = 40) -> d
     {reason: count}}`` from a junit XML file (every test of a ``-m marker`` run has it)."""
     outcomes, messages = {}, {}
     for case in ET.parse(path).getroot().iter("testcase"):
+        if not case.get("name"):  # the test a SIGINT interrupted: an empty <testcase/>
+            continue
         test_id = f"{case.get('classname', '')}::{case.get('name', '')}"
         outcome = "passed"
         for child in case:
@@ -76,7 +78,8 @@ def stream_counts(path: Path, marker: str = "gpu", failures_shown: int = 40) -> 
         except ValueError:  # the line a kill cut short
             continue
         test_id, outcome = event["nodeid"], event["outcome"]
-        if outcome == "failed" and event["when"] in ("setup", "teardown"):
+        if outcome == "failed" and event["when"] != "call":  # as junit: setup, teardown, a
+            # crashed xdist worker ("???") are errors
             outcome = "errors"
         if outcomes.get(test_id, "passed") == "passed":
             outcomes[test_id] = outcome
@@ -97,7 +100,7 @@ def _newest(work: Path, suite: str) -> Path | None:
 
 
 def _tests_summary(result: StepResult, work: Path) -> dict[str, Any]:
-    xml, stream = work / "gpu-tests.xml", work / "gpu-tests.jsonl"
+    xml, stream = work / f"{result.name}.xml", work / f"{result.name}.jsonl"
     found = []
     if xml.exists():
         try:

@@ -1,8 +1,9 @@
 """gpu_proof's steps: commands run with deadlines, each in a process group that dies with it.
 
-A step runs in a new session (its own process group). At its deadline the group gets SIGINT
-(pytest then writes its junit XML, the selftest its table), ``INT_GRACE_S`` later SIGTERM,
-``TERM_GRACE_S`` later SIGKILL; the steps due at the same moment go down the ladder together.
+A step runs in a new session (its own process group). At its deadline its process gets SIGINT
+(pytest then ends its xdist workers and writes its junit XML, the selftest stops its engines and
+writes its table), ``INT_GRACE_S`` later its whole group SIGTERM, ``TERM_GRACE_S`` later SIGKILL;
+the steps due at the same moment go down the ladder together.
 When a step ends, by itself or not, whatever is left of its group (a process a killed
 ``compute-sanitizer`` left behind, an xdist worker) is ended too, so nothing of one step keeps
 the GPU busy into the next. Side-by-side steps share the cores: each process gets
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 MIN_START_S = 20.0  # a step with less time than this left is not started
-INT_GRACE_S = 10.0  # SIGINT, then SIGTERM this much later
+INT_GRACE_S = 12.0  # SIGINT, then SIGTERM this much later (xdist waits 10 s for its workers)
 TERM_GRACE_S = 5.0  # SIGTERM, then SIGKILL this much later
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the group before giving up on it
 LADDER_S = INT_GRACE_S + TERM_GRACE_S + KILL_WAIT_S  # the most a cut step outlives its deadline
@@ -144,8 +145,16 @@ def _start(step: Step, work: Path, deadline: float, env: dict[str, str], cwd: Pa
     # A new session per step: its group is what the deadline and the end of the step kill.
     proc = subprocess.Popen(step.argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                             env={**env, **thread_env(threads), **step.env},
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_signals)
     return _Running(step, proc, log, log_path, time.monotonic(), deadline, threads)
+
+
+def _default_signals() -> None:
+    """In the step's process, before it runs: SIGINT and SIGTERM do what they normally do, even
+    when this run was started with them ignored (``nohup``, a shell's background job); else
+    the ladder's SIGINT would not reach pytest, which then writes no junit XML."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _escalate(run: _Running, now: float) -> bool:
@@ -153,7 +162,10 @@ def _escalate(run: _Running, now: float) -> bool:
     if len(run.signals) == len(LADDER):
         return False
     sig, wait = LADDER[len(run.signals)]
-    _signal_group(run.proc.pid, sig)
+    if sig == signal.SIGINT:  # the step's own process only: the pytest-xdist controller then
+        run.proc.send_signal(sig)  # ends its workers and writes junit XML (all at once: none)
+    else:
+        _signal_group(run.proc.pid, sig)
     run.signals.append(sig.name)
     run.next_signal_at = now + wait
     return True
@@ -226,7 +238,7 @@ def run_steps(steps: list[Step], work: Path, stop_at: float, *, side_by_side: bo
     except BaseException:  # our own SIGINT/SIGTERM: cut every step at once, keep what they wrote
         for run in running:
             run.deadline = 0.0
-            _signal_group(run.proc.pid, signal.SIGINT)
+            run.proc.send_signal(signal.SIGINT)
             run.signals.append("SIGINT")
         time.sleep(min(2.0, INT_GRACE_S))
         for run in running:

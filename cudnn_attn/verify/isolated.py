@@ -127,8 +127,10 @@ class _Engine(threading.Thread):
 
 
 def _stop(engines: list[_Engine], grace_s: float = 3.0) -> None:
-    """After a SIGINT: let the children write their ``interrupted`` line, then make sure."""
-    deadline = time.monotonic() + grace_s
+    """After a SIGINT: the children (which got it too when it came from a terminal) write their
+    ``interrupted`` line and stop; any still running a moment later get SIGINT from here, and
+    SIGKILL when that does not end them either."""
+    deadline = time.monotonic() + 0.5
     for sig in (signal.SIGINT, signal.SIGKILL):
         for engine in engines:
             proc = engine.proc
