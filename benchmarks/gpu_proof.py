@@ -51,15 +51,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _report  # benchmarks/_report.py (this script's folder is on sys.path)
-import proof_record
-import proof_steps
-from proof_record import (MORE, NAME_WIDTH, junit_counts, stream_counts, summarize,  # noqa: F401
+# This script's siblings, also when it is loaded by path (gpu_report, the tests) after loading
+# cudnn.py took this folder off sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402  benchmarks/_report.py
+import proof_record  # noqa: E402
+import proof_steps  # noqa: E402
+from proof_record import (MORE, NAME_WIDTH, junit_counts, stream_counts, summarize,  # noqa: E402,F401
                           summary_lines, write_record)
-from proof_steps import (LADDER_S, MIN_START_S, Step, StepResult, end_group,  # noqa: F401
+from proof_steps import (LADDER_S, MIN_START_S, Step, StepResult, end_group,  # noqa: E402,F401
                          group_members, run_steps)
 
-_report.unshadow_cudnn()  # this folder's cudnn.py is not the cuDNN frontend
+_report.unshadow_cudnn()  # this folder's cudnn.py is not the cuDNN frontend (and off the path)
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere: the package is the repository's
