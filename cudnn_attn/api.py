@@ -8,7 +8,7 @@ import torch
 
 from . import custom_ops, dispatch, execution
 from .caches import LRU
-from .masks import Alibi, Mask, Padding, RelPosBias, split_bias
+from .masks import Mask, Padding, split_bias
 from .problem import AttnProblem, deterministic_default
 from .kv_heads import head_counts_differ, repeat_to_common_heads
 from .runtime import DropoutState, Inputs
@@ -39,15 +39,13 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
     it should be (validation then explains what is wrong)."""
     if bias is None:
         bias_key = None
-    elif isinstance(bias, torch.Tensor):
-        bias_key = (bias.shape, bias.stride(), bias.dtype, bias.device, bias.requires_grad)
-    elif isinstance(bias, RelPosBias):
-        t = bias.table
-        bias_key = ("rpb", t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-    elif isinstance(bias, Alibi):
-        bias_key = bias
     else:
-        return None
+        try:
+            kind, t, alibi = split_bias(bias)
+        except TypeError:
+            return None
+        bias_key = alibi if t is None else \
+            (kind, t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
     if mask is not None and _runtime_padding(mask):
         return None  # its lengths are this call's tensors: a cached problem holds another's
     if type(scale) is bool or type(dropout_p) is bool or type(softcap) is bool \
