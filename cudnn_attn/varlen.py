@@ -25,6 +25,8 @@ Helpers for surfaces (public, shared with ``compat.flash_attn``; the argument ru
 * ``pad_tokens(x, lens, seq, slots)`` — ``[total, ...]`` -> ``[B, seq, ...]``, zeros past lengths;
 * ``gather_pages(k_cache, v_cache, block_table, lens)`` — dense ``[B, S, H_kv, D]`` from a paged cache;
 * ``with_padding(mask, lens_q, lens_kv, seq_q, seq_kv)`` — ``mask & Padding(...)`` when needed;
+* ``PaddedBatch(lens_q, lens_k, seq_q, seq_k, device)`` — a packed call as one padded batch and
+  back (every surface's dense-batch route; positions past a length are hidden by the run API);
 * ``index_tensor(name, t, rank, device)`` — an int32/int64 tensor on q's device or the CPU.
 
 Grouping packed sequences by length (the torch engine's varlen path) is ``varlen_groups``.

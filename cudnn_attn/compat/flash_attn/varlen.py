@@ -1,8 +1,10 @@
 """FlashAttention's packed (varlen) entry points ``mha_varlen_fwd`` / ``mha_varlen_bwd``
 (``[total, H, D]`` with ``cu_seqlens``, optional paged K/V). On the torch engine (the rule of
 ``cudnn_attn.varlen_groups.by_length_groups``) and without dropout, weights or paging, the sequences run
-as one dense batch per distinct ``(len_q, len_k)``, so each costs its own length; otherwise as one
-batch padded to the longest with a ``Padding`` mask. Conventions:
+as one dense batch per distinct ``(len_q, len_k)`` (``varlen_groups.grouped_varlen``), so each costs
+its own length; otherwise as one batch padded to ``max_seqlen`` with a ``Padding`` mask
+(``varlen.PaddedBatch``): the fallback every surface shares when no engine runs the packed tensors
+as they lie (``native``). Conventions:
 ``cudnn_attn.compat.flash_attn.mha``'s docstring."""
 
 from __future__ import annotations
