@@ -9,7 +9,7 @@ import torch
 from . import custom_ops, dispatch, execution
 from .caches import LRU
 from .masks import Mask, Padding, split_bias
-from .problem import AttnProblem, deterministic_default
+from .problem import AttnProblem, deterministic_requested
 from .kv_heads import head_counts_differ, repeat_to_common_heads
 from .runtime import DropoutState, Inputs
 from .sinks import check_sinks, merge_sinks
@@ -21,7 +21,8 @@ _autocast_on = torch._C._is_any_autocast_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _functorch_level = torch._C._functorch.peek_interpreter_stack
 _forward_ad = torch.autograd.forward_ad
-_deterministic = deterministic_default
+_deterministic = torch.are_deterministic_algorithms_enabled
+_deterministic_requested = deterministic_requested  # a surface's per-call request (NATTEN's)
 _is_compiling = torch.compiler.is_compiling
 _Tensor = torch.Tensor
 
@@ -58,7 +59,7 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
                 k.shape, k.dtype, k.device, k.requires_grad,
                 v.shape, v.dtype, v.device, v.requires_grad,
                 mask, bias_key, scale, dropout_p, softcap, layout, return_lse, backend,
-                _deterministic())
+                _deterministic(), _deterministic_requested())
     except (AttributeError, TypeError):
         return None
 

@@ -23,13 +23,18 @@ from .masks import (Alibi, Causal, Mask, Neighborhood, Padding, RelPosBias, Slid
 from .storage import Storage
 
 __all__ = ["TensorSpec", "AttnProblem", "LAYOUTS", "FLOAT_DTYPES", "accumulator_dtype",
-           "deterministic_default", "deterministic_calls"]
+           "deterministic_default", "deterministic_calls", "deterministic_requested"]
 
 LAYOUTS = ("bhsd", "bshd")
 
 # A surface's own deterministic mode (NATTEN's), for the calls made inside ``deterministic_calls``
 # in this thread/task only: torch's process-wide flag is never flipped for it.
 _DETERMINISTIC_CALLS = contextvars.ContextVar("cudnn_attn.deterministic_calls", default=False)
+
+
+# Whether a surface asked for deterministic calls here (a bound method: callers on the hot path
+# read it without a Python frame).
+deterministic_requested = _DETERMINISTIC_CALLS.get
 
 
 def deterministic_default() -> bool:
