@@ -26,7 +26,7 @@ import torch
 
 from ..errors import NotSupportedError
 from ..problem import AttnProblem
-from ._emit import BACKWARD_KWARGS, FORWARD_KWARGS, UID, _cudnn, _dtype, emit, io_uids
+from ._emit import BACKWARD_KWARGS, FORWARD_KWARGS, UID, cudnn_dtype, cudnn_module, emit, io_uids
 from ._spec import Band, GraphOptions, GraphSpec, PagedKV, analyze, cudnn_reasons
 from .entry_calls import CALL_ARGS, call_problem
 
@@ -89,7 +89,7 @@ class BuiltGraph:
 
         (n,) = struct.unpack_from("<I", data)
         meta = json.loads(data[4:4 + n])
-        graph = _cudnn().pygraph()
+        graph = cudnn_module().pygraph()
         graph.deserialize(handle_for(torch.device("cuda", torch.cuda.current_device())),
                           data[4 + n:])
         return cls(graph, _spec_from_json(meta["spec"]), meta["backward"],
@@ -122,8 +122,8 @@ _register()
 
 
 def _new_graph(spec: GraphSpec, *, handle=None, sm: Optional[int] = None, cpp: bool = False):
-    cd = _cudnn()
-    kwargs = dict(io_data_type=_dtype(spec.dtype), intermediate_data_type=cd.data_type.FLOAT,
+    cd = cudnn_module()
+    kwargs = dict(io_data_type=cudnn_dtype(spec.dtype), intermediate_data_type=cd.data_type.FLOAT,
                   compute_data_type=cd.data_type.FLOAT)
     if sm is not None:
         kwargs.update(sm_version=sm, sm_count=_SM_COUNT.get(sm, 132))
@@ -161,7 +161,7 @@ def _validate_cpp(problem, spec: GraphSpec, backward: bool, sm: int):
     emit(g, spec, backward)
     try:
         g.validate()
-    except _cudnn().cudnnGraphNotSupportedError as exc:
+    except cudnn_module().cudnnGraphNotSupportedError as exc:
         raise _decline(problem, f"C++ validation for sm_{sm}", backward, exc) from exc
     return g
 
@@ -170,7 +170,7 @@ def build_graph(problem: AttnProblem, spec: GraphSpec, backward: bool, *,
                 target_sm: Optional[int] = None, plans: Optional[bool] = None,
                 device: Optional[torch.device] = None) -> BuiltGraph:
     """Emit ``spec``, validate it and, on a CUDA device, build its execution plans."""
-    cd = _cudnn()
+    cd = cudnn_module()
     device = torch.device(device if device is not None else problem.device)
     if plans is None:
         plans = device.type == "cuda" and torch.cuda.is_available()
