@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -106,7 +107,8 @@ def _git_describe() -> str | None:
 
 
 def write_json(suite: str, payload: dict[str, Any], results_dir: Path = RESULTS_DIR) -> Path:
-    """Write ``payload`` plus env, command line and date to ``results_dir/<suite>-<date>.json``."""
+    """Write ``payload`` plus env, command line and date to ``results_dir/<suite>-<date>.json``
+    (through a temporary file and a rename)."""
     from cudnn_attn import _env
 
     env = _env.collect()
@@ -121,5 +123,8 @@ def write_json(suite: str, payload: dict[str, Any], results_dir: Path = RESULTS_
     day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{suite}-{day}.json"
-    path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    # Whole or not at all: a kill mid-write leaves the previous file, not half of this one.
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    os.replace(partial, path)
     return path

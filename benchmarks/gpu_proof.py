@@ -1,30 +1,36 @@
 """One prepared call on a GPU host: the whole GPU proof (tests, selftest, sanitizer, benchmarks)
-inside a time budget, with everything it learns packed under ``--out``.
+inside a time budget, with everything it learns packed under ``--out``, and nothing lost to a
+deadline, a hang or a crash.
 
-On the device (``../shared/gpu.md``; ``.whl`` and ``.cubins`` carried, ``timeout_s`` 600):
+On the device (README, "Running on a GPU"; ``.whl`` and ``.cubins`` carried, ``timeout_s`` 600):
 
-    source .whl/on-host || exit 1; python3 benchmarks/gpu_proof.py --out $OUT --cubins .cubins
+    t0=$(date +%s); source .whl/on-host || exit 1; python3 benchmarks/gpu_proof.py --out $OUT \
+        --cubins .cubins --call-started $t0 --commit <git rev-parse HEAD, pasted in here>
 
-Phase 1, correctness, runs its steps side by side (they share the GPU, not timings):
-  gpu-tests         pytest -m gpu, with pytest-xdist workers and a per-test timeout when those
-                    plugins are installed; junit XML
-  selftest-full     cudnn-attn selftest --full, every engine that can run there
+Phase 1, correctness, runs its steps side by side (they share the GPU, not timings; each
+process gets ``cores // processes`` threads):
+  gpu-tests         pytest -m gpu with pytest-xdist workers and a per-test timeout of the thread
+                    method (a hung kernel costs its test, not the step: the worker is replaced);
+                    junit XML, and every outcome streamed as it happens
+  selftest-full     cudnn-attn selftest --full, each engine in its own process, every verdict
+                    streamed (a crashed or hung engine's process is replaced; the others go on)
   selftest-plain    the CuPy engine's selftest on the plain (not cp.async-pipelined) build
   sanitize-<tool>   benchmarks/sanitize.py, one process per compute-sanitizer tool
-Phase 2, speed, alone on the GPU: benchmarks/cudnn.py --quick, then benchmarks/neighborhood.py
---quick, each writing its JSON into the run's folder, with the machine's ceilings. Phase 3, only
-with time left: the rest of the bf16 D=128 rows (the cuDNN curve's other sequence lengths; the
-1-D and 3-D neighborhoods) into ``more/``; ``gpu_report.py`` merges them with phase 2's.
+Phase 2, speed, alone on the GPU, in order of importance, each with its own share of the time:
+benchmarks/cudnn.py --quick, then benchmarks/neighborhood.py --quick, each writing its JSON into
+the run's folder, with the machine's ceilings. Phase 3, only with time left: the rest of the bf16
+D=128 rows into ``more/``; ``gpu_report.py`` merges them with phase 2's.
 
-Every step has a deadline (its cap, never past the budget). At the deadline its whole process
-group is killed and it is recorded as timed out, with the tail of its log. After each phase the
-run writes ``OUT/gpu_proof-<date>.json`` (environment, command, each step's exit status and
-seconds, pytest counts per marker with the failing test ids, the selftest tables, the
-sanitizer's counts, the cubins compiled on the device, the benchmarks' verdicts) and
-``OUT/gpu_proof-files.tar.gz`` (every log, the junit XML, every raw JSON: two files, well inside
-the device tool's eight). The summary is printed last, so the call's output tail holds it even
-when no file comes back. Exit status 1 when any step failed or timed out (phase 3's may run out
-of time).
+A step's deadline (its cap, its share, never past the budget) sends its process group SIGINT,
+then SIGTERM, then SIGKILL (``proof_steps``); whatever is left of the group when the step ends
+is ended too. The record ``OUT/gpu_proof-<date>.json`` (environment, the commit passed in, the
+device's NVRTC, the budget and the margin measured, each step's exit status, seconds, signals
+and threads, pytest counts per marker with failing ids and skip reasons, the selftest tables,
+partial counts of a cut step, the sanitizer's counts, the benchmarks' verdicts) is rewritten
+after every step, and ``OUT/gpu_proof-files.tar.gz`` (every log, junit XML, stream and raw JSON)
+after every phase, both through a temporary file and a rename (``proof_record``). The summary is
+printed last, so the call's output tail holds it even when no file comes back. Exit status 1
+when any step failed or timed out (phase 3's may run out of time).
 
 ``--cubins DIR`` seeds the NVRTC cubin cache with programs compiled ahead, so no process on the
 device spends its minutes compiling: ``--prebuild DIR --arch sm_90`` fills DIR on any machine
@@ -36,69 +42,46 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
-import shlex
 import shutil
 import signal
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
-import xml.etree.ElementTree as ET
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import _report  # benchmarks/_report.py (this script's folder is on sys.path)
+# This script's siblings, also when it is loaded by path (gpu_report, the tests) after loading
+# cudnn.py took this folder off sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402  benchmarks/_report.py
+import proof_record  # noqa: E402
+import proof_steps  # noqa: E402
+from proof_record import (MORE, NAME_WIDTH, junit_counts, stream_counts, summarize,  # noqa: E402,F401
+                          summary_lines, write_record)
+from proof_steps import (LADDER_S, MIN_START_S, Step, StepResult, end_group,  # noqa: E402,F401
+                         group_members, run_steps)
 
-_report.unshadow_cudnn()  # this folder's cudnn.py is not the cuDNN frontend
+_report.unshadow_cudnn()  # this folder's cudnn.py is not the cuDNN frontend (and off the path)
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere: the package is the repository's
     sys.path.insert(0, str(ROOT))
+PLUGINS = Path(__file__).resolve().parent / "pytest_plugins"
 SANITIZER_TOOLS = ("memcheck", "racecheck", "initcheck")
 DEVICE_NVRTC = "13.0"  # the H100/H200 image's CUDA 13.0 (../shared/gpu.md)
-MIN_START_S = 20.0  # a step with less time than this left is not started
-KILL_GRACE_S = 5.0  # SIGTERM, then SIGKILL this much later
-PHASE_2_RESERVE_S = 150.0  # the benchmarks' share of the budget when phase 1 runs long
-MORE = "more"  # the phase 3 benchmarks' folder
-NAME_WIDTH = 24  # the step-name column of the printed summary
-
-
-@dataclass
-class Step:
-    """One command of the run: ``phase`` 1 steps run side by side, later phases one at a time."""
-
-    name: str
-    argv: list[str]
-    phase: int
-    cap_s: float
-    env: dict[str, str] = field(default_factory=dict)
-    optional: bool = False  # a timeout or no time to start is no failure (extra rows)
-
-
-@dataclass
-class StepResult:
-    name: str
-    command: str
-    returncode: int | None = None  # None: not started, or killed at its deadline
-    seconds: float = 0.0
-    timed_out: bool = False
-    not_started: str | None = None  # why, when it never ran
-    log_tail: list[str] = field(default_factory=list)
-    summary: dict[str, Any] = field(default_factory=dict)
-    optional: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out
-
-    @property
-    def failed(self) -> bool:
-        """Not ok, unless an optional step merely ran out of time."""
-        return not self.ok and not (self.optional and (self.timed_out or self.not_started))
+NVRTC_FILE = "nvrtc-version.txt"  # --prebuild writes the NVRTC version its cubins are for
+# The budget: the device runs one command for at most LIMIT_S. Before gpu_proof starts, on-host
+# installs the wheels and prints the versions (its seconds are measured with --call-started);
+# after the budget, a cut step may take LADDER_S to die and the record RECORD_S to be written.
+LIMIT_S = 600.0
+ON_HOST_S = 45.0  # on-host's and gpu_proof's start when --call-started does not measure them
+RECORD_S = 10.0
+SAFETY_S = 20.0
+DEFAULT_BUDGET_S = LIMIT_S - ON_HOST_S - LADDER_S - RECORD_S - SAFETY_S
+TEST_TIMEOUT_S = 120.0  # one GPU test; a hung one costs this, not the step
+CASE_TIMEOUT_S = 120.0  # one selftest run
+ENGINES = 3  # the selftest's engine processes (cudnn, cupy, torch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,33 +92,53 @@ def _has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+def pytest_step(name: str, work: Path, args: list[str], python: str = sys.executable,
+                workers: int = 8, test_timeout_s: float = TEST_TIMEOUT_S, cap_s: float = 360.0,
+                phase: int = 1) -> Step:
+    """A pytest run as a step: junit XML and the outcome stream in ``work``, xdist workers, and
+    a per-test timeout of the thread method, which stops a test hung in a call that released
+    the GIL (the signal method cannot); it ends the worker's process, so it needs xdist to
+    replace the worker and go on (without xdist: the signal method)."""
+    argv = [python, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *args,
+            f"--junitxml={work / (name + '.xml')}", "-p", "outcome_stream",
+            f"--outcome-stream={work / (name + '.jsonl')}"]
+    xdist = workers > 1 and _has_module("xdist")
+    if xdist:  # the device image has pytest-xdist and pytest-timeout
+        argv += ["-n", str(workers)]
+    if _has_module("pytest_timeout"):
+        argv += [f"--timeout={test_timeout_s:g}",
+                 f"--timeout-method={'thread' if xdist else 'signal'}"]
+    path = os.environ.get("PYTHONPATH")
+    env = {"PYTHONPATH": str(PLUGINS) + (os.pathsep + path if path else "")}
+    return Step(name, argv, phase, cap_s, env=env, processes=workers if xdist else 1)
+
+
 def plan(work: Path, python: str = sys.executable, workers: int = 8,
-         test_timeout_s: float = 240.0) -> list[Step]:
+         test_timeout_s: float = TEST_TIMEOUT_S) -> list[Step]:
     """Every step of a full run, in priority order, writing its files under ``work``."""
     bench = ROOT / "benchmarks"
-    tests = [python, "-m", "pytest", "-q", "-m", "gpu", "-rfE", "-p", "no:cacheprovider",
-             f"--junitxml={work / 'gpu-tests.xml'}"]
-    if workers > 1 and _has_module("xdist"):  # the device image has pytest-xdist
-        tests += ["-n", str(workers)]
-    if _has_module("pytest_timeout"):  # one hung test must not eat the whole budget
-        tests += [f"--timeout={test_timeout_s:g}"]
-    selftest = [python, "-m", "cudnn_attn", "selftest", "--no-progress"]
+    selftest = [python, "-m", "cudnn_attn", "selftest", "--case-timeout", f"{CASE_TIMEOUT_S:g}"]
+
+    def files(name: str) -> list[str]:
+        return ["--json", str(work / f"{name}.json"), "--stream", str(work / f"{name}.jsonl")]
+
     steps = [
-        Step("gpu-tests", tests, 1, 360.0),
-        Step("selftest-full", [*selftest, "--full", "--json", str(work / "selftest-full.json")],
-             1, 330.0),
-        Step("selftest-plain", [*selftest, "--backend", "cupy", "--json",
-                                str(work / "selftest-plain.json")], 1, 150.0,
-             env={"CUDNN_ATTN_FUSED_PIPELINED": "0"}),
+        pytest_step("gpu-tests", work, ["-m", "gpu"], python, workers, test_timeout_s),
+        Step("selftest-full", [*selftest, "--full", *files("selftest-full")], 1, 330.0,
+             processes=ENGINES),
+        Step("selftest-plain", [*selftest, "--backend", "cupy", *files("selftest-plain")], 1,
+             150.0, env={"CUDNN_ATTN_FUSED_PIPELINED": "0"}),
     ]
     for tool in SANITIZER_TOOLS:
         # The script's own per-tool timeout ends first, so it still writes its summary.
         steps.append(Step(f"sanitize-{tool}", [python, str(bench / "sanitize.py"), "--tools", tool,
                                                "--json", str(work / f"sanitize-{tool}.json"),
                                                "--timeout", "300"], 1, 330.0))
-    for suite in ("cudnn", "neighborhood"):
+    # In order of importance, each keeping its share however long the one before it takes.
+    for suite, share in (("cudnn", 85.0), ("neighborhood", 65.0)):
         steps.append(Step(f"bench-{suite}", [python, str(bench / f"{suite}.py"), "--quick",
-                                             "--results-dir", str(work)], 2, 150.0))
+                                             "--results-dir", str(work)], 2, 150.0,
+                          share_s=share))
     # With time left: the rest of the bf16 D=128 rows (the cuDNN curve's other sequence lengths,
     # the 1-D and 3-D neighborhoods), in a folder of their own; gpu_report merges them.
     more = ["--no-ceilings", "--results-dir", str(work / MORE)]
@@ -147,6 +150,12 @@ def plan(work: Path, python: str = sys.executable, workers: int = 8,
                                          "--warmup", "2", *more], 3, 240.0, optional=True),
     ]
     return steps
+
+
+def phase_reserve(steps: list[Step], phase: int) -> float:
+    """The seconds phase ``phase`` leaves to the later phases' steps that must run: each one's
+    share, plus the signal ladder of the step cut before it."""
+    return sum(s.share_s + LADDER_S for s in steps if s.phase > phase and not s.optional)
 
 
 def select(steps: list[Step], only: str | None, skip: str | None) -> list[Step]:
@@ -161,153 +170,6 @@ def select(steps: list[Step], only: str | None, skip: str | None) -> list[Step]:
     return [s for s in steps
             if (only is None or any(s.name.startswith(p) for p in prefixes(only)))
             and not any(s.name.startswith(p) for p in prefixes(skip))]
-
-
-# ---------------------------------------------------------------------------------------------
-# Running with deadlines
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class _Running:
-    step: Step
-    proc: subprocess.Popen
-    log: Any
-    log_path: Path
-    started: float
-    deadline: float
-
-
-def _start(step: Step, work: Path, deadline: float, env: dict[str, str]) -> _Running:
-    log_path = work / f"{step.name}.log"
-    log = open(log_path, "w")
-    log.write(f"$ {shlex.join(step.argv)}\n")
-    log.flush()
-    # A new session per step, so the deadline kills the step's children too (sanitizer, workers).
-    proc = subprocess.Popen(step.argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**env, **step.env}, start_new_session=True)
-    return _Running(step, proc, log, log_path, time.monotonic(), deadline)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _tail(path: Path, lines: int = 25) -> list[str]:
-    try:
-        return path.read_text(errors="replace").splitlines()[-lines:]
-    except OSError:
-        return []
-
-
-def _finish(run: _Running, timed_out: bool) -> StepResult:
-    if timed_out:
-        _kill_group(run.proc)
-    run.log.close()
-    return StepResult(run.step.name, shlex.join(run.step.argv),
-                      None if timed_out else run.proc.returncode,
-                      round(time.monotonic() - run.started, 1), timed_out,
-                      log_tail=_tail(run.log_path), optional=run.step.optional)
-
-
-def run_steps(steps: list[Step], work: Path, stop_at: float, *, side_by_side: bool,
-              env: dict[str, str] | None = None, poll_s: float = 0.2) -> list[StepResult]:
-    """Run ``steps`` (all at once, or one after another) so that none outlives ``stop_at``
-    (a ``time.monotonic()`` instant) nor its own cap. Results come back in ``steps``' order."""
-    env = dict(os.environ if env is None else env)
-    results: dict[str, StepResult] = {}
-    pending, running = list(steps), []
-    while pending or running:
-        now = time.monotonic()
-        while pending and (side_by_side or not running):
-            step = pending.pop(0)
-            if stop_at - now < MIN_START_S:
-                results[step.name] = StepResult(step.name, shlex.join(step.argv),
-                                                not_started="no time left in the budget",
-                                                optional=step.optional)
-                continue
-            running.append(_start(step, work, min(now + step.cap_s, stop_at), env))
-        for run in list(running):
-            done = run.proc.poll() is not None
-            if done or time.monotonic() >= run.deadline:
-                results[run.step.name] = _finish(run, timed_out=not done)
-                running.remove(run)
-        if running:
-            time.sleep(poll_s)
-    return [results[s.name] for s in steps]
-
-
-# ---------------------------------------------------------------------------------------------
-# What each step's files say
-# ---------------------------------------------------------------------------------------------
-
-def junit_counts(path: Path, marker: str = "gpu", failures_shown: int = 40) -> dict[str, Any]:
-    """``{marker: {passed, failed, errors, skipped}, "failures": [...]}`` from a junit XML file
-    (every test of a ``-m marker`` run carries that marker)."""
-    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    failures = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        test_id = f"{case.get('classname', '')}::{case.get('name', '')}"
-        outcome = "passed"
-        for child in case:
-            kind = {"failure": "failed", "error": "errors", "skipped": "skipped"}.get(child.tag)
-            if kind is None:
-                continue
-            # A test that failed and then errored in teardown counts once, as failed.
-            outcome = kind if outcome == "passed" else outcome
-            if kind in ("failed", "errors"):
-                message = (child.get("message") or child.text or "").strip().splitlines()
-                failures.append({"test": test_id, "outcome": kind,
-                                 "message": (message[0] if message else "")[:300]})
-        counts[outcome] += 1
-    return {marker: counts, "failures": failures[:failures_shown],
-            "failures_total": len(failures)}
-
-
-def _load_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _newest(work: Path, suite: str) -> Path | None:
-    found = sorted(work.glob(f"{suite}-*.json"))
-    return found[-1] if found else None
-
-
-def summarize(result: StepResult, work: Path) -> dict[str, Any]:
-    """The figures a step's own files hold (empty when it wrote none)."""
-    name = result.name
-    if name == "gpu-tests":
-        xml = work / "gpu-tests.xml"
-        return junit_counts(xml) if xml.exists() else {}
-    if name.startswith("selftest-"):
-        data = _load_json(work / f"{name}.json")
-        return {} if data is None else {k: data.get(k) for k in ("ok", "counts", "table",
-                                                                 "unavailable")}
-    if name.startswith("sanitize-"):
-        data = _load_json(work / f"{name}.json") or {}
-        return {tool: {k: v.get(k) for k in ("ok", "why", "errors", "warnings", "cases_ok",
-                                             "cases_failed", "seconds")}
-                for tool, v in data.get("tools", {}).items()}
-    if name.startswith("bench-"):
-        suite = name.removeprefix("bench-")
-        folder = work / MORE if suite.endswith("-" + MORE) else work
-        path = _newest(folder, suite.removesuffix("-" + MORE))
-        data = _load_json(path) if path else None
-        keep = ("ceilings", "headline_tflops", "targets", "target_values", "target", "overhead")
-        return {} if data is None else {"file": str(path.relative_to(work)),
-                                         **{k: data[k] for k in keep if k in data}}
-    return {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,9 +199,10 @@ def prebuild(directory: Path, archs: list[str], expect_nvrtc: str) -> int:
     version = cubin_cache.nvrtc_version()
     if version != expect_nvrtc:
         print(f"gpu_proof: NVRTC here is {version}, the device's is {expect_nvrtc}: these cubins "
-              f"would not be used there. Compile with NVRTC {expect_nvrtc}, e.g. a venv with "
-              "--system-site-packages and cupy-cuda13x + nvidia-cuda-nvrtc==13.0.* "
-              "(README, 'Running on a GPU'), or pass --expect-nvrtc.", file=sys.stderr)
+              f"would not be used there. Compile with NVRTC {expect_nvrtc}: a plain venv whose "
+              ".pth file names this Python's site-packages, with cupy-cuda13x and "
+              "nvidia-cuda-nvrtc==13.0.* installed --no-deps into it (README, 'Running on a "
+              "GPU'), or pass --expect-nvrtc.", file=sys.stderr)
         return 2
     before = _cubins(directory)
     for arch in archs:
@@ -347,59 +210,41 @@ def prebuild(directory: Path, archs: list[str], expect_nvrtc: str) -> int:
         records = fallback_kernels.compile_all(arch)
         print(f"{arch}: {len(records)} kernels in {time.perf_counter() - start:.1f} s")
     added = _cubins(directory) - before
+    (directory / NVRTC_FILE).write_text(version + "\n")  # the record compares it with the device's
     print(f"{directory}: {len(_cubins(directory))} cubins ({len(added)} new), NVRTC {version}")
     return 0
 
 
-# ---------------------------------------------------------------------------------------------
-# The record
-# ---------------------------------------------------------------------------------------------
+def device_nvrtc() -> dict[str, Any]:
+    """NVRTC's version here (CuPy's), and the version the carried cubins were compiled with."""
+    try:
+        from cudnn_attn.fallback_kernels import cubin_cache
 
-def write_record(out: Path, work: Path, results: list[StepResult], extra: dict[str, Any]) -> Path:
-    """The summary JSON and the tarball of every file the steps wrote (cubins excluded)."""
-    payload = {"ok": not any(r.failed for r in results), "steps": [vars(r) for r in results],
-               **extra}
-    path = _report.write_json("gpu_proof", payload, results_dir=out)
-    with tarfile.open(out / "gpu_proof-files.tar.gz", "w:gz") as tar:
-        for item in sorted(work.iterdir()):
-            if item.name != "cubins":
-                tar.add(item, arcname=item.name)
-    return path
+        return {"version": cubin_cache.nvrtc_version()}
+    except Exception as exc:  # noqa: BLE001 - no CuPy, or no loadable NVRTC: say so
+        return {"version": None, "error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
-def summary_lines(results: list[StepResult]) -> list[str]:
-    """The compact picture printed last (the device tool returns the output's tail)."""
-    lines = []
-    for r in results:
-        state = ("not started: " + r.not_started if r.not_started else
-                 f"TIMED OUT after {r.seconds:.0f} s" if r.timed_out else
-                 f"{'ok' if r.ok else 'FAILED'} (exit {r.returncode}, {r.seconds:.0f} s)")
-        if r.optional and not r.ok and not r.failed:
-            state += " (extra rows: not a failure)"
-        lines.append(f"{r.name:<{NAME_WIDTH}} {state}")
-        s, pad = r.summary, " " * NAME_WIDTH
-        if r.name == "gpu-tests" and s:
-            lines.append(f"{pad} gpu: {s['gpu']}")
-            lines += [f"{pad} {f['outcome']}: {f['test']}: {f['message'][:160]}"
-                      for f in s["failures"][:15]]
-        elif r.name.startswith("selftest-") and s.get("counts"):
-            lines.append(f"{pad} {s['counts']}")
-        elif r.name.startswith("sanitize-"):
-            lines += [f"{pad} {tool}: {v.get('errors')} errors, {v.get('cases_ok')} cases ok"
-                      f"{'' if v.get('ok') else ', ' + '; '.join(v.get('why') or [])}"
-                      for tool, v in s.items()]
-        elif r.name.startswith("bench-"):
-            values = s.get("target_values") or {}
-            for what, met in (s.get("targets") or {}).items():
-                mark = "n/a " if met is None else "ok  " if met else "MISS"
-                value = values.get(what)
-                lines.append(f"{pad} {mark} {what}" + ("" if value is None else f": {value:.3g}"))
-            if "target" in s:
-                lines.append(f"{pad} {s['target'].get('text')}")
-    return lines
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def budget_facts(args: argparse.Namespace, begin_wall: float) -> dict[str, Any]:
+    """The budget and where it comes from: the seconds before gpu_proof started (measured with
+    ``--call-started``, else assumed), the signal ladder, the record's write and a margin."""
+    before = (begin_wall - args.call_started if args.call_started is not None else None)
+    budget = args.budget
+    if budget is None:
+        budget = (LIMIT_S - before - LADDER_S - RECORD_S - SAFETY_S if before is not None
+                  else DEFAULT_BUDGET_S)
+    return {"limit_s": LIMIT_S, "budget_s": round(budget, 1),
+            "before_start_s": None if before is None else round(before, 1),
+            "assumed_before_start_s": ON_HOST_S if before is None else None,
+            "ladder_s": LADDER_S, "record_s": RECORD_S, "safety_s": SAFETY_S}
 
 
 def run(args: argparse.Namespace) -> int:
+    begin_wall, begin = time.time(), time.monotonic()
     import torch
 
     if not torch.cuda.is_available() and not args.allow_cpu:
@@ -410,44 +255,79 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu_proof_"))
     cache = work / "cubins"
-    carried = seed_cubin_cache(Path(args.cubins) if args.cubins else None, cache)
+    carried_dir = Path(args.cubins) if args.cubins else None
+    carried = seed_cubin_cache(carried_dir, cache)
     env = {**os.environ, "CUDNN_ATTN_CUBIN_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
     steps = select(plan(work, workers=args.workers), args.steps, args.skip)
-    begin = time.monotonic()
-    stop_at = begin + args.budget
-    extra: dict[str, Any] = {"budget_s": args.budget, "cubins": {"carried": carried}}
+    budget = budget_facts(args, begin_wall)
+    stop_at = begin + budget["budget_s"]
+    cubins_for = None
+    if carried_dir is not None and (carried_dir / NVRTC_FILE).exists():
+        cubins_for = (carried_dir / NVRTC_FILE).read_text().strip()
+    extra: dict[str, Any] = {
+        "commit": args.commit, "budget_s": budget["budget_s"], "budget": budget,
+        "nvrtc": {**device_nvrtc(), "cubins_compiled_with": cubins_for},
+        "cores": os.cpu_count(), "cubins": {"carried": carried}}
     results: list[StepResult] = []
-    for phase, side_by_side in ((1, True), (2, False), (3, False)):
-        todo = [s for s in steps if s.phase == phase]
-        if not todo:
-            continue
-        # Phase 1 leaves the benchmarks their share of the budget, unless there are none.
-        reserve = PHASE_2_RESERVE_S if phase == 1 and any(s.phase > 1 for s in steps) else 0.0
-        end = max(stop_at - reserve, time.monotonic() + MIN_START_S) if reserve else stop_at
-        print(f"phase {phase}: {', '.join(s.name for s in todo)} "
-              f"({end - time.monotonic():.0f} s at most)", flush=True)
-        done = run_steps(todo, work, min(end, stop_at), side_by_side=side_by_side, env=env)
-        for r in done:
-            r.summary = summarize(r, work)
-        results += done
+
+    def save(tarball: bool) -> Path:
         extra["cubins"]["compiled_on_device"] = len(_cubins(cache)) - carried
         extra["seconds"] = round(time.monotonic() - begin, 1)
-        path = write_record(out, work, results, extra)
+        if args.call_started is not None:  # the margin this run left under the device's limit
+            extra["budget"]["margin_s"] = round(LIMIT_S - (time.time() - args.call_started), 1)
+        return write_record(out, work, results, extra, tarball=tarball)
+
+    def on_result(result: StepResult) -> None:
+        result.summary = summarize(result, work)
+        results.append(result)
+        save(tarball=False)  # after every step: a kill of this very process loses nothing done
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    path = save(tarball=True)
+    try:
+        for phase, side_by_side in ((1, True), (2, False), (3, False)):
+            todo = [s for s in steps if s.phase == phase]
+            if not todo:
+                continue
+            reserve = phase_reserve(steps, phase)
+            end = max(stop_at - reserve, time.monotonic() + MIN_START_S)
+            print(f"phase {phase}: {', '.join(s.name for s in todo)} "
+                  f"({min(end, stop_at) - time.monotonic():.0f} s at most)", flush=True)
+            run_steps(todo, work, min(end, stop_at), side_by_side=side_by_side, env=env,
+                      cwd=ROOT, on_result=on_result)
+            path = save(tarball=True)
+    except KeyboardInterrupt as exc:
+        extra["interrupted"] = str(exc) or "SIGINT"
+        print(f"gpu_proof: interrupted ({extra['interrupted']}); the record keeps what ran",
+              flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        order = {s.name: i for i, s in enumerate(steps)}
+        results.sort(key=lambda r: order.get(r.name, len(order)))
+        path = save(tarball=True)
     print("\n".join(f"\n[{r.name}] selftest table\n{r.summary['table']}" for r in results
                     if r.summary.get("table")))
-    print(f"\nwrote {path} and {out / 'gpu_proof-files.tar.gz'} ({extra['seconds']:.0f} s; "
-          f"cubins carried {carried}, compiled here {extra['cubins']['compiled_on_device']})")
+    print(f"\nwrote {path} and {out / proof_record.TARBALL} ({extra['seconds']:.0f} s of a "
+          f"{budget['budget_s']:.0f} s budget; cubins carried {carried}, compiled here "
+          f"{extra['cubins']['compiled_on_device']}; NVRTC here {extra['nvrtc']['version']})")
     print("\n".join(summary_lines(results)))
     shutil.rmtree(work, ignore_errors=True)  # everything worth keeping is in the tarball
-    return 1 if any(r.failed for r in results) else 0
+    return 1 if any(r.failed for r in results) or "interrupted" in extra else 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="folder for the summary JSON and the tarball ($OUT)")
-    parser.add_argument("--budget", type=float, default=540.0,
-                        help="seconds for the whole run (default %(default)s: inside the device "
-                             "tool's 600 s per command)")
+    parser.add_argument("--budget", type=float,
+                        help="seconds for the steps (default: the device's 600 s limit less the "
+                             "seconds before this started (--call-started), the signal ladder, "
+                             f"the record and a margin; {DEFAULT_BUDGET_S:g} s without "
+                             "--call-started)")
+    parser.add_argument("--call-started", type=float, metavar="EPOCH",
+                        help="when the device command began (t0=$(date +%%s) before on-host): "
+                             "the budget then counts the seconds already spent")
+    parser.add_argument("--commit", help="the commit under test (git rev-parse HEAD, from the "
+                                         "checkout that travels: .git does not)")
     parser.add_argument("--cubins", help="folder of cubins compiled ahead (--prebuild)")
     parser.add_argument("--steps", help="only these steps (comma-separated names or prefixes)")
     parser.add_argument("--skip", help="not these steps (comma-separated names or prefixes)")
@@ -461,7 +341,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.prebuild is None and not args.out:
         parser.error("--out is required (or --prebuild DIR)")
-    if args.budget <= MIN_START_S:
+    if args.budget is not None and args.budget <= MIN_START_S:
         parser.error(f"--budget must exceed {MIN_START_S:g} s, got {args.budget:g}")
     return args
 

@@ -19,6 +19,7 @@ JSON only contributes its device and date.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -148,7 +149,9 @@ def peer_errors(records: dict[str, dict[str, Any]]) -> list[str]:
 
 def correctness_lines(record: dict[str, Any]) -> list[str]:
     """A gpu_proof record as its run printed it: the step summary, then each selftest table."""
-    results = [gpu_proof.StepResult(**step) for step in record["steps"]]
+    known = {f.name for f in dataclasses.fields(gpu_proof.StepResult)}  # a newer record's
+    results = [gpu_proof.StepResult(**{k: v for k, v in step.items() if k in known})  # extra
+               for step in record["steps"]]  # fields do not stop the report
     state = "every step passed" if record.get("ok") else "NOT every step passed"
     cubins = record.get("cubins") or {}
     lines = [f"{state}; {record.get('seconds')} s of a {record.get('budget_s')} s budget; cubins "

@@ -131,12 +131,17 @@ def per_axis(name: str, value, ndim: int, cast: Callable, prefix: str = "") -> t
     return (cast(name, value),) * ndim
 
 
+def default_scale(head_dim: int) -> float:
+    """The softmax scale of a call that gives none: ``head_dim ** -0.5`` (every peer's)."""
+    return head_dim ** -0.5
+
+
 def softmax_scale(name: str, value, head_dim: int, *, error: type = ValueError,
                   prefix: str = "") -> float:
-    """``head_dim ** -0.5`` for ``None``, else a finite number."""
+    """``default_scale(head_dim)`` for ``None``, else a finite number."""
     if head_dim < 1:
         raise ValueError(f"{prefix}the head dim (the last axis of the query) must be >= 1, got "
                          f"{head_dim}")
     if value is None:
-        return head_dim ** -0.5
+        return default_scale(head_dim)
     return real(name, value, error=error, prefix=prefix)

@@ -6,12 +6,12 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 
-from . import custom_ops, dispatch
+from . import custom_ops, dispatch, execution
 from .caches import LRU
-from .masks import Alibi, Mask, Padding, RelPosBias
-from .problem import AttnProblem
+from .masks import Mask, Padding, split_bias
+from .problem import AttnProblem, deterministic_requested
 from .kv_heads import head_counts_differ, repeat_to_common_heads
-from .runtime import DropoutState, Inputs, hide_padded_rows, hide_padding
+from .runtime import DropoutState, Inputs
 from .sinks import check_sinks, merge_sinks
 
 __all__ = ["attention", "explain", "Explanation"]
@@ -22,6 +22,7 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _functorch_level = torch._C._functorch.peek_interpreter_stack
 _forward_ad = torch.autograd.forward_ad
 _deterministic = torch.are_deterministic_algorithms_enabled
+_deterministic_requested = deterministic_requested  # a surface's per-call request (NATTEN's)
 _is_compiling = torch.compiler.is_compiling
 _Tensor = torch.Tensor
 
@@ -39,15 +40,13 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
     it should be (validation then explains what is wrong)."""
     if bias is None:
         bias_key = None
-    elif isinstance(bias, torch.Tensor):
-        bias_key = (bias.shape, bias.stride(), bias.dtype, bias.device, bias.requires_grad)
-    elif isinstance(bias, RelPosBias):
-        t = bias.table
-        bias_key = ("rpb", t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-    elif isinstance(bias, Alibi):
-        bias_key = bias
     else:
-        return None
+        try:
+            kind, t, alibi = split_bias(bias)
+        except TypeError:
+            return None
+        bias_key = alibi if t is None else \
+            (kind, t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
     if mask is not None and _runtime_padding(mask):
         return None  # its lengths are this call's tensors: a cached problem holds another's
     if type(scale) is bool or type(dropout_p) is bool or type(softcap) is bool \
@@ -60,7 +59,7 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
                 k.shape, k.dtype, k.device, k.requires_grad,
                 v.shape, v.dtype, v.device, v.requires_grad,
                 mask, bias_key, scale, dropout_p, softcap, layout, return_lse, backend,
-                _deterministic())
+                _deterministic(), _deterministic_requested())
     except (AttributeError, TypeError):
         return None
 
@@ -85,47 +84,13 @@ def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
                                        return_lse=return_lse)
     plan = dispatch.plan_for(problem, backend)[1]
     # A call that needs no lse and no gradient may run through one public op (the plan says).
-    direct = None
-    if not (return_lse or problem.requires_grad) and hasattr(plan, "direct"):
-        direct = plan.direct(problem)
+    direct = execution.direct_runner(problem, plan)
     entry = (problem, plan, direct)
     if key is not None:
         _CALLS.put(key, entry)
         if direct is not None:
             _DIRECT.put(signature, direct)
     return entry
-
-
-class _AttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, problem, plan, dropout, dropout_mask, q, k, v, bias):
-        out, lse = plan.forward(problem, Inputs(q, k, v, bias, dropout, dropout_mask))
-        ctx.problem, ctx.plan, ctx.dropout, ctx.dropout_mask = problem, plan, dropout, dropout_mask
-        ctx.save_for_backward(q, k, v, bias, out, lse)
-        # An unused lse then arrives as None, not zeros: engines skip its term (and the torch
-        # engine can use the fused kernels' own backward, which has none).
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, bias, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        inputs = Inputs(q, k, v, bias, ctx.dropout, ctx.dropout_mask)
-        dq, dk, dv, dbias = ctx.plan.backward(ctx.problem, inputs, out, lse, dout, dlse)
-        return None, None, None, None, dq, dk, dv, dbias
-
-
-def run(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool):
-    """``(out, lse)`` of one call through ``plan``, differentiable when the problem needs it.
-    Positions past ``Padding`` lengths never reach the engine (``runtime.hide_padding``)."""
-    inputs = hide_padding(problem, inputs)
-    if problem.requires_grad and torch.is_grad_enabled():
-        out, lse = _AttentionFunction.apply(problem, plan, inputs.dropout, inputs.dropout_mask,
-                                            inputs.q, inputs.k, inputs.v, inputs.bias)
-        return hide_padded_rows(problem, out), lse
-    return plan.forward(problem, inputs, need_lse=need_lse)
 
 
 def _through_ops(q, k, v) -> bool:
@@ -218,11 +183,9 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softc
                                      return_lse, backend, signature)
     if direct is not None:
         return direct(q, k, v)
-    if bias is not None:
-        bias = bias.table if isinstance(bias, RelPosBias) else \
-            bias if isinstance(bias, torch.Tensor) else None
+    bias = split_bias(bias)[1]  # the runtime tensor (Alibi's slopes live in the problem)
     dropout = DropoutState.draw(generator) if problem.dropout_p > 0 else None
-    out, lse = run(problem, plan, Inputs(q, k, v, bias, dropout), return_lse)
+    out, lse = execution.run(problem, plan, Inputs(q, k, v, bias, dropout), return_lse)
     return (out, lse) if return_lse else out
 
 

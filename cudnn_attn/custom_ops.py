@@ -33,15 +33,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import call_spec, dispatch
+from . import call_spec, dispatch, execution
+from ._checks import default_scale
 from .caches import LRU
 from .errors import NotSupportedError
-from .masks import Alibi, Padding, RelPosBias, mask_parts
+from .masks import Padding, RelPosBias, mask_parts, split_bias
 from .problem import AttnProblem, accumulator_dtype
-from .runtime import DropoutState, Inputs, hide_padded_rows, hide_padding
+from .runtime import DropoutState, Inputs, draw_seed
 
 __all__ = [
-    "SEED_BOUND",
     "FunctorchAttention",
     "attention_backward",
     "attention_forward",
@@ -51,7 +51,6 @@ __all__ = [
     "traced_attention",
 ]
 
-SEED_BOUND = 2 ** 62  # as runtime.DropoutState.draw: one draw per call, same generator stream
 
 # (spec, tensor metadata) -> (call, problem, plan): repeated compiled calls skip validation.
 _PREPARED = LRU("custom_ops.prepared", maxsize=256)
@@ -159,10 +158,9 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
     """``(out, lse)`` of one attention call described by ``spec`` (see the module doc)."""
     _, problem, plan = _prepare(spec, q, k, v, bias, dropout_mask, lens_q, lens_kv,
                                 (scale, dropout_p, softcap))
-    # Positions past Padding lengths never reach the engine, as in eager (runtime.hide_padding).
-    inputs = hide_padding(problem, Inputs(q, k, v, bias, _dropout(problem, seed), dropout_mask))
+    inputs = Inputs(q, k, v, bias, _dropout(problem, seed), dropout_mask)
     with autocast_off(q.device.type):
-        out, lse = plan.forward(problem, inputs, need_lse=True)
+        out, lse = execution.forward(problem, plan, inputs)
     return out.contiguous(), lse.contiguous()
 
 
@@ -195,10 +193,9 @@ def attention_backward(dout: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tenso
     """``(dq, dk, dv, dbias)``; ``dbias`` is empty unless the spec says the bias needs a grad."""
     _, problem, plan = _prepare(spec, q, k, v, bias, dropout_mask, lens_q, lens_kv,
                                 (scale, dropout_p, softcap))
-    inputs = hide_padding(problem, Inputs(q, k, v, bias, _dropout(problem, seed), dropout_mask))
-    dout = hide_padded_rows(problem, dout)
+    inputs = Inputs(q, k, v, bias, _dropout(problem, seed), dropout_mask)
     with autocast_off(q.device.type):
-        dq, dk, dv, dbias = plan.backward(problem, inputs, out, lse, dout, dlse)
+        dq, dk, dv, dbias = execution.backward(problem, plan, inputs, out, lse, dout, dlse)
     dbias = q.new_empty(0) if dbias is None else dbias
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias.contiguous()
 
@@ -356,7 +353,7 @@ def forward_tangents(spec, scalars, tensors, out, lse, dq, dk, dv, dbias):
         row = tangent if primal is None else primal
         delta = delta + (row * keys).sum(-1)
         weighted = weighted + torch.einsum("...d,...de->...e", row, products)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = default_scale(q.shape[-1]) if scale is None else scale
     delta, weighted = delta * scale, weighted * scale
     d_out = d_out + weighted - delta[..., None] * out
     d_lse = delta if call_spec.decode(spec).layout == "bhsd" else delta.transpose(1, 2)
@@ -387,15 +384,8 @@ def traced_attention(q, k, v, *, mask, bias, scale, dropout_p, softcap, layout, 
     """``attention()`` through the custom ops: shape logic and constants only, so Dynamo and
     export trace it without a break; validation runs in the ops' fake implementation."""
     q, k, v = autocast_inputs(q, k, v)
-    alibi, table, kind = None, None, "none"
-    if isinstance(bias, Alibi):
-        alibi = bias
-    elif isinstance(bias, RelPosBias):
-        table, kind = bias.table, "rpb"
-    elif isinstance(bias, torch.Tensor):
-        table, kind = bias, "tensor"
-    elif bias is not None:
-        raise TypeError(f"bias must be a tensor, Alibi or RelPosBias, got {type(bias).__name__}")
+    kind, table, alibi = split_bias(bias)
+    kind = "none" if kind == "alibi" else kind  # the slopes travel in the spec
     lens_q = lens_kv = None
     for m in mask_parts(mask):
         if isinstance(m, Padding) and m.runtime is not None:
@@ -403,8 +393,7 @@ def traced_attention(q, k, v, *, mask, bias, scale, dropout_p, softcap, layout, 
     seed = None
     if isinstance(dropout_p, (int, float, torch.SymFloat)) and not isinstance(dropout_p, bool) \
             and dropout_p > 0:
-        device = generator.device if generator is not None else "cpu"
-        seed = torch.randint(0, SEED_BOUND, (1,), generator=generator, device=device)
+        seed = draw_seed(generator)
     grad = torch.is_grad_enabled()
     bias_grad = grad and table is not None and table.requires_grad
     # The scalars go as float arguments: the spec keeps only what the compiler holds constant.

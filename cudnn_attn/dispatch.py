@@ -33,10 +33,15 @@ class Backend(Protocol):
     A plan has ``forward(problem, inputs, need_lse=True) -> (out, lse)`` and
     ``backward(problem, inputs, out, lse, dout, dlse=None) -> (dq, dk, dv, dbias)``, with
     ``inputs`` a ``runtime.Inputs`` and lse ``[B, H_q, S_q]`` (natural log, float32; float64 for
-    float64 inputs; ``-inf`` on rows that see no key).
+    float64 inputs; ``-inf`` on rows that see no key), and ``direct(problem)``: a ``(q, k, v) ->
+    out`` runner for calls that need no lse and no gradient when one public op computes them,
+    else ``None``. Only ``execution`` calls these.
     """
 
     name: str
+    # Whether it runs packed/paged calls and whole KV caches as they lie (lengths on the device):
+    # the stored route of the varlen/KV-cache surfaces takes only such an engine.
+    runs_stored: bool
 
     def availability(self) -> list[str]:
         """Reasons this backend cannot run on this machine at all (empty: it can)."""

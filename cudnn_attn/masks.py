@@ -35,7 +35,13 @@ __all__ = [
     "ALIGNMENTS",
     "mask_parts",
     "without_full_neighborhoods",
+    "Band",
+    "band_of",
+    "line_bounds",
+    "same_alignment",
     "alibi_slopes",
+    "split_bias",
+    "alibi_distance",
 ]
 
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -298,6 +304,49 @@ def without_full_neighborhoods(mask: Mask | None) -> Mask | None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Causal and window masks as one band
+# ---------------------------------------------------------------------------------------------
+
+def line_bounds(mask: Mask) -> tuple[int, int]:
+    """``(left, right)`` of a ``Causal``/``SlidingWindow`` mask (``-1``: unbounded; causal is
+    ``(-1, 0)``): key ``j`` is visible to query ``i`` iff ``i' - left <= j <= i' + right``."""
+    return (-1, 0) if isinstance(mask, Causal) else (mask.left, mask.right)
+
+
+def same_alignment(alignment: str, equal_lengths: bool) -> str:
+    """The alignment a mask may be read with: when every sequence has as many queries as keys
+    (``S_q == S_kv``, no padding) both alignments are the same diagonal, read as ``top_left``."""
+    return "top_left" if equal_lengths else alignment
+
+
+@dataclass(frozen=True)
+class Band:
+    """The ``Causal``/``SlidingWindow`` parts of a mask intersected into one band: key ``j`` is
+    visible to query ``i`` iff ``i' - left <= j <= i' + right`` (``-1``: unbounded side),
+    ``i'`` aligned by ``alignment`` (``None`` when the parts keep different alignments)."""
+
+    left: int
+    right: int
+    alignment: Optional[str]
+
+
+def band_of(mask: Mask | None, seq_q: int = 0, seq_kv: int = -1,
+            padded: bool = False) -> Optional[Band]:
+    """The one band of ``mask``'s causal/window parts (``None`` without any); lengths given and
+    equal (and no padding) read every part top-left (``same_alignment``). Every engine, the
+    distributed schedule and the surfaces read bands here."""
+    lines = [m for m in mask_parts(mask) if isinstance(m, (Causal, SlidingWindow))]
+    if not lines:
+        return None
+    equal = not padded and seq_q == seq_kv
+    alignments = {same_alignment(m.alignment, equal) for m in lines}
+    lefts, rights = zip(*(line_bounds(m) for m in lines))
+    left = min((b for b in lefts if b >= 0), default=-1)
+    right = min((b for b in rights if b >= 0), default=-1)
+    return Band(left, right, alignments.pop() if len(alignments) == 1 else None)
+
+
+# ---------------------------------------------------------------------------------------------
 # ALiBi
 # ---------------------------------------------------------------------------------------------
 
@@ -358,6 +407,27 @@ class Alibi:
 # ---------------------------------------------------------------------------------------------
 # Relative positional bias (NATTEN)
 # ---------------------------------------------------------------------------------------------
+
+def alibi_distance(aligned_rows: torch.Tensor, keys: torch.Tensor, dtype) -> torch.Tensor:
+    """ALiBi's ``|i' - j|`` in ``dtype`` (broadcast), ``i'`` the query's aligned position: the bias
+    is ``-slope_h`` times it."""
+    return (aligned_rows - keys).abs().to(dtype)
+
+
+def split_bias(bias) -> tuple:
+    """``(kind, table, alibi)`` of a ``bias=`` argument: kind ``"none"``, ``"tensor"`` (``table``
+    the tensor), ``"rpb"`` (``table`` the ``RelPosBias`` table) or ``"alibi"`` (``alibi`` set).
+    Every call path reads a bias's kind and runtime tensor here."""
+    if bias is None:
+        return "none", None, None
+    if isinstance(bias, Alibi):
+        return "alibi", None, bias
+    if isinstance(bias, RelPosBias):
+        return "rpb", bias.table, None
+    if isinstance(bias, torch.Tensor):
+        return "tensor", bias, None
+    raise TypeError(f"bias must be a tensor, Alibi or RelPosBias, got {type(bias).__name__}")
+
 
 class RelPosBias:
     """NATTEN's relative positional bias, for a ``Neighborhood`` mask: ``table`` is

@@ -146,7 +146,7 @@ class MultiheadAttention(nn.Module):
         self.out_dropout = _probability("out_dropout", out_dropout)
         self.mask = _check_mask("mask", mask)
         self.alibi = alibi
-        self.scale = float(scale) if scale is not None else self.head_dim ** -0.5
+        self.scale = float(scale) if scale is not None else _checks.default_scale(self.head_dim)
         self.softcap = float(softcap) if softcap else None
         self.batch_first = bool(batch_first)
         self.backend = backend

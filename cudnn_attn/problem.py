@@ -7,6 +7,8 @@ as the softmax scale, dropout probability and padding lengths stay out of it).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -20,9 +22,42 @@ from .masks import (Alibi, Causal, Mask, Neighborhood, Padding, RelPosBias, Slid
                     without_full_neighborhoods)
 from .storage import Storage
 
-__all__ = ["TensorSpec", "AttnProblem", "LAYOUTS", "FLOAT_DTYPES", "accumulator_dtype"]
+__all__ = ["TensorSpec", "AttnProblem", "LAYOUTS", "FLOAT_DTYPES", "accumulator_dtype",
+           "deterministic_default", "deterministic_calls", "deterministic_requested"]
 
 LAYOUTS = ("bhsd", "bshd")
+
+# A surface's own deterministic mode (NATTEN's), for the calls made inside ``deterministic_calls``
+# in this thread/task only: torch's process-wide flag is never flipped for it.
+_DETERMINISTIC_CALLS = contextvars.ContextVar("cudnn_attn.deterministic_calls", default=False)
+
+
+# Whether a surface asked for deterministic calls here (a bound method: callers on the hot path
+# read it without a Python frame).
+deterministic_requested = _DETERMINISTIC_CALLS.get
+
+
+def deterministic_default() -> bool:
+    """The ``deterministic`` field of a problem built now: torch's deterministic mode, or a
+    surface's per-call request (``deterministic_calls``)."""
+    return _DETERMINISTIC_CALLS.get() or torch.are_deterministic_algorithms_enabled()
+
+
+@contextlib.contextmanager
+def deterministic_calls(on: bool = True):
+    """The calls made inside (this thread or task) plan deterministic backwards when ``on``; the
+    flag lands in each problem, so a later backward of such a call stays deterministic.
+
+    Under ``torch.compile`` this is a no-op (Dynamo cannot trace a context variable): compiled
+    calls follow torch's own deterministic mode only."""
+    if not on or torch.compiler.is_compiling():
+        yield
+        return
+    token = _DETERMINISTIC_CALLS.set(True)
+    try:
+        yield
+    finally:
+        _DETERMINISTIC_CALLS.reset(token)
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -210,7 +245,7 @@ class AttnProblem:
             bias_spec, bias_grad = TensorSpec.of(bias), bias.requires_grad
 
         if scale is None:
-            scale = Dqk ** -0.5
+            scale = _checks.default_scale(Dqk)
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
             raise ValueError(f"scale must be a finite number, got {scale!r}")
         if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) \
@@ -242,7 +277,7 @@ class AttnProblem:
             softcap=softcap, return_lse=_checks.flag("return_lse", return_lse),
             requires_grad=q.requires_grad or k.requires_grad or v.requires_grad or bias_grad,
             bias_requires_grad=bias_grad,
-            deterministic=torch.are_deterministic_algorithms_enabled())
+            deterministic=deterministic_default())
 
 
 def _check_masks(mask, batch: int, seq_q: int, seq_kv: int, alibi: bool) -> None:

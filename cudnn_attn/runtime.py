@@ -12,9 +12,11 @@ from typing import Optional
 
 import torch
 
-__all__ = ["DropoutState", "Inputs", "valid_positions", "hide_padding", "hide_padded_rows"]
+__all__ = ["SEED_BOUND", "DropoutState", "draw_seed", "Inputs", "valid_positions", "hide_padding",
+           "hide_padded_rows"]
 
-_SEED_BOUND = 2 ** 62
+# Seeds stay below 2**62: every engine (and cuDNN's int64 seed tensor) holds them exactly.
+SEED_BOUND = 2 ** 62
 
 
 @dataclass(frozen=True)
@@ -37,12 +39,18 @@ class DropoutState:
     @staticmethod
     def draw(generator: Optional[torch.Generator] = None) -> "DropoutState":
         """One fresh stream from ``generator`` (torch's default CPU generator when ``None``)."""
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator or None, got "
-                            f"{type(generator).__name__}")
-        source = generator.device if generator is not None else "cpu"
-        seed = int(torch.randint(0, _SEED_BOUND, (1,), generator=generator, device=source))
-        return DropoutState(seed, 0)
+        return DropoutState(int(draw_seed(generator)), 0)
+
+
+def draw_seed(generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """A ``[1]`` int64 seed in ``[0, SEED_BOUND)`` on ``generator``'s device, one draw of its
+    stream (torch's default CPU generator when ``None``): every surface draws its dropout seed
+    here, eager or traced, so a seeded generator gives the same masks either way."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got "
+                        f"{type(generator).__name__}")
+    source = generator.device if generator is not None else "cpu"
+    return torch.randint(0, SEED_BOUND, (1,), generator=generator, device=source)
 
 
 @dataclass(slots=True)

@@ -25,6 +25,8 @@ Helpers for surfaces (public, shared with ``compat.flash_attn``; the argument ru
 * ``pad_tokens(x, lens, seq, slots)`` — ``[total, ...]`` -> ``[B, seq, ...]``, zeros past lengths;
 * ``gather_pages(k_cache, v_cache, block_table, lens)`` — dense ``[B, S, H_kv, D]`` from a paged cache;
 * ``with_padding(mask, lens_q, lens_kv, seq_q, seq_kv)`` — ``mask & Padding(...)`` when needed;
+* ``PaddedBatch(lens_q, lens_k, seq_q, seq_k, device)`` — a packed call as one padded batch and
+  back (every surface's dense-batch route; positions past a length are hidden by the run API);
 * ``index_tensor(name, t, rank, device)`` — an int32/int64 tensor on q's device or the CPU.
 
 Grouping packed sequences by length (the torch engine's varlen path) is ``varlen_groups``.
@@ -34,21 +36,19 @@ from __future__ import annotations
 
 import torch
 
-from . import call_spec, dispatch, entry_ops, stored_calls
-from .api import attention, run
-from .errors import NotSupportedError
-from .runtime import DropoutState, Inputs
+from . import call_spec, entry_ops, execution, stored_calls
+from .api import attention
+from .runtime import DropoutState, Inputs, draw_seed
 from .stored_calls import kvcache_problem, varlen_problem
 from .sinks import check_sinks, merge_sinks
 from .varlen_groups import by_length_groups, grouped_varlen
 from .varlen_args import (cache_lengths, check_bias, check_cache, check_maxima, check_packed,
                           check_user_mask, cu_lengths, index_tensor, varlen_lengths)
-from .custom_ops import SEED_BOUND
 from .problem import accumulator_dtype
-from .masks import Alibi, Padding
+from .masks import Alibi, Padding, split_bias
 
 __all__ = ["attention_varlen", "attention_with_kvcache", "cu_lengths", "token_slots", "pad_tokens",
-           "gather_pages", "with_padding", "index_tensor"]
+           "PaddedBatch", "gather_pages", "with_padding", "index_tensor"]
 
 # ---------------------------------------------------------------------------------------------
 # padding helpers
@@ -82,6 +82,46 @@ def pad_tokens(x: torch.Tensor, lens: list[int], seq: int, slots: torch.Tensor) 
         return x.reshape(batch, seq, *x.shape[1:])
     buf = x.new_zeros(batch * seq, *x.shape[1:])
     return buf.index_copy(0, slots, x).view(batch, seq, *x.shape[1:])
+
+
+class PaddedBatch:
+    """Packed sequences (``[total, ...]``, lengths ``lens_q``/``lens_k``) as one ``[B, seq, ...]``
+    batch padded to ``seq_q``/``seq_k`` and back: every surface's dense-batch route for a packed
+    call (positions past a length are hidden by the ``mask``'s ``Padding``)."""
+
+    def __init__(self, lens_q: list[int], lens_k: list[int], seq_q: int, seq_k: int, device):
+        self.lens_q, self.lens_k, self.batch = lens_q, lens_k, len(lens_q)
+        self.seq_q, self.seq_k = seq_q, seq_k
+        self.slots_q = token_slots(lens_q, seq_q, device)
+        self.slots_k = self.slots_q if lens_k == lens_q and seq_k == seq_q else \
+            token_slots(lens_k, seq_k, device)
+
+    def mask(self, mask):
+        """``mask`` with the ``Padding`` of these lengths (left out when nothing is padded)."""
+        return with_padding(mask, self.lens_q, self.lens_k, self.seq_q, self.seq_k)
+
+    def pad_q(self, x: torch.Tensor) -> torch.Tensor:
+        return pad_tokens(x, self.lens_q, self.seq_q, self.slots_q)
+
+    def pad_k(self, x: torch.Tensor) -> torch.Tensor:
+        return pad_tokens(x, self.lens_k, self.seq_k, self.slots_k)
+
+    @staticmethod
+    def unpad(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``[B, seq, ...]`` -> the packed ``[total, ...]`` rows at ``slots``."""
+        return x.reshape(-1, *x.shape[2:]).index_select(0, slots)
+
+    def lse_packed(self, lse: torch.Tensor) -> torch.Tensor:
+        """``[B, H, seq_q]`` -> FlashAttention 2's varlen ``[H, total_q]``."""
+        heads = lse.shape[1]
+        return lse.permute(1, 0, 2).reshape(heads, -1).index_select(1, self.slots_q)
+
+    def lse_padded(self, lse: torch.Tensor) -> torch.Tensor:
+        """``[H, total_q]`` -> ``[B, H, seq_q]`` with ``-inf`` in the padding rows."""
+        heads = lse.shape[0]
+        full = lse.new_full((heads, self.batch * self.seq_q), float("-inf"))
+        full[:, self.slots_q] = lse
+        return full.view(heads, self.batch, self.seq_q).permute(1, 0, 2)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -148,20 +188,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             # Local positions past every sequence are unused: crop the (S_q, S_k) axes it has.
             bias = bias[..., :seq_q, :seq_k] if bias.dim() >= 2 else bias[..., :seq_k]
 
-    slots_q = token_slots(lens_q, seq_q, q.device)
-    slots_k = slots_q if lens_k == lens_q and seq_k == seq_q else token_slots(lens_k, seq_k, q.device)
-    res = attention(pad_tokens(q, lens_q, seq_q, slots_q), pad_tokens(k, lens_k, seq_k, slots_k),
-                    pad_tokens(v, lens_k, seq_k, slots_k),
-                    mask=with_padding(mask, lens_q, lens_k, seq_q, seq_k), bias=bias,
+    pack = PaddedBatch(lens_q, lens_k, seq_q, seq_k, q.device)
+    res = attention(pack.pad_q(q), pack.pad_k(k), pack.pad_k(v), mask=pack.mask(mask), bias=bias,
                     scale=scale, dropout_p=dropout_p, softcap=softcap, layout="bshd",
                     return_lse=return_lse, backend=backend, generator=generator)
     out, lse = res if return_lse else (res, None)
-    out = out.reshape(batch * seq_q, *out.shape[2:]).index_select(0, slots_q)
-    if not return_lse:
-        return out
-    # [B, H, S] -> [H, B*S] -> the packed tokens: FlashAttention 2's varlen [H, total_q].
-    lse = lse.permute(1, 0, 2).reshape(lse.shape[1], batch * seq_q).index_select(1, slots_q)
-    return out, lse
+    out = pack.unpad(out, pack.slots_q)
+    return (out, pack.lse_packed(lse)) if return_lse else out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,14 +293,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
     else:  # only the prefix some sequence uses; at least one slot (Padding hides it)
         used = max(1, max(lens))
         k, v = k_cache[:, :used], v_cache[:, :used]
-    seq_k = k.shape[1]
-    if min(lens) < seq_k:
-        # Slots past a length may hold anything (uninitialised memory, NaN): a hidden key's
-        # weight is 0, but 0 * NaN is not, so zero them.
-        hidden = torch.arange(seq_k, device=k.device)[None, :] >= \
-            torch.tensor(lens, device=k.device)[:, None]
-        hidden = hidden[:, :, None, None]
-        k, v = k.masked_fill(hidden, 0), v.masked_fill(hidden, 0)
+    seq_k = k.shape[1]  # slots past a length hold anything: the Padding hides them (execution)
     if isinstance(bias, torch.Tensor) and bias.dim() >= 1 and bias.shape[-1] != 1:
         bias = bias[..., :seq_k]
     return attention(q, k, v, mask=with_padding(mask, [seq_q] * batch, lens, seq_q, seq_k),
@@ -293,17 +319,12 @@ def _run_native(problem_of, q, k, v, backend, generator, return_lse):
     """``attention``'s result through an engine that runs ``problem_of()`` as stored, or
     ``None`` when none can and the backend is ``"auto"`` (the caller then builds dense
     batches). Malformed arguments raise as usual."""
-    problem = problem_of()
-    try:
-        engine, plan = dispatch.plan_for(problem, backend)
-    except NotSupportedError:
-        if backend != "auto":
-            raise
+    found = execution.plan_stored(problem_of(), backend)
+    if found is None:
         return None
-    if engine.name != "cudnn":  # a dense cache another engine would read whole: the
-        return None             # dense-batch path gives it only the prefix in use
+    _, problem, plan = found
     dropout = DropoutState.draw(generator) if problem.dropout_p > 0 else None
-    out, lse = run(problem, plan, Inputs(q, k, v, None, dropout), return_lse)
+    out, lse = execution.run(problem, plan, Inputs(q, k, v, None, dropout), return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -313,13 +334,14 @@ def _run_native(problem_of, q, k, v, backend, generator, return_lse):
 
 def _traced(name, tensors, ints, mask, bias, scale, dropout_p, softcap, return_lse, backend,
             generator):
-    table = bias if isinstance(bias, torch.Tensor) else None
+    if bias is not None and not isinstance(bias, (torch.Tensor, Alibi)):
+        check_bias(bias, (), "")  # raises what the eager call raises
+    kind, table, alibi = split_bias(bias)
     seed = None
     if dropout_p > 0:
-        device = generator.device if generator is not None else "cpu"
-        seed = torch.randint(0, SEED_BOUND, (1,), generator=generator, device=device)
-    spec = call_spec.encode(mask=mask, bias_kind="none" if table is None else "tensor",
-                            alibi=bias if isinstance(bias, Alibi) else None, scale=scale,
+        seed = draw_seed(generator)
+    spec = call_spec.encode(mask=mask, bias_kind="tensor" if kind == "tensor" else "none",
+                            alibi=alibi, scale=scale,
                             dropout_p=dropout_p, softcap=softcap, layout="bshd", backend=backend,
                             return_lse=return_lse, requires_grad=False, bias_requires_grad=False)
     out, lse = entry_ops.call(name, [*tensors, table, seed], spec, ints)

@@ -154,3 +154,120 @@ def test_direct_call_memo_serves_any_strides_and_only_valid_calls():
         torch.testing.assert_close(ca.attention(q2, k2, v2, mask=ca.Causal()), expected)
     with pytest.raises(TypeError, match="dtype"):
         ca.attention(q, k.float(), v, mask=ca.Causal())
+
+
+# ---------------------------------------------------------------------------------------------
+# One path from every surface to the plan (issue 25): compat speaks the core only, no module
+# reaches into another's private names, and only the run API (execution.py) drives a plan.
+# ---------------------------------------------------------------------------------------------
+
+ENGINE_PACKAGES = ("cudnn_attn.graphs", "cudnn_attn.fallback_kernels", "cudnn_attn.torch_engine")
+RUN_API = "cudnn_attn.execution"
+
+
+def _imported_modules(path: pathlib.Path, tree: ast.AST) -> dict[str, str]:
+    """Names bound to package modules by ``path``'s imports -> the module they name."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = _source(node, package)
+            for a in node.names:
+                if f"{source}.{a.name}" in NAMES:
+                    bound[a.asname or a.name] = f"{source}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname and a.name in NAMES:
+                    bound[a.asname] = a.name
+    return bound
+
+
+def _source(node: ast.ImportFrom, package: str) -> str:
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[:len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def private_imports(path: pathlib.Path, text: str) -> list[str]:
+    """``from <package module> import _name`` and ``module._name`` on an imported package module
+    (private submodules such as ``_checks`` are modules, not names, and pass)."""
+    tree = ast.parse(text)
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = _source(node, package)
+            if source.split(".")[0] != "cudnn_attn":
+                continue
+            found += [f"line {node.lineno}: from {source} import {a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")
+                      and f"{source}.{a.name}" not in NAMES]
+    bound = _imported_modules(path, tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in bound and node.attr.startswith("_") \
+                and not node.attr.startswith("__") \
+                and f"{bound[node.value.id]}.{node.attr}" not in NAMES:
+            found.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def plan_calls(text: str) -> list[str]:
+    """Calls that drive a plan: ``<...plan...>.forward(...)`` / ``.backward(...)`` where the
+    receiver is a name or attribute called ``plan`` or a call of ``.plan(...)``."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("forward", "backward")):
+            continue
+        receiver = node.func.value
+        if isinstance(receiver, ast.Call):
+            receiver = receiver.func
+        label = receiver.id if isinstance(receiver, ast.Name) else \
+            receiver.attr if isinstance(receiver, ast.Attribute) else ""
+        if label == "plan" or label.endswith("_plan"):
+            found.append(f"line {node.lineno}: {ast.unparse(node.func)}")
+    return found
+
+
+def test_rule_finders_find_planted_violations():
+    here = PACKAGE / "compat" / "flash_attn" / "dense.py"
+    assert private_imports(here, "from ._core import _fa_mask\nfrom ... import _checks\n") == \
+        ["line 1: from cudnn_attn.compat.flash_attn._core import _fa_mask"]
+    assert private_imports(here, "from . import _core\n_core._forward(1)\n_core.forward(1)\n") \
+        == ["line 2: _core._forward"]
+    assert plan_calls("plan.forward(p, i)\nctx.plan.backward(p)\nb.plan(p).forward(p, i)\n"
+                      "module.forward(x)\n") == ["line 1: plan.forward", "line 2: ctx.plan.backward",
+                                                  "line 3: b.plan(p).forward"]
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_private_name_imported_across_modules(path):
+    found = private_imports(path, path.read_text())
+    assert not found, f"{path.relative_to(PACKAGE)} uses another module's private names " \
+                      f"(promote them): {found}"
+
+
+def test_only_the_run_api_drives_plans():
+    driven = {module_name(p): plan_calls(p.read_text()) for p in MODULES}
+    offenders = {name: calls for name, calls in driven.items() if calls and name != RUN_API}
+    assert not offenders, f"plans driven outside {RUN_API}: {offenders}"
+    assert driven[RUN_API], "the run API drives the plans (the finder must see it)"
+
+
+def test_compat_imports_no_engine_internals():
+    # Surfaces translate: they reach engines only through the core (dispatch, execution,
+    # unfused_ops) or an engine package's public root (its __init__), never its modules.
+    offenders = {}
+    for name, path in NAMES.items():
+        if not name.startswith("cudnn_attn.compat"):
+            continue
+        inner = sorted(t for t in imports_of(path)
+                       if any(t.startswith(pkg + ".") for pkg in ENGINE_PACKAGES))
+        if inner:
+            offenders[name] = inner
+    assert not offenders, f"compat modules import engine internals: {offenders}"

@@ -748,11 +748,9 @@ def test_dropout_softmax_needs_the_mask_engine(monkeypatch):
         def supports(self, problem):
             return ["declines for the test"] if problem.dim_v != problem.dim_qk else []
 
-    from cudnn_attn.compat.flash_attn import _core
+    from cudnn_attn import execution
 
-    original = _core._dropout_engine
-    monkeypatch.setattr(_core, "_dropout_engine",
-                        lambda problem: (Declines(), original(problem)[1]))
+    monkeypatch.setattr(execution, "dropout_engine", lambda probe, backend="auto": Declines())
     q, k, v = _dense()
     with pytest.raises(NotSupportedError, match="return_softmax with dropout"):
         fwd(q, k, v, p=0.2, gen=gen(0), return_softmax=True)

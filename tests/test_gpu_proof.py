@@ -179,8 +179,10 @@ def test_smoke_run_writes_the_record_and_the_tarball(G, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the smoke run is the CPU's; a GPU host runs the real thing")
     out = tmp_path / "out"
+    started = time.time() - 30  # as if on-host had taken 30 s before this started
     done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--allow-cpu",
-                           "--steps", "gpu-tests,selftest-plain", "--budget", "300"],
+                           "--steps", "gpu-tests,selftest-plain", "--workers", "2",
+                           "--call-started", f"{started:.0f}", "--commit", "0123abcd"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     # The CuPy selftest cannot run without a GPU: a failed step makes the whole run fail.
     assert done.returncode == 1, done.stdout + done.stderr
@@ -196,11 +198,24 @@ def test_smoke_run_writes_the_record_and_the_tarball(G, tmp_path):
     assert plain["returncode"] == 1 and plain["summary"]["ok"] is False
     assert "cupy" in plain["summary"]["unavailable"] and "cupy" in plain["summary"]["table"]
     assert data["env"]["torch"] == torch.__version__ and "command" in data
+    assert data["commit"] == "0123abcd"  # passed in: .git does not travel to the device
+    assert "version" in data["nvrtc"]  # the device's NVRTC (or why none loads)
+    budget = data["budget"]  # the 600 s limit less what on-host took, the ladder, the record
+    assert budget["before_start_s"] >= 30 and budget["limit_s"] == 600
+    assert budget["budget_s"] == pytest.approx(600 - budget["before_start_s"] - budget["ladder_s"]
+                                               - budget["record_s"] - budget["safety_s"], abs=0.2)
+    assert budget["margin_s"] > budget["safety_s"]  # measured: the run ended well inside
+    assert tests["summary"]["skip_reasons"] and not tests["summary"]["partial"]
+    assert sum(tests["summary"]["skip_reasons"].values()) == counts["skipped"]
+    assert tests["threads"] >= 1 and tests["signals"] == [] and tests["leftovers"] == 0
+    assert plain["summary"]["source"] == "json"
     with tarfile.open(out / "gpu_proof-files.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {"gpu-tests.log", "gpu-tests.xml", "selftest-plain.log", "selftest-plain.json"} <= names
+    assert {"gpu-tests.log", "gpu-tests.xml", "gpu-tests.jsonl", "selftest-plain.log",
+            "selftest-plain.json", "selftest-plain.jsonl"} <= names
     assert sorted(p.name for p in out.iterdir()) == [record.name, "gpu_proof-files.tar.gz"]
-    last = done.stdout.strip().splitlines()[-4:]  # the compact summary ends the output
+    lines = done.stdout.strip().splitlines()
+    last = lines[next(i for i, line in enumerate(lines) if line.startswith("wrote ")):]
     assert any(line.startswith("gpu-tests") and "ok (exit 0" in line for line in last)
     assert any(line.startswith("selftest-plain") and "FAILED (exit 1" in line for line in last)
 

@@ -272,11 +272,13 @@ class _BruteForceKernels:
 
 @pytest.fixture
 def kernel_routing(monkeypatch):
-    from cudnn_attn.torch_engine import neighborhood_ops
+    from cudnn_attn.fallback_kernels.backend import CupyUnfusedOps
 
     calls = []
     fake = _BruteForceKernels()
-    monkeypatch.setattr(neighborhood_ops, "unfused_engine", lambda x: calls.append(1) or fake)
+    # The CuPy engine of the unfused ops says it runs every problem and launches the stand-in.
+    monkeypatch.setattr(CupyUnfusedOps, "supports", lambda self, problem: [])
+    monkeypatch.setattr(CupyUnfusedOps, "launchers", lambda self: calls.append(1) or fake)
     return calls
 
 

@@ -454,24 +454,14 @@ class _KernelStandIn:
         a, v = attn.clone().requires_grad_(True), value.clone().requires_grad_(True)
         return torch.autograd.grad(brute_av(a, v, geometry), (a, v), d_out)
 
-    def na_forward(self, query, key, value, *, kernel_size, stride, dilation, is_causal, scale,
-                   rpb=None, query_tile=None, key_tile=None, out=None, lse=None):
-        assert stride == (1,) * len(kernel_size) and isinstance(scale, float)
-        assert isinstance(query_tile, tuple) and isinstance(key_tile, tuple)
-        result = brute_fused(query, key, value, rpb, self._geometry(
-            "na_forward", kernel_size, dilation, is_causal), scale).to(query.dtype)
-        if out is not None:
-            out.copy_(result)
-        return (result if out is None else out), None
-
 
 @pytest.fixture
 def kernel_stand_in(monkeypatch):
     import cudnn_attn.fallback_kernels as package
-    from cudnn_attn.torch_engine import neighborhood_ops
+    from cudnn_attn.fallback_kernels.backend import CupyUnfusedOps
 
     stand_in = _KernelStandIn()
-    monkeypatch.setattr(neighborhood_ops, "kernels_serve", lambda t: True)
+    monkeypatch.setattr(CupyUnfusedOps, "supports", lambda self, problem: [])
     for name in ("fused", "unfused"):
         monkeypatch.setitem(__import__("sys").modules, f"cudnn_attn.fallback_kernels.{name}", stand_in)
         monkeypatch.setattr(package, name, stand_in, raising=False)
@@ -497,5 +487,6 @@ def test_kernel_branch_hand_off(kernel_stand_in):
     ops.na2d_forward(fused_out, *hl, None, kernel, dilation, False, 0.5, 8, 8)
     torch.testing.assert_close(fused_out.double(), brute_fused(*hl, None, geometry, 0.5),
                                atol=2e-6, rtol=2e-6)
-    assert kernel_stand_in.calls == ["qk_forward", "qk_backward", "av_forward", "av_backward",
-                                     "na_forward"]
+    # The unfused ops reached the CuPy engine's launchers; the fused op is one attention() call
+    # that dispatch gives to an engine (here the torch engine: the stand-in has no fused path).
+    assert kernel_stand_in.calls == ["qk_forward", "qk_backward", "av_forward", "av_backward"]

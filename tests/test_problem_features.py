@@ -95,7 +95,7 @@ def test_explicit_dropout_mask_matches_the_dense_formula(mask_shape):
     problem = AttnProblem.from_tensors(q, k, v, mask=ca.Causal("bottom_right"), return_lse=True,
                                        dropout_mask=keep, dropout_scale=1 / 0.7)
     plan = ca.dispatch.plan_for(problem, "torch")[1]
-    out, lse = ca.api.run(problem, plan, Inputs(q, k, v, dropout_mask=keep), True)
+    out, lse = ca.execution.run(problem, plan, Inputs(q, k, v, dropout_mask=keep), True)
     visible = torch.ones(7, 9, dtype=torch.bool).tril(2)
     s = (q @ k.transpose(-1, -2) * 5 ** -0.5).masked_fill(~visible, -math.inf)
     ref = (torch.softmax(s, -1) * keep / 0.7) @ v

@@ -206,8 +206,10 @@ def test_command_line_table_json_and_exit_status(tmp_path, capsys, monkeypatch):
     assert code == 0, out
     assert "neighborhood 3-D" in out and "passed, 0 failed" in out
     assert json.loads(path.read_text())["ok"]
+    # The mutation lives in this process: --one-process judges the engine here, not in a child.
     _mutate(monkeypatch, "forward", lambda r: (r[0] * 1.01, r[1]))
-    code = cli.main(["selftest", "--backend", "torch", "--dtype", "float32", "--no-progress"])
+    code = cli.main(["selftest", "--backend", "torch", "--dtype", "float32", "--no-progress",
+                     "--one-process"])
     assert code == 1 and "FAIL" in capsys.readouterr().out
     with pytest.raises(SystemExit) as bad:
         cli.main(["selftest", "--dtype", "float8"])

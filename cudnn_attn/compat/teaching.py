@@ -43,6 +43,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _checks
+from .._checks import default_scale
 from ..problem import accumulator_dtype
 
 __all__ = [
@@ -199,7 +200,7 @@ def _tile_ranges(n: int, tile: int):
 def _forward_tiled(Q, K, V, Bc: int, Br: int):
     B, H, N, D = Q.shape
     acc = accumulator_dtype(Q.dtype)
-    scale = D ** -0.5
+    scale = default_scale(D)
     # NaN-filled so an element the loops failed to write cannot pass for a result.
     O = torch.full_like(Q, float("nan"))
     l = torch.full((B, H, N), float("nan"), dtype=acc, device=Q.device)
@@ -229,7 +230,7 @@ def _forward_tiled(Q, K, V, Bc: int, Br: int):
 def _backward_tiled(Q, K, V, O, dO, l, m, Bc: int, Br: int):
     N, D = Q.shape[-2:]
     acc = accumulator_dtype(Q.dtype)
-    scale = D ** -0.5
+    scale = default_scale(D)
     l = l.to(acc)
     m = m.to(acc)
     delta = (dO.to(acc) * O.to(acc)).sum(dim=-1)  # D_i = rowsum(dO_i * O_i), [B, H, N]

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from .. import dispatch
+from .. import execution
 from ..api import attention
 from ..masks import Causal, SlidingWindow
 from ..merging import merge_partials
@@ -23,11 +23,6 @@ from ..runtime import Inputs
 __all__ = ["HIDDEN", "pair_mask", "forward_pair", "backward_pair", "merge"]
 
 HIDDEN = "hidden"
-
-
-def _sees(band, delta: int, i: int, j: int) -> bool:
-    left, right = band
-    return (left < 0 or j >= i + delta - left) and (right < 0 or j <= i + delta + right)
 
 
 def pair_mask(band, q0: int, nq: int, k0: int, nk: int, dtype, device):
@@ -73,9 +68,8 @@ def backward_pair(q, k, v, mask, scale, out, lse, dout, dlse):
     lib_mask, bias = _split(mask)
     problem = AttnProblem.from_tensors(q, k, v, mask=lib_mask, bias=bias, scale=scale,
                                        layout="bshd", return_lse=True)
-    problem = dataclasses.replace(problem, requires_grad=True)
-    _, plan = dispatch.plan_for(problem)
-    dq, dk, dv, _ = plan.backward(problem, Inputs(q, k, v, bias), out, lse, dout, dlse)
+    _, problem, plan = execution.plan_call(dataclasses.replace(problem, requires_grad=True))
+    dq, dk, dv, _ = execution.backward(problem, plan, Inputs(q, k, v, bias), out, lse, dout, dlse)
     return dq, dk, dv
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .. import _checks
-from ..masks import Causal, SlidingWindow
+from ..masks import Causal, SlidingWindow, band_of
 from .ring import RingAttention, Schedule
 from .sharding import SHARDINGS, all_lengths, world
 
@@ -15,10 +15,9 @@ def _band(mask) -> tuple[int, int]:
     both alignments coincide)."""
     if mask is None:
         return (-1, -1)
-    if isinstance(mask, Causal):
-        return (-1, 0)
-    if isinstance(mask, SlidingWindow):
-        return (mask.left, mask.right)
+    if isinstance(mask, (Causal, SlidingWindow)):
+        band = band_of(mask)
+        return (band.left, band.right)
     raise ValueError(f"mask must be None, Causal() or SlidingWindow(left, right) for context "
                      f"parallelism, got {mask!r}")
 

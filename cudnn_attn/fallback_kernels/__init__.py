@@ -3,7 +3,8 @@
 The CUDA C lives in ``*.cu`` files shipped as package data; ``_loader`` compiles them with NVRTC,
 ``launch`` hands torch tensors to them (DLPack, torch's current stream, device tables), ``limits``
 declares what they can run: ``kernel_reasons(device)`` says why they cannot run on a device (empty
-when they can). ``fused`` and ``unfused`` launch them; ``backend`` is the ``"cupy"`` engine.
+when they can); ``FUSED_DTYPES`` and ``valid_tile_sizes``/``check_tile_sizes`` are what the fused
+kernels take (NATTEN's op layer validates its arguments with them). ``fused`` and ``unfused`` launch them; ``backend`` is the ``"cupy"`` engine.
 ``compile_all(arch)`` compiles every kernel variant the package can launch for one architecture
 and reports registers and spills; it needs the NVRTC library but no GPU::
 
@@ -18,14 +19,15 @@ from __future__ import annotations
 import importlib
 
 from ._loader import CompileRecord, KernelCompileError, compile_program, compile_records
-from .limits import LIMITS, kernel_reasons
+from .limits import FUSED_DTYPES, LIMITS, kernel_reasons
+from .tile_shapes import check_tile_sizes, valid_tile_sizes
 
 # Modules that launch kernels; each exposes SOURCE, DEFINES and variants() (and MIN_ARCH, the
 # oldest sm it compiles for, when it has one).
 KERNEL_MODULES = ("fused", "fused_pipelined", "unfused")
 
 __all__ = ["compile_all", "kernel_variants", "kernel_reasons", "LIMITS", "CompileRecord",
-           "KernelCompileError"]
+           "KernelCompileError", "FUSED_DTYPES", "valid_tile_sizes", "check_tile_sizes"]
 
 
 def kernel_variants() -> dict:

@@ -17,12 +17,12 @@ import torch
 
 from ..caches import LRU
 from ..geometry import band_table, neighborhood_table
-from ..masks import Causal, Padding, SlidingWindow, mask_parts
+from ..masks import Band, Causal, Padding, SlidingWindow, band_of, mask_parts
 from ..problem import AttnProblem
 from . import fused
 from .limits import kernel_reasons, machine_reasons, problem_reasons
 
-__all__ = ["CupyBackend", "CupyPlan", "problem_table"]
+__all__ = ["CupyBackend", "CupyPlan", "CupyUnfusedOps", "problem_table"]
 
 PLAN_CACHE_SIZE = 128
 # One registered cache for every instance (a registry name maps to one LRU).
@@ -41,29 +41,23 @@ def problem_table(problem: AttnProblem) -> tuple[list[int] | None, list[str]]:
                           + ", ".join(type(m).__name__ for m in others) + ") is not supported"]
         return neighborhood_table(hood.spatial_shape, hood.kernel_size, hood.stride,
                                   hood.dilation, hood.is_causal), []
-    left, right, alignments = -1, -1, set()
     for m in parts:
-        if isinstance(m, Causal):
-            right = 0 if right < 0 else min(right, 0)
-            alignments.add(m.alignment)
-        elif isinstance(m, SlidingWindow):
-            if m.left >= 0:
-                left = m.left if left < 0 else min(left, m.left)
-            if m.right >= 0:
-                right = m.right if right < 0 else min(right, m.right)
-            alignments.add(m.alignment)
-        elif not isinstance(m, Padding):
+        if not isinstance(m, (Causal, SlidingWindow, Padding)):
             return None, [f"mask {type(m).__name__} is not supported"]
-    if len(alignments) > 1:
+    band = band_of(problem.mask, problem.seq_q, problem.seq_kv, problem.padding is not None) \
+        or Band(-1, -1, "top_left")
+    if band.alignment is None:
         return None, ["Causal/SlidingWindow masks with mixed alignments are not supported"]
-    offset = problem.seq_kv - problem.seq_q if alignments == {"bottom_right"} else 0
-    return band_table(problem.seq_q, problem.seq_kv, left, right, offset), []
+    offset = problem.seq_kv - problem.seq_q if band.alignment == "bottom_right" else 0
+    return band_table(problem.seq_q, problem.seq_kv, band.left, band.right, offset), []
 
 
 class CupyBackend:
     """Backend ``"cupy"``: the fused tiled kernels, compiled with NVRTC, launched through CuPy."""
 
     name = "cupy"
+    # Runs packed/paged storage and whole caches as they lie (would read a whole dense cache).
+    runs_stored = False
 
     def __init__(self):
         self._plans = _PLANS
@@ -77,6 +71,30 @@ class CupyBackend:
 
     def plan(self, problem: AttnProblem) -> "CupyPlan":
         return self._plans.get_or_create(problem.plan_key, lambda: CupyPlan(problem))
+
+
+class CupyUnfusedOps:
+    """The CuPy engine of NATTEN's unfused ops (``cudnn_attn.unfused_ops``): the RawKernels of
+    ``unfused`` (deterministic: fixed-order sums, no atomics), stride 1 only (NATTEN 0.17's ops)."""
+
+    name = "cupy"
+    composites = None  # no differentiable token functions: unfused_ops wraps the launchers
+
+    def supports(self, problem) -> list[str]:
+        # A CPU tensor is the whole answer: the machine probe (cached behind a lock, which
+        # torch.compile cannot trace) is asked only for CUDA tensors.
+        if problem.device.type != "cuda":
+            return [f"the CuPy kernels run CUDA tensors; these are on {problem.device}"]
+        reasons = kernel_reasons(problem.device)
+        if any(s != 1 for s in problem.mask.stride):
+            reasons.append(f"the unfused kernels implement NATTEN 0.17's ops: stride 1, got "
+                           f"stride={problem.mask.stride}")
+        return reasons
+
+    def launchers(self):
+        """The module of ``qk_forward``, ``qk_backward``, ``av_forward``, ``av_backward``."""
+        from . import unfused  # CuPy loads with the first launch
+        return unfused
 
 
 class CupyPlan:
@@ -93,6 +111,10 @@ class CupyPlan:
         self.o_shape = ((problem.batch, problem.heads_q, problem.seq_q, problem.dim_v)
                         if problem.layout == "bhsd"
                         else (problem.batch, problem.seq_q, problem.heads_q, problem.dim_v))
+
+    def direct(self, problem):
+        """No single public op runs these graphs/kernels: every call takes ``forward``."""
+        return None
 
     @staticmethod
     def _tokens(problem, t):

@@ -14,7 +14,7 @@ from typing import Any, Optional
 from ..caches import memoize
 from ._spec import GraphSpec
 
-__all__ = ["UID", "FORWARD_KWARGS", "BACKWARD_KWARGS", "emit", "io_uids"]
+__all__ = ["UID", "FORWARD_KWARGS", "BACKWARD_KWARGS", "emit", "io_uids", "cudnn_module", "cudnn_dtype"]
 
 
 class UID(IntEnum):
@@ -62,14 +62,14 @@ BACKWARD_KWARGS = frozenset({
     "use_deterministic_algorithm", "max_total_seq_len_q", "max_total_seq_len_kv"})
 
 @memoize("cudnn.module", maxsize=1)
-def _cudnn():
+def cudnn_module():
     import cudnn  # deferred: importing cudnn_attn must not need it
 
     return cudnn
 
 
-def _dtype(name: str):
-    dt = _cudnn().data_type
+def cudnn_dtype(name: str):
+    dt = cudnn_module().data_type
     return {"float16": dt.HALF, "bfloat16": dt.BFLOAT16, "float32": dt.FLOAT,
             "int32": dt.INT32, "int64": dt.INT64}[name]
 
@@ -92,7 +92,7 @@ class _Emitter:
     def tensor(self, uid: UID, dim, stride, dtype: str, *, by_value=False, ragged=None):
         kwargs = {} if ragged is None else {"ragged_offset": self.tensors[ragged]}
         t = self.g.tensor(name=uid.name.lower(), dim=list(dim), stride=list(stride),
-                          data_type=_dtype(dtype), is_pass_by_value=by_value, **kwargs)
+                          data_type=cudnn_dtype(dtype), is_pass_by_value=by_value, **kwargs)
         t.set_uid(int(uid))
         self.tensors[uid] = t
         return t
@@ -104,7 +104,7 @@ class _Emitter:
         t.set_output(True).set_dim(list(dim)).set_stride(list(stride)).set_uid(int(uid))
         t.set_name(uid.name.lower())
         if dtype is not None:
-            t.set_data_type(_dtype(dtype))
+            t.set_data_type(cudnn_dtype(dtype))
         if ragged is not None:
             t.set_ragged_offset(self.tensors[ragged])
         self.tensors[uid] = t
@@ -112,7 +112,7 @@ class _Emitter:
 
     def common_inputs(self) -> dict:
         """Q, K, V, scale and every optional input; returns the node's keyword arguments."""
-        s, cd = self.spec, _cudnn()
+        s, cd = self.spec, cudnn_module()
         b, hq, hkv = s.batch, s.heads_q, s.heads_kv
         if s.ragged:
             for uid in (UID.RAGGED_Q, UID.RAGGED_K, UID.RAGGED_V, UID.RAGGED_O):

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ..masks import Causal, SlidingWindow, alibi_slopes, mask_parts
+from ..masks import alibi_slopes, band_of
 from ..problem import AttnProblem
 from ..storage import Paged, Ragged
 from .limits import BACKWARD_HEAD_DIM, LIMITS, MAX_HEAD_DIM
@@ -158,30 +158,19 @@ def _bias_layout(problem: AttnProblem) -> tuple[tuple, tuple]:
 
 
 def _band(problem: AttnProblem, padding: bool, alibi: bool, reasons: list) -> Optional[Band]:
-    lines = [m for m in mask_parts(problem.mask) if isinstance(m, (Causal, SlidingWindow))]
-    if not lines:
-        return None
     s_q, s_kv = problem.seq_q, problem.seq_kv
-    # Without padding and with S_q == S_kv both alignments are the same diagonal; top-left
-    # avoids cuDNN's bottom-right restrictions (no bias, ALiBi or dropout).
-    same = not padding and s_q == s_kv
-    alignments = {("top_left" if same else m.alignment) for m in lines}
-    if len(alignments) > 1:
+    # Read top-left where both alignments coincide: that avoids cuDNN's bottom-right
+    # restrictions (no bias, ALiBi or dropout).
+    band = band_of(problem.mask, s_q, s_kv, padding)
+    if band is None:
+        return None
+    if band.alignment is None:
         reasons.append("the masks mix top_left and bottom_right alignments; cuDNN has one "
                        "diagonal band")
         return None
-    alignment = alignments.pop()
-    lefts, rights = [], []
-    for m in lines:
-        if isinstance(m, Causal):
-            rights.append(0)
-        else:
-            if m.left >= 0:
-                lefts.append(m.left)
-            if m.right >= 0:
-                rights.append(m.right)
-    left = min(lefts) if lefts else None  # FlashAttention convention (inclusive)
-    right = min(rights) if rights else None
+    alignment = band.alignment
+    left = band.left if band.left >= 0 else None  # FlashAttention convention (inclusive)
+    right = band.right if band.right >= 0 else None
     if padding and alignment == "bottom_right" and s_q == 1 and not alibi:
         right = None  # a decode query sits at its sequence's last key: nothing lies to its right
     if not padding:  # drop bounds that hide nothing (e.g. bottom-right causal at S_q = 1)

@@ -46,6 +46,8 @@ class CudnnBackend:
     """Backend ``"cudnn"``: cuDNN-frontend SDPA graphs, cached by ``cudnn_attn.graph_cache``."""
 
     name = "cudnn"
+    # Runs packed/paged storage and whole caches as they lie (binds ragged offsets, page tables and device lengths).
+    runs_stored = True
 
     def __init__(self):
         self._plans = LRU("cudnn.plans", PLAN_CACHE_SIZE)
@@ -130,6 +132,10 @@ class CudnnPlan:
         s = spec
         self.o_shape = ((s.batch, s.heads_q, s.seq_q, s.dim_v) if s.layout == "bhsd"
                         else (s.batch, s.seq_q, s.heads_q, s.dim_v))
+
+    def direct(self, problem):
+        """No single public op runs these graphs/kernels: every call takes ``forward``."""
+        return None
 
     # -- graphs --------------------------------------------------------------------------------
     def _get(self, problem, variant) -> BuiltGraph:

@@ -15,8 +15,7 @@ from typing import Mapping
 
 import torch
 
-__all__ = ["CudnnLimits", "LIMITS", "IO_DTYPES", "BIAS_DTYPES", "MAX_HEAD_DIM",
-           "BACKWARD_HEAD_DIM", "CUDNN_KEY_TILE"]
+__all__ = ["CudnnLimits", "LIMITS", "MAX_HEAD_DIM", "BACKWARD_HEAD_DIM"]
 
 
 def _frozen(d: dict) -> Mapping:
@@ -86,8 +85,5 @@ class CudnnLimits:
 LIMITS = CudnnLimits()
 
 # Module-level names kept for readers of the old constants.
-IO_DTYPES = LIMITS.io_dtypes
-BIAS_DTYPES = LIMITS.bias_dtypes
 MAX_HEAD_DIM = LIMITS.max_head_dim
 BACKWARD_HEAD_DIM = LIMITS.backward_head_dim
-CUDNN_KEY_TILE = LIMITS.key_tile

@@ -27,7 +27,7 @@ import torch
 
 from ..errors import NotSupportedError
 from ..problem import AttnProblem
-from ._emit import BACKWARD_KWARGS, FORWARD_KWARGS, UID, _cudnn, _dtype, emit, io_uids
+from ._emit import BACKWARD_KWARGS, FORWARD_KWARGS, UID, cudnn_dtype, cudnn_module, emit, io_uids
 from ._spec import Band, GraphOptions, GraphSpec, PagedKV, analyze, cudnn_reasons
 from . import driver_standin
 from .entry_calls import CALL_ARGS, call_problem
@@ -111,7 +111,7 @@ class BuiltGraph:
         from ._runtime import handle_for
 
         meta, blob = cls.split_payload(data)
-        graph = _cudnn().pygraph()
+        graph = cudnn_module().pygraph()
         graph.deserialize(handle_for(torch.device("cuda", torch.cuda.current_device())), blob)
         return cls.from_meta(graph, meta)
 
@@ -142,8 +142,8 @@ _register()
 
 def _new_graph(spec: GraphSpec, *, handle=None, sm: Optional[int] = None, cpp: bool = False,
                target=None):
-    cd = _cudnn()
-    kwargs = dict(io_data_type=_dtype(spec.dtype), intermediate_data_type=cd.data_type.FLOAT,
+    cd = cudnn_module()
+    kwargs = dict(io_data_type=cudnn_dtype(spec.dtype), intermediate_data_type=cd.data_type.FLOAT,
                   compute_data_type=cd.data_type.FLOAT)
     if sm is not None:
         kwargs.update(sm_version=sm, sm_count=_SM_COUNT.get(sm, 132))
@@ -184,7 +184,7 @@ def _validate_cpp(problem, spec: GraphSpec, backward: bool, sm: int):
     emit(g, spec, backward)
     try:
         g.validate()
-    except _cudnn().cudnnGraphNotSupportedError as exc:
+    except cudnn_module().cudnnGraphNotSupportedError as exc:
         raise _decline(problem, f"C++ validation for sm_{sm}", backward, exc) from exc
     return g
 
@@ -198,7 +198,7 @@ def build_graph(problem: AttnProblem, spec: GraphSpec, backward: bool, *,
     ``target`` (a ``targets.DeviceTarget``): build the plans without a GPU, for that described
     device (``deviceless``; the driver stand-in records the kernels into ``engine``).
     ``build_plans=False`` stops after ``check_support`` (``engine``: the top-ranked plan)."""
-    cd = _cudnn()
+    cd = cudnn_module()
     if plans is None:
         device = torch.device(device if device is not None else problem.device)
         plans = target is not None or (device.type == "cuda" and torch.cuda.is_available())

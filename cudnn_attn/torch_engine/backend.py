@@ -17,7 +17,7 @@ from ..caches import LRU
 from . import cpu_sdpa
 from .layouts import cols, compute_dtype, lse_dtype, lse_layout, lse_rows, rows_of, uncols, unrows
 from .tiles import Tiles, Visibility, build_tiles, choose_tile_shape, neighborhood_axis, sequence_axis
-from ..masks import Causal, Neighborhood, SlidingWindow, mask_parts
+from ..masks import Causal, Neighborhood, SlidingWindow, alibi_distance, mask_parts
 from ..problem import AttnProblem
 
 __all__ = ["TorchBackend", "TorchPlan"]
@@ -36,6 +36,8 @@ class TorchBackend:
     """Runs everything, everywhere; the oracle for the other backends."""
 
     name = "torch"
+    # Runs packed/paged storage and whole caches as they lie (would read a whole dense cache).
+    runs_stored = False
 
     def __init__(self):
         self._plans = LRU("torch.plans", PLAN_CACHE_SIZE)
@@ -170,7 +172,7 @@ class TorchPlan:
             slopes = problem.alibi.slope_table(problem.batch, problem.heads_q).to(device, dtype)
             aligned = qi[:, :, None] + self.visibility.offset(self._alibi_alignment(), device,
                                                                problem.padding)
-            dist = (aligned - kj).abs().to(dtype)
+            dist = alibi_distance(aligned, kj, dtype)
             if dist.dim() == 3:
                 dist = dist[None]
             alibi = -slopes.view(slopes.shape[0], problem.heads_kv, problem.group_size, 1, 1, 1) \

@@ -12,7 +12,8 @@ import math
 import torch
 
 from .layouts import lse_dtype
-from ..masks import Causal, mask_parts
+from .._checks import default_scale
+from ..masks import Causal, mask_parts, same_alignment
 from ..problem import AttnProblem
 
 
@@ -26,7 +27,7 @@ def whole_problem_ok(problem: AttnProblem) -> bool:
     if not parts:
         return True
     if len(parts) == 1 and isinstance(parts[0], Causal):
-        return parts[0].alignment == "top_left" or problem.seq_q == problem.seq_kv
+        return same_alignment(parts[0].alignment, problem.seq_q == problem.seq_kv) == "top_left"
     return False
 
 
@@ -65,7 +66,7 @@ def out_only(problem):
     ``whole_problem_ok`` problems with ``H_q == H_kv``); callers may keep it per problem."""
     causal = problem.mask is not None
     # SDPA's own default is the same D ** -0.5; not passing it saves a little per call.
-    scale = None if problem.scale == problem.dim_qk ** -0.5 else problem.scale
+    scale = None if problem.scale == default_scale(problem.dim_qk) else problem.scale
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if problem.layout == "bshd":
         def run(q, k, v):

@@ -12,15 +12,11 @@ the kernel dims) of query ``i`` holds the key whose axis-``a`` coordinate is
 RPB (NATTEN 0.17): ``rpb`` is ``[H, 2k_0-1, ...]``; slot ``(i, j)`` reads, per axis,
 ``(j_a - i_a) / d_a + k_a - 1``.
 
-Implementations (the one place that decides, :func:`kernels_serve`): :func:`fused_kernels`
-returns ``fallback_kernels.fused`` or None; :func:`unfused_engine` returns
-``fallback_kernels.unfused`` (the CuPy RawKernels) for a CUDA tensor when :func:`kernel_reasons`
-is empty, else this module, whose ``qk_forward``,
-``qk_backward``, ``av_forward`` and ``av_backward`` take the launchers' arguments (spatial layout
-``[B, H, *spatial, C]``) and run the torch composites (gather + batched matmul, chunked over queries
-so the gathered keys stay bounded; reverse AD, forward AD and float64 for free). ``qk`` / ``av`` wrap
-a kernel implementation in autograd Functions with ``jvp`` written out (each op is linear in each
-argument).
+The torch engine of the unfused ops (``TorchUnfusedOps``, dispatched by ``cudnn_attn.unfused_ops``
+like any engine): the token composites ``qk_torch`` / ``av_torch`` (gather + batched matmul,
+chunked over queries so the gathered keys stay bounded; reverse AD, forward AD and float64 for
+free) and the launchers' interface (``qk_forward``, ``qk_backward``, ``av_forward``,
+``av_backward``: spatial layout ``[B, H, *spatial, C]``) in torch.
 """
 
 from __future__ import annotations
@@ -33,27 +29,20 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..caches import memoize
-from ..fallback_kernels.limits import kernel_reasons
 from .tiles import neighborhood_axis
 
 __all__ = [
     "NaGeometry",
     "NaTable",
-    "av",
+    "TorchUnfusedOps",
     "av_backward",
     "av_forward",
     "av_torch",
-    "extra_logits",
-    "fused_kernels",
-    "kernel_reasons",
-    "kernels_serve",
     "na_table",
-    "qk",
     "qk_backward",
     "qk_forward",
     "qk_torch",
     "rpb_logits",
-    "unfused_engine",
 ]
 
 # Elements of one gathered chunk (B * H * queries * K * D) before the loop moves on.
@@ -62,27 +51,23 @@ CHUNK_ELEMENTS = 1 << 24
 _THIS_MODULE = sys.modules[__name__]
 
 
-def kernels_serve(t: torch.Tensor) -> bool:
-    """The one check: the CuPy RawKernels serve ``t`` (a CUDA tensor, no reason against them)."""
-    return t.is_cuda and not kernel_reasons(t.device)
+class TorchUnfusedOps:
+    """The torch engine of the unfused ops: runs every problem (any device, dtype, stride),
+    deterministically; its token functions are differentiable composites."""
 
+    name = "torch"
 
-def unfused_engine(t: torch.Tensor):
-    """The implementation of the unfused launchers (``qk_forward``, ``qk_backward``, ``av_forward``,
-    ``av_backward``) for ``t``: ``fallback_kernels.unfused`` or this torch module."""
-    if kernels_serve(t):
-        from ..fallback_kernels import unfused
-        return unfused
-    return _THIS_MODULE
+    def supports(self, problem) -> list[str]:
+        return []
 
+    @property
+    def composites(self):
+        """The differentiable token functions ``qk_torch`` / ``av_torch`` (this module)."""
+        return _THIS_MODULE
 
-def fused_kernels(t: torch.Tensor):
-    """``fallback_kernels.fused`` when the CuPy kernels serve ``t``, else None (the fused problem
-    then goes through dispatch like any other attention call)."""
-    if kernels_serve(t):
-        from ..fallback_kernels import fused
-        return fused
-    return None
+    def launchers(self):
+        """``qk_forward``, ``qk_backward``, ``av_forward``, ``av_backward`` in torch."""
+        return _THIS_MODULE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,11 +227,6 @@ def av_torch(attn, value, geom: NaGeometry):
     return torch.cat(parts, 2) if len(parts) > 1 else parts[0]
 
 
-def extra_logits(query, additional_keys):
-    """Logits against extra keys every query sees: ``[B, H, S, D] x [B, H, n, D] -> [B, H, S, n]``."""
-    return query @ additional_keys.transpose(-1, -2)
-
-
 # ---------------------------------------------------------------------------------------------
 # The launchers' interface in torch (spatial layout ``[B, H, *spatial, C]``, tuples per axis)
 # ---------------------------------------------------------------------------------------------
@@ -308,122 +288,3 @@ def av_backward(d_out, attn, value, kernel_size, dilation, is_causal):
     da = torch.zeros_like(attn) if da is None else da.unflatten(2, geom.shape)
     dv = torch.zeros_like(value) if dv is None else dv.unflatten(2, geom.shape)
     return da, dv
-
-
-# ---------------------------------------------------------------------------------------------
-# Token entry points: the kernels behind autograd Functions with jvp, else the composites
-# ---------------------------------------------------------------------------------------------
-
-def _kernel_args(geom: NaGeometry):
-    return geom.kernel, geom.dilation, geom.causal
-
-
-# The launchers take NATTEN's spatial layout ``[B, H, *spatial, C]``; the token functions work on
-# flattened tokens ``[B, H, S, C]``. Both are views of the same contiguous memory.
-def _spatial(x: torch.Tensor, geom: NaGeometry) -> torch.Tensor:
-    return x.contiguous().view(*x.shape[:2], *geom.shape, x.shape[-1])
-
-
-def _tokens(x: torch.Tensor) -> torch.Tensor:
-    return x.flatten(2, -2)
-
-
-def _qk_kernel(impl, query, key, rpb, geom):
-    return _tokens(impl.qk_forward(_spatial(query, geom), _spatial(key, geom), rpb,
-                                   *_kernel_args(geom)))
-
-
-def _av_kernel(impl, attn, value, geom):
-    return _tokens(impl.av_forward(_spatial(attn, geom), _spatial(value, geom), *_kernel_args(geom)))
-
-
-class _QKKernel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, query, key, rpb, geom, impl):
-        attn = _qk_kernel(impl, query, key, rpb, geom)
-        ctx.geom, ctx.impl, ctx.has_rpb = geom, impl, rpb is not None
-        ctx.save_for_backward(query, key)
-        ctx.save_for_forward(query, key)
-        return attn
-
-    @staticmethod
-    def backward(ctx, d_attn):
-        query, key = ctx.saved_tensors
-        geom = ctx.geom
-        need_rpb = ctx.has_rpb and ctx.needs_input_grad[2]
-        dq, dk, drpb = ctx.impl.qk_backward(
-            _spatial(d_attn, geom), _spatial(query, geom), _spatial(key, geom),
-            *_kernel_args(geom), need_rpb)
-        return _tokens(dq), _tokens(dk), drpb, None, None
-
-    @staticmethod
-    def jvp(ctx, dq, dk, drpb, _geom, _impl):
-        # qk is bilinear in (q, k) and affine in rpb: d attn = qk(dq, k) + qk(q, dk) + rpb(drpb).
-        query, key = ctx.saved_tensors
-        geom = ctx.geom
-        table = na_table(geom, query.device)
-        tangent = torch.zeros(*query.shape[:3], geom.num_slots, dtype=query.dtype,
-                              device=query.device)
-        if dq is not None:
-            tangent = tangent + _qk_kernel(ctx.impl, dq, key, None, geom)
-        if dk is not None:
-            tangent = tangent + _qk_kernel(ctx.impl, query, dk, None, geom)
-        if drpb is not None:
-            tangent = tangent + rpb_logits(drpb, table).to(tangent.dtype)
-        return torch.where(table.valid, tangent, 0.0)  # the -inf slots are constant
-
-
-class _AVKernel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, attn, value, geom, impl):
-        out = _av_kernel(impl, attn, value, geom)
-        ctx.geom, ctx.impl = geom, impl
-        ctx.save_for_backward(attn, value)
-        ctx.save_for_forward(attn, value)
-        return out
-
-    @staticmethod
-    def backward(ctx, d_out):
-        attn, value = ctx.saved_tensors
-        geom = ctx.geom
-        d_attn, d_value = ctx.impl.av_backward(
-            _spatial(d_out, geom), _spatial(attn, geom), _spatial(value, geom),
-            *_kernel_args(geom))
-        return _tokens(d_attn), _tokens(d_value), None, None
-
-    @staticmethod
-    def jvp(ctx, d_attn, d_value, _geom, _impl):
-        # av is bilinear: d out = av(d_attn, v) + av(attn, d_v).
-        attn, value = ctx.saved_tensors
-        tangent = torch.zeros(*attn.shape[:3], value.shape[-1], dtype=value.dtype,
-                              device=value.device)
-        if d_attn is not None:
-            tangent = tangent + _av_kernel(ctx.impl, d_attn, value, ctx.geom)
-        if d_value is not None:
-            tangent = tangent + _av_kernel(ctx.impl, attn, d_value, ctx.geom)
-        return tangent
-
-
-def _kernel_impl(x: torch.Tensor, geom: NaGeometry):
-    """The launcher module for ``x`` when it is not this torch module (the kernels implement
-    NATTEN 0.17's ops: no stride), else None."""
-    if any(s != 1 for s in geom.stride):
-        return None
-    impl = unfused_engine(x)
-    return None if impl is _THIS_MODULE else impl
-
-
-def qk(query, key, geom: NaGeometry, rpb=None):
-    """``[B, H, S, D] x [B, H, S, D] -> [B, H, S, K]`` logits (no scaling), invalid slots -inf."""
-    impl = _kernel_impl(query, geom)
-    if impl is not None:  # the kernels read rpb in their accumulator dtype
-        return _QKKernel.apply(query, key, rpb, geom, impl)
-    return qk_torch(query, key, geom, rpb)
-
-
-def av(attn, value, geom: NaGeometry):
-    """``[B, H, S, K] x [B, H, S, Dv] -> [B, H, S, Dv]``; invalid slots ignored."""
-    impl = _kernel_impl(value, geom)
-    if impl is not None:
-        return _AVKernel.apply(attn, value, geom, impl)
-    return av_torch(attn, value, geom)

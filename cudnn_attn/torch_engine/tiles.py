@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from ..geometry import band_window, neighborhood_positions
-from ..masks import Causal, Neighborhood, Padding, SlidingWindow
+from ..masks import Causal, Neighborhood, Padding, SlidingWindow, line_bounds
 
 # Smallest query tile worth a matmul on CPU; below it per-tile overhead dominates.
 MIN_TILE_QUERIES = 64
@@ -66,11 +66,6 @@ def neighborhood_axis(length: int, kernel: int, stride: int, dilation: int,
     return AxisWindows(lo, hi, order, order)
 
 
-def _band_bounds(mask) -> tuple[int, int]:
-    """``(left, right)`` of a Causal/SlidingWindow mask as a band (``-1``: unbounded)."""
-    return (-1, 0) if isinstance(mask, Causal) else (mask.left, mask.right)
-
-
 def sequence_axis(seq_q: int, seq_kv: int, masks, padded: bool) -> AxisWindows:
     """The 1-D run of keys each query may see under causal/window masks (identity order): the
     intersection of their ``geometry.band_window`` runs."""
@@ -83,7 +78,7 @@ def sequence_axis(seq_q: int, seq_kv: int, masks, padded: bool) -> AxisWindows:
         if m.alignment == "bottom_right" and padded:
             continue  # the offset depends on per-batch lengths: keep every key, mask per call
         offset = seq_kv - seq_q if m.alignment == "bottom_right" else 0
-        m_lo, m_hi = band_window(i, seq_kv, *_band_bounds(m), offset)
+        m_lo, m_hi = band_window(i, seq_kv, *line_bounds(m), offset)
         lo, hi = torch.maximum(lo, m_lo), torch.minimum(hi, m_hi)
     return AxisWindows(lo, torch.maximum(hi, lo), torch.arange(seq_q), torch.arange(seq_kv))
 
@@ -295,7 +290,7 @@ class Visibility:
         result = None
         for m in self.line_masks:
             aligned = qi + self.offset(m.alignment, qi.device, padding)
-            left, right = _band_bounds(m)
+            left, right = line_bounds(m)
             ok = None
             if left >= 0:
                 ok = kj >= aligned - left

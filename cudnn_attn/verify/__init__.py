@@ -15,18 +15,16 @@ fail.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from .cases import Case, grid
-from .checks import Outcome, run_case
+from .checks import Outcome
+from .progress import progress_reporter
 from .report import SelftestReport
+from .runs import DTYPES, judge_runs, plan_runs
+from .stream import ResultStream
 
 __all__ = ["selftest", "SelftestReport", "Outcome", "Case", "grid", "DTYPES"]
-
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-          "float64": torch.float64}
 
 
 def _default_dtypes(device: torch.device, quick: bool) -> tuple[str, ...]:
@@ -43,34 +41,9 @@ def _resolve(names, known: dict | tuple, what: str) -> list[str]:
     return names
 
 
-def _progress(total: int, enabled: bool):
-    """A tqdm bar when tqdm is installed, else a one-line counter on stderr (or nothing)."""
-    if not enabled:
-        return lambda label: None
-    try:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, unit="case", leave=False)
-
-        def step(label):
-            bar.set_description_str(label[:40])
-            bar.update()
-            if bar.n == total:
-                bar.close()
-        return step
-    except ImportError:
-        done = [0]
-
-        def step(label):
-            done[0] += 1
-            end = "\n" if done[0] == total else ""
-            sys.stderr.write(f"\rselftest {done[0]}/{total} {label[:50]:<50}{end}")
-            sys.stderr.flush()
-        return step
-
-
 def selftest(backends=None, dtypes=None, quick: bool = True, progress: bool = True,
-             cases=None) -> SelftestReport:
+             cases=None, stream=None, isolate: bool = False,
+             case_timeout_s: float | None = None) -> SelftestReport:
     """Check every engine that can run on this machine against the float64 oracle.
 
     Args:
@@ -82,8 +55,15 @@ def selftest(backends=None, dtypes=None, quick: bool = True, progress: bool = Tr
             with ``quick=False``).
         quick: one small case per feature variant (under a minute on a CPU); False adds every
             head dim from 32 to 256 and larger sequences.
-        progress: show a progress bar on stderr.
+        progress: show progress on stderr: a bar on a terminal, else one line per verdict.
         cases: an explicit list of :class:`Case` (default: ``grid(quick)``).
+        stream: a path to append every event to as it happens, one flushed JSON line each
+            (:mod:`cudnn_attn.verify.stream`), so a run killed midway still says what it judged.
+        isolate: judge each engine in a process of its own (side by side), so one engine's
+            crash or hang (``case_timeout_s``) cannot touch the others' results; the run it
+            died in fails and a fresh process goes on from the next one.
+        case_timeout_s: with ``isolate``, the longest one run may take before its process is
+            killed as hung (None: no limit).
 
     Returns:
         a :class:`SelftestReport` (``.ok``, ``.table()``, ``.to_json(path)``).
@@ -95,16 +75,35 @@ def selftest(backends=None, dtypes=None, quick: bool = True, progress: bool = Tr
     names = _resolve(backends or BACKEND_NAMES, BACKEND_NAMES, "backends")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     chosen = _resolve(dtypes or _default_dtypes(device, quick), DTYPES, "dtypes")
+    cases = list(cases) if cases is not None else grid(quick)
+    settings = {"quick": quick, "backends": names, "requested": requested, "dtypes": chosen,
+                "device": str(device), "forward_limit": 2.0, "backward_limit": 3.0,
+                "isolated": isolate}
+    if isolate:
+        from .isolated import run_isolated
+
+        return run_isolated(names, chosen, cases, settings=settings, environment=_env.collect(),
+                            stream=stream, progress=progress, case_timeout_s=case_timeout_s)
     unavailable = {n: get_backend(n).availability() for n in names}
     runnable = [n for n in names if not unavailable[n]]
     unavailable = {n: r for n, r in unavailable.items() if r}
-    cases = list(cases) if cases is not None else grid(quick)
-    runs = [(c, b, d) for c in cases for b in runnable for d in chosen]
-    step = _progress(len(runs), progress)
+    runs = plan_runs(cases, chosen)
+    report = progress_reporter(len(runs) * len(runnable), progress)
+    environment = _env.collect()
+    sink = ResultStream(stream) if stream is not None else None
     outcomes = []
-    for case, backend, dtype in runs:
-        outcomes.append(run_case(case, backend, DTYPES[dtype], device))
-        step(f"{backend} {dtype} {case.name}")
-    settings = {"quick": quick, "backends": names, "requested": requested, "dtypes": chosen, "device": str(device),
-                "forward_limit": 2.0, "backward_limit": 3.0}
-    return SelftestReport(outcomes, unavailable, _env.collect(), settings)
+    try:
+        if sink is not None:
+            sink.write("selftest", settings=settings, environment=environment)
+        for name in names:
+            if sink is not None:
+                sink.write("engine", backend=name, unavailable=unavailable.get(name, []),
+                           runs=len(runs), start=0, device=str(device))
+            if name in runnable:
+                outcomes += judge_runs(name, runs, device, sink, report)
+                if sink is not None:
+                    sink.write("end", backend=name)
+    finally:
+        if sink is not None:
+            sink.close()
+    return SelftestReport(outcomes, unavailable, environment, settings)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,8 +43,10 @@ class SelftestReport:
 
     @property
     def ok(self) -> bool:
-        """Nothing failed, and every engine asked for by name could run here."""
-        return not self.failures and not (self.settings.get("requested") and self.unavailable)
+        """Nothing failed, every engine asked for by name could run here, and every engine that
+        could run judged all its runs (an interrupted or cut-short run is not ok)."""
+        return (not self.failures and not (self.settings.get("requested") and self.unavailable)
+                and not self.settings.get("incomplete") and not self.settings.get("interrupted"))
 
     @property
     def failures(self) -> list[Outcome]:
@@ -75,6 +78,8 @@ class SelftestReport:
         for name, reasons in self.unavailable.items():
             lines.append(f"{name}: {verdict} not run on this machine ({'; '.join(reasons)})"
                          .replace(":  ", ": "))
+        for name, how_far in (self.settings.get("incomplete") or {}).items():
+            lines.append(f"{name}: NOT FINISHED, {how_far}")
         for o in self.failures:
             lines.append(f"FAIL {o.backend} {o.dtype} {o.case.name}: {' | '.join(o.detail)}")
         declined = defaultdict(list)
@@ -86,7 +91,8 @@ class SelftestReport:
             lines.append(f"declined by {backend} ({shown}): {reason}")
         c = self.counts
         lines.append(f"{c['pass']} passed, {c['FAIL']} failed, {c['declined']} declined "
-                     f"({len(self.outcomes)} runs)")
+                     f"({len(self.outcomes)} runs"
+                     f"{', interrupted' if self.settings.get('interrupted') else ''})")
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
@@ -96,4 +102,8 @@ class SelftestReport:
                 "unavailable": self.unavailable, "results": [o.as_dict() for o in self.outcomes]}
 
     def to_json(self, path) -> None:
-        Path(path).write_text(json.dumps(self.as_dict(), indent=1, default=str) + "\n")
+        """Write :meth:`as_dict` to ``path`` whole or not at all (a temporary file, renamed)."""
+        path = Path(path)
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(json.dumps(self.as_dict(), indent=1, default=str) + "\n")
+        os.replace(partial, path)

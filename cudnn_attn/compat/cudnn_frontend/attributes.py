@@ -53,12 +53,12 @@ import dataclasses
 
 import torch
 
-from ... import _checks, dispatch, stored_calls
+from ... import _checks, execution, stored_calls
 from ...errors import NotSupportedError
 from ...kv_heads import head_counts_differ, repeat_to_common_heads, sum_to_heads
 from ...problem import AttnProblem
 from ...sinks import check_sinks, merge_sinks, sink_gradient
-from ...runtime import DropoutState, Inputs, hide_padded_rows, hide_padding
+from ...runtime import DropoutState, Inputs, hide_padded_rows
 from ...storage import Paged
 from ...stored_calls import meta_like
 from . import packed
@@ -100,7 +100,8 @@ def _problem(attrs, q, k, v, need_stats, backward=False, storage=None):
         problem = dataclasses.replace(problem, deterministic=True)
     if backward and getattr(attrs, "dbias", None) is not None:
         problem = dataclasses.replace(problem, requires_grad=True, bias_requires_grad=True)
-    plan = dispatch.plan_for(problem)[1]
+    # A Philox stream is replayed by the engine that drew it (execution.plan_call pins it).
+    _, problem, plan = execution.plan_call(problem)
     return problem, plan, Inputs(q, k, v, bias, dropout, dropout_mask=keep)
 
 
@@ -197,8 +198,7 @@ def scaled_dot_product_flash_attention(q, k, v, attrs: SdpaAttributes):
             k, v = repeat_to_common_heads(q, k, v, "bhsd")
         call = _problem(attrs, q, k, v, need or sinks is not None)
     problem, plan, inputs = call
-    o, lse = plan.forward(problem, hide_padding(problem, inputs),
-                          need_lse=need or sinks is not None)
+    o, lse = execution.forward(problem, plan, inputs, need_lse=need or sinks is not None)
     if sinks is not None:
         o, lse = merge_sinks(o, lse, check_sinks(sinks, problem.heads_q, q), "bhsd")
     return o, (lse.unsqueeze(-1) if need else None)
@@ -242,7 +242,7 @@ def scaled_dot_product_flash_attention_backward(q, k, v, o, dO, stats,
     o, dO = hide_padded_rows(problem, o), hide_padded_rows(problem, dO)
     # With sinks, the forward's stats include them: the engine's backward is then already the
     # backward of attention with sinks (cudnn_attn.sinks); only dSink is computed here.
-    dq, dk, dv, dbias = plan.backward(problem, hide_padding(problem, inputs), o, lse, dO)
+    dq, dk, dv, dbias = execution.backward(problem, plan, inputs, o, lse, dO)
     if attrs.dbias is not None:
         attrs.dbias.copy_(dbias.reshape(attrs.dbias.shape))
     if attrs.dsink_token is not None:

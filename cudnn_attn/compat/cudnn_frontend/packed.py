@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from ... import dispatch
+from ... import execution
 from ...errors import NotSupportedError
 from ...masks import Alibi
 from ...runtime import DropoutState, Inputs
@@ -81,17 +81,14 @@ class _Call:
             self.dropout_p, self.dropout = attrs.dropout[1], DropoutState(*attrs.dropout[2:])
 
     def native(self, q, k, v, grad: bool):
-        """``(problem, plan)`` on an engine that addresses packed storage, or ``None``."""
-        try:
-            problem = varlen_problem(q, k, v, self.cu_q, self.cu_kv, self.max_q, self.max_kv,
-                                     mask=self.mask, bias=self.alibi, read=False, scale=self.scale,
-                                     dropout_p=self.dropout_p, return_lse=True)
-            problem = dataclasses.replace(problem, requires_grad=grad)
-            return problem, dispatch.plan_for(problem, "auto")[1]
-        except NotSupportedError:
-            if self.dropout_p > 0:  # the Philox stream is cuDNN's: no other engine replays it
-                raise
-            return None
+        """``(engine, problem, plan)`` on an engine that runs packed storage as it lies, or
+        ``None`` (then ``varlen``: the dense-batch route every surface shares)."""
+        problem = varlen_problem(q, k, v, self.cu_q, self.cu_kv, self.max_q, self.max_kv,
+                                 mask=self.mask, bias=self.alibi, read=False, scale=self.scale,
+                                 dropout_p=self.dropout_p, return_lse=True)
+        # The Philox stream is cuDNN's: no other engine replays it, so a decline raises.
+        return execution.plan_stored(dataclasses.replace(problem, requires_grad=grad),
+                                     required=self.dropout_p > 0)
 
     def varlen(self, q, k, v):
         return attention_varlen(q, k, v, self.cu_q, self.cu_kv, self.max_q, self.max_kv,
@@ -105,9 +102,8 @@ def forward(attrs, q, k, v, need_stats: bool):
     call = _Call(attrs, q, k, v, backward=False)
     found = call.native(q, k, v, grad=False)
     if found is not None:
-        problem, plan = found
-        with torch.no_grad():
-            out, lse = plan.forward(problem, Inputs(q, k, v, None, call.dropout), need_lse=True)
+        _, problem, plan = found
+        out, lse = execution.forward(problem, plan, Inputs(q, k, v, None, call.dropout))
     else:
         out, lse = call.varlen(q, k, v)
     return out, (lse.t().unsqueeze(-1).contiguous() if need_stats else None)
@@ -123,9 +119,9 @@ def backward(attrs, q, k, v, o, dO, stats):
     lse = stats.detach().reshape(q.shape[0], q.shape[1]).t()
     found = call.native(q, k, v, grad=True)
     if found is not None:
-        problem, plan = found
-        with torch.no_grad():
-            dq, dk, dv, _ = plan.backward(problem, Inputs(q, k, v, None, call.dropout), o, lse, dO)
+        _, problem, plan = found
+        dq, dk, dv, _ = execution.backward(problem, plan, Inputs(q, k, v, None, call.dropout), o,
+                                           lse, dO)
         return dq, dk, dv
     with torch.enable_grad():  # the same call again, differentiated (no dropout here)
         leaves = [t.requires_grad_(True) for t in (q.clone(), k.clone(), v.clone())]

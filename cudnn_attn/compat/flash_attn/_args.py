@@ -18,11 +18,11 @@ from ...masks import Alibi
 from ...problem import accumulator_dtype
 from ...runtime import DropoutState
 
-__all__ = ["FlashAttnValueError", "FlashAttnTypeError", "runtime_errors", "_Options", "_like",
-           "_generator", "_same_dtype", "_alibi", "_philox", "_seed_tensors", "_into", "_softmax_d",
-           "_dense_qkv", "_flag"]
+__all__ = ["FlashAttnValueError", "FlashAttnTypeError", "runtime_errors", "Options", "like",
+           "generator_arg", "same_dtype", "alibi_arg", "philox_state", "seed_tensors", "into", "softmax_d_of",
+           "dense_qkv", "flag"]
 
-_flag = _checks.flag
+flag = _checks.flag
 
 
 class FlashAttnValueError(ValueError, RuntimeError):
@@ -55,7 +55,7 @@ def _window(name: str, value) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Options:
+class Options:
     """The scalar arguments every ``mha_*`` takes, validated."""
 
     p_dropout: float
@@ -67,11 +67,11 @@ class _Options:
 
     @staticmethod
     def of(head_size, p_dropout, softmax_scale, is_causal, window_size_left, window_size_right,
-           softcap) -> _Options:
-        scale = head_size ** -0.5 if softmax_scale is None else \
+           softcap) -> Options:
+        scale = _checks.default_scale(head_size) if softmax_scale is None else \
             _checks.real("softmax_scale", softmax_scale)
         p = _checks.real("p_dropout", p_dropout, ok=lambda x: 0 <= x < 1, bound=" in [0, 1)")
-        return _Options(p, scale,
+        return Options(p, scale,
                         _checks.flag("is_causal", is_causal),
                         _window("window_size_left", window_size_left),
                         _window("window_size_right", window_size_right),
@@ -89,7 +89,7 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
     return False
 
 
-def _like(name: str, t, shape: tuple, ref: torch.Tensor, *, optional=False, any_float=False):
+def like(name: str, t, shape: tuple, ref: torch.Tensor, *, optional=False, any_float=False):
     """``t`` is a tensor of ``shape`` on ``ref``'s (q's) device with q's dtype (any float dtype
     with ``any_float``); ``None`` passes when ``optional`` (an output buffer, which must not
     overlap itself: writing one value to two places is not a result)."""
@@ -102,19 +102,19 @@ def _like(name: str, t, shape: tuple, ref: torch.Tensor, *, optional=False, any_
     return t
 
 
-def _generator(gen_):
+def generator_arg(gen_):
     if gen_ is not None and not isinstance(gen_, torch.Generator):
         raise TypeError(f"gen_ must be None or a torch.Generator, got {type(gen_).__name__}")
     return gen_
 
 
-def _same_dtype(q, k, v) -> None:
+def same_dtype(q, k, v) -> None:
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise TypeError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, "
                         f"v={v.dtype}")
 
 
-def _alibi(slopes, batch: int, heads: int, device):
+def alibi_arg(slopes, batch: int, heads: int, device):
     if slopes is None:
         return None
     if not isinstance(slopes, torch.Tensor):
@@ -143,31 +143,31 @@ def _seed_arg(name: str, value) -> int:
     return int(value)
 
 
-def _philox(philox_seed, philox_offset) -> DropoutState:
+def philox_state(philox_seed, philox_offset) -> DropoutState:
     """The dropout stream ``mha_fwd`` returned, as the engines' ``DropoutState``."""
     return DropoutState(_seed_arg("philox_seed", philox_seed),
                         _seed_arg("philox_offset", philox_offset))
 
 
-def _seed_tensors(dropout: DropoutState):
+def seed_tensors(dropout: DropoutState):
     return (torch.tensor(dropout.seed, dtype=torch.int64),
             torch.tensor(dropout.offset, dtype=torch.int64))
 
 
-def _into(buf, value: torch.Tensor) -> torch.Tensor:
+def into(buf, value: torch.Tensor) -> torch.Tensor:
     if buf is None:
         return value.contiguous()
     buf.copy_(value)
     return buf
 
 
-def _softmax_d(dout, out, dtype) -> torch.Tensor:
+def softmax_d_of(dout, out, dtype) -> torch.Tensor:
     """``rowsum(dout * out)`` in the lse dtype (float32; float64 for float64 inputs)."""
     dtype = accumulator_dtype(dtype)
     return (dout.to(dtype) * out.to(dtype)).sum(-1)
 
 
-def _dense_qkv(q, k, v):
+def dense_qkv(q, k, v):
     return (_checks.tensor("q", q, ndim=4, what="[batch_size, seqlen_q, num_heads, head_size]"),
             _checks.tensor("k", k, ndim=4, what="[batch_size, seqlen_k, num_heads_k, head_size]"),
             _checks.tensor("v", v, ndim=4, what="[batch_size, seqlen_k, num_heads_k, head_size_v]"))

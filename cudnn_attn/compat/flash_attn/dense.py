@@ -4,8 +4,8 @@ conventions are in ``cudnn_attn.compat.flash_attn.mha``'s docstring."""
 from __future__ import annotations
 
 from . import _core, _probs
-from ._args import (_Options, _alibi, _dense_qkv, _flag, _generator, _into, _like, _philox,
-                    _same_dtype, _seed_tensors, _softmax_d, runtime_errors)
+from ._args import (Options, alibi_arg, dense_qkv, flag, generator_arg, into, like, philox_state,
+                    same_dtype, seed_tensors, softmax_d_of, runtime_errors)
 
 __all__ = ["mha_fwd", "mha_bwd"]
 
@@ -21,22 +21,22 @@ def mha_fwd(q, k, v, out_, alibi_slopes_, p_dropout, softmax_scale, is_causal, w
     FlashAttention's encoding, ``[B, H, round128(S_q), round128(S_k)]`` (else an empty tensor).
     See the module docstring for the conventions.
     """
-    q, k, v = _dense_qkv(q, k, v)
+    q, k, v = dense_qkv(q, k, v)
     batch, seq_q, heads, _ = q.shape
-    opts = _Options.of(q.shape[3], p_dropout, softmax_scale, is_causal, window_size_left,
+    opts = Options.of(q.shape[3], p_dropout, softmax_scale, is_causal, window_size_left,
                        window_size_right, softcap)
-    mask = _core._fa_mask(opts, k.shape[1], seq_q == k.shape[1], alibi_slopes_ is not None)
-    return_softmax = _flag("return_softmax", return_softmax)
-    gen_ = _generator(gen_)
-    alibi = _alibi(alibi_slopes_, batch, heads, q.device)
-    _like("out_", out_, (batch, seq_q, heads, v.shape[3]), q, optional=True)
+    mask = _core.fa_mask(opts, k.shape[1], seq_q == k.shape[1], alibi_slopes_ is not None)
+    return_softmax = flag("return_softmax", return_softmax)
+    gen_ = generator_arg(gen_)
+    alibi = alibi_arg(alibi_slopes_, batch, heads, q.device)
+    like("out_", out_, (batch, seq_q, heads, v.shape[3]), q, optional=True)
 
-    out, lse, dropout, probs, keep = _core._forward(q, k, v, mask, alibi, opts, return_softmax,
+    out, lse, dropout, probs, keep = _core.forward(q, k, v, mask, alibi, opts, return_softmax,
                                                     gen_)
     p = q.new_empty(0)
     if probs is not None:
         p = _probs.encode(probs, keep, q.shape[3], opts.causal, q.dtype)
-    return (_into(out_, out), q, k, v, lse.contiguous(), *_seed_tensors(dropout), p)
+    return (into(out_, out), q, k, v, lse.contiguous(), *seed_tensors(dropout), p)
 
 
 @runtime_errors
@@ -49,21 +49,21 @@ def mha_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, alibi_slopes_, p_dro
     ``philox_offset`` (the same dropout mask is regenerated). ``dq_``/``dk_``/``dv_`` are written
     and returned when given. ``softmax_d = rowsum(dout * out)``, ``[B, H, S_q]``.
     """
-    q, k, v = _dense_qkv(q, k, v)
-    _same_dtype(q, k, v)
+    q, k, v = dense_qkv(q, k, v)
+    same_dtype(q, k, v)
     batch, seq_q, heads, _ = q.shape
     o_shape = (batch, seq_q, heads, v.shape[3])
-    out, dout = _like("out", out, o_shape, q), _like("dout", dout, o_shape, q)
-    lse = _like("softmax_lse", softmax_lse, (batch, heads, seq_q), q, any_float=True)
-    bufs = [_like(n, b, t.shape, q, optional=True)
+    out, dout = like("out", out, o_shape, q), like("dout", dout, o_shape, q)
+    lse = like("softmax_lse", softmax_lse, (batch, heads, seq_q), q, any_float=True)
+    bufs = [like(n, b, t.shape, q, optional=True)
             for n, b, t in (("dq_", dq_, q), ("dk_", dk_, k), ("dv_", dv_, v))]
-    opts = _Options.of(q.shape[3], p_dropout, softmax_scale, is_causal, window_size_left,
+    opts = Options.of(q.shape[3], p_dropout, softmax_scale, is_causal, window_size_left,
                        window_size_right, softcap)
-    mask = _core._fa_mask(opts, k.shape[1], seq_q == k.shape[1], alibi_slopes_ is not None)
-    deterministic = _flag("deterministic", deterministic)
-    alibi = _alibi(alibi_slopes_, batch, heads, q.device)
-    dropout = _philox(philox_seed, philox_offset)
+    mask = _core.fa_mask(opts, k.shape[1], seq_q == k.shape[1], alibi_slopes_ is not None)
+    deterministic = flag("deterministic", deterministic)
+    alibi = alibi_arg(alibi_slopes_, batch, heads, q.device)
+    dropout = philox_state(philox_seed, philox_offset)
 
-    grads = _core._backward(dout, q, k, v, out, lse, mask, alibi, opts, deterministic, dropout)
-    softmax_d = _softmax_d(dout, out, q.dtype).permute(0, 2, 1).contiguous()
-    return (*(_into(b, g) for b, g in zip(bufs, grads)), softmax_d)
+    grads = _core.backward(dout, q, k, v, out, lse, mask, alibi, opts, deterministic, dropout)
+    softmax_d = softmax_d_of(dout, out, q.dtype).permute(0, 2, 1).contiguous()
+    return (*(into(b, g) for b, g in zip(bufs, grads)), softmax_d)

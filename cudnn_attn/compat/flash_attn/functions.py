@@ -11,12 +11,13 @@ import torch
 
 from ...api import attention
 from ...errors import NotSupportedError
+from ...masks import alibi_distance
 from ...problem import accumulator_dtype
 from ...varlen import attention_varlen
 from . import _core
 from .dense import mha_bwd, mha_fwd
 from .varlen import mha_varlen_bwd, mha_varlen_fwd
-from ._args import _Options, runtime_errors
+from ._args import Options, runtime_errors
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
@@ -70,13 +71,13 @@ def _alibi_bias(slopes: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch
     work = accumulator_dtype(q.dtype)
     rows = torch.arange(seq_q, device=q.device)[:, None] + (seq_k - seq_q)
     cols = torch.arange(seq_k, device=q.device)[None, :]
-    distance = (rows - cols).abs().to(work)
+    distance = alibi_distance(rows, cols, work)
     return -slopes.detach().to(q.device, work).reshape(-1, heads, 1, 1) * distance
 
 
 def _traced_options(head_dim, dropout_p, softmax_scale, causal, window_size, softcap):
     left, right = window_pair(window_size)
-    return _Options.of(head_dim, dropout_p, softmax_scale, causal, left, right, softcap)
+    return Options.of(head_dim, dropout_p, softmax_scale, causal, left, right, softcap)
 
 
 def _traced_results(result, q, return_probs):
@@ -184,7 +185,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """
     if _traced(q, k, v) and _traceable(alibi_slopes, dropout_p, return_attn_probs, q):
         opts = _traced_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, softcap)
-        mask = _core._fa_mask(opts, k.shape[1], q.shape[1] == k.shape[1], False)
+        mask = _core.fa_mask(opts, k.shape[1], q.shape[1] == k.shape[1], False)
         bias = None if alibi_slopes is None else _alibi_bias(alibi_slopes, q, k)
         return _traced_results(
             attention(q, k, v, mask=mask, bias=bias, scale=opts.scale, dropout_p=opts.p_dropout,
@@ -252,7 +253,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             _traceable(alibi_slopes, dropout_p, return_attn_probs):
         opts = _traced_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, softcap)
         # Per sequence, bottom-right equals top-left where lengths agree: one alignment for all.
-        mask = _core._fa_mask(opts, max_seqlen_k, False, False)
+        mask = _core.fa_mask(opts, max_seqlen_k, False, False)
         return _traced_results(
             attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              mask=mask, scale=opts.scale, dropout_p=opts.p_dropout,

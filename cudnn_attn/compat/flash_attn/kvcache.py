@@ -1,7 +1,7 @@
 """FlashAttention's ``flash_attn_with_kvcache``: decoding against a dense or paged KV cache, with
 the in-place append of new keys/values, rotary embedding, ``cache_batch_idx`` and
 ``cache_leftpad``. The call becomes a padded ``bshd`` batch of each sequence's keys with a
-``Padding`` mask and runs through ``_core._forward`` like every FlashAttention entry point.
+``Padding`` mask and runs through ``_core.forward`` like every FlashAttention entry point.
 
 FlashAttention's rules, for sequence ``b`` (``n = cache_seqlens[b]``, ``l = cache_leftpad[b]``,
 ``S_new`` the new tokens, ``row = cache_batch_idx[b]``):
@@ -23,7 +23,7 @@ import torch
 from ... import _checks
 from ...varlen import gather_pages, index_tensor, with_padding
 from . import _core, native
-from ._args import _Options, _alibi, runtime_errors
+from ._args import Options, alibi_arg, runtime_errors
 from .functions import window_pair
 from .rotary import apply_rotary
 
@@ -125,8 +125,8 @@ class _Cache:
         self.v_cache.index_put_(where, v)
 
     def keys(self, lefts: list[int], ends: list[int]):
-        """Each sequence's cache positions ``lefts[b] .. ends[b] - 1`` as a padded batch, zeros
-        past each length (slots past a length may hold anything, NaN included)."""
+        """Each sequence's cache positions ``lefts[b] .. ends[b] - 1`` as a padded batch (slots
+        past a length may hold anything, NaN included) and the lengths."""
         lens = [e - s for s, e in zip(lefts, ends)]
         width = max(1, max(lens))
         if self.capacity == 0:  # an empty cache: one slot that Padding hides
@@ -142,10 +142,7 @@ class _Cache:
                          torch.arange(width, device=device)).clamp(max=self.capacity - 1)
             where = self._slots(positions)
             k, v = self.k_cache[where], self.v_cache[where]
-        past = torch.arange(k.shape[1], device=k.device)[None, :] >= \
-            torch.tensor(lens, device=k.device)[:, None]
-        past = past[:, :, None, None]
-        return k.masked_fill(past, 0), v.masked_fill(past, 0), lens
+        return k, v, lens  # the call's Padding hides what lies past each length (execution)
 
 
 def _new_kv(k, v, q, cache: _Cache):
@@ -232,7 +229,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError("cache_seqlens must be given with new k/v (where to append them)")
     if native.takes_kvcache(q, cache_seqlens, cache_batch_idx, cache_leftpad, alibi_slopes):
         left, right = window_pair(window_size)
-        opts = _Options.of(head_dim, 0.0, softmax_scale, causal, left, right, softcap)
+        opts = Options.of(head_dim, 0.0, softmax_scale, causal, left, right, softcap)
         _checks.flag("rotary_interleaved", rotary_interleaved)
         _checks.integer("num_splits", num_splits, tensors=True)
         _checks.flag("return_softmax_lse", return_softmax_lse)
@@ -258,11 +255,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                                         q.device), batch, q.device, 0)
         _check_range("cache_leftpad", lefts, 0, lens, "0 <= cache_leftpad <= cache_seqlens")
     left, right = window_pair(window_size)
-    opts = _Options.of(head_dim, 0.0, softmax_scale, causal, left, right, softcap)
+    opts = Options.of(head_dim, 0.0, softmax_scale, causal, left, right, softcap)
     _checks.flag("rotary_interleaved", rotary_interleaved)
     _checks.integer("num_splits", num_splits, tensors=True)
     _checks.flag("return_softmax_lse", return_softmax_lse)
-    alibi = _alibi(alibi_slopes, batch, heads, q.device)
+    alibi = alibi_arg(alibi_slopes, batch, heads, q.device)
     per_token = _core.fa_positions_per_token(opts, cache.capacity)
     need = max(n + max(seq_new, seq_q if per_token else 1) for n in lens)
     rotary = _rotary_tables(rotary_cos, rotary_sin, head_dim, need)
@@ -281,9 +278,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k is not None:
             cache.append(k, v, lens)
         keys, values, lens_k = cache.keys(lefts, [n + seq_new for n in lens])
-        mask = with_padding(_core._fa_mask(opts, cache.capacity, all(n == seq_q for n in lens_k),
+        mask = with_padding(_core.fa_mask(opts, cache.capacity, all(n == seq_q for n in lens_k),
                                            alibi is not None),
                             [seq_q] * batch, lens_k, seq_q, keys.shape[1])
-        out, lse, *_ = _core._forward(q, keys, values, mask, alibi, opts, False, None)
+        out, lse, *_ = _core.forward(q, keys, values, mask, alibi, opts, False, None)
     out = out.contiguous()
     return (out, lse.contiguous()) if return_softmax_lse else out

@@ -18,14 +18,13 @@ from typing import Optional
 
 import torch
 
-from ... import _checks, dispatch, stored_calls
-from ...api import run
+from ... import _checks, execution, stored_calls
 from ...errors import NotSupportedError
 from ...problem import AttnProblem
 from ...runtime import DropoutState, Inputs
 from ...stored_calls import kvcache_problem, varlen_problem
-from . import _core
-from ._args import _Options
+from ._args import Options
+from ._core import fa_mask, fa_positions_per_token
 from .rotary import apply_rotary
 
 __all__ = ["takes", "forward", "backward", "takes_kvcache", "kvcache"]
@@ -37,51 +36,44 @@ def takes(q, paged: bool, alibi_slopes, return_softmax: bool) -> bool:
             and not return_softmax)
 
 
-def _problem(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts: _Options, grad: bool,
+def _problem(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts: Options, grad: bool,
              deterministic: bool = False) -> AttnProblem:
     same = cu_q is cu_k and seqused_k is None
-    mask = _core._fa_mask(opts, max_k, same, False)
-    problem = varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, mask=mask, read=False,
-                             seqused_k=seqused_k, scale=opts.scale, dropout_p=opts.p_dropout,
-                             softcap=opts.softcap, return_lse=True)
-    # A dropout forward is planned as for its backward, so both pick the engine (and mask).
-    return dataclasses.replace(problem, requires_grad=grad or opts.p_dropout > 0,
-                               deterministic=deterministic)
+    problem = varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, mask=fa_mask(opts, max_k, same),
+                             read=False, seqused_k=seqused_k, scale=opts.scale,
+                             dropout_p=opts.p_dropout, softcap=opts.softcap, return_lse=True)
+    return dataclasses.replace(problem, requires_grad=grad, deterministic=deterministic)
 
 
-def forward(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts: _Options, gen_):
+def forward(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts: Options, gen_):
     """``(out [total_q, H, D_v], lse [H, total_q], dropout state)``, or ``None`` when no engine
     runs the packed problem."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    problem = _problem(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts, grad=False)
-    try:
-        plan = dispatch.plan_for(problem, "auto")[1]
-    except NotSupportedError:  # the caller builds dense batches
+    found = execution.plan_stored(_problem(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts,
+                                           grad=False))
+    if found is None:  # the caller builds dense batches
         return None
+    _, problem, plan = found
     dropout = DropoutState.draw(gen_) if opts.p_dropout > 0 else DropoutState(0, 0)
     inputs = Inputs(q, k, v, None, dropout if opts.p_dropout > 0 else None)
-    with torch.no_grad():
-        out, lse = plan.forward(problem, inputs, need_lse=True)
+    out, lse = execution.forward(problem, plan, inputs)
     return out, lse, dropout
 
 
-def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts: _Options,
+def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts: Options,
              deterministic: bool, dropout: DropoutState) -> Optional[tuple]:
     """``(dq, dk, dv)`` through the packed engine's backward, or ``None`` when none runs it.
     A dropout mask can only be replayed by the engine that drew it: then a decline raises."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     problem = _problem(q, k, v, cu_q, cu_k, None, max_q, max_k, opts, grad=True,
                        deterministic=deterministic or torch.are_deterministic_algorithms_enabled())
-    try:
-        plan = dispatch.plan_for(problem, "auto")[1]
-    except NotSupportedError:
-        if opts.p_dropout > 0:
-            raise
+    found = execution.plan_stored(problem, required=opts.p_dropout > 0)
+    if found is None:
         return None
-    lse = _core.engine_lse(lse)
+    _, problem, plan = found
     inputs = Inputs(q, k, v, None, dropout if opts.p_dropout > 0 else None)
-    with torch.no_grad():
-        dq, dk, dv, _ = plan.backward(problem, inputs, out.contiguous(), lse, dout.contiguous())
+    dq, dk, dv, _ = execution.backward(problem, plan, inputs, out.contiguous(),
+                                       execution.lse_from_flash(lse), dout.contiguous())
     return dq, dk, dv
 
 
@@ -99,7 +91,7 @@ def takes_kvcache(q, cache_seqlens, cache_batch_idx, cache_leftpad, alibi_slopes
 
 
 def kvcache(q, cache, k, v, cache_seqlens, block_table, rotary, interleaved: bool,
-            opts: _Options):
+            opts: Options):
     """``(out, lse)`` of ``flash_attn_with_kvcache`` with nothing read on the host (a decode
     step that can be captured in a CUDA graph), or ``None`` (before any side effect) when no
     engine runs the cache as it lies. ``cache`` is ``kvcache._Cache``; ``rotary`` its checked
@@ -123,21 +115,20 @@ def kvcache(q, cache, k, v, cache_seqlens, block_table, rotary, interleaved: boo
     starts = lens.to(torch.int64)[:, None]
     if rotary is not None:
         per_token = torch.arange(seq_q, device=q.device)
-        step = per_token if _core.fa_positions_per_token(opts, cache.capacity) else \
+        step = per_token if fa_positions_per_token(opts, cache.capacity) else \
             torch.zeros_like(per_token)
         q = apply_rotary(q, *rotary, starts + step, interleaved)
         k = apply_rotary(k, *rotary, starts + torch.arange(seq_new, device=q.device), interleaved)
-    mask = _core._fa_mask(opts, cache.capacity, False, False)
     try:
         problem = kvcache_problem(q, cache.k_cache, cache.v_cache, lens + seq_new, block_table,
-                                  mask=mask, read=False, scale=opts.scale, softcap=opts.softcap,
-                                  return_lse=True)
-        engine, plan = dispatch.plan_for(problem, "auto")
+                                  mask=fa_mask(opts, cache.capacity, False), read=False,
+                                  scale=opts.scale, softcap=opts.softcap, return_lse=True)
     except NotSupportedError:
         return None
-    if engine.name != "cudnn":  # another engine would read a dense cache whole: dense path
+    found = execution.plan_stored(problem)
+    if found is None:
         return None
+    _, problem, plan = found
     if k is not None:
         cache.append(k, v, starts, check=False)
-    with torch.no_grad():
-        return run(problem, plan, Inputs(q, cache.k_cache, cache.v_cache), True)
+    return execution.forward(problem, plan, Inputs(q, cache.k_cache, cache.v_cache))

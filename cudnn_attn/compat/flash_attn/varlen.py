@@ -1,70 +1,42 @@
 """FlashAttention's packed (varlen) entry points ``mha_varlen_fwd`` / ``mha_varlen_bwd``
 (``[total, H, D]`` with ``cu_seqlens``, optional paged K/V). On the torch engine (the rule of
 ``cudnn_attn.varlen_groups.by_length_groups``) and without dropout, weights or paging, the sequences run
-as one dense batch per distinct ``(len_q, len_k)``, so each costs its own length; otherwise as one
-batch padded to the longest with a ``Padding`` mask. Conventions:
+as one dense batch per distinct ``(len_q, len_k)`` (``varlen_groups.grouped_varlen``), so each costs
+its own length; otherwise as one batch padded to ``max_seqlen`` with a ``Padding`` mask
+(``varlen.PaddedBatch``): the fallback every surface shares when no engine runs the packed tensors
+as they lie (``native``). Conventions:
 ``cudnn_attn.compat.flash_attn.mha``'s docstring."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ... import _checks
-from ...problem import accumulator_dtype
 from ...runtime import DropoutState
-from ...varlen import cu_lengths, gather_pages, index_tensor, pad_tokens, token_slots, with_padding
-from ...varlen_groups import by_length_groups, group_bias, length_groups, packed_rows
+from ...varlen import PaddedBatch, cu_lengths, gather_pages, index_tensor
+from ...varlen_args import check_maxima
+from ...varlen_groups import by_length_groups, grouped_varlen
 from . import _core, _probs, native
-from ._args import (_Options, _alibi, _flag, _generator, _into, _like, _philox, _same_dtype,
-                    _seed_tensors, _softmax_d, runtime_errors)
+from ._args import (Options, alibi_arg, flag, generator_arg, into, like, philox_state, same_dtype,
+                    seed_tensors, softmax_d_of, runtime_errors)
 
 __all__ = ["mha_varlen_fwd", "mha_varlen_bwd"]
 
 
-class _Packing:
-    """Lengths and padded-slot tables of a packed batch: ``[total, H, D]`` <-> ``[B, S, H, D]``."""
+def _packing(lens_q, lens_k, max_seqlen_q, max_seqlen_k, device):
+    """``(batch, max_q, max_k)``: the packed batch padded to ``max_seqlen_q/k`` (FlashAttention's
+    bounds; the weights of ``return_softmax`` span them), at least one slot, which the
+    ``Padding`` hides."""
+    max_q, max_k = check_maxima(max_seqlen_q, max_seqlen_k, lens_q, lens_k)
+    return PaddedBatch(lens_q, lens_k, max(max_q, 1), max(max_k, 1), device), max_q, max_k
 
-    def __init__(self, lens_q, lens_k, max_seqlen_q, max_seqlen_k, device):
-        self.lens_q, self.lens_k = lens_q, lens_k
-        self.batch = len(lens_q)
-        for name, value, lens in (("max_seqlen_q", max_seqlen_q, lens_q),
-                                  ("max_seqlen_k", max_seqlen_k, lens_k)):
-            _checks.integer(name, value)
-            if value < max(lens):
-                raise ValueError(f"{name} must be >= the longest sequence ({max(lens)}), got "
-                                 f"{value}")
-        self.max_q, self.max_k = int(max_seqlen_q), int(max_seqlen_k)
-        # The engines need non-empty axes: an all-empty side pads to one slot Padding hides.
-        self.seq_q, self.seq_k = max(self.max_q, 1), max(self.max_k, 1)
-        self.slots_q = token_slots(lens_q, self.seq_q, device)
-        self.slots_k = token_slots(lens_k, self.seq_k, device)
 
-    def mask(self, opts: _Options, alibi: bool):
-        fa = _core._fa_mask(opts, self.max_k, self.lens_q == self.lens_k, alibi)
-        return with_padding(fa, self.lens_q, self.lens_k, self.seq_q, self.seq_k)
-
-    def pad_q(self, x):
-        return pad_tokens(x, self.lens_q, self.seq_q, self.slots_q)
-
-    def pad_k(self, x):
-        return pad_tokens(x, self.lens_k, self.seq_k, self.slots_k)
-
-    def unpad(self, x, slots):
-        return x.reshape(-1, *x.shape[2:]).index_select(0, slots)
-
-    def lse_packed(self, lse):
-        """[B, H, S] -> FlashAttention 2's varlen [H, total_q]."""
-        heads = lse.shape[1]
-        return lse.permute(1, 0, 2).reshape(heads, -1).index_select(1, self.slots_q)
-
-    def lse_padded(self, lse):
-        """[H, total_q] -> [B, H, S] with -inf in the padding rows."""
-        heads = lse.shape[0]
-        full = lse.new_full((heads, self.batch * self.seq_q), -math.inf)
-        full[:, self.slots_q] = lse
-        return full.view(heads, self.batch, self.seq_q).permute(1, 0, 2)
+def _grouped(q, k, v, lens_q, lens_k, max_k: int, opts: Options, alibi):
+    """``(out [total_q, H, D_v], lse [H, total_q])`` through ``varlen_groups.grouped_varlen``
+    (one dense batch per length group, the torch engine's route). FlashAttention normalizes its
+    window against ``max_seqlen_k``, not the sequence's length: so does the mask here."""
+    return grouped_varlen(q, k, v, lens_q, lens_k, _core.fa_mask(opts, max_k, False, alibi is not None),
+                          alibi, opts.scale, opts.softcap, True, "auto")
 
 
 def _varlen_heads(q, k, v, paged: bool):
@@ -108,20 +80,12 @@ def _fit(x: torch.Tensor, seq: int) -> torch.Tensor:
     return torch.cat([x, pad], dim=1)
 
 
-def _hide_past(x: torch.Tensor, lens) -> torch.Tensor:
-    """Zero the slots past each length: they may hold anything (NaN included), and a hidden key's
-    weight is 0 but ``0 * NaN`` is not."""
-    past = torch.arange(x.shape[1], device=x.device)[None, :] >= \
-        torch.tensor(lens, device=x.device)[:, None]
-    return x.masked_fill(past[:, :, None, None], 0)
-
-
 def _varlen_keys(k, v, lens_k, full_k, table, pack):
     """Each sequence's keys/values as a padded ``[B, S_k, H_k, D]`` batch (paged caches
     gathered, keys past ``seqused_k`` left out)."""
     if table is not None:
         pages = gather_pages(k, v, table, lens_k)
-        return tuple(_hide_past(_fit(x, pack.seq_k), lens_k) for x in pages)
+        return tuple(_fit(x, pack.seq_k) for x in pages)  # the Padding hides past lens_k
     if lens_k != full_k:  # only the first seqused_k[b] keys of each sequence
         starts = torch.tensor([0, *full_k[:-1]]).cumsum(0).tolist()
         index = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens_k)]).to(k.device)
@@ -182,43 +146,44 @@ def mha_varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, block_t
     """
     paged = block_table_ is not None
     q, k, v = _varlen_heads(q, k, v, paged)
-    return_softmax = _flag("return_softmax", return_softmax)
+    return_softmax = flag("return_softmax", return_softmax)
     if native.takes(q, paged, alibi_slopes_, return_softmax):
-        opts = _Options.of(q.shape[-1], p_dropout, softmax_scale, is_causal, window_size_left,
+        opts = Options.of(q.shape[-1], p_dropout, softmax_scale, is_causal, window_size_left,
                            window_size_right, softcap)
-        _flag("zero_tensors", zero_tensors)
-        _like("out_", out_, (q.shape[0], q.shape[1], v.shape[-1]), q, optional=True)
+        flag("zero_tensors", zero_tensors)
+        like("out_", out_, (q.shape[0], q.shape[1], v.shape[-1]), q, optional=True)
         res = native.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                             max_seqlen_k, opts, _generator(gen_))
+                             max_seqlen_k, opts, generator_arg(gen_))
         if res is not None:
             out, lse, dropout = res
-            return (_into(out_, out), q, k, v, lse, *_seed_tensors(dropout), q.new_empty(0))
+            return (into(out_, out), q, k, v, lse, *seed_tensors(dropout), q.new_empty(0))
     lens_q, full_k = _batch_lengths(q, k, cu_seqlens_q, cu_seqlens_k, paged)
     lens_k = full_k if seqused_k is None else _used_lengths(seqused_k, full_k, paged, q.device)
     table = _block_table(block_table_, lens_k, k.shape[1], q.device) if paged else None
-    pack = _Packing(lens_q, lens_k, max_seqlen_q, max_seqlen_k, q.device)
-    opts = _Options.of(q.shape[-1], p_dropout, softmax_scale, is_causal, window_size_left,
-                       window_size_right, softcap)
-    _flag("zero_tensors", zero_tensors)
-    mask = pack.mask(opts, alibi_slopes_ is not None)
-    gen_ = _generator(gen_)
-    alibi = _alibi(alibi_slopes_, pack.batch, q.shape[1], q.device)
-    _like("out_", out_, (q.shape[0], q.shape[1], v.shape[-1]), q, optional=True)
+    pack, max_q, max_k = _packing(lens_q, lens_k, max_seqlen_q, max_seqlen_k, q.device)
+    opts = Options.of(q.shape[-1], p_dropout, softmax_scale, is_causal, window_size_left,
+                      window_size_right, softcap)
+    flag("zero_tensors", zero_tensors)
+    gen_ = generator_arg(gen_)
+    alibi = alibi_arg(alibi_slopes_, pack.batch, q.shape[1], q.device)
+    like("out_", out_, (q.shape[0], q.shape[1], v.shape[-1]), q, optional=True)
 
     if (by_length_groups(q, "auto", opts.p_dropout) and not return_softmax and not paged
             and seqused_k is None):
-        out, lse = _grouped_forward(q, k, v, lens_q, lens_k, pack.max_k, opts, alibi)
-        return (_into(out_, out), q, k, v, lse, *_seed_tensors(DropoutState(0, 0)), q.new_empty(0))
+        with torch.no_grad():
+            out, lse = _grouped(q, k, v, lens_q, lens_k, max_k, opts, alibi)
+        return (into(out_, out), q, k, v, lse, *seed_tensors(DropoutState(0, 0)), q.new_empty(0))
+    mask = pack.mask(_core.fa_mask(opts, max_k, lens_q == lens_k, alibi is not None))
     kp, vp = _varlen_keys(k, v, lens_k, full_k, table, pack)
-    out, lse, dropout, probs, keep = _core._forward(pack.pad_q(q), kp, vp, mask, alibi, opts,
-                                                    return_softmax, gen_)
+    out, lse, dropout, probs, keep = _core.forward(pack.pad_q(q), kp, vp, mask, alibi, opts,
+                                                   return_softmax, gen_)
     p = q.new_empty(0)
     if probs is not None:
-        window = (slice(None), slice(None), slice(pack.max_q), slice(pack.max_k))
+        window = (slice(None), slice(None), slice(max_q), slice(max_k))
         p = _probs.encode(probs[window], None if keep is None else keep[window], q.shape[-1],
                           opts.causal, q.dtype)
-    return (_into(out_, pack.unpad(out, pack.slots_q)), q, k, v, pack.lse_packed(lse),
-            *_seed_tensors(dropout), p)
+    return (into(out_, pack.unpad(out, pack.slots_q)), q, k, v, pack.lse_packed(lse),
+            *seed_tensors(dropout), p)
 
 
 @runtime_errors
@@ -233,92 +198,44 @@ def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q,
     ``softmax_d = rowsum(dout * out)`` as ``[H, total_q]``.
     """
     q, k, v = _varlen_heads(q, k, v, False)
-    _same_dtype(q, k, v)
+    same_dtype(q, k, v)
     o_shape = (q.shape[0], q.shape[1], v.shape[-1])
-    out, dout = _like("out", out, o_shape, q), _like("dout", dout, o_shape, q)
-    lse = _like("softmax_lse", softmax_lse, (q.shape[1], q.shape[0]), q, any_float=True)
-    bufs = [_like(n, b, t.shape, q, optional=True)
+    out, dout = like("out", out, o_shape, q), like("dout", dout, o_shape, q)
+    lse = like("softmax_lse", softmax_lse, (q.shape[1], q.shape[0]), q, any_float=True)
+    bufs = [like(n, b, t.shape, q, optional=True)
             for n, b, t in (("dq_", dq_, q), ("dk_", dk_, k), ("dv_", dv_, v))]
     if native.takes(q, False, alibi_slopes_, False):
-        opts = _Options.of(q.shape[-1], p_dropout, softmax_scale, is_causal, window_size_left,
+        opts = Options.of(q.shape[-1], p_dropout, softmax_scale, is_causal, window_size_left,
                            window_size_right, softcap)
-        _flag("zero_tensors", zero_tensors)
+        flag("zero_tensors", zero_tensors)
         grads = native.backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                 max_seqlen_q, max_seqlen_k, opts,
-                                _flag("deterministic", deterministic),
-                                _philox(philox_seed, philox_offset))
+                                flag("deterministic", deterministic),
+                                philox_state(philox_seed, philox_offset))
         if grads is not None:
-            softmax_d = _softmax_d(dout, out, q.dtype).t().contiguous()
-            return (*(_into(b, g) for b, g in zip(bufs, grads)), softmax_d)
+            softmax_d = softmax_d_of(dout, out, q.dtype).t().contiguous()
+            return (*(into(b, g) for b, g in zip(bufs, grads)), softmax_d)
     lens_q, lens_k = _batch_lengths(q, k, cu_seqlens_q, cu_seqlens_k, False)
-    pack = _Packing(lens_q, lens_k, max_seqlen_q, max_seqlen_k, q.device)
-    opts = _Options.of(q.shape[-1], p_dropout, softmax_scale, is_causal, window_size_left,
-                       window_size_right, softcap)
-    _flag("zero_tensors", zero_tensors)
-    mask = pack.mask(opts, alibi_slopes_ is not None)
-    deterministic = _flag("deterministic", deterministic)
-    alibi = _alibi(alibi_slopes_, pack.batch, q.shape[1], q.device)
-    dropout = _philox(philox_seed, philox_offset)
+    pack, _, max_k = _packing(lens_q, lens_k, max_seqlen_q, max_seqlen_k, q.device)
+    opts = Options.of(q.shape[-1], p_dropout, softmax_scale, is_causal, window_size_left,
+                      window_size_right, softcap)
+    flag("zero_tensors", zero_tensors)
+    deterministic = flag("deterministic", deterministic)
+    alibi = alibi_arg(alibi_slopes_, pack.batch, q.shape[1], q.device)
+    dropout = philox_state(philox_seed, philox_offset)
 
-    softmax_d = _softmax_d(dout, out, q.dtype).t().contiguous()
+    softmax_d = softmax_d_of(dout, out, q.dtype).t().contiguous()
     if by_length_groups(q, "auto", opts.p_dropout):
-        grads = _grouped_backward(dout, q, k, v, out, lse, lens_q, lens_k, pack.max_k, opts,
-                                  alibi, deterministic)
-        return (*(_into(b, g) for b, g in zip(bufs, grads)), softmax_d)
-    grads = _core._backward(pack.pad_q(dout), pack.pad_q(q), pack.pad_k(k), pack.pad_k(v),
+        # The forward again, differentiated (the torch engine's grouped route replays exactly).
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+            grouped_out, _ = _grouped(*leaves, lens_q, lens_k, max_k, opts, alibi)
+            grads = torch.autograd.grad(grouped_out, leaves, dout, allow_unused=True)
+        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v))]
+        return (*(into(b, g) for b, g in zip(bufs, grads)), softmax_d)
+    mask = pack.mask(_core.fa_mask(opts, max_k, lens_q == lens_k, alibi is not None))
+    grads = _core.backward(pack.pad_q(dout), pack.pad_q(q), pack.pad_k(k), pack.pad_k(v),
                             pack.pad_q(out), pack.lse_padded(lse), mask, alibi, opts,
                             deterministic, dropout)
     slots = (pack.slots_q, pack.slots_k, pack.slots_k)
-    return (*(_into(b, pack.unpad(g, s)) for b, g, s in zip(bufs, grads, slots)), softmax_d)
-
-
-def _groups(q, lens_q, lens_k, max_k, opts, alibi):
-    """Per distinct ``(len_q, len_k)``: the packed query and key rows, the mask and the ALiBi of
-    one dense batch of those sequences. (FlashAttention normalizes its window against
-    ``max_seqlen_k``, not the sequence's length: so does the mask here.)"""
-    for (len_q, len_k), members in length_groups(lens_q, lens_k).items():
-        rows_q = packed_rows(lens_q, members, q.device)
-        rows_k = packed_rows(lens_k, members, q.device) if len_k else None
-        mask = _core._fa_mask(opts, max_k, len_q == len_k, alibi is not None)
-        yield (len(members), len_q, len_k, rows_q, rows_k, mask,
-               group_bias(alibi, members, len_q, len_k))
-
-
-def _grouped_forward(q, k, v, lens_q, lens_k, max_k, opts, alibi):
-    """``(out [total_q, H, D_v], lse [H, total_q])``, one dense batch per length group; rows
-    that see no key keep ``out = 0``, ``lse = -inf`` (as the engines give them)."""
-    heads = q.shape[1]
-    out = q.new_zeros(q.shape[0], heads, v.shape[-1])
-    lse = torch.full((heads, q.shape[0]), -math.inf, dtype=accumulator_dtype(q.dtype),
-                     device=q.device)
-    for n, len_q, len_k, rows_q, rows_k, mask, group_alibi in _groups(q, lens_q, lens_k, max_k,
-                                                                       opts, alibi):
-        if not len_k:
-            continue
-        q_g = q.index_select(0, rows_q).view(n, len_q, heads, -1)
-        k_g, v_g = (t.index_select(0, rows_k).view(n, len_k, t.shape[1], -1) for t in (k, v))
-        out_g, lse_g, *_ = _core._forward(q_g, k_g, v_g, mask, group_alibi, opts, False, None)
-        out.index_copy_(0, rows_q, out_g.reshape(n * len_q, heads, -1))
-        lse[:, rows_q] = lse_g.permute(1, 0, 2).reshape(heads, n * len_q).to(lse.dtype)
-    return out, lse
-
-
-def _grouped_backward(dout, q, k, v, out, lse, lens_q, lens_k, max_k, opts, alibi,
-                      deterministic):
-    """``(dq, dk, dv)``, one dense batch per length group (every key row belongs to one
-    sequence, so each gradient row is written once)."""
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    heads = q.shape[1]
-    for n, len_q, len_k, rows_q, rows_k, mask, group_alibi in _groups(q, lens_q, lens_k, max_k,
-                                                                       opts, alibi):
-        if not len_k:
-            continue
-        tensors = [t.index_select(0, rows_q).view(n, len_q, t.shape[1], -1) for t in (dout, q, out)]
-        k_g, v_g = (t.index_select(0, rows_k).view(n, len_k, t.shape[1], -1) for t in (k, v))
-        lse_g = lse[:, rows_q].reshape(heads, n, len_q).permute(1, 0, 2)
-        dq_g, dk_g, dv_g = _core._backward(tensors[0], tensors[1], k_g, v_g, tensors[2], lse_g,
-                                           mask, group_alibi, opts, deterministic, None)
-        dq.index_copy_(0, rows_q, dq_g.reshape(n * len_q, *q.shape[1:]))
-        dk.index_copy_(0, rows_k, dk_g.reshape(n * len_k, *k.shape[1:]))
-        dv.index_copy_(0, rows_k, dv_g.reshape(n * len_k, *v.shape[1:]))
-    return dq, dk, dv
+    return (*(into(b, pack.unpad(g, s)) for b, g, s in zip(bufs, grads, slots)), softmax_d)

@@ -11,28 +11,25 @@ import torch
 from ... import _checks
 from ...api import attention
 from ...masks import Neighborhood, RelPosBias
-from ...problem import accumulator_dtype
-from ...torch_engine.neighborhood_ops import NaGeometry
 
-__all__ = ["check_rpb", "doc_fields", "geometry", "lse_dtype", "neighborhood_attention", "unfused_geometry"]
+__all__ = ["check_rpb", "doc_fields", "geometry", "neighborhood_attention", "unfused_geometry"]
 
 
-def geometry(spatial, kernel_size, stride, dilation, is_causal) -> NaGeometry:
-    """Per-axis tuples of one call; ``masks.Neighborhood`` validates every rule. The spatial extent
-    is made concrete with ``operator.index`` (which dynamo specialises, unlike ``int``): under
-    ``torch.compile``'s dynamic shapes the mask is specialised to it, never a symbolic size."""
-    nb = Neighborhood(tuple(operator.index(s) for s in spatial), kernel_size, stride, dilation,
-                      is_causal)
-    return NaGeometry(nb.spatial_shape, nb.kernel_size, nb.stride, nb.dilation, nb.is_causal)
+def geometry(spatial, kernel_size, stride, dilation, is_causal) -> Neighborhood:
+    """The ``Neighborhood`` of one call (it validates every rule, per-axis tuples). The spatial
+    extent is made concrete with ``operator.index`` (which dynamo specialises, unlike ``int``):
+    under ``torch.compile``'s dynamic shapes the mask is specialised to it, never symbolic."""
+    return Neighborhood(tuple(operator.index(s) for s in spatial), kernel_size, stride, dilation,
+                        is_causal)
 
 
-def unfused_geometry(spatial, kernel_size, dilation, is_causal, prefix: str = "") -> NaGeometry:
-    """Stride-1 geometry with odd kernel sizes (NATTEN 0.17's unfused ops)."""
-    geom = geometry(spatial, kernel_size, 1, dilation, is_causal)
-    if any(k % 2 == 0 for k in geom.kernel):
+def unfused_geometry(spatial, kernel_size, dilation, is_causal, prefix: str = "") -> Neighborhood:
+    """Stride-1 neighborhoods with odd kernel sizes (NATTEN 0.17's unfused ops)."""
+    nb = geometry(spatial, kernel_size, 1, dilation, is_causal)
+    if any(k % 2 == 0 for k in nb.kernel_size):
         raise ValueError(f"{prefix}kernel_size must be odd for the unfused ops (NATTEN 0.17), got "
                          f"{kernel_size!r}")
-    return geom
+    return nb
 
 
 def check_rpb(rpb, heads: int, kernel, causal, ref: torch.Tensor, ref_name: str = "query", *,
@@ -50,16 +47,12 @@ def check_rpb(rpb, heads: int, kernel, causal, ref: torch.Tensor, ref_name: str 
     return rpb
 
 
-lse_dtype = accumulator_dtype
-
-
-def neighborhood_attention(query, key, value, geom: NaGeometry, scale: float, rpb=None,
+def neighborhood_attention(query, key, value, nb: Neighborhood, scale: float, rpb=None,
                            backend: str = "auto"):
     """Heads-last ``[B, *spatial, H(_kv), D]`` in (validated), ``([B, S, H, D_v], [B, S, H])`` out:
     one ``attention`` call with a ``Neighborhood`` mask (and a ``RelPosBias`` for ``rpb``)."""
     B, H, D = query.shape[0], query.shape[-2], query.shape[-1]
-    S = geom.num_tokens
-    nb = Neighborhood(geom.shape, geom.kernel, geom.stride, geom.dilation, geom.causal)
+    S = nb.num_tokens
     out, lse = attention(query.reshape(B, S, H, D), key.reshape(B, S, *key.shape[-2:]),
                          value.reshape(B, S, *value.shape[-2:]), mask=nb,
                          bias=None if rpb is None else RelPosBias(rpb), scale=scale,

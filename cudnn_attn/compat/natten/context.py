@@ -2,8 +2,8 @@
 
 Same names, defaults, accepted values and errors as NATTEN. What they mean here:
 
-* deterministic mode: neighborhood and ``attention`` calls of this surface plan their backward as
-  under ``torch.use_deterministic_algorithms(True)`` (the engines' deterministic backwards);
+* deterministic mode: neighborhood and ``attention`` calls of this surface carry it in their
+  problems and plan the engines' deterministic backwards (torch's own flag is left alone);
 * KV parallelism, the memory-usage preference and Flex compilation tune NATTEN's own kernels,
   which do not exist here: the flags are kept and reported, and change no result.
 * NATTEN 0.17's kernel autotuner (``use_autotuner``, ``disable_autotuner``, ``is_autotuner_*``,
@@ -16,13 +16,13 @@ Same names, defaults, accepted values and errors as NATTEN. What they mean here:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from enum import Enum
 
 import torch
 
 from ... import _checks
+from ...problem import deterministic_calls
 
 __all__ = [
     "AutotunerContext",
@@ -93,18 +93,10 @@ def are_deterministic_algorithms_enabled() -> bool:
     return _state["deterministic"]
 
 
-@contextlib.contextmanager
 def deterministic_scope():
-    """Within it, a call plans as under ``torch.use_deterministic_algorithms(True)`` when NATTEN's
-    deterministic mode is on (plans keep the flag, so their backward later is deterministic too)."""
-    if not _state["deterministic"] or torch.are_deterministic_algorithms_enabled():
-        yield
-        return
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(False)
+    """Within it, the calls of this surface carry NATTEN's deterministic mode in their problems
+    (``problem.deterministic_calls``: a per-call field, torch's global flag untouched)."""
+    return deterministic_calls(_state["deterministic"])
 
 
 def use_kv_parallelism_in_fused_na(mode: bool = True) -> None:

@@ -126,7 +126,7 @@ def _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale
     S = geom.num_tokens
     if rpb is not None:
         _checks.tensor("rpb", rpb, floating=True)
-        check_rpb(rpb, H, geom.kernel, geom.causal, query)
+        check_rpb(rpb, H, geom.kernel_size, geom.is_causal, query)
     with deterministic_scope():
         out, lse = neighborhood_attention(query, key, value, geom, scale, rpb, backend=engine)
         if additional_keys is not None:

@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from . import context, functional
-from ... import _checks
-from ...torch_engine import neighborhood_ops as _engine
+from ... import _checks, unfused_ops
 from .common import geometry
 
 __all__ = [
@@ -179,9 +178,9 @@ class _NeighborhoodAttention(nn.Module):
         else:
             geom = geometry(spatial, *params)
             q, k, v = (t.reshape(B, -1, H, hd).transpose(1, 2) for t in (q, k, v))
-            attn = _engine.qk(q * self.scale, k, geom, self.rpb)
+            attn = unfused_ops.qk(q * self.scale, k, geom, self.rpb)
             weights = torch.softmax(attn, -1)  # a causal row always keeps its own query
-            out = _engine.av(self.attn_drop(weights), v, geom).transpose(1, 2)
+            out = unfused_ops.av(self.attn_drop(weights), v, geom).transpose(1, 2)
         out = self.proj_drop(self.proj(out.reshape(B, *spatial, self.embed_dim)))
         if return_attn_weights:
             return out, weights.unflatten(2, spatial)

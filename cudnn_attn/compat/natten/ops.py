@@ -19,10 +19,9 @@ without causal masking only, added after scaling.
 spatial axis, as libnatten's Python layer passes them; a plain int/bool applies to every axis.
 Per axis ``kernel_size * dilation <= length``; the unfused ops take odd kernel sizes only
 (NATTEN 0.17), the fused op any size >= 2.
-Which implementation serves a tensor is decided in one place,
-``cudnn_attn.torch_engine.neighborhood_ops`` (``unfused_engine`` / ``fused_kernels``): the CuPy
-RawKernels on CUDA when they can run, else the torch engine (the fused op then goes through
-``cudnn_attn.attention`` like ``na{n}d``).
+The unfused ops are dispatched by ``cudnn_attn.unfused_ops`` (the CuPy RawKernels on CUDA when
+they can run, else the torch engine; ``unfused_ops.explain`` says why); the fused op is one
+``cudnn_attn.attention`` call like ``na{n}d`` (its tile sizes are validated, then hints).
 
 Equivalent PyTorch of ``na1d_qk_forward`` then ``na1d_av_forward`` (non-causal, no rpb)::
 
@@ -38,11 +37,9 @@ import math
 
 import torch
 
-from ... import _checks
-from ...fallback_kernels.limits import FUSED_DTYPES
-from ...fallback_kernels.tile_shapes import check_tile_sizes, valid_tile_sizes
+from ... import _checks, unfused_ops
+from ...fallback_kernels import FUSED_DTYPES, check_tile_sizes, valid_tile_sizes
 from ...masks import Neighborhood
-from ...torch_engine.neighborhood_ops import NaGeometry, fused_kernels, unfused_engine
 from .common import check_rpb, neighborhood_attention
 
 __all__ = [f"na{n}d_{op}" for op in ("forward", "qk_forward", "qk_backward", "av_forward",
@@ -63,19 +60,17 @@ def _like(op: str, name: str, t, shape, ref: torch.Tensor, ref_name: str) -> tor
     return _checks.like(name, t, ref, ref_name, expected=shape, prefix=f"{op}: ")
 
 
-def _checked_kernel_args(op: str, spatial, kernel_size, dilation, is_causal, *, odd: bool = False):
-    """Rank-sized (kernel, dilation, causal) tuples, checked against the spatial shape."""
+def _checked_kernel_args(op: str, spatial, kernel_size, dilation, is_causal, *,
+                         odd: bool = False) -> Neighborhood:
+    """The stride-1 ``Neighborhood`` of the arguments (rank-sized tuples), checked against the
+    spatial shape."""
     try:
         nb = Neighborhood(tuple(spatial), kernel_size, 1, dilation, is_causal)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{op}: {exc}") from None
     if odd and any(k % 2 == 0 for k in nb.kernel_size):  # NATTEN 0.17's unfused ops: odd only
         raise ValueError(f"{op}: kernel_size must be odd for the unfused ops, got {kernel_size!r}")
-    return nb.kernel_size, nb.dilation, nb.is_causal
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+    return nb
 
 
 def _write(out: torch.Tensor, result: torch.Tensor) -> None:
@@ -118,29 +113,19 @@ def _forward(output, query, key, value, rpb, kernel_size, dilation, is_causal, a
     if heads % heads_kv:
         raise ValueError(f"{op}: query heads ({heads}) must be a multiple of key heads ({heads_kv})")
     _like(op, "output", output, (batch, *spatial, heads, dim_v), query, "query")
-    kernel, dil, causal = _checked_kernel_args(op, spatial, kernel_size, dilation, is_causal)
+    nb = _checked_kernel_args(op, spatial, kernel_size, dilation, is_causal)
     if rpb is not None:
-        check_rpb(rpb, heads, kernel, causal, query, same_dtype=True, prefix=f"{op}: ")
+        check_rpb(rpb, heads, nb.kernel_size, nb.is_causal, query, same_dtype=True,
+                  prefix=f"{op}: ")
     attn_scale = _checks.softmax_scale("attn_scale", attn_scale, dim, error=TypeError,
                                        prefix=f"{op}: ")
-    tiles = (None, None)
     if query_tile_size is not None or key_tile_size is not None or not valid_tile_sizes(
             rank, max(dim, dim_v), query.dtype):
-        tiles = check_tile_sizes(rank, max(dim, dim_v), query.dtype, query_tile_size, key_tile_size)
-
-    fused = fused_kernels(query)
-    if fused is not None:
-        out = output if output.stride(-1) == 1 else None
-        result, _ = fused.na_forward(
-            *map(_last_dim_contiguous, (query, key, value)), kernel_size=kernel, stride=(1,) * rank,
-            dilation=dil, is_causal=causal, scale=float(attn_scale), rpb=rpb, query_tile=tiles[0],
-            key_tile=tiles[1], out=out)
-    else:
-        geom = NaGeometry(tuple(spatial), kernel, (1,) * rank, dil, causal)
-        with torch.no_grad():
-            result, _ = neighborhood_attention(query, key, value, geom, attn_scale, rpb)
-        result = result.reshape(output.shape)
-    _write(output, result)
+        # Validated as libnatten does; then a hint only: the engine picks its own tiles.
+        check_tile_sizes(rank, max(dim, dim_v), query.dtype, query_tile_size, key_tile_size)
+    with torch.no_grad():  # one attention call, dispatched like any other
+        result, _ = neighborhood_attention(query, key, value, nb, attn_scale, rpb)
+    _write(output, result.reshape(output.shape))
 
 
 def _unfused_inputs(op, rank, query, key, kernel_size, dilation, is_causal):
@@ -149,8 +134,8 @@ def _unfused_inputs(op, rank, query, key, kernel_size, dilation, is_causal):
                    prefix=f"{op}: ")
     _like(op, "key", key, query.shape, query, "query")
     batch, heads, *spatial, _ = query.shape
-    kernel, dil, causal = _checked_kernel_args(op, spatial, kernel_size, dilation, is_causal, odd=True)
-    return (kernel, dil, causal), (batch, heads, *spatial, math.prod(kernel))
+    nb = _checked_kernel_args(op, spatial, kernel_size, dilation, is_causal, odd=True)
+    return nb, (batch, heads, *spatial, math.prod(nb.kernel_size))
 
 
 def _attn_value(op, rank, attn, value, kernel_size, dilation, is_causal):
@@ -158,9 +143,9 @@ def _attn_value(op, rank, attn, value, kernel_size, dilation, is_causal):
     _checks.tensor("value", value, ndim=rank + 3, what=f"for a {rank}-D problem", floating=True,
                    prefix=f"{op}: ")
     batch, heads, *spatial, _ = value.shape
-    geometry = _checked_kernel_args(op, spatial, kernel_size, dilation, is_causal, odd=True)
-    _like(op, "attn", attn, (batch, heads, *spatial, math.prod(geometry[0])), value, "value")
-    return geometry
+    nb = _checked_kernel_args(op, spatial, kernel_size, dilation, is_causal, odd=True)
+    _like(op, "attn", attn, (batch, heads, *spatial, math.prod(nb.kernel_size)), value, "value")
+    return nb
 
 
 def _qk_forward(attn, query, key, rpb, kernel_size, dilation, is_causal, *, rank):
@@ -173,15 +158,13 @@ def _qk_forward(attn, query, key, rpb, kernel_size, dilation, is_causal, *, rank
     Equivalent PyTorch: ``attn[...] = (query[..., None, :] * key_neighbors).sum(-1) + rpb_bias``.
     """
     op = f"na{rank}d_qk_forward"
-    (kernel, dil, causal), attn_shape = _unfused_inputs(op, rank, query, key, kernel_size, dilation,
-                                                        is_causal)
+    nb, attn_shape = _unfused_inputs(op, rank, query, key, kernel_size, dilation, is_causal)
     _like(op, "attn", attn, attn_shape, query, "query")
     if rpb is not None:
-        check_rpb(rpb, query.shape[1], kernel, causal, query, name="rpb", same_dtype=True,
-                  prefix=f"{op}: ")
-    result = unfused_engine(query).qk_forward(query.contiguous(), key.contiguous(),
-                                              None if rpb is None else rpb.contiguous(), kernel, dil,
-                                              causal, attn=attn)
+        check_rpb(rpb, query.shape[1], nb.kernel_size, nb.is_causal, query, name="rpb",
+                  same_dtype=True, prefix=f"{op}: ")
+    result = unfused_ops.qk_forward(query.contiguous(), key.contiguous(),
+                                    None if rpb is None else rpb.contiguous(), nb, attn=attn)
     _write(attn, result)
 
 
@@ -193,17 +176,15 @@ def _qk_backward(d_query, d_key, d_rpb, d_attn, query, key, kernel_size, dilatio
     d_attn)``.
     """
     op = f"na{rank}d_qk_backward"
-    (kernel, dil, causal), attn_shape = _unfused_inputs(op, rank, query, key, kernel_size, dilation,
-                                                        is_causal)
+    nb, attn_shape = _unfused_inputs(op, rank, query, key, kernel_size, dilation, is_causal)
     _like(op, "d_attn", d_attn, attn_shape, query, "query")
     _like(op, "d_query", d_query, query.shape, query, "query")
     _like(op, "d_key", d_key, key.shape, query, "query")
     if d_rpb is not None:
-        check_rpb(d_rpb, query.shape[1], kernel, causal, query, name="d_rpb", same_dtype=True,
-                  prefix=f"{op}: ")
-    dq, dk, drpb = unfused_engine(query).qk_backward(
-        d_attn.contiguous(), query.contiguous(), key.contiguous(), kernel, dil, causal,
-        d_rpb is not None)
+        check_rpb(d_rpb, query.shape[1], nb.kernel_size, nb.is_causal, query, name="d_rpb",
+                  same_dtype=True, prefix=f"{op}: ")
+    dq, dk, drpb = unfused_ops.qk_backward(d_attn.contiguous(), query.contiguous(),
+                                           key.contiguous(), nb, d_rpb is not None)
     _write(d_query, _zeros_if_none(dq, d_query))
     _write(d_key, _zeros_if_none(dk, d_key))
     if d_rpb is not None:
@@ -223,10 +204,9 @@ def _av_forward(output, attn, value, kernel_size, dilation, is_causal, *, rank):
     Equivalent PyTorch: ``output[...] = (attn[..., None] * value_neighbors).sum(-2)``.
     """
     op = f"na{rank}d_av_forward"
-    kernel, dil, causal = _attn_value(op, rank, attn, value, kernel_size, dilation, is_causal)
+    nb = _attn_value(op, rank, attn, value, kernel_size, dilation, is_causal)
     _like(op, "output", output, value.shape, value, "value")
-    result = unfused_engine(value).av_forward(attn.contiguous(), value.contiguous(), kernel, dil,
-                                              causal, out=output)
+    result = unfused_ops.av_forward(attn.contiguous(), value.contiguous(), nb, out=output)
     _write(output, result)
 
 
@@ -237,12 +217,12 @@ def _av_backward(d_attn, d_value, d_out, attn, value, kernel_size, dilation, is_
     Equivalent PyTorch: ``torch.autograd.grad(na{rank}d_av(attn, value, ...), (attn, value), d_out)``.
     """
     op = f"na{rank}d_av_backward"
-    kernel, dil, causal = _attn_value(op, rank, attn, value, kernel_size, dilation, is_causal)
+    nb = _attn_value(op, rank, attn, value, kernel_size, dilation, is_causal)
     _like(op, "d_out", d_out, value.shape, value, "value")
     _like(op, "d_attn", d_attn, attn.shape, value, "value")
     _like(op, "d_value", d_value, value.shape, value, "value")
-    da, dv = unfused_engine(value).av_backward(d_out.contiguous(), attn.contiguous(),
-                                               value.contiguous(), kernel, dil, causal)
+    da, dv = unfused_ops.av_backward(d_out.contiguous(), attn.contiguous(), value.contiguous(),
+                                     nb)
     _write(d_attn, _zeros_if_none(da, d_attn))
     _write(d_value, _zeros_if_none(dv, d_value))
 

@@ -1,17 +1,18 @@
 """NATTEN 0.17's unfused neighborhood ops ``na{1,2,3}d_qk`` / ``na{1,2,3}d_av``, heads-first.
 
 This surface validates NATTEN's arguments and translates them (spatial axes flattened row-major,
-per-axis tuples) for the torch engine's ``neighborhood_ops.qk`` / ``av``, which pick the CuPy
+a ``masks.Neighborhood``) for ``cudnn_attn.unfused_ops.qk`` / ``av``, dispatched to the CuPy
 kernels or the torch composites. ``attn`` is ``[B, H, *spatial, prod(kernel)(+extra)]`` with slot
 order row-major over the kernel dims, masked (causally cut) slots ``-inf``.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ... import _checks
-from ...torch_engine import neighborhood_ops as _engine
+from ... import _checks, unfused_ops
 from .common import check_rpb, doc_fields, unfused_geometry
 
 __all__ = [f"na{n}d_{op}" for op in ("qk", "av") for n in (1, 2, 3)]
@@ -56,15 +57,15 @@ def _na_qk(rank, query, key, kernel_size, dilation, additional_keys, is_causal, 
     B, H, spatial, D = query.shape[0], query.shape[1], tuple(query.shape[2:-1]), query.shape[-1]
     geom = unfused_geometry(spatial, kernel_size, dilation, is_causal)
     if rpb is not None:
-        check_rpb(rpb, H, geom.kernel, geom.causal, query)
+        check_rpb(rpb, H, geom.kernel_size, geom.is_causal, query)
     q, k = query.flatten(2, -2), key.flatten(2, -2)
-    attn = _engine.qk(q, k, geom, rpb)
+    attn = unfused_ops.qk(q, k, geom, rpb)
     if additional_keys is not None:
         _checks.tensor("additional_keys", additional_keys, ndim=4, what="[B, H, n_extra, D]",
                        floating=True)
         _checks.like("additional_keys", additional_keys, query, "query",
                      expected=(B, H, additional_keys.shape[2], D), what="[B, H, n_extra, D]")
-        attn = torch.cat([attn, _engine.extra_logits(q, additional_keys)], -1)
+        attn = torch.cat([attn, unfused_ops.extra_logits(q, additional_keys)], -1)
     return attn.unflatten(2, spatial)
 
 
@@ -79,7 +80,7 @@ def _na_av(rank, attn, value, kernel_size, dilation, additional_values, is_causa
     _checks.like("attn", attn, value, "value")
     B, H, spatial, Dv = value.shape[0], value.shape[1], tuple(value.shape[2:-1]), value.shape[-1]
     geom = unfused_geometry(spatial, kernel_size, dilation, is_causal)
-    K = geom.num_slots
+    K = math.prod(geom.kernel_size)
     n = 0
     if additional_values is not None:
         _checks.tensor("additional_values", additional_values, ndim=4, what="[B, H, n_extra, D]",
@@ -89,7 +90,7 @@ def _na_av(rank, attn, value, kernel_size, dilation, additional_values, is_causa
                      expected=(B, H, n, Dv), what="[B, H, n_extra, D]")
     _checks.shape("attn", attn, (B, H, *spatial, K + n), "[B, H, *spatial, prod(kernel_size) + n_extra]")
     a = attn.flatten(2, -2)
-    out = _engine.av(a[..., :K], value.flatten(2, -2), geom)
+    out = unfused_ops.av(a[..., :K], value.flatten(2, -2), geom)
     if n:
         out = out + a[..., K:] @ additional_values
     return out.unflatten(2, spatial)
