@@ -179,10 +179,10 @@ def test_smoke_run_writes_the_record_and_the_tarball(G, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the smoke run is the CPU's; a GPU host runs the real thing")
     out = tmp_path / "out"
-    started = time.time() - 30  # as if on-host had taken 30 s before this started
+    started = int(time.time()) - 30  # as if on-host had taken 30 s before this started
     done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--allow-cpu",
                            "--steps", "gpu-tests,selftest-plain", "--workers", "2",
-                           "--call-started", f"{started:.0f}", "--commit", "0123abcd"],
+                           "--call-started", str(started), "--commit", "0123abcd"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     # The CuPy selftest cannot run without a GPU: a failed step makes the whole run fail.
     assert done.returncode == 1, done.stdout + done.stderr
