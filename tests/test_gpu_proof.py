@@ -198,7 +198,7 @@ def test_smoke_run_writes_the_record_and_the_tarball(G, tmp_path):
     assert plain["returncode"] == 1 and plain["summary"]["ok"] is False
     assert "cupy" in plain["summary"]["unavailable"] and "cupy" in plain["summary"]["table"]
     assert data["env"]["torch"] == torch.__version__ and "command" in data
-    assert data["commit"] == "0123abcd"  # passed in: .git does not travel to the device
+    assert data["commit"] == data["git"] == "0123abcd"  # passed in: not the device's .git
     assert "version" in data["nvrtc"]  # the device's NVRTC (or why none loads)
     budget = data["budget"]  # the 600 s limit less what on-host took, the ladder, the record
     assert budget["before_start_s"] >= 30 and budget["limit_s"] == 600
