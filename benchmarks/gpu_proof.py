@@ -266,6 +266,9 @@ def run(args: argparse.Namespace) -> int:
         cubins_for = (carried_dir / NVRTC_FILE).read_text().strip()
     extra: dict[str, Any] = {
         "commit": args.commit, "budget_s": budget["budget_s"], "budget": budget,
+        # `git describe` on the device reads whatever .git is there (a stale one, on the first
+        # H200 run): the commit passed in from the checkout that travelled is the truth.
+        **({"git": args.commit} if args.commit else {}),
         "nvrtc": {**device_nvrtc(), "cubins_compiled_with": cubins_for},
         "cores": os.cpu_count(), "cubins": {"carried": carried}}
     results: list[StepResult] = []

@@ -179,10 +179,10 @@ def test_smoke_run_writes_the_record_and_the_tarball(G, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the smoke run is the CPU's; a GPU host runs the real thing")
     out = tmp_path / "out"
-    started = time.time() - 30  # as if on-host had taken 30 s before this started
+    started = int(time.time()) - 30  # as if on-host had taken 30 s before this started
     done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--allow-cpu",
                            "--steps", "gpu-tests,selftest-plain", "--workers", "2",
-                           "--call-started", f"{started:.0f}", "--commit", "0123abcd"],
+                           "--call-started", str(started), "--commit", "0123abcd"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     # The CuPy selftest cannot run without a GPU: a failed step makes the whole run fail.
     assert done.returncode == 1, done.stdout + done.stderr
@@ -198,7 +198,7 @@ def test_smoke_run_writes_the_record_and_the_tarball(G, tmp_path):
     assert plain["returncode"] == 1 and plain["summary"]["ok"] is False
     assert "cupy" in plain["summary"]["unavailable"] and "cupy" in plain["summary"]["table"]
     assert data["env"]["torch"] == torch.__version__ and "command" in data
-    assert data["commit"] == "0123abcd"  # passed in: .git does not travel to the device
+    assert data["commit"] == data["git"] == "0123abcd"  # passed in: not the device's .git
     assert "version" in data["nvrtc"]  # the device's NVRTC (or why none loads)
     budget = data["budget"]  # the 600 s limit less what on-host took, the ladder, the record
     assert budget["before_start_s"] >= 30 and budget["limit_s"] == 600
