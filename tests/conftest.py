@@ -14,3 +14,16 @@ if "CUDNN_ATTN_CUBIN_CACHE" not in os.environ:
     import tempfile
 
     os.environ["CUDNN_ATTN_CUBIN_CACHE"] = tempfile.mkdtemp(prefix="cudnn_attn_cubins_")
+
+# cuDNN remembers a failed load of its runtime-compiled engines (no libcuda.so.1) for the whole
+# process, so the driver stand-in of the deviceless plans loads before any test touches cuDNN.
+# A failure here is reported by the tests that need it (fixture ``deviceless``).
+import importlib.util  # noqa: E402
+
+if importlib.util.find_spec("cudnn") is not None:
+    from cudnn_attn.graphs import driver_standin
+
+    try:
+        driver_standin.ensure_driver()
+    except driver_standin.DriverUnavailable:
+        pass

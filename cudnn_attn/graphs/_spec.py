@@ -370,6 +370,10 @@ def _arch_reasons(problem, sm: int, backward: bool, deterministic: bool, ragged:
         reasons.append(f"cuDNN's packed (ragged) backward on sm_{sm} cannot read a packed LSE")
     if backward and ragged and major in lim.ragged_dbias_excluded_majors and features["dbias"]:
         reasons.append(f"cuDNN computes no dBias with ragged layouts on sm_{sm}")
+    needs_stats = backward or problem.requires_grad or problem.return_lse
+    if problem.dropout_p > 0 and not needs_stats and major in lim.philox_dropout_needs_stats_majors:
+        reasons.append(f"cuDNN has no sm_{sm} engine for a forward with Philox dropout and no "
+                       f"LSE output (an inference call with dropout_p > 0)")
     if backward and deterministic and major in lim.deterministic_feature_majors:
         used = [name for name, on in features.items() if on]
         if used:

@@ -69,6 +69,10 @@ class CudnnLimits:
     deterministic_feature_majors: tuple = (10,)
     # paged KV caches: forward only, power-of-two page sizes
     paged_backward: bool = False
+    # a Philox-dropout forward without the stats output has no engine on these SM majors
+    # (cuDNN 9.28 deviceless plans for a B200: every sm_100 SDPA engine refuses it at
+    # create_execution_plans, "KERNEL_CFG knob must be set"; with stats, engine 3 serves it)
+    philox_dropout_needs_stats_majors: tuple = (10,)
 
     def backward_head_dim_limit(self, major: int) -> int:
         return self.backward_head_dim.get(major, self.default_backward_head_dim)

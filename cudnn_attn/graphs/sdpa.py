@@ -15,6 +15,7 @@ any other exception is a bug and surfaces.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import struct
@@ -28,7 +29,9 @@ from ..errors import NotSupportedError
 from ..problem import AttnProblem
 from ._emit import BACKWARD_KWARGS, FORWARD_KWARGS, UID, _cudnn, _dtype, emit, io_uids
 from ._spec import Band, GraphOptions, GraphSpec, PagedKV, analyze, cudnn_reasons
+from . import driver_standin
 from .entry_calls import CALL_ARGS, call_problem
+from .plan_choice import EngineChoice, selected_engine
 
 __all__ = ["UID", "BuiltGraph", "GraphOptions", "PagedKV", "cudnn_reasons", "build_forward",
            "build_backward", "describe", "describe_problem", "validate_for", "FORWARD_KWARGS",
@@ -48,6 +51,8 @@ class BuiltGraph:
     """A validated ``cudnn.pygraph`` (with plans when built on a GPU) and how to bind it.
 
     ``inputs`` / ``outputs``: the uids the graph binds, in the order ``execute`` takes buffers.
+    ``engine``: the engine cuDNN picked (``plan_choice.EngineChoice``), once plans are built;
+    ``target``: the described device's name when they were built deviceless.
     """
 
     graph: Any
@@ -58,6 +63,8 @@ class BuiltGraph:
     workspace_size: int = 0
     built: bool = False
     build_seconds: float = 0.0
+    engine: Optional[EngineChoice] = None
+    target: Optional[str] = None
     order: tuple = field(init=False)
 
     serial_kind = "cudnn_attn.sdpa"
@@ -80,7 +87,9 @@ class BuiltGraph:
         meta = json.dumps({"spec": _spec_to_json(self.spec), "backward": self.backward,
                            "inputs": [int(u) for u in self.inputs],
                            "outputs": [int(u) for u in self.outputs],
-                           "workspace": self.workspace_size}).encode()
+                           "workspace": self.workspace_size,
+                           "engine": self.engine.to_json() if self.engine else None,
+                           "target": self.target}).encode()
         return struct.pack("<I", len(meta)) + meta + blob
 
     @classmethod
@@ -94,7 +103,8 @@ class BuiltGraph:
                           data[4 + n:])
         return cls(graph, _spec_from_json(meta["spec"]), meta["backward"],
                    tuple(UID(u) for u in meta["inputs"]), tuple(UID(u) for u in meta["outputs"]),
-                   int(graph.get_workspace_size()), True)
+                   int(graph.get_workspace_size()), True,
+                   engine=EngineChoice.from_json(meta.get("engine")), target=meta.get("target"))
 
 
 def _spec_to_json(spec: GraphSpec) -> dict:
@@ -121,12 +131,16 @@ def _register() -> None:
 _register()
 
 
-def _new_graph(spec: GraphSpec, *, handle=None, sm: Optional[int] = None, cpp: bool = False):
+def _new_graph(spec: GraphSpec, *, handle=None, sm: Optional[int] = None, cpp: bool = False,
+               target=None):
     cd = _cudnn()
     kwargs = dict(io_data_type=_dtype(spec.dtype), intermediate_data_type=cd.data_type.FLOAT,
                   compute_data_type=cd.data_type.FLOAT)
     if sm is not None:
         kwargs.update(sm_version=sm, sm_count=_SM_COUNT.get(sm, 132))
+    if target is not None:  # a described device (targets.DeviceTarget): deviceless plans
+        kwargs.update(device_property=target.properties(), sm_version=target.sm,
+                      sm_count=target.sm_count)
     if cpp:
         return cd._pybind_module.backend_graph(name="cudnn_attn_sdpa", **kwargs)
     if handle is not None:
@@ -168,40 +182,53 @@ def _validate_cpp(problem, spec: GraphSpec, backward: bool, sm: int):
 
 def build_graph(problem: AttnProblem, spec: GraphSpec, backward: bool, *,
                 target_sm: Optional[int] = None, plans: Optional[bool] = None,
-                device: Optional[torch.device] = None) -> BuiltGraph:
-    """Emit ``spec``, validate it and, on a CUDA device, build its execution plans."""
+                device: Optional[torch.device] = None, target=None,
+                build_plans: bool = True) -> BuiltGraph:
+    """Emit ``spec``, validate it and, on a CUDA device, build its execution plans.
+
+    ``target`` (a ``targets.DeviceTarget``): build the plans without a GPU, for that described
+    device (``deviceless``; the driver stand-in records the kernels into ``engine``).
+    ``build_plans=False`` stops after ``check_support`` (``engine``: the top-ranked plan)."""
     cd = _cudnn()
-    device = torch.device(device if device is not None else problem.device)
     if plans is None:
-        plans = device.type == "cuda" and torch.cuda.is_available()
+        device = torch.device(device if device is not None else problem.device)
+        plans = target is not None or (device.type == "cuda" and torch.cuda.is_available())
     start = time.perf_counter()
     handle = None
-    if plans:
+    if plans and target is None:
         from ._runtime import handle_for
 
-        handle = handle_for(device)
-    g = _new_graph(spec, handle=handle)
-    emit(g, spec, backward)
-    inputs, outputs = io_uids(spec, backward)
+        handle = handle_for(torch.device(device if device is not None else problem.device))
+    recorder = driver_standin.recording() if target is not None else contextlib.nullcontext([])
     stage = "validate"
-    try:
-        g.validate()
-        if target_sm is not None:
-            _validate_cpp(problem, spec, backward, target_sm)
-        if plans:
-            stage = "build_operation_graph"
-            g.build_operation_graph()
-            stage = "create_execution_plans"
-            g.create_execution_plans([cd.heur_mode.A, cd.heur_mode.FALLBACK])
-            stage = "check_support"
-            g.check_support()
-            stage = "build_plans"
-            g.build_plans()
-    except cd.cudnnGraphNotSupportedError as exc:
-        raise _decline(problem, stage, backward, exc) from exc
-    workspace = int(g.get_workspace_size()) if plans else 0
-    return BuiltGraph(g, spec, backward, inputs, outputs, workspace, bool(plans),
-                      time.perf_counter() - start)
+    with recorder as kernels:
+        g = _new_graph(spec, handle=handle, target=target)
+        emit(g, spec, backward)
+        try:
+            g.validate()
+            if target_sm is not None:
+                _validate_cpp(problem, spec, backward, target_sm)
+            if plans:
+                stage = "build_operation_graph"
+                g.build_operation_graph()
+                stage = "create_execution_plans"
+                g.create_execution_plans([cd.heur_mode.A, cd.heur_mode.FALLBACK])
+                stage = "check_support"
+                g.check_support()
+                if build_plans:
+                    stage = "build_plans"
+                    g.build_plans()
+        except cd.cudnnGraphNotSupportedError as exc:
+            raise _decline(problem, stage, backward, exc) from exc
+    built = bool(plans and build_plans)
+    engine = selected_engine(g) if plans else None
+    if engine is not None and kernels:
+        engine = dataclasses.replace(engine, kernels=tuple(kernels))
+    inputs, outputs = io_uids(spec, backward)
+    return BuiltGraph(g, spec, backward, inputs, outputs,
+                      int(g.get_workspace_size()) if built else 0, built,
+                      time.perf_counter() - start, engine,
+                      None if target is None else target.name)
 
 
 def build_forward(problem: AttnProblem, *, target_sm: Optional[int] = None,
