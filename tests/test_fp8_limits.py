@@ -61,7 +61,11 @@ def test_padding_and_sinks_validate_on_hopper_and_blackwell(sm, backward):
     problem = _problem((128, 128), "top_left", (128, 128), 2, padding=True, sink=True)
     problem = dataclasses.replace(problem, dsink=backward)
     spec, reasons = cudnn_fp8_reasons(problem, backward, sm=sm, version=VERSION)
-    assert reasons == [] and spec.padding and spec.sink
+    assert spec.padding and spec.sink
+    if sm == 90 and not backward:  # validates, but its kernel does not build (test_fp8_deviceless)
+        assert len(reasons) == 1 and "sink tokens" in reasons[0]
+    else:
+        assert reasons == []
     # The C++ binding takes keywords strictly (a misspelled one is a TypeError), unlike pygraph.
     validate_fp8(spec, backward, sm)
     if backward:

@@ -21,7 +21,7 @@ import torch
 
 from ..caches import LRU, memoize
 
-__all__ = ["Fp8Limits", "FP8_LIMITS", "Fp8Spec", "FP8_TYPE_NAMES", "fp8_reasons", "emit_fp8",
+__all__ = ["Fp8Limits", "FP8_LIMITS", "Fp8Spec", "FP8_TYPE_NAMES", "fp8_reasons", "emit_fp8", "cudnn_module",
            "validate_fp8", "Fp8Graph", "fp8_graph", "FORWARD_SCALES", "BACKWARD_SCALES"]
 
 FP8_TYPE_NAMES = {torch.float8_e4m3fn: "FP8_E4M3", torch.float8_e5m2: "FP8_E5M2",
@@ -52,6 +52,9 @@ class Fp8Limits:
     half_output_min_major: int = 10      # BF16/FP16 O or gradients: Blackwell, cuDNN >= 9.13
     half_output_min_version: int = 91300
     ragged_backward_excluded_majors: tuple = (9,)
+    # The Hopper FP8 forward with sink tokens: cuDNN 9.28 passes check_support, then its
+    # runtime-compiled kernel fails NVRTC at build_plans (deviceless plans for H100).
+    hopper_forward_sink: bool = False
     features_absent: tuple = ("bias", "ALiBi", "dropout")
     gqa: bool = True
     amax_outputs: bool = True            # every amax is a graph output
@@ -125,6 +128,9 @@ def fp8_reasons(spec: Fp8Spec, backward: bool, sm: int, version: int) -> list[st
                          or spec.seq_kv % lim.bottom_right_seq_multiple):
             reasons.append("the FP8 backward's bottom-right causal mask needs S_q and S_kv "
                            "multiples of 64")
+    if not backward and spec.sink and major == 9 and not lim.hopper_forward_sink:
+        reasons.append("the Hopper FP8 forward with sink tokens does not build (cuDNN 9.28: "
+                       "its runtime-compiled kernel fails NVRTC)")
     if backward and spec.ragged and major in lim.ragged_backward_excluded_majors:
         reasons.append("sdpa fp8 backward with THD (ragged) is not supported on Hopper")
     halves = [t for t in ((spec.grad,) if backward else (spec.out,)) if t in ("BFLOAT16", "HALF")]
@@ -165,7 +171,7 @@ class UID(IntEnum):
 
 
 @memoize("cudnn.fp8_module", maxsize=1)
-def _cudnn():
+def cudnn_module():
     import cudnn  # deferred: importing cudnn_attn must not need it
 
     return cudnn
@@ -180,7 +186,7 @@ def _contiguous(dim) -> list:
 
 class _Emitter:
     def __init__(self, g, spec: Fp8Spec):
-        self.g, self.spec, self.dt = g, spec, _cudnn().data_type
+        self.g, self.spec, self.dt = g, spec, cudnn_module().data_type
         self.uids: list[int] = []
 
     def tensor(self, uid: int, dim, dtype: str):
@@ -203,7 +209,7 @@ class _Emitter:
             kw["seq_len_q"] = self.tensor(UID.SEQ_LEN_Q, (b, 1, 1, 1), "INT32")
             kw["seq_len_kv"] = self.tensor(UID.SEQ_LEN_KV, (b, 1, 1, 1), "INT32")
         if s.left_bound is not None or s.right_bound is not None:
-            cd = _cudnn()
+            cd = cudnn_module()
             kw["diagonal_alignment"] = (cd.diagonal_alignment.BOTTOM_RIGHT
                                         if s.alignment == "bottom_right"
                                         else cd.diagonal_alignment.TOP_LEFT)
@@ -275,7 +281,7 @@ def emit_fp8(g, spec: Fp8Spec, backward: bool) -> tuple[int, ...]:
 
 
 def _new_graph(spec: Fp8Spec, *, handle=None, sm: Optional[int] = None):
-    cd = _cudnn()
+    cd = cudnn_module()
     kwargs = dict(io_data_type=getattr(cd.data_type, spec.io),
                   intermediate_data_type=cd.data_type.FLOAT, compute_data_type=cd.data_type.FLOAT)
     if sm is not None:  # the C++ graph against a described device: no GPU needed
@@ -304,7 +310,7 @@ class Fp8Graph:
     def __init__(self, spec: Fp8Spec, backward: bool, device: torch.device):
         from ._runtime import handle_for
 
-        cd = _cudnn()
+        cd = cudnn_module()
         self.device = device
         g = _new_graph(spec, handle=handle_for(device))
         self.uids = emit_fp8(g, spec, backward)
