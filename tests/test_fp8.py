@@ -40,12 +40,16 @@ CASES = {
     "gqa": (1, 4, 2, 17, 24, 16, None, None, None, False),
     "sink": (1, 2, 1, 16, 16, 16, "top_left", None, None, True),
     "bottom_right": (1, 2, 2, 12, 30, 16, "bottom_right", None, None, False),
+    "band": (1, 2, 2, 30, 30, 16, "top_left", None, None, False),   # + left bound 6
 }
+LEFT_BOUND = {"band": 6}
 
 
 def _attrs(cls, case, attn_scale, sinks):
     B, _, _, Sq, Skv, _, causal, lens_q, lens_kv, _ = case
     a = cls().set_attn_scale(attn_scale)
+    if case is CASES["band"]:
+        a.set_diagonal_band_left_bound(LEFT_BOUND["band"])
     if causal == "top_left":
         a.set_causal_mask(True)
     elif causal == "bottom_right":
@@ -62,7 +66,8 @@ def _visible(case):
     B, _, _, Sq, Skv, _, causal, lens_q, lens_kv, _ = case
     lens_q, lens_kv = lens_q or (Sq,) * B, lens_kv or (Skv,) * B
     right = 0 if causal else None
-    return band_visible(lens_q, lens_kv, Sq, Skv, causal or "top_left", None, right), lens_q
+    left = LEFT_BOUND["band"] if case is CASES["band"] else None
+    return band_visible(lens_q, lens_kv, Sq, Skv, causal or "top_left", left, right), lens_q
 
 
 def _forward_call(case, io, gen, o_dtype=None):
