@@ -48,8 +48,8 @@ class Fp8Problem:
     heads_k: int = 0          # K's and V's head counts (both divide H_q; may differ)
     heads_v: int = 0
 
-    def describe(self) -> str:
-        return f"FP8 ({self.io}) {self.logical.describe()}"
+    def describe(self) -> str:  # the logical problem's dtype is a stand-in: name the FP8 one
+        return "FP8 " + self.logical.describe().replace(str(self.logical.dtype), str(self.io))
 
 
 @dataclass
@@ -215,10 +215,13 @@ def _amax_buffer(device) -> torch.Tensor:
 
 
 def _hide_padded_rows(problem, out, stats):
-    """Padded query rows are not tokens: ``o = 0`` and ``stats = -inf`` there, as everywhere."""
-    _, live = _torch_masks(problem)
-    if live is None:
+    """Padded query rows are not tokens: ``o = 0`` and ``stats = -inf`` there, as everywhere
+    (``[B, 1, S_q, 1]`` from the lengths alone; never the ``S_q x S_kv`` visibility)."""
+    padding = _padding(problem)
+    if padding is None:
         return out, stats
+    lens_q = padding.tensors(out.device)[0].view(-1, 1, 1, 1)
+    live = torch.arange(out.shape[2], device=out.device).view(1, 1, -1, 1) < lens_q
     return out.masked_fill(~live, 0), stats.masked_fill(~live, float("-inf"))
 
 
