@@ -82,7 +82,10 @@ def reference_forward(q8, k8, v8, sc, attn_scale, visible, lens_q, sinks=None, o
         for h in range(Hq):
             o[b, h] = p8[b, h] @ v[b, _group(h, Hq, Hv)] * sc["descale_s"] * sc["descale_v"]
     amax_o = o.abs().max()
-    return quantize(o * sc["scale_o"], o_dtype or q8.dtype), stats, amax_s, amax_o
+    o_dtype = o_dtype or q8.dtype
+    if o_dtype not in FORMATS:  # a 16-bit O: one rounding of O * scale_o, no FP8 cast
+        return (o * sc["scale_o"]).to(o_dtype).double(), stats, amax_s, amax_o
+    return quantize(o * sc["scale_o"], o_dtype), stats, amax_s, amax_o
 
 
 def reference_backward(q8, k8, v8, o8, dO8, stats, sc, attn_scale, visible, lens_q, sinks=None,

@@ -245,3 +245,20 @@ def test_forcing_cudnn_without_a_gpu_gives_its_reasons():
     with pytest.raises(NotSupportedError) as info:
         ca.sdpa_fp8(q, q, q, 1, 1, 1, 1, 1, 1, ca.SdpaAttributes(), backend="cudnn")
     assert "cudnn" in info.value.reasons and info.value.reasons["cudnn"]
+
+
+def test_bf16_output_is_the_unquantized_o():
+    """``o_dtype=torch.bfloat16`` (cuDNN: Blackwell, cuDNN >= 9.13): O * scale_o rounded once to
+    bf16, no FP8 cast."""
+    gen = torch.Generator().manual_seed(8)
+    case = CASES["gqa"]
+    (q, k, v), sc, _, visible, lens_q, scale = _forward_call(case, E4M3, gen)
+    attrs = _attrs(ca.SdpaAttributes, case, scale, None)
+    o, *_ = ca.sdpa_fp8(q, k, v, sc["descale_q"], sc["descale_k"], sc["descale_v"],
+                        sc["descale_s"], sc["scale_s"], sc["scale_o"], attrs,
+                        o_dtype=torch.bfloat16)
+    want = reference_forward(q, k, v, sc, scale, visible, lens_q, None,
+                             o_dtype=torch.bfloat16)[0]
+    assert o.dtype == torch.bfloat16
+    assert (o.double() == want).double().mean() > 0.97
+    torch.testing.assert_close(o.double(), want, rtol=1e-2, atol=1e-3)
