@@ -240,6 +240,7 @@ def test_bad_arguments_name_what_is_wrong():
         ca.sdpa_fp8(q, q, q, 1, 1, 1, 1, 1, 1, attrs, backend="flash")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="about a machine without CUDA")
 def test_forcing_cudnn_without_a_gpu_gives_its_reasons():
     q = torch.randn(1, 2, 8, 16).to(E4M3)
     with pytest.raises(NotSupportedError) as info:
