@@ -126,8 +126,8 @@ def _spec_of(problem: Fp8Problem, backward: bool, reasons: list) -> Fp8Spec:
     p = problem.logical
     padded = _padding(problem) is not None
     band = band_of(p, padded, False, reasons)
-    return Fp8Spec(p.batch, p.heads_q, problem.heads_k, problem.heads_v, p.seq_q, p.seq_kv, p.dim_qk,
-                   p.dim_v, FP8_TYPE_NAMES[problem.io], FP8_TYPE_NAMES[problem.out],
+    return Fp8Spec(p.batch, p.heads_q, problem.heads_k, problem.heads_v, p.seq_q, p.seq_kv,
+                   p.dim_qk, p.dim_v, FP8_TYPE_NAMES[problem.io], FP8_TYPE_NAMES[problem.out],
                    FP8_TYPE_NAMES[problem.grad or problem.out] if backward else "",
                    stats=True, padding=padded,
                    alignment=band.alignment if band else "top_left",

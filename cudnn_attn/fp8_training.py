@@ -22,7 +22,6 @@ import torch
 
 from . import _checks
 from .fp8 import BACKENDS, Fp8Tensors, as_scale, fp8_problem, run_backward, run_forward
-from .graphs.fp8 import BACKWARD_SCALES, FORWARD_SCALES
 from .torch_engine.fp8 import FP8_DTYPES, fp8_max, saturating_cast
 
 __all__ = ["DelayedScaling", "attention_fp8", "FP8Attention"]

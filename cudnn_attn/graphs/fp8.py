@@ -21,8 +21,8 @@ import torch
 
 from ..caches import LRU, memoize
 
-__all__ = ["Fp8Limits", "FP8_LIMITS", "Fp8Spec", "FP8_TYPE_NAMES", "fp8_reasons", "emit_fp8", "cudnn_module",
-           "validate_fp8", "Fp8Graph", "fp8_graph", "FORWARD_SCALES", "BACKWARD_SCALES"]
+__all__ = ["Fp8Limits", "FP8_LIMITS", "Fp8Spec", "FP8_TYPE_NAMES", "fp8_reasons", "emit_fp8",
+           "cudnn_module", "validate_fp8", "Fp8Graph", "fp8_graph", "FORWARD_SCALES", "BACKWARD_SCALES"]
 
 FP8_TYPE_NAMES = {torch.float8_e4m3fn: "FP8_E4M3", torch.float8_e5m2: "FP8_E5M2",
                   torch.bfloat16: "BFLOAT16", torch.float16: "HALF"}

@@ -4,8 +4,8 @@ The quantization points are the ones the cuDNN frontend's FP8 graphs spell out
 (``scaled_dot_product_flash_attention.h`` and ``sdpa_fp8_bwd.h``), in their order, with float32
 compute (cuDNN's compute type) and every FP8 cast rounding to nearest even and **saturating**
 (a value past the format's largest finite number becomes that number, as cuDNN's cast does;
-torch's own ``.to(torch.float8_e5m2)`` gives inf, and E4M3's overflow is NaN in the format). Every amax is taken
-**before** the scale it precedes. Tensors are ``[B, H, S, D]``; scales are 0-d float32 tensors.
+torch's own cast gives inf for E5M2). Every amax is taken **before** the scale it precedes.
+Tensors are ``[B, H, S, D]``; scales and descales float32 ``[1, 1, 1, 1]`` tensors.
 
 Forward::
 

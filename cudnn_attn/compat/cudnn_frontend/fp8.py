@@ -35,8 +35,7 @@ import torch
 
 from ... import _checks
 from ...errors import NotSupportedError
-from ...fp8 import (BACKENDS, Fp8Tensors, as_scale, fp8_problem, run_backward,  # noqa: F401
-                    run_forward)
+from ...fp8 import Fp8Tensors, as_scale, fp8_problem, run_backward, run_forward
 from ...graphs.fp8 import BACKWARD_SCALES, FORWARD_SCALES
 from ...torch_engine.fp8 import FP8_DTYPES
 from ._attrs import SdpaAttributes, SdpaBackwardAttributes
