@@ -141,6 +141,10 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softc
         ``out`` in the layout of ``q`` with ``D_v`` features, or ``(out, lse)``. A query that sees
         no key gets ``out = 0`` and ``lse = -inf``.
 
+    FP8 (E4M3/E5M2, cuDNN's ``sdpa_fp8`` and its backward) is ``cudnn_attn.attention_fp8`` /
+    ``cudnn_attn.FP8Attention``: its inputs come with scales and it returns amaxes for a
+    delayed-scaling recipe, which this function's contract has no place for.
+
     Equivalent PyTorch (bhsd, no GQA; ``visible`` the boolean mask the ``mask`` describes)::
 
         s = scale * q @ k.transpose(-1, -2)

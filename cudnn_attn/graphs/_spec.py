@@ -409,3 +409,7 @@ def problem_lengths(problem: AttnProblem) -> tuple[tuple, tuple]:
     if pad is None:
         return (problem.seq_q,) * problem.batch, (problem.seq_kv,) * problem.batch
     return pad.seq_lens_q, pad.seq_lens_kv
+
+
+# The one mask -> diagonal-band rule, public for the FP8 graphs (``cudnn_attn.fp8``).
+band_of = _band

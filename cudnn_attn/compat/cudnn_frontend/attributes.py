@@ -281,3 +281,7 @@ def _check_backward_inputs(q, v, o, dO, stats):
             or not stats.dtype.is_floating_point:
         raise ValueError(f"stats must be a float tensor of shape [B, H_q, S_q, 1] = "
                          f"{list(want_o[:3]) + [1]}, got {stats.dtype} {tuple(stats.shape)}")
+
+
+# Public for the FP8 builder calls (compat.cudnn_frontend.fp8): one paged-container rule.
+unpage = _unpage
