@@ -19,14 +19,16 @@ import torch
 
 from . import dispatch
 from .errors import NotSupportedError
-from .graphs._spec import band_of
+from .graphs._spec import cudnn_band
 from .graphs.fp8 import (BACKWARD_SCALES, FORWARD_SCALES, FP8_TYPE_NAMES, UID, Fp8Spec,
                          fp8_graph, fp8_reasons)
 from .masks import Causal, Padding, SlidingWindow, mask_parts
 from .problem import AttnProblem
 from .torch_engine.fp8 import FP8_DTYPES, fp8_backward, fp8_forward, visibility
 
-__all__ = ["Fp8Problem", "Fp8Tensors", "fp8_problem", "as_scale", "cudnn_fp8_reasons",
+# BACKWARD_SCALES, FORWARD_SCALES and FP8_DTYPES are re-exported for the surfaces (compat imports
+# no engine module).
+__all__ = ["BACKWARD_SCALES", "FORWARD_SCALES", "FP8_DTYPES", "Fp8Problem", "Fp8Tensors", "fp8_problem", "as_scale", "cudnn_fp8_reasons",
            "run_forward", "run_backward", "BACKENDS"]
 
 BACKENDS = ("auto", "cudnn", "torch")
@@ -125,7 +127,7 @@ def _padding(problem: Fp8Problem) -> Optional[Padding]:
 def _spec_of(problem: Fp8Problem, backward: bool, reasons: list) -> Fp8Spec:
     p = problem.logical
     padded = _padding(problem) is not None
-    band = band_of(p, padded, False, reasons)
+    band = cudnn_band(p, padded, False, reasons)
     return Fp8Spec(p.batch, p.heads_q, problem.heads_k, problem.heads_v, p.seq_q, p.seq_kv,
                    p.dim_qk, p.dim_v, FP8_TYPE_NAMES[problem.io], FP8_TYPE_NAMES[problem.out],
                    FP8_TYPE_NAMES[problem.grad or problem.out] if backward else "",

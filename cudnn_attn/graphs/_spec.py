@@ -157,7 +157,9 @@ def _bias_layout(problem: AttnProblem) -> tuple[tuple, tuple]:
     return dims, tuple(out)
 
 
-def _band(problem: AttnProblem, padding: bool, alibi: bool, reasons: list) -> Optional[Band]:
+def cudnn_band(problem: AttnProblem, padding: bool, alibi: bool, reasons: list) -> Optional[Band]:
+    """The diagonal band cuDNN is given for ``problem``'s mask (``masks.band_of`` plus cuDNN's
+    own alignment and bound rules), or None; why it cannot be one goes to ``reasons``."""
     s_q, s_kv = problem.seq_q, problem.seq_kv
     # Read top-left where both alignments coincide: that avoids cuDNN's bottom-right
     # restrictions (no bias, ALiBi or dropout).
@@ -222,7 +224,7 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
 
     padding = problem.padding is not None or options.ragged
     alibi = problem.alibi is not None
-    band = _band(problem, padding, alibi, reasons)
+    band = cudnn_band(problem, padding, alibi, reasons)
     bias_dims = bias_stride = bias_dtype = None
     if problem.bias is not None:
         bias_dtype = lim.bias_dtypes.get(problem.bias.dtype)
@@ -410,6 +412,3 @@ def problem_lengths(problem: AttnProblem) -> tuple[tuple, tuple]:
         return (problem.seq_q,) * problem.batch, (problem.seq_kv,) * problem.batch
     return pad.seq_lens_q, pad.seq_lens_kv
 
-
-# The one mask -> diagonal-band rule, public for the FP8 graphs (``cudnn_attn.fp8``).
-band_of = _band

@@ -35,9 +35,8 @@ import torch
 
 from ... import _checks
 from ...errors import NotSupportedError
-from ...fp8 import Fp8Tensors, as_scale, fp8_problem, run_backward, run_forward
-from ...graphs.fp8 import BACKWARD_SCALES, FORWARD_SCALES
-from ...torch_engine.fp8 import FP8_DTYPES
+from ...fp8 import (BACKWARD_SCALES, FORWARD_SCALES, FP8_DTYPES, Fp8Tensors, as_scale,
+                   fp8_problem, run_backward, run_forward)
 from ._attrs import SdpaAttributes, SdpaBackwardAttributes
 from ._translate import translate
 from .attributes import unpage
