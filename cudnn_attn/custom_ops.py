@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import call_spec, dispatch
+from . import _checks, call_spec, dispatch
 from .caches import LRU
 from .errors import NotSupportedError
 from .masks import Alibi, Padding, RelPosBias, mask_parts
@@ -386,6 +386,7 @@ def traced_attention(q, k, v, *, mask, bias, scale, dropout_p, softcap, layout, 
                      backend, generator):
     """``attention()`` through the custom ops: shape logic and constants only, so Dynamo and
     export trace it without a break; validation runs in the ops' fake implementation."""
+    _checks.flag("return_lse", return_lse)  # the spec keeps bool(return_lse): check it here
     q, k, v = autocast_inputs(q, k, v)
     alibi, table, kind = None, None, "none"
     if isinstance(bias, Alibi):
