@@ -69,15 +69,17 @@ def _check_owner_and_mode(what: str, path, st: os.stat_result, *, private: bool)
 
 
 @contextlib.contextmanager
-def open_dir(directory, *, create: bool) -> Iterator[int]:
+def open_dir(directory, *, create: bool, follow_link: bool = True) -> Iterator[int]:
     """A descriptor of ``directory`` after checking its owner and mode (``UnsafeCacheDir``).
 
     ``create``: make it (``0700``) if missing. Raises ``FileNotFoundError`` if it is missing
-    and ``create`` is false, ``NotADirectoryError`` if it is something else.
+    and ``create`` is false, ``NotADirectoryError`` if it is something else (or, without
+    ``follow_link``, a symbolic link: ``OSError`` ELOOP).
     """
     if create:
         os.makedirs(directory, mode=0o700, exist_ok=True)
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+                 | (0 if follow_link else _NOFOLLOW))
     try:
         st = os.fstat(fd)
         if not stat.S_ISDIR(st.st_mode):
@@ -115,9 +117,11 @@ def _regular(fd: int, max_bytes: int, owned: bool) -> os.stat_result:
 def open_regular_file(dir_fd: int, name: str, max_bytes: int):
     """``(read, size)`` of a regular file of this user in the directory; ``Rejected`` for
     anything else. Never follows a link and never blocks (a FIFO is refused after a non-blocking
-    open); ``read(n)`` reads at most ``n`` more bytes."""
+    open); ``read(n)`` reads at most ``n`` more bytes. ``FileNotFoundError`` when absent."""
     try:
         fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise  # absent: nothing to reject
     except OSError as exc:  # ELOOP: a symbolic link; others: gone, unreadable
         kind = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
         raise Rejected(f"cannot open it ({kind}); only regular files are read") from None
