@@ -98,10 +98,11 @@ def merge_partial(outputs, lses):
 def _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
         additional_keys, additional_values, attention_kwargs, backend, hints, return_lse, rpb):
     layout = "[B, *spatial, H, D]"
-    if any(getattr(t, "is_nested", False) for t in (query, key, value)):
-        raise NotSupportedError("na{rank}d with nested tensors", {"natten": [
-            "fused neighborhood attention does not support nested tensors (as NATTEN); the "
-            "unfused na*d_qk / na*d_av ops do"]})
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if getattr(t, "is_nested", False):
+            raise NotSupportedError(f"na{rank}d with a nested {name}", {"natten": [
+                f"{name} is a nested tensor: fused neighborhood attention does not support "
+                f"nested tensors (as NATTEN); the unfused na*d_qk / na*d_av ops do"]})
     check_tensors(query, key, value, rank + 3, layout)
     B, spatial, H, D = query.shape[0], tuple(query.shape[1:-2]), query.shape[-2], query.shape[-1]
     Hkv, Dv = key.shape[-2], value.shape[-1]
