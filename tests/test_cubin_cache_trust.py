@@ -189,3 +189,20 @@ def test_clear_leaves_directories_named_like_entries(directory):
     (directory / "stale.tmp").write_bytes(b"")
     assert C.clear(directory) == 1
     assert sorted(p.name for p in directory.iterdir()) == ["trap.cubin", "trap.tmp"]
+
+
+def test_adopt_re_signs_the_entries_a_caller_vouches_for(directory, tmp_path, monkeypatch):
+    """Cubins built ahead elsewhere (another key) load only after an explicit ``adopt``, which
+    still reads them as the cache reads: no FIFO, link or malformed entry gets in."""
+    carried = tmp_path / "carried"
+    monkeypatch.setenv("CUDNN_ATTN_CACHE_KEY_FILE", str(tmp_path / "build-machine-key"))
+    assert C.store(KEY, CUBIN, LOWERED, "log", carried)
+    monkeypatch.setenv("CUDNN_ATTN_CACHE_KEY_FILE", str(tmp_path / "config" / "key"))
+    directory.mkdir(mode=0o700)
+    assert _load(directory) is None
+    (carried / ("cd" * 32 + C.SUFFIX)).write_bytes(b"not an entry")
+    os.mkfifo(carried / ("ef" * 32 + C.SUFFIX))
+    (carried / ("01" * 32 + C.SUFFIX)).write_bytes(_entry(carried).read_bytes())  # wrong name
+    assert C.adopt(carried, directory) == 1
+    assert _load(directory) == (CUBIN, LOWERED, "log")
+    assert sorted(p.name for p in directory.iterdir()) == [KEY + C.SUFFIX]

@@ -48,7 +48,7 @@ from ..trusted_files import (
 
 logger = logging.getLogger("cudnn_attn")
 
-__all__ = ["cache_dir", "clear", "info", "load", "program_key", "store"]
+__all__ = ["adopt", "cache_dir", "clear", "info", "load", "program_key", "store"]
 
 MAGIC = b"cudnn_attn cubin\n"
 FORMAT_VERSION = 2  # 2: signed with the user's cache key (1 had a plain sha256)
@@ -94,13 +94,14 @@ def _encode(key: str, cubin: bytes, lowered: Mapping[str, str], log: str, secret
     return body + sign(secret, body)
 
 
-def _decode(data: bytes, key: str, secret: bytes):
-    """(cubin, lowered, log), or a string saying why the entry is rejected."""
+def _decode(data: bytes, key: str, secret: bytes | None):
+    """(cubin, lowered, log), or a string saying why the entry is rejected. ``secret=None``
+    checks everything but the signature (``adopt``: the caller vouches for the file)."""
     start = len(MAGIC) + _PREFIX.size
     if not data.startswith(MAGIC) or len(data) < start + SIGNATURE_BYTES:
         return "not a cubin cache entry (bad magic or truncated)"
     body, signature = data[:-SIGNATURE_BYTES], data[-SIGNATURE_BYTES:]
-    if not signature_ok(secret, body, signature):
+    if secret is not None and not signature_ok(secret, body, signature):
         return "signature mismatch (corrupt, or not written with this user's cache key)"
     version, header_len = _PREFIX.unpack_from(data, len(MAGIC))
     if version != FORMAT_VERSION:
@@ -172,6 +173,29 @@ def store(key: str, cubin: bytes, lowered: Mapping[str, str], log: str,
         return False
     _count("stored")
     return True
+
+
+def adopt(source: Path, directory: Path | None = None) -> int:
+    """Store the entries of ``source`` (cubins built elsewhere, e.g. ahead of time on another
+    machine, signed with another key) in this user's cache, signed with this user's key: the
+    caller vouches for them, as for a program it compiled. Each is read as the cache reads (a
+    regular file of this user, no link, at most ``MAX_ENTRY_BYTES``, a well-formed entry of the
+    key its name says); anything else is skipped. Returns how many were stored."""
+    source, adopted = Path(source), 0
+    with open_dir(source, create=False) as src_fd:
+        names = sorted(e.name for e in os.scandir(src_fd) if e.name.endswith(SUFFIX))
+        for name in names:
+            key = name[:-len(SUFFIX)]
+            try:
+                with open_regular_file(src_fd, name, MAX_ENTRY_BYTES) as (read, size):
+                    found = _decode(read(size), key, None)
+            except (Rejected, OSError) as exc:
+                found = str(exc)
+            if isinstance(found, str):
+                logger.warning("cubin cache: not adopting %s: %s", source / name, found)
+                continue
+            adopted += store(key, *found, directory=directory)
+    return adopted
 
 
 def clear(directory: Path | None = None) -> int:
