@@ -114,9 +114,9 @@ def _regular(fd: int, max_bytes: int, owned: bool) -> os.stat_result:
 
 
 @contextlib.contextmanager
-def open_regular_file(dir_fd: int, name: str, max_bytes: int):
-    """``(read, size)`` of a regular file of this user in the directory; ``Rejected`` for
-    anything else. Never follows a link and never blocks (a FIFO is refused after a non-blocking
+def open_regular_file(dir_fd: int, name: str, max_bytes: int, *, owned: bool = True):
+    """``(read, size)`` of a regular file of this user (of anyone without ``owned``) in the
+    directory; ``Rejected`` for anything else. Never follows a link and never blocks (a FIFO is refused after a non-blocking
     open); ``read(n)`` reads at most ``n`` more bytes. ``FileNotFoundError`` when absent."""
     try:
         fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
@@ -126,7 +126,7 @@ def open_regular_file(dir_fd: int, name: str, max_bytes: int):
         kind = "a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
         raise Rejected(f"cannot open it ({kind}); only regular files are read") from None
     try:
-        st = _regular(fd, max_bytes, owned=True)
+        st = _regular(fd, max_bytes, owned)
         yield (lambda n: read_exact(fd, n)), st.st_size
     finally:
         os.close(fd)

@@ -177,17 +177,19 @@ def store(key: str, cubin: bytes, lowered: Mapping[str, str], log: str,
 
 def adopt(source: Path, directory: Path | None = None) -> int:
     """Store the entries of ``source`` (cubins built elsewhere, e.g. ahead of time on another
-    machine, signed with another key) in this user's cache, signed with this user's key: the
-    caller vouches for them, as for a program it compiled. Each is read as the cache reads (a
-    regular file of this user, no link, at most ``MAX_ENTRY_BYTES``, a well-formed entry of the
-    key its name says); anything else is skipped. Returns how many were stored."""
+    machine, signed with another key, copied in by any user) in this user's cache, signed with
+    this user's key: the caller vouches for the folder, as for a program it compiled. Each is
+    still read as the cache reads (a regular file, no link, at most ``MAX_ENTRY_BYTES``, a
+    well-formed entry of the key its name says); anything else is skipped. Returns how many
+    were stored."""
     source, adopted = Path(source), 0
-    with open_dir(source, create=False) as src_fd:
+    src_fd = os.open(source, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
         names = sorted(e.name for e in os.scandir(src_fd) if e.name.endswith(SUFFIX))
         for name in names:
             key = name[:-len(SUFFIX)]
             try:
-                with open_regular_file(src_fd, name, MAX_ENTRY_BYTES) as (read, size):
+                with open_regular_file(src_fd, name, MAX_ENTRY_BYTES, owned=False) as (read, size):
                     found = _decode(read(size), key, None)
             except (Rejected, OSError) as exc:
                 found = str(exc)
@@ -195,6 +197,8 @@ def adopt(source: Path, directory: Path | None = None) -> int:
                 logger.warning("cubin cache: not adopting %s: %s", source / name, found)
                 continue
             adopted += store(key, *found, directory=directory)
+    finally:
+        os.close(src_fd)
     return adopted
 
 
