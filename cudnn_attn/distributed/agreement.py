@@ -82,9 +82,9 @@ def agreed_lengths(call: str, group, tensor_like, fields: Sequence[Field],
     """Every rank's local length, after every rank agreed (module doc); one all-gather.
 
     ``validate()`` runs this rank's local checks and returns ``(local length, the shared values
-    as ints, in the order of fields)``; a ``TypeError``/``ValueError``/``NotImplementedError``
-    from it marks this rank invalid (raised, as the cause, after the gather). ``tensor_like``
-    picks the gather's device.
+    as ints, in the order of fields)``; any exception from it marks this rank invalid (raised,
+    as the cause, after the gather: a rank that gave up must not leave the others waiting).
+    ``tensor_like`` picks the gather's device.
     """
     width = sum(f.size for f in fields)
     device = _gather_device(group, tensor_like)
@@ -94,7 +94,7 @@ def agreed_lengths(call: str, group, tensor_like, fields: Sequence[Field],
         if len(values) != width:  # a programming error, not the user's: raise it here
             raise AssertionError(f"{call}: {len(values)} shared values for {width} fields")
         error, row = None, [int(length), 1, *values]
-    except (TypeError, ValueError, NotImplementedError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must hear of it
         error, row = exc, [0, 0] + [0] * width
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
