@@ -55,12 +55,13 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
         return None
     try:
         # No tensor types: only plain torch.Tensor inputs get here (_through_ops).
-        return (q.shape, q.dtype, q.device, q.requires_grad,
+        return (q.layout, k.layout, v.layout,  # a sparse q must not find a dense call's runner
+                q.shape, q.dtype, q.device, q.requires_grad,
                 k.shape, k.dtype, k.device, k.requires_grad,
                 v.shape, v.dtype, v.device, v.requires_grad,
                 mask, bias_key, scale, dropout_p, softcap, layout, return_lse, backend,
                 _deterministic(), _deterministic_requested())
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, RuntimeError):  # RuntimeError: a nested tensor's shape
         return None
 
 

@@ -248,6 +248,7 @@ class AttnProblem:
             scale = _checks.default_scale(Dqk)
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
             raise ValueError(f"scale must be a finite number, got {scale!r}")
+        _checks.fits_scores("scale", scale, q.dtype)
         if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) \
                 or not 0.0 <= dropout_p < 1.0:
             raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
@@ -256,6 +257,8 @@ class AttnProblem:
                     or not math.isfinite(softcap) or softcap < 0:
                 raise ValueError(f"softcap must be None or a finite number >= 0, got {softcap!r}")
             softcap = float(softcap) or None  # FlashAttention's convention: 0 means off
+            if softcap is not None:  # tiny: s / softcap is 0 / 0 at a zero score
+                _checks.fits_scores("softcap", softcap, q.dtype, smallest=True)
         mask_spec = None
         if dropout_mask is not None:
             dropout_mask = _checks.tensor("dropout_mask", dropout_mask)  # bool, int or float

@@ -468,6 +468,9 @@ PLAN_CASES = [
     Problem(id="alibi-h3-causal-padding", B=2, Hq=3, Sq=11, D=8, causal="top_left", alibi="default",
             seq_lens_q=(11, 6), seq_lens_kv=(11, 8)),
     Problem(id="window-dv8", B=1, Hq=2, Sq=14, Skv=16, D=16, Dv=8, window=(2, 1)),
+    # Any sign of the scale: a runtime value the graph multiplies before it masks.
+    Problem(id="causal-negative-scale", B=1, Hq=2, Sq=10, D=16, causal="top_left", scale=-0.7),
+    Problem(id="window-zero-scale", B=1, Hq=2, Sq=10, D=16, window=(2, 1), scale=0.0),
 ]
 
 

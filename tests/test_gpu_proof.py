@@ -136,15 +136,21 @@ def test_step_selection_by_prefix(G, tmp_path):
         ["bench-cudnn", "bench-cudnn-more"]
 
 
-def test_carried_cubins_seed_a_cache_of_our_own(G, tmp_path):
+def test_carried_cubins_seed_a_cache_of_our_own(G, tmp_path, monkeypatch):
+    from cudnn_attn.fallback_kernels import cubin_cache
+
     carried = tmp_path / "carried"
-    carried.mkdir()
-    for name in ("a.cubin", "b.cubin", "notes.txt"):
-        (carried / name).write_bytes(name.encode())
+    # Built ahead on another machine: signed with its key, not the device's.
+    monkeypatch.setenv("CUDNN_ATTN_CACHE_KEY_FILE", str(tmp_path / "build-key"))
+    for key in ("a" * 64, "b" * 64):
+        assert cubin_cache.store(key, b"\x7fELF" + key.encode(), {"k<float>": "_Z1k"}, "", carried)
+    (carried / "notes.txt").write_text("not a cubin")
+    (carried / ("c" * 64 + ".cubin")).write_bytes(b"c.cubin")  # not an entry: not adopted
+    monkeypatch.setenv("CUDNN_ATTN_CACHE_KEY_FILE", str(tmp_path / "device-key"))
     cache = tmp_path / "cache"
     assert G.seed_cubin_cache(carried, cache) == 2
-    assert sorted(p.name for p in cache.iterdir()) == ["a.cubin", "b.cubin"]
-    assert (cache / "a.cubin").read_bytes() == b"a.cubin"
+    assert sorted(p.name for p in cache.iterdir()) == ["a" * 64 + ".cubin", "b" * 64 + ".cubin"]
+    assert cubin_cache.load("a" * 64, ["k<float>"], cache)[0] == b"\x7fELFaaaa" + b"a" * 60
     assert G.seed_cubin_cache(None, tmp_path / "empty") == 0
 
 

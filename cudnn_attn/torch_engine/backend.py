@@ -96,7 +96,8 @@ class TorchPlan:
     def direct(self, problem):
         """``(q, k, v) -> out`` for calls of ``problem`` that need no lse and no gradient, when one
         public op computes them (else None): the eager fast path keeps it with its call signature."""
-        if self.fused_ok and problem.heads_q == problem.heads_kv:
+        if self.fused_ok and problem.heads_q == problem.heads_kv \
+                and cpu_sdpa.whole_problem_scale_ok(problem):
             return cpu_sdpa.out_only(problem)
         return None
 
@@ -235,7 +236,7 @@ class TorchPlan:
         """``(out, lse)``: out in the call's layout and dtype, lse [B, H, S_q] (``None`` allowed
         when ``need_lse`` is false and nothing will run backward)."""
         q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
-        if self.fused_ok:
+        if self.fused_ok and cpu_sdpa.whole_problem_scale_ok(problem):
             return cpu_sdpa.whole_problem(problem, q, k, v, need_lse)
         if self.fused_tiles:
             return cpu_sdpa.tile_forward(self, problem, q, k, v, bias)
@@ -274,7 +275,8 @@ class TorchPlan:
         ``dlse`` (optional) is the gradient reaching the returned LSE; d lse / d s = p.
         """
         q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
-        if self.fused_ok and dlse is None and problem.heads_q == problem.heads_kv:
+        if self.fused_ok and dlse is None and problem.heads_q == problem.heads_kv \
+                and cpu_sdpa.whole_problem_scale_ok(problem):
             return cpu_sdpa.whole_backward(problem, q, k, v, out, lse, dout)
         if self.fused_tiles and dlse is None and not problem.bias_requires_grad:
             return cpu_sdpa.tile_backward(self, problem, q, k, v, bias, out, lse, dout)

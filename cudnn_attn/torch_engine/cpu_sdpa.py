@@ -31,6 +31,12 @@ def whole_problem_ok(problem: AttnProblem) -> bool:
     return False
 
 
+def whole_problem_scale_ok(problem: AttnProblem) -> bool:
+    """Whether this call's scale (a runtime value, not in the plan key) suits the causal kernel:
+    it hides keys before scaling, so a scale <= 0 turns a hidden -inf into +inf or NaN."""
+    return problem.mask is None or problem.scale > 0
+
+
 def whole_problem(problem, q, k, v, need_lse=True):
     if not need_lse and problem.heads_q == problem.heads_kv:
         # The public op reaches the same kernel with less call overhead (tiny decode calls).
@@ -131,10 +137,11 @@ def _additive_mask(problem, hidden, extra, n, T, W, dtype):
     if hidden is None and extra is None:
         return None, None
     mask = torch.zeros((), dtype=dtype, device=(hidden if extra is None else extra).device)
-    if hidden is not None:
-        mask = mask.masked_fill(hidden[:, None, :, :, None, :], -math.inf)
     if extra is not None:
         mask = mask + extra
+    if hidden is not None:
+        # Hiding replaces the biased score: a NaN or +inf bias at a hidden pair stays hidden.
+        mask = torch.where(hidden[:, None, :, :, None, :], -math.inf, mask)
     b, h = mask.shape[0], mask.shape[1]
     if b == 1 and h == 1:
         mask = mask.expand(1, 1, n, T, G, W).reshape(1, n, T * G, W)
