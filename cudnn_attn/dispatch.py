@@ -90,6 +90,14 @@ def reasons_of(engine, problem: AttnProblem) -> list[str]:
     return reasons
 
 
+def auto_reasons(engine, problem: AttnProblem) -> list[str]:
+    """Why ``backend="auto"`` passes over ``engine`` although it can run ``problem`` (an
+    engine's declared preference, e.g. a speed rule not yet measured); a forced backend ignores
+    them."""
+    prefer = getattr(engine, "auto_reasons", None)
+    return [] if prefer is None else prefer(problem)
+
+
 def verdicts(problem: AttnProblem) -> dict[str, list[str]]:
     """Every backend's reasons for ``problem``, in priority order."""
     return {b.name: reasons_of(b, problem) for b in BACKENDS}
@@ -118,7 +126,7 @@ def plan_for(problem: AttnProblem, backend: str = "auto"):
         return chosen, plan
     collected = {}
     for candidate in BACKENDS:
-        reasons = reasons_of(candidate, problem)
+        reasons = reasons_of(candidate, problem) or auto_reasons(candidate, problem)
         if not reasons:
             plan = _try_plan(candidate, problem)
             if plan is not None:

@@ -21,7 +21,7 @@ def whole_problem_ok(problem: AttnProblem) -> bool:
     if problem.device.type != "cpu" or problem.dim_qk != problem.dim_v:
         return False
     if (problem.bias or problem.alibi or problem.rpb or problem.softcap or problem.dropout_p
-            or problem.dropout_mask):
+            or problem.dropout_mask or problem.score_mod):
         return False
     parts = mask_parts(problem.mask)
     if not parts:
@@ -94,7 +94,7 @@ def tiles_ok(problem: AttnProblem) -> bool:
     """The kernel needs one head dim for q/k/v and knows no softcap or replayable dropout."""
     return (problem.device.type == "cpu" and problem.dim_qk == problem.dim_v
             and problem.softcap is None and problem.dropout_p == 0
-            and problem.dropout_mask is None)
+            and problem.dropout_mask is None and problem.score_mod is None)
 
 
 def _operands(plan, problem, tensors, lo, hi):
