@@ -9,7 +9,7 @@ import importlib
 
 from .api import Explanation, attention, explain
 from .caches import clear_caches
-from .dispatch import NotSupportedError
+from .dispatch import NotSupportedError, exclude_backend, use_backend
 from .graphs.cache import graph_cache
 from .masks import Alibi, Causal, Mask, Neighborhood, Padding, RelPosBias, SlidingWindow
 from .problem import AttnProblem, TensorSpec
@@ -63,6 +63,8 @@ __all__ = [
     "Alibi",
     "RelPosBias",
     "clear_caches",
+    "use_backend",
+    "exclude_backend",
     "selftest",
     "SdpaAttributes",
     "SdpaBackwardAttributes",

@@ -60,7 +60,7 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
                 k.shape, k.dtype, k.device, k.requires_grad,
                 v.shape, v.dtype, v.device, v.requires_grad,
                 mask, bias_key, scale, dropout_p, softcap, layout, return_lse, backend,
-                _deterministic(), _deterministic_requested())
+                _deterministic(), _deterministic_requested(), dispatch.policy_key())
     except (AttributeError, TypeError, RuntimeError):  # RuntimeError: a nested tensor's shape
         return None
 

@@ -112,7 +112,7 @@ def _prepare(spec: str, q, k, v, bias, dropout_mask, lens_q, lens_kv, scalars, *
     key = None
     if plan and not call.runtime_padding:
         key = (spec, scalars, _meta(q), _meta(k), _meta(v), _meta(bias), _meta(dropout_mask),
-               torch.are_deterministic_algorithms_enabled())
+               torch.are_deterministic_algorithms_enabled(), dispatch.policy_key())
         hit = _PREPARED.get(key)
         if hit is not None:
             return hit
