@@ -40,7 +40,17 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY_MODULES) | set(_BUILDER_NAMES) | {"selftest"})
 
 
-__version__ = "0.1.0"
+def _installed_version() -> str:
+    """The version of the installed distribution (pyproject.toml's, the one source)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cudnn-attn")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "0+unknown"
+
+
+__version__: str = _installed_version()
 
 __all__ = [
     "attention",

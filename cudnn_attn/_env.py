@@ -16,18 +16,13 @@ from typing import Any
 
 
 def package_version() -> str:
-    """The cudnn_attn ``__version__`` (else the installed distribution's version, else "unknown")."""
+    """The installed distribution's version (``cudnn_attn.__version__``; "unknown" if none)."""
     try:
-        from cudnn_attn import __version__
+        from importlib.metadata import version
 
-        return __version__
-    except Exception:  # package __init__ not importable (yet)
-        try:
-            from importlib.metadata import version
-
-            return version("cudnn-attn")
-        except Exception:
-            return "unknown"
+        return version("cudnn-attn")
+    except Exception:  # a source tree that was never installed
+        return "unknown"
 
 
 def _optional(module: str) -> Any | None:

@@ -20,8 +20,29 @@ __all__ = ["NotSupportedError", "Backend", "BACKENDS", "BACKEND_NAMES", "get_bac
            "plan_for", "verdicts", "format_reasons"]
 
 logger = logging.getLogger("cudnn_attn")
-if "CUDNN_ATTN_LOG_LEVEL" in os.environ:
-    logger.setLevel(os.environ["CUDNN_ATTN_LOG_LEVEL"].upper())
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def apply_log_level(value: str | None) -> None:
+    """Set the ``cudnn_attn`` logger's level from ``CUDNN_ATTN_LOG_LEVEL``'s text: a name of
+    ``LOG_LEVELS`` (any case) or an integer. Anything else warns and leaves the level alone:
+    a typo in an environment variable must not break ``import cudnn_attn``."""
+    if value is None or not value.strip():
+        return
+    text = value.strip().upper()
+    if text in LOG_LEVELS:
+        logger.setLevel(text)
+    elif text.lstrip("-").isdigit():
+        logger.setLevel(int(text))
+    else:
+        import warnings
+
+        warnings.warn(f"CUDNN_ATTN_LOG_LEVEL={value!r} is not a log level (one of "
+                      f"{', '.join(LOG_LEVELS)} or an integer); ignored", RuntimeWarning,
+                      stacklevel=2)
+
+
+apply_log_level(os.environ.get("CUDNN_ATTN_LOG_LEVEL"))
 
 
 class Backend(Protocol):
