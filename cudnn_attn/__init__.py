@@ -6,6 +6,7 @@ neighborhood attention (``fallback_kernels/``), and a pure-PyTorch engine that r
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
 from .api import Explanation, attention, explain
 from .caches import clear_caches
@@ -26,7 +27,17 @@ _BUILDER_NAMES = ("SdpaAttributes", "SdpaBackwardAttributes", "scaled_dot_produc
                   "scaled_dot_product_flash_attention_backward")
 
 
-def __getattr__(name: str):
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and the API reference
+    from .compat.cudnn_frontend import (
+        SdpaAttributes,
+        SdpaBackwardAttributes,
+        scaled_dot_product_flash_attention,
+        scaled_dot_product_flash_attention_backward,
+    )
+    from .verify import selftest
+
+
+def __getattr__(name: str) -> object:
     if name == "selftest":  # a function of the (consumer) package ``verify``
         return importlib.import_module(".verify", __name__).selftest
     if name in _LAZY_MODULES:

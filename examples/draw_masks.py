@@ -1,10 +1,10 @@
 """Draw which keys each query sees for Causal, SlidingWindow and Neighborhood masks.
 
 Needs matplotlib (``pip install 'cudnn-attn[plot]'``). The committed figure of the docs' "Masks"
-page is ``examples/figures/masks.png``, drawn by the second line:
+page is ``docs/figures/masks.png``, drawn by the second line:
 
     python examples/draw_masks.py                      # writes masks.png here
-    python examples/draw_masks.py --out examples/figures/masks.png
+    python examples/draw_masks.py --out docs/figures/masks.png
 
 The patterns come from ``cudnn_attn.geometry``, the one description of every mask's visibility
 that the engines and the tests share.
