@@ -7,10 +7,11 @@ as the softmax scale, dropout probability and padding lengths stay out of it).
 
 from __future__ import annotations
 
+
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -144,9 +145,10 @@ class AttnProblem:
 
     # -- construction and validation ----------------------------------------------------------
     @staticmethod
-    def from_tensors(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
-                     layout="bhsd", return_lse=False, alibi=None, dropout_mask=None,
-                     dropout_scale=1.0) -> "AttnProblem":
+    def from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None, bias: Any = None,
+                     scale: float | None = None, dropout_p: float = 0.0, softcap: float | None = None,
+                     layout: str = "bhsd", return_lse: bool = False, alibi: bool | None = None,
+                     dropout_mask: torch.Tensor | None = None, dropout_scale: float = 1.0) -> "AttnProblem":
         """Validate the arguments of ``attention()`` and describe the call.
 
         Surfaces may also pass ``alibi`` (an ``Alibi``) next to a bias tensor: the engine adds
@@ -196,7 +198,7 @@ class AttnProblem:
                             f"bias={type(bias).__name__}")
         bias_spec, rpb_spec, bias_grad = None, None, False
         if isinstance(bias, Alibi):
-            alibi, bias = bias, None
+            alibi, bias = bias, None  # type: ignore[assignment]
         if alibi is not None:
             alibi.slope_table(B, Hq)  # validates the slope shape
         if isinstance(bias, RelPosBias):
@@ -257,7 +259,7 @@ def _check_masks(mask, batch: int, seq_q: int, seq_kv: int, alibi: bool) -> None
                                  f"{m.batch}: {m!r}")
             if m.runtime is not None:  # runtime lengths are never read on the host
                 continue
-            if max(m.seq_lens_q) > seq_q or max(m.seq_lens_kv) > seq_kv:
+            if max(m.seq_lens_q) > seq_q or max(m.seq_lens_kv) > seq_kv:  # type: ignore[arg-type]
                 raise ValueError(f"Padding lengths exceed the sequence: seq_lens_q={m.seq_lens_q} "
                                  f"(S_q={seq_q}), seq_lens_kv={m.seq_lens_kv} (S_kv={seq_kv})")
     if sum(isinstance(m, Padding) for m in parts) > 1:

@@ -32,6 +32,9 @@ Grouping packed sequences by length (the torch engine's varlen path) is ``varlen
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, cast
+
 import torch
 
 from . import call_spec, dispatch, entry_ops, stored_calls
@@ -45,7 +48,7 @@ from .varlen_args import (cache_lengths, check_bias, check_cache, check_maxima, 
                           check_user_mask, cu_lengths, index_tensor, varlen_lengths)
 from .custom_ops import SEED_BOUND
 from .problem import accumulator_dtype
-from .masks import Alibi, Padding
+from .masks import Alibi, Mask, Padding
 
 __all__ = ["attention_varlen", "attention_with_kvcache", "cu_lengths", "token_slots", "pad_tokens",
            "gather_pages", "with_padding", "index_tensor"]
@@ -84,9 +87,13 @@ def pad_tokens(x: torch.Tensor, lens: list[int], seq: int, slots: torch.Tensor) 
     return buf.index_copy(0, slots, x).view(batch, seq, *x.shape[1:])
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                     mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
-                     return_lse=False, backend="auto", generator=None):
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                     mask: Mask | None = None, bias: torch.Tensor | Alibi | None = None,
+                     scale: float | None = None, dropout_p: float = 0.0,
+                     softcap: float | None = None, return_lse: bool = False, backend: str = "auto",
+                     generator: torch.Generator | None = None,
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed variable-length sequences (FlashAttention's varlen layout).
 
     Args:
@@ -155,11 +162,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                     mask=with_padding(mask, lens_q, lens_k, seq_q, seq_k), bias=bias,
                     scale=scale, dropout_p=dropout_p, softcap=softcap, layout="bshd",
                     return_lse=return_lse, backend=backend, generator=generator)
-    out, lse = res if return_lse else (res, None)
+    out, lse = cast(Any, res) if return_lse else (cast(torch.Tensor, res), None)
     out = out.reshape(batch * seq_q, *out.shape[2:]).index_select(0, slots_q)
     if not return_lse:
         return out
     # [B, H, S] -> [H, B*S] -> the packed tokens: FlashAttention 2's varlen [H, total_q].
+    assert lse is not None  # return_lse: attention() returned (out, lse)
     lse = lse.permute(1, 0, 2).reshape(lse.shape[1], batch * seq_q).index_select(1, slots_q)
     return out, lse
 
@@ -191,9 +199,13 @@ def gather_pages(k_cache, v_cache, block_table, lens: list[int]):
     return gather(k_cache), gather(v_cache)
 
 
-def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=None, mask=None,
-                           bias=None, scale=None, softcap=None, return_lse=False, backend="auto",
-                           sinks=None):
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cache_seqlens: torch.Tensor | int | Sequence[int], *,
+                           block_table: torch.Tensor | None = None, mask: Mask | None = None,
+                           bias: torch.Tensor | Alibi | None = None, scale: float | None = None,
+                           softcap: float | None = None, return_lse: bool = False,
+                           backend: str = "auto", sinks: torch.Tensor | None = None,
+                           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Queries against the first ``cache_seqlens[b]`` keys of each sequence's KV cache (inference).
 
     Args:
@@ -233,10 +245,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         out, lse = merge_sinks(out, lse, check_sinks(sinks, lse.shape[1], q), "bshd")
         return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():  # lengths are read on the host: one op in the graph
-        lens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
-        ints = [] if lens is not None else [cache_seqlens] if isinstance(cache_seqlens, int) \
-            else [-1, *cache_seqlens]
-        return _traced("kvcache", [q, k_cache, v_cache, lens, block_table], ints, mask, bias,
+        traced_lens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+        ints: list = [] if traced_lens is not None else [cache_seqlens] \
+            if isinstance(cache_seqlens, int) else [-1, *cache_seqlens]
+        return _traced("kvcache", [q, k_cache, v_cache, traced_lens, block_table], ints, mask, bias,
                        scale, 0.0, softcap, return_lse, backend, None)
     if _native_route(q, backend, bias):  # the whole cache, lengths on the device, page tables
         res = _run_native(lambda: kvcache_problem(

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+
 from .. import _checks
 from ..masks import Causal, SlidingWindow
 from .ring import RingAttention, Schedule
@@ -23,8 +27,9 @@ def _band(mask) -> tuple[int, int]:
                      f"parallelism, got {mask!r}")
 
 
-def context_parallel_attention(q, k, v, *, group=None, mask=None, scale=None, layout="bshd",
-                               sharding="zigzag", return_lse=False):
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,
+                               mask: Any = None, scale: float | None = None, layout: str = "bshd",
+                               sharding: str = "zigzag", return_lse: bool = False) -> Any:
     """Attention over a sequence split across the ranks of ``group`` (ring attention).
 
     Each rank passes its shard of the sequence axis (``shard_sequence`` makes them): ``q``

@@ -144,7 +144,7 @@ def _spec_for(problem, target_sm, options, backward: bool) -> GraphSpec:
     spec, reasons = analyze(problem, target_sm=target_sm, options=options, backward=backward)
     if reasons:
         raise NotSupportedError(problem, {"cudnn": reasons}, forced="cudnn")
-    return spec
+    return spec  # type: ignore[return-value]  # no reasons: analyze returned a spec
 
 
 def validate_for(problem: AttnProblem, target_sm: int, *, backward: bool = False,
@@ -228,10 +228,12 @@ def build_backward(problem: AttnProblem, *, target_sm: Optional[int] = None,
 _NOT_PROBLEM_KWARGS = ("backend", "generator")
 
 
-def describe(q, k, v, *, backward: bool = False, target_sm: Optional[int] = 90,
-             options: Optional[GraphOptions] = None, cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=None, max_seqlen_k=None, cache_seqlens=None, block_table=None,
-             **attention_kwargs):
+def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool = False,
+             target_sm: Optional[int] = 90, options: Optional[GraphOptions] = None,
+             cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+             cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+             **attention_kwargs: Any) -> Any:
     """The validated ``cudnn.pygraph`` the cuDNN engine would build for
     ``attention(q, k, v, **attention_kwargs)`` (its backward with ``backward=True``).
 

@@ -19,6 +19,9 @@ GQA goes to the engines as is (no ``repeat_kv``); ``softcap`` (Gemma-2), ``scali
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 from ..api import attention
@@ -36,9 +39,10 @@ def _bias(mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                      value: torch.Tensor, attention_mask, dropout: float = 0.0,
-                      scaling=None, is_causal=None, softcap=None, **kwargs):
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | Sequence[bool] | None = None, softcap: float | None = None,
+                      **kwargs: Any) -> Any:
     """transformers' attention-function signature on ``cudnn_attn.attention``.
 
     Args:

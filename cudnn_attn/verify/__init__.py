@@ -15,6 +15,8 @@ fail.
 
 from __future__ import annotations
 
+from typing import Any
+
 import sys
 
 import torch
@@ -69,8 +71,8 @@ def _progress(total: int, enabled: bool):
         return step
 
 
-def selftest(backends=None, dtypes=None, quick: bool = True, progress: bool = True,
-             cases=None) -> SelftestReport:
+def selftest(backends: Any = None, dtypes: Any = None, quick: bool = True, progress: bool = True,
+             cases: Any = None) -> SelftestReport:
     """Check every engine that can run on this machine against the float64 oracle.
 
     Args:
