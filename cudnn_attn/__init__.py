@@ -27,14 +27,13 @@ _BUILDER_NAMES = ("SdpaAttributes", "SdpaBackwardAttributes", "scaled_dot_produc
                   "scaled_dot_product_flash_attention_backward")
 
 
-if TYPE_CHECKING:  # what the lazy names are, for type checkers and the API reference
+if TYPE_CHECKING:  # what the lazy builder names are, for type checkers and the API reference
     from .compat.cudnn_frontend import (
         SdpaAttributes,
         SdpaBackwardAttributes,
         scaled_dot_product_flash_attention,
         scaled_dot_product_flash_attention_backward,
     )
-    from .verify import selftest
 
 
 def __getattr__(name: str) -> object:
