@@ -6,6 +6,7 @@ neighborhood attention (``fallback_kernels/``), and a pure-PyTorch engine that r
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
 from .api import Explanation, attention, explain
 from .caches import clear_caches
@@ -28,7 +29,16 @@ _BUILDER_NAMES = ("SdpaAttributes", "SdpaBackwardAttributes", "scaled_dot_produc
 _FP8_TRAINING_NAMES = ("attention_fp8", "FP8Attention", "DelayedScaling")
 
 
-def __getattr__(name: str):
+if TYPE_CHECKING:  # what the lazy builder names are, for type checkers and the API reference
+    from .compat.cudnn_frontend import (
+        SdpaAttributes,
+        SdpaBackwardAttributes,
+        scaled_dot_product_flash_attention,
+        scaled_dot_product_flash_attention_backward,
+    )
+
+
+def __getattr__(name: str) -> object:
     if name == "selftest":  # a function of the (consumer) package ``verify``
         return importlib.import_module(".verify", __name__).selftest
     if name in _LAZY_MODULES:
@@ -45,7 +55,17 @@ def __dir__() -> list[str]:
                   | set(_FP8_TRAINING_NAMES) | {"selftest"})
 
 
-__version__ = "0.1.0"
+def _installed_version() -> str:
+    """The version of the installed distribution (pyproject.toml's, the one source)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cudnn-attn")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "0+unknown"
+
+
+__version__: str = _installed_version()
 
 __all__ = [
     "attention",

@@ -16,18 +16,26 @@ from typing import Any
 
 
 def package_version() -> str:
-    """The cudnn_attn ``__version__`` (else the installed distribution's version, else "unknown")."""
+    """The installed distribution's version (``cudnn_attn.__version__``; "unknown" if none)."""
     try:
-        from cudnn_attn import __version__
+        from importlib.metadata import version
 
-        return __version__
-    except Exception:  # package __init__ not importable (yet)
-        try:
-            from importlib.metadata import version
+        return version("cudnn-attn")
+    except Exception:  # a source tree that was never installed
+        return "unknown"
 
-            return version("cudnn-attn")
-        except Exception:
-            return "unknown"
+
+def cudnn_version_text(number: Any) -> Any:
+    """cuDNN's integer version as people write it: 92800 -> "9.28.0", 8907 -> "8.9.7".
+
+    cuDNN 9 encodes ``major * 10000 + minor * 100 + patch``, older releases
+    ``major * 1000 + minor * 100 + patch``. Anything that is not a positive int is returned as is.
+    """
+    if isinstance(number, bool) or not isinstance(number, int) or number <= 0:
+        return number
+    if number >= 90000:
+        return f"{number // 10000}.{number % 10000 // 100}.{number % 100}"
+    return f"{number // 1000}.{number % 1000 // 100}.{number % 100}"
 
 
 def _optional(module: str) -> Any | None:
@@ -44,7 +52,7 @@ def _cudnn_frontend() -> dict[str, Any]:
         return {"cudnn_frontend": None, "cudnn_backend": None}
     facts: dict[str, Any] = {"cudnn_frontend": getattr(cudnn, "__version__", "unknown")}
     try:
-        facts["cudnn_backend"] = cudnn.backend_version()
+        facts["cudnn_backend"] = cudnn_version_text(cudnn.backend_version())
     except Exception as exc:  # the frontend imports but cannot load libcudnn
         facts["cudnn_backend"] = f"unavailable ({type(exc).__name__}: {exc})"
     return facts
@@ -108,7 +116,7 @@ def collect() -> dict[str, Any]:
     }
     if torch is not None:
         try:
-            facts["torch_cudnn"] = torch.backends.cudnn.version()
+            facts["torch_cudnn"] = cudnn_version_text(torch.backends.cudnn.version())
         except Exception:
             pass
     facts.update(_cudnn_frontend())

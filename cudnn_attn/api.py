@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping, Optional
+
+from typing import Iterator, Literal, Mapping, Optional, overload
 
 import torch
 
 from . import custom_ops, dispatch, execution
 from .caches import LRU
-from .masks import Mask, Padding, split_bias
+from .masks import Alibi, Mask, Padding, RelPosBias, split_bias
 from .problem import AttnProblem, deterministic_requested
 from .kv_heads import head_counts_differ, repeat_to_common_heads
 from .runtime import DropoutState, Inputs
@@ -109,8 +110,39 @@ def _through_ops(q, k, v) -> bool:
         and isinstance(v, torch.Tensor)
 
 
-def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
-              layout="bhsd", return_lse=False, backend="auto", generator=None, sinks=None):
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | None = ...,
+              bias: torch.Tensor | Alibi | RelPosBias | None = ..., scale: float | None = ...,
+              dropout_p: float = ..., softcap: float | None = ..., layout: str = ...,
+              return_lse: Literal[False] = ..., backend: str = ...,
+              generator: torch.Generator | None = ..., sinks: torch.Tensor | None = ...,
+              ) -> torch.Tensor: ...
+
+
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | None = ...,
+              bias: torch.Tensor | Alibi | RelPosBias | None = ..., scale: float | None = ...,
+              dropout_p: float = ..., softcap: float | None = ..., layout: str = ...,
+              return_lse: Literal[True], backend: str = ...,
+              generator: torch.Generator | None = ..., sinks: torch.Tensor | None = ...,
+              ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | None = ...,
+              bias: torch.Tensor | Alibi | RelPosBias | None = ..., scale: float | None = ...,
+              dropout_p: float = ..., softcap: float | None = ..., layout: str = ...,
+              return_lse: bool = ..., backend: str = ...,
+              generator: torch.Generator | None = ..., sinks: torch.Tensor | None = ...,
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | None = None,
+              bias: torch.Tensor | Alibi | RelPosBias | None = None, scale: float | None = None,
+              dropout_p: float = 0.0, softcap: float | None = None, layout: str = "bhsd",
+              return_lse: bool = False, backend: str = "auto",
+              generator: torch.Generator | None = None, sinks: torch.Tensor | None = None,
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact scaled dot-product attention on the fastest backend that can run it.
 
     Args:
@@ -188,9 +220,9 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softc
                                      return_lse, backend, signature)
     if direct is not None:
         return direct(q, k, v)
-    bias = split_bias(bias)[1]  # the runtime tensor (Alibi's slopes live in the problem)
+    table = split_bias(bias)[1]  # the runtime tensor (Alibi's slopes live in the problem)
     dropout = DropoutState.draw(generator) if problem.dropout_p > 0 else None
-    out, lse = execution.run(problem, plan, Inputs(q, k, v, bias, dropout), return_lse)
+    out, lse = execution.run(problem, plan, Inputs(q, k, v, table, dropout), return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -229,9 +261,12 @@ class Explanation(Mapping):
         return f"Explanation({self._verdicts!r})"
 
 
-def explain(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
-            layout="bhsd", return_lse=False, backend="auto", generator=None,
-            sinks=None) -> Explanation:
+def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | None = None,
+            bias: torch.Tensor | Alibi | RelPosBias | None = None, scale: float | None = None,
+            dropout_p: float = 0.0, softcap: float | None = None, layout: str = "bhsd",
+            return_lse: bool = False, backend: str = "auto",
+            generator: torch.Generator | None = None, sinks: torch.Tensor | None = None,
+            ) -> Explanation:
     """What each backend says about this call, without running it.
 
     Takes ``attention()``'s arguments. Malformed input raises as ``attention()`` would; an

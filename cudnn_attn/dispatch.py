@@ -18,6 +18,7 @@ reason ``"excluded by ..."`` in ``explain()`` and in ``NotSupportedError``.
 """
 
 from __future__ import annotations
+from typing import Any
 
 import contextlib
 import contextvars
@@ -35,8 +36,29 @@ __all__ = ["NotSupportedError", "Backend", "BACKENDS", "BACKEND_NAMES", "get_bac
            "allowed_backends", "policy_key"]
 
 logger = logging.getLogger("cudnn_attn")
-if "CUDNN_ATTN_LOG_LEVEL" in os.environ:
-    logger.setLevel(os.environ["CUDNN_ATTN_LOG_LEVEL"].upper())
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def apply_log_level(value: str | None) -> None:
+    """Set the ``cudnn_attn`` logger's level from ``CUDNN_ATTN_LOG_LEVEL``'s text: a name of
+    ``LOG_LEVELS`` (any case) or an integer. Anything else warns and leaves the level alone:
+    a typo in an environment variable must not break ``import cudnn_attn``."""
+    if value is None or not value.strip():
+        return
+    text = value.strip().upper()
+    if text in LOG_LEVELS:
+        logger.setLevel(text)
+    elif text.lstrip("-").isdigit():
+        logger.setLevel(int(text))
+    else:
+        import warnings
+
+        warnings.warn(f"CUDNN_ATTN_LOG_LEVEL={value!r} is not a log level (one of "
+                      f"{', '.join(LOG_LEVELS)} or an integer); ignored", RuntimeWarning,
+                      stacklevel=2)
+
+
+apply_log_level(os.environ.get("CUDNN_ATTN_LOG_LEVEL"))
 
 
 class Backend(Protocol):
@@ -144,7 +166,7 @@ def _policy(allowed: tuple[str, ...], why: str):
         _POLICY.reset(token)
 
 
-def use_backend(backends: Union[str, Iterable[str]]):
+def use_backend(backends: Union[str, Iterable[str]]) -> Any:
     """Context manager: only ``backends`` (a name or names of ``"cudnn"``, ``"cupy"``,
     ``"torch"``) may run attention inside the block, on every surface, for the current thread
     or task. Like ``torch.nn.attention.sdpa_kernel``: the innermost ``use_backend`` replaces the
@@ -159,7 +181,7 @@ def use_backend(backends: Union[str, Iterable[str]]):
     return _policy(allowed, f"excluded by cudnn_attn.use_backend({list(allowed)})")
 
 
-def exclude_backend(backends: Union[str, Iterable[str]]):
+def exclude_backend(backends: Union[str, Iterable[str]]) -> Any:
     """Context manager: ``backends`` are not used inside the block (on top of the current
     policy), on every surface, for the current thread or task::
 

@@ -17,6 +17,7 @@ Equivalent PyTorch (up to the FP8 rounding at cuDNN's quantization points)::
 """
 
 from __future__ import annotations
+from typing import Any
 
 import torch
 
@@ -61,7 +62,7 @@ class DelayedScaling:
             self.amax_history = self.amax_history.to(device)
             self.scale = self.scale.to(device)
 
-    def scale_of(self, name: str, device) -> torch.Tensor:
+    def scale_of(self, name: str, device: Any) -> torch.Tensor:
         """The current scale of ``name``, float32 ``[1, 1, 1, 1]`` on ``device`` (a copy)."""
         self._to(device)
         return self.scale[self.TENSORS.index(name)].reshape(1, 1, 1, 1).clone()
@@ -153,9 +154,9 @@ class _Fp8Attention(torch.autograd.Function):
         return (*grads, dsink, None)
 
 
-def attention_fp8(q, k, v, recipe: DelayedScaling, *, mask=None, scale=None, sinks=None,
-                  layout: str = "bhsd", backend: str = "auto", descale_q=None, descale_k=None,
-                  descale_v=None):
+def attention_fp8(q: Any, k: Any, v: Any, recipe: DelayedScaling, *, mask: Any = None, scale: Any = None, sinks: Any = None,
+                  layout: str = "bhsd", backend: str = "auto", descale_q: Any = None, descale_k: Any = None,
+                  descale_v: Any = None) -> Any:
     """``(out, amaxes)`` of FP8 attention (module doc): cuDNN's ``sdpa_fp8`` forward and, through
     autograd, its ``sdpa_fp8_backward``, with the scales of ``recipe``.
 
@@ -225,8 +226,8 @@ class FP8Attention(torch.nn.Module):
     ``num_sinks`` learnable per-head logits when ``num_sinks`` (= H_q) is given.
     """
 
-    def __init__(self, *, mask=None, scale=None, layout: str = "bhsd", backend: str = "auto",
-                 recipe: DelayedScaling | None = None, num_sinks: int | None = None):
+    def __init__(self, *, mask: Any = None, scale: Any = None, layout: str = "bhsd", backend: str = "auto",
+                 recipe: DelayedScaling | None = None, num_sinks: int | None = None) -> Any:
         super().__init__()
         self.mask, self.scale, self.layout, self.backend = mask, scale, layout, backend
         self.recipe = recipe if recipe is not None else DelayedScaling()
@@ -234,7 +235,7 @@ class FP8Attention(torch.nn.Module):
         self.amaxes: dict = {}
         self._calls = 0
 
-    def forward(self, q, k, v, descale_q=None, descale_k=None, descale_v=None):
+    def forward(self, q: Any, k: Any, v: Any, descale_q: Any = None, descale_k: Any = None, descale_v: Any = None) -> Any:
         if self.training and self._calls:
             self.recipe.update()
         self._calls += 1

@@ -13,10 +13,11 @@ Alignment of a query row ``i`` against ``S_kv`` keys (used by ``Causal``, ``Slid
 
 from __future__ import annotations
 
+
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -53,7 +54,7 @@ class Mask:
     def __and__(self, other: "Mask") -> "MaskSet":
         if not isinstance(other, Mask):
             return NotImplemented
-        return MaskSet.of(self, other)
+        return MaskSet.of(self, other)  # type: ignore[return-value]
 
     def parts(self) -> tuple["Mask", ...]:
         return (self,)
@@ -130,7 +131,9 @@ class Neighborhood(Mask):
     dilation: tuple[int, ...]
     is_causal: tuple[bool, ...]
 
-    def __init__(self, spatial_shape, kernel_size, stride=1, dilation=1, is_causal=False):
+    def __init__(self, spatial_shape: int | Sequence[int], kernel_size: int | Sequence[int],
+                 stride: int | Sequence[int] = 1, dilation: int | Sequence[int] = 1,
+                 is_causal: bool | Sequence[bool] = False):
         if isinstance(spatial_shape, (tuple, list)):
             shape = tuple(_checks.integer("spatial_shape", n, 1) for n in spatial_shape)
         else:
@@ -226,7 +229,7 @@ class Padding(Mask):
     runtime: Optional[tuple] = dataclasses.field(default=None, compare=False, repr=False,
                                                  init=False)
 
-    def __init__(self, seq_lens_q, seq_lens_kv=None):
+    def __init__(self, seq_lens_q: Any, seq_lens_kv: Any = None):
         if _runtime_lengths(seq_lens_q) or _runtime_lengths(seq_lens_kv):
             self._init_runtime(seq_lens_q, seq_lens_q if seq_lens_kv is None else seq_lens_kv)
             return
@@ -254,9 +257,11 @@ class Padding(Mask):
 
     @property
     def batch(self) -> int:
-        return len(self.seq_lens_q) if self.runtime is None else self.runtime[0].shape[0]
+        if self.runtime is None:
+            return len(self.seq_lens_q)  # type: ignore[arg-type]  # ints when not runtime
+        return self.runtime[0].shape[0]
 
-    def tensors(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def tensors(self, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(lens_q, lens_kv)`` as integer tensors on ``device``; runtime ones are moved, never
         read (no host synchronisation)."""
         if self.runtime is not None:
@@ -283,8 +288,8 @@ class MaskSet(Mask):
 
 def _order(mask: Mask) -> tuple:
     # A canonical order built from field values (not repr, which torch.compile cannot trace).
-    return (type(mask).__name__,
-            tuple(getattr(mask, f.name) for f in dataclasses.fields(mask) if f.compare))
+    fields = dataclasses.fields(mask)  # type: ignore[arg-type]  # every Mask is a dataclass
+    return (type(mask).__name__, tuple(getattr(mask, f.name) for f in fields if f.compare))
 
 
 def mask_parts(mask: Mask | None) -> tuple[Mask, ...]:
@@ -310,7 +315,10 @@ def without_full_neighborhoods(mask: Mask | None) -> Mask | None:
 def line_bounds(mask: Mask) -> tuple[int, int]:
     """``(left, right)`` of a ``Causal``/``SlidingWindow`` mask (``-1``: unbounded; causal is
     ``(-1, 0)``): key ``j`` is visible to query ``i`` iff ``i' - left <= j <= i' + right``."""
-    return (-1, 0) if isinstance(mask, Causal) else (mask.left, mask.right)
+    if isinstance(mask, Causal):
+        return (-1, 0)
+    assert isinstance(mask, SlidingWindow)  # callers pass the band parts only
+    return (mask.left, mask.right)
 
 
 def same_alignment(alignment: str, equal_lengths: bool) -> str:
@@ -388,7 +396,7 @@ class Alibi:
 
     slopes: tuple | None
 
-    def __init__(self, slopes=None):
+    def __init__(self, slopes: Sequence[float] | torch.Tensor | None = None):
         object.__setattr__(self, "slopes", _as_slopes(slopes))
 
     def slope_table(self, batch: int, heads: int) -> torch.Tensor:
@@ -442,7 +450,7 @@ class RelPosBias:
 
     __slots__ = ("table",)
 
-    def __init__(self, table):
+    def __init__(self, table: torch.Tensor):
         self.table = _checks.tensor("RelPosBias table", table, floating=True)
 
     def __repr__(self) -> str:

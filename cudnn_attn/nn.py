@@ -9,6 +9,8 @@ cheaply (the attention-weight matrix).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numbers
 
 import torch
@@ -21,9 +23,6 @@ from .dispatch import get_backend
 from .masks import Alibi, Mask
 
 __all__ = ["MultiheadAttention"]
-
-_UNSET = object()
-
 
 def _probability(name: str, value) -> float:
     """A float in ``[0, 1)``: TypeError for a non-number, ValueError out of range."""
@@ -106,7 +105,7 @@ class MultiheadAttention(nn.Module):
                  dropout: float = 0.0, out_dropout: float = 0.0, mask: Mask | None = None,
                  alibi: bool | Alibi = False, scale: float | None = None,
                  softcap: float | None = None, batch_first: bool = True, backend: str = "auto",
-                 device=None, dtype=None):
+                 device: Any = None, dtype: Any = None):
         super().__init__()
         embed_dim = _checks.integer("embed_dim", embed_dim, 1)
         num_heads = _checks.integer("num_heads", num_heads, 1)
@@ -130,7 +129,7 @@ class MultiheadAttention(nn.Module):
         if alibi is True:
             alibi = Alibi()
         elif alibi is False or alibi is None:
-            alibi = None
+            alibi = None  # type: ignore[assignment]
         elif not isinstance(alibi, Alibi):
             raise TypeError(f"alibi must be a bool or an Alibi, got {type(alibi).__name__}")
         elif alibi.slopes is not None and not isinstance(alibi.slopes[0], tuple):
@@ -173,7 +172,7 @@ class MultiheadAttention(nn.Module):
             nn.init.zeros_(self.out_proj.bias)
 
     @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention, **kwargs) -> MultiheadAttention:
+    def from_torch(cls, module: nn.MultiheadAttention, **kwargs: Any) -> MultiheadAttention:
         """A self-attention module with ``module``'s weights (same ``embed_dim``/``num_heads``,
         ``batch_first``, ``dropout``); ``kwargs`` (e.g. ``mask=Causal()``) go to the constructor."""
         if not isinstance(module, nn.MultiheadAttention):
@@ -256,19 +255,22 @@ class MultiheadAttention(nn.Module):
                              f"{tuple(query.shape)}, key {tuple(key.shape)}")
         return q, k, v
 
-    def forward(self, query, key=None, value=None, *, mask=_UNSET, attn_bias=None,
-                return_lse: bool = False, generator=None):
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None, *, mask: Mask | None = None,
+                attn_bias: torch.Tensor | None = None, return_lse: bool = False,
+                generator: torch.Generator | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend; see the class docstring for arguments and shapes."""
         q, k, v = self._project(query, key, value)
         call_mask = self.mask
-        if mask is not _UNSET and mask is not None:
+        if mask is not None:  # None (the default): the module's own mask only
             _check_mask("mask", mask)
             call_mask = mask if call_mask is None else call_mask & mask
         if attn_bias is not None and self.alibi is not None:
             raise ValueError("attn_bias cannot be combined with the module's alibi: pass one "
                              "positional bias")
-        bias = attn_bias if attn_bias is not None else self.alibi
-        res = attention(q, k, v, mask=call_mask, bias=bias, scale=self.scale,
+        bias: Any = attn_bias if attn_bias is not None else self.alibi
+        res: Any = attention(q, k, v, mask=call_mask, bias=bias, scale=self.scale,
                         dropout_p=self.dropout if self.training else 0.0, softcap=self.softcap,
                         layout="bshd", return_lse=return_lse, backend=self.backend,
                         generator=generator)
@@ -278,4 +280,4 @@ class MultiheadAttention(nn.Module):
             out = F.dropout(out, self.out_dropout, training=True)
         if not self.batch_first:
             out = out.transpose(0, 1)
-        return (out, lse) if return_lse else out
+        return (out, lse) if return_lse else out  # type: ignore[return-value]

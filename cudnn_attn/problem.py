@@ -12,7 +12,7 @@ import contextvars
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -174,7 +174,7 @@ class AttnProblem:
                   f"rpb={list(self.rpb.shape)}" if self.rpb else "",
                   f"dropout_mask={list(self.dropout_mask.shape)}" if self.dropout_mask else "",
                   f"softcap={self.softcap}" if self.softcap else "",
-                  f"score_mod={self.score_mod.label}" if self.score_mod else "",
+                  f"score_mod={getattr(self.score_mod, 'label', self.score_mod)}" if self.score_mod else "",
                   f"dropout_p={self.dropout_p}" if self.dropout_p else "",
                   f"storage={self.storage!r}" if self.storage else ""]
         return (f"q=[B={self.batch}, H={self.heads_q}, S={self.seq_q}, D={self.dim_qk}] "
@@ -184,9 +184,11 @@ class AttnProblem:
 
     # -- construction and validation ----------------------------------------------------------
     @staticmethod
-    def from_tensors(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
-                     layout="bhsd", return_lse=False, alibi=None, dropout_mask=None,
-                     dropout_scale=1.0, score_mod=None) -> "AttnProblem":
+    def from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None, bias: Any = None,
+                     scale: float | None = None, dropout_p: float = 0.0, softcap: float | None = None,
+                     layout: str = "bhsd", return_lse: bool = False, alibi: bool | None = None,
+                     dropout_mask: torch.Tensor | None = None, dropout_scale: float = 1.0,
+                     score_mod: Any = None) -> "AttnProblem":
         """Validate the arguments of ``attention()`` and describe the call.
 
         Surfaces may also pass ``alibi`` (an ``Alibi``) next to a bias tensor: the engine adds
@@ -238,7 +240,7 @@ class AttnProblem:
                             f"bias={type(bias).__name__}")
         bias_spec, rpb_spec, bias_grad = None, None, False
         if isinstance(bias, Alibi):
-            alibi, bias = bias, None
+            alibi, bias = bias, None  # type: ignore[assignment]
         if alibi is not None:
             alibi.slope_table(B, Hq)  # validates the slope shape
         if isinstance(bias, RelPosBias):
@@ -312,7 +314,7 @@ def _check_masks(mask, batch: int, seq_q: int, seq_kv: int, alibi: bool) -> None
                                  f"{m.batch}: {m!r}")
             if m.runtime is not None:  # runtime lengths are never read on the host
                 continue
-            if max(m.seq_lens_q) > seq_q or max(m.seq_lens_kv) > seq_kv:
+            if max(m.seq_lens_q) > seq_q or max(m.seq_lens_kv) > seq_kv:  # type: ignore[arg-type]
                 raise ValueError(f"Padding lengths exceed the sequence: seq_lens_q={m.seq_lens_q} "
                                  f"(S_q={seq_q}), seq_lens_kv={m.seq_lens_kv} (S_kv={seq_kv})")
     if sum(isinstance(m, Padding) for m in parts) > 1:

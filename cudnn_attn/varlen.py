@@ -34,6 +34,9 @@ Grouping packed sequences by length (the torch engine's varlen path) is ``varlen
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, cast
+
 import torch
 
 from . import call_spec, entry_ops, execution, stored_calls
@@ -45,7 +48,7 @@ from .varlen_groups import by_length_groups, grouped_varlen
 from .varlen_args import (cache_lengths, check_bias, check_cache, check_maxima, check_packed,
                           check_user_mask, cu_lengths, index_tensor, varlen_lengths)
 from .problem import accumulator_dtype
-from .masks import Alibi, Padding, split_bias
+from .masks import Alibi, Mask, Padding, split_bias
 
 __all__ = ["attention_varlen", "attention_with_kvcache", "cu_lengths", "token_slots", "pad_tokens",
            "PaddedBatch", "gather_pages", "with_padding", "index_tensor"]
@@ -124,9 +127,13 @@ class PaddedBatch:
         return full.view(heads, self.batch, self.seq_q).permute(1, 0, 2)
 
 
-def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                     mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
-                     return_lse=False, backend="auto", generator=None):
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                     mask: Mask | None = None, bias: torch.Tensor | Alibi | None = None,
+                     scale: float | None = None, dropout_p: float = 0.0,
+                     softcap: float | None = None, return_lse: bool = False, backend: str = "auto",
+                     generator: torch.Generator | None = None,
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed variable-length sequences (FlashAttention's varlen layout).
 
     Args:
@@ -192,9 +199,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     res = attention(pack.pad_q(q), pack.pad_k(k), pack.pad_k(v), mask=pack.mask(mask), bias=bias,
                     scale=scale, dropout_p=dropout_p, softcap=softcap, layout="bshd",
                     return_lse=return_lse, backend=backend, generator=generator)
-    out, lse = res if return_lse else (res, None)
+    out, lse = cast(Any, res) if return_lse else (cast(torch.Tensor, res), None)
     out = pack.unpad(out, pack.slots_q)
-    return (out, pack.lse_packed(lse)) if return_lse else out
+    if not return_lse:
+        return out
+    assert lse is not None  # return_lse: attention() returned (out, lse)
+    return out, pack.lse_packed(lse)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,9 +234,13 @@ def gather_pages(k_cache, v_cache, block_table, lens: list[int]):
     return gather(k_cache), gather(v_cache)
 
 
-def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=None, mask=None,
-                           bias=None, scale=None, softcap=None, return_lse=False, backend="auto",
-                           sinks=None):
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cache_seqlens: torch.Tensor | int | Sequence[int], *,
+                           block_table: torch.Tensor | None = None, mask: Mask | None = None,
+                           bias: torch.Tensor | Alibi | None = None, scale: float | None = None,
+                           softcap: float | None = None, return_lse: bool = False,
+                           backend: str = "auto", sinks: torch.Tensor | None = None,
+                           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Queries against the first ``cache_seqlens[b]`` keys of each sequence's KV cache (inference).
 
     Args:
@@ -266,10 +280,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, block_table=No
         out, lse = merge_sinks(out, lse, check_sinks(sinks, lse.shape[1], q), "bshd")
         return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():  # lengths are read on the host: one op in the graph
-        lens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
-        ints = [] if lens is not None else [cache_seqlens] if isinstance(cache_seqlens, int) \
-            else [-1, *cache_seqlens]
-        return _traced("kvcache", [q, k_cache, v_cache, lens, block_table], ints, mask, bias,
+        traced_lens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+        ints: list = [] if traced_lens is not None else [cache_seqlens] \
+            if isinstance(cache_seqlens, int) else [-1, *cache_seqlens]
+        return _traced("kvcache", [q, k_cache, v_cache, traced_lens, block_table], ints, mask, bias,
                        scale, 0.0, softcap, return_lse, backend, None)
     if _native_route(q, backend, bias):  # the whole cache, lengths on the device, page tables
         res = _run_native(lambda: kvcache_problem(

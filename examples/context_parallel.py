@@ -10,6 +10,7 @@ exchange. Both are compared, forward and backward, with the whole computation on
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 
@@ -73,9 +74,21 @@ def run(rank: int, world: int, init: str) -> None:
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Under torchrun the world size is torchrun's.")
+    p.add_argument("--nproc", type=int, default=2,
+                   help="CPU processes to start when not under torchrun (default 2)")
+    args = p.parse_args(argv)  # before any process starts: --help only prints
+    if args.nproc < 1:
+        p.error(f"--nproc must be >= 1, got {args.nproc}")
     if "RANK" in os.environ:  # started by torchrun
         run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://")
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(run, args=(2, f"file://{tmp}/init"), nprocs=2)
+            mp.spawn(run, args=(args.nproc, f"file://{tmp}/init"), nprocs=args.nproc)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,8 +1,10 @@
-"""Draw which keys each query sees for Causal, SlidingWindow and Neighborhood masks (the figure
-in the README's "Masks" section). Needs matplotlib (``pip install 'cudnn-attn[plot]'``).
+"""Draw which keys each query sees for Causal, SlidingWindow and Neighborhood masks.
 
-    python examples/draw_masks.py                      # writes examples/figures/masks.png
-    python examples/draw_masks.py --out masks.png
+Needs matplotlib (``pip install 'cudnn-attn[plot]'``). The committed figure of the docs' "Masks"
+page is ``docs/figures/masks.png``, drawn by the second line:
+
+    python examples/draw_masks.py                      # writes masks.png here
+    python examples/draw_masks.py --out docs/figures/masks.png
 
 The patterns come from ``cudnn_attn.geometry``, the one description of every mask's visibility
 that the engines and the tests share.
@@ -32,12 +34,13 @@ def patterns() -> list[tuple[str, object]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(HERE / "figures" / "masks.png"), help="PNG to write")
-    args = p.parse_args(argv)
     spec = importlib.util.spec_from_file_location("plots", HERE / "plots.py")
     plots = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plots)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="masks.png", type=plots.output_file,
+                   help="PNG to write (default: masks.png in the current directory)")
+    args = p.parse_args(argv)
     plt = plots.pyplot()
     if plt is None:
         return 0

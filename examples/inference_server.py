@@ -284,6 +284,14 @@ def run_decode(args: argparse.Namespace, device: str, dtype: torch.dtype) -> dic
     return report
 
 
+def existing_dir(text: str) -> Path:
+    """argparse type: a directory that exists (a typo must not serve with an empty cache)."""
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no such directory")
+    return path
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=("dense", "decode"), default="dense",
@@ -294,15 +302,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=8, help="largest request batch (default 8)")
     p.add_argument("--min-seq", type=int, default=128, help="smallest length bucket (default 128)")
     p.add_argument("--max-seq", type=int, help="longest request (default 2048 on cuda, 256 on cpu)")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dimension (default 64)")
     p.add_argument("--no-causal", dest="causal", action="store_false", help="no causal mask")
-    p.add_argument("--backend", default="auto")
+    p.add_argument("--backend", default="auto", choices=("auto", "cudnn", "cupy", "torch"),
+                   help="engine of every call (default auto: the fastest that runs it)")
     p.add_argument("--device", help="default: cuda if available, else cpu")
     p.add_argument("--dtype", help="default: float16 on cuda, float32 on cpu")
     p.add_argument("--check", action="store_true",
                    help="compare with the unpadded calls (dense) / dense float64 attention (decode)")
-    p.add_argument("--graph-cache", type=Path, metavar="DIR",
+    p.add_argument("--graph-cache", type=existing_dir, metavar="DIR",
                    help="load saved graphs (cudnn-attn cache warm --save DIR) at start")
     d = p.add_argument_group("decode mode")
     d.add_argument("--batch", type=int, default=8, help="decode slots, the fixed batch (default 8)")
@@ -312,7 +321,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="pages per sequence: the cache capacity (default 8)")
     d.add_argument("--num-blocks", type=int, help="pages in the pool (default batch * max-blocks)")
     d.add_argument("--max-new-tokens", type=int, default=32, help="tokens per request at most")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the requests' inputs (default 0)")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout (s)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)

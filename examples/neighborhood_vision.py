@@ -100,21 +100,21 @@ class NAClassifier(nn.Module):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--image-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
+    p.add_argument("--batch-size", type=int, default=64, help="images per step (default 64)")
+    p.add_argument("--image-size", type=int, default=16, help="image side in pixels (default 16)")
     p.add_argument("--patch", type=int, default=2, help="patch size (tokens = (size / patch)^2)")
     p.add_argument("--kernel", type=int, default=3, help="neighborhood size per axis")
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--dim", type=int, default=32, help="model width (default 32)")
+    p.add_argument("--heads", type=int, default=2, help="attention heads (default 2)")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations (default 50)")
     p.add_argument("--eval-size", type=int, default=256, help="held-out images")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of data and weights (default 0)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default 1: tiny tensors)")
-    p.add_argument("--plot", default="neighborhood_vision.png",
+    p.add_argument("--plot", default="neighborhood_vision.png", type=plots.output_file,
                    help="PNG of the pattern and the learned attention ('' for none; matplotlib)")
     return p.parse_args(argv)
 

@@ -28,6 +28,28 @@ def save(fig: Any, path: str) -> None:
     print(f"wrote {path}")
 
 
+def output_file(text: str) -> str:
+    """argparse type: where a figure goes; '' for none. Its folder must exist: a typo in a
+    path is refused before training, not after."""
+    import argparse
+    from pathlib import Path
+
+    if text and not Path(text).expanduser().resolve().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no such directory {str(Path(text).parent)!r}")
+    return text
+
+
+def existing_file(text: str) -> Any:
+    """argparse type: a file that exists, as a ``Path``."""
+    import argparse
+    from pathlib import Path
+
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return path
+
+
 def cpu_threads(requested: int | None, device: Any) -> None:
     """Use ``requested`` CPU threads (default 1): the examples' tensors are tiny, and on a busy
     machine more threads mostly wait on each other (measured: 30x slower on a loaded 2-core box)."""

@@ -75,21 +75,22 @@ class TinyLM(nn.Module):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per step (default 32)")
     p.add_argument("--context", type=int, default=64, help="characters per training sequence")
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=64, help="model width (default 64)")
+    p.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
     p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    p.add_argument("--dropout", type=float, default=0.0, help="attention dropout (default 0)")
+    p.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate (default 5e-3)")
     p.add_argument("--eval-every", type=int, default=50, help="steps between loss reports")
     p.add_argument("--sample-chars", type=int, default=160, help="characters to generate (0: none)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of batches and weights (default 0)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
-    p.add_argument("--text", type=Path, default=DATA, help="training text (UTF-8)")
+    p.add_argument("--text", type=plots.existing_file, default=DATA,
+                   help="training text, UTF-8 (default: the bundled public-domain text)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default 1: tiny tensors)")
-    p.add_argument("--plot", default="train_tiny_transformer.png",
+    p.add_argument("--plot", default="train_tiny_transformer.png", type=plots.output_file,
                    help="PNG of the loss curves ('' for none; needs matplotlib)")
     return p.parse_args(argv)
 

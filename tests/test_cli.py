@@ -138,7 +138,8 @@ def test_cache_warm_reports_each_problem(capsys, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # the plain "[i/N]" progress lines
     config = write_config(tmp_path, PROBLEMS, defaults={"dtype": "bf16"})
     code, out, _ = run_cli(capsys, "cache", "warm", config, "--save", str(tmp_path / "saved"))
-    assert code == 0
+    declined = out.count("cannot build on cudnn")
+    assert code == (1 if declined else 0)  # a problem that built nothing is a status 1
     lines = [line for line in out.splitlines() if line.startswith("warm [")]
     assert [line.split("]")[0] for line in lines] == ["warm [1/3", "warm [2/3", "warm [3/3"]
     for line, problem in zip(lines, PROBLEMS):

@@ -78,6 +78,9 @@ BAD = [
     (["explain", *SHAPE, "--mask", "neighborhood:4x4,3x3"], "4"),
     (["explain", *SHAPE, "--mask", "padding:a,b"], "integers"),
     (["explain", *SHAPE, "--mask", "padding:8,8"], "batch"),
+    (["explain", *SHAPE, "--mask", "window:128"], "left and right bounds"),
+    (["cache", "info", "--dir", "/etc/passwd"], "not a directory"),
+    (["cache", "clear", "--cubin-dir", "/etc/passwd"], "not a directory"),
     (["kernels", "--arch", "foo"], "sm_80 or sm_90a"),
     (["kernels", "--arch", "sm_70"], "compute capability 8.0"),
     (["kernels", "--arch", "sm_80", "--arch", "compute_90"], "sm_80 or sm_90a"),
@@ -134,8 +137,8 @@ def test_cache_info_with_a_dangling_link_and_a_fifo(capsys, tmp_path):
     assert code == 0 and "Traceback" not in err
     assert "files: 0 (0 bytes), usable here: 0, rejected: 2" in out
     assert "dangling.cagraph (link)" in out and "fifo.cagraph (FIFO)" in out
-    code, out, _ = run_main(capsys, ["cache", "info", "--dir", str(directory / ("fifo" + SUFFIX))])
-    assert code == 0 and "(not a directory)" in out
+    code, out, err = run_main(capsys, ["cache", "info", "--dir", str(directory / ("fifo" + SUFFIX))])
+    assert_one_line_usage_error(code, out, err, "not a directory")
 
 
 def test_cache_warm_save_to_an_unsafe_directory_is_one_line(capsys, tmp_path, monkeypatch):

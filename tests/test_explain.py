@@ -242,7 +242,7 @@ def test_cli_explain_varlen_shows_the_verdicts_and_the_ragged_graph(capsys, back
     k = torch.empty(3, 128, 2, 64, dtype=torch.float16)
     mask = lib.Causal("bottom_right") & lib.Padding([100, 3, 17], [128, 60, 12])
     assert str(lib.explain(q, k, k, layout="bshd", mask=mask)) in out
-    assert f"cuDNN graph ({'backward' if backward else 'forward'}, sm_90):" in out
+    assert f"cuDNN graph ({'backward' if backward else 'forward'}, sm_90), validated" in out
     offsets = {"q": "ragged_q", "k": "ragged_k", "v": "ragged_v", "o": "ragged_o"}
     if backward:
         offsets.update(dq="ragged_q", do="ragged_o", stats="ragged_stats")

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from . import cache, demo, explain, info, kernels, selftest
 from .cache import progress
+from .output import silence_stdout
 from .specs import UsageError, parse_mask
 
 __all__ = ["UsageError", "build_parser", "main", "parse_mask", "progress"]
@@ -52,15 +53,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: sys.argv[1:]) and run the chosen subcommand; returns the exit code.
 
     Bad arguments (and what they lead to: invalid problems, missing optional packages, a refused
-    cache directory) print one line on stderr and return 2; an unexpected failure prints one line
-    and returns 1 (``CUDNN_ATTN_DEBUG=1`` shows its traceback). Never a traceback otherwise.
+    cache directory) print one line on stderr and return 2; a command that did none of what it
+    was asked returns 1; an unexpected failure prints one line and returns 1
+    (``CUDNN_ATTN_DEBUG=1`` shows its traceback). Never a traceback otherwise; a reader that
+    closes the pipe early (``| head``) ends the command quietly with status 0.
     """
+    try:
+        code = run(argv)
+        sys.stdout.flush()  # a closed pipe shows here, where it is handled, not at exit
+        return code
+    except BrokenPipeError:  # `cudnn-attn explain ... | head -1`: the reader has what it wanted
+        silence_stdout()
+        return 0
+
+
+def run(argv: Sequence[str] | None) -> int:
+    """``main`` without the broken-pipe handling: parse, run, turn mistakes into one line."""
     from cudnn_attn.errors import NotSupportedError
 
     args = build_parser().parse_args(argv)
     prog = " ".join(filter(None, ("cudnn-attn", args.command, getattr(args, "cache_command", None))))
     try:
         return args.func(args)
+    except BrokenPipeError:
+        raise
     except (UsageError, ValueError, TypeError, ImportError, OSError, NotSupportedError) as exc:
         print(f"{prog}: error: {one_line(exc)}", file=sys.stderr)
         return 2

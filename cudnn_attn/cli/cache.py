@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .output import print_json
 from .specs import (
     UsageError,
     build_inputs,
@@ -25,20 +26,15 @@ def _print_info(info: dict) -> None:
         print(f"  {key:<{width}}  {round(value, 6) if isinstance(value, float) else value}")
 
 
-def _describe_dir(directory) -> tuple[str, list[str]]:
-    """``(status, notes)`` of a cache directory: what it holds, without following links."""
+def scan_dir(directory: Any, suffix: str) -> tuple[int, int, list[str]]:
+    """``(files, bytes, others)`` of the entries named ``*suffix`` in ``directory``: regular
+    files counted, anything else (links, directories, FIFOs) listed; no link is followed."""
     import os
     import stat
 
-    from cudnn_attn.graphs.cache import SUFFIX
-
-    if not os.path.lexists(directory):
-        return "does not exist", []
-    if not os.path.isdir(directory):
-        return "not a directory", []
     regular, size, other = 0, 0, []
     for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-        if not entry.name.endswith(SUFFIX):
+        if not entry.name.endswith(suffix):
             continue
         st = entry.stat(follow_symlinks=False)
         if stat.S_ISREG(st.st_mode):
@@ -47,30 +43,82 @@ def _describe_dir(directory) -> tuple[str, list[str]]:
             kind = ("link" if stat.S_ISLNK(st.st_mode) else "directory" if stat.S_ISDIR(st.st_mode)
                     else "FIFO" if stat.S_ISFIFO(st.st_mode) else "special file")
             other.append(f"{entry.name} ({kind})")
-    notes = [f"files: {regular} ({size} bytes)"]
-    if other:
-        notes.append(f"not regular files (never read): {', '.join(other)}")
-    return "", notes
+    return regular, size, other
+
+
+def existing_dir(option: str, directory: Any) -> Any:
+    """``directory`` unless something that is not a directory sits at that path (a file, a
+    FIFO, a link): a ``UsageError`` naming the option then. A missing directory is fine."""
+    import os
+
+    if directory is not None and os.path.lexists(directory) and (
+            os.path.islink(directory) or not os.path.isdir(directory)):
+        raise UsageError(f"{option} {directory}: not a directory")
+    return directory
+
+
+def _cubin_dir(args: argparse.Namespace) -> Any:
+    """The cubin cache directory (``--cubin-dir``, else the default; None when the cache is
+    turned off by ``CUDNN_ATTN_CUBIN_CACHE=off``)."""
+    from cudnn_attn.fallback_kernels import cubin_cache
+
+    return existing_dir("--cubin-dir", args.cubin_dir or cubin_cache.cache_dir())
+
+
+def _describe_cubins(directory: Any) -> dict:
+    """What the cubin cache directory holds: entries and bytes (regular files only)."""
+    import os
+
+    from cudnn_attn.fallback_kernels.cubin_cache import SUFFIX
+
+    if directory is None:
+        return {"dir": None, "status": "off: CUDNN_ATTN_CUBIN_CACHE", "files": 0, "bytes": 0}
+    if not os.path.lexists(directory):
+        return {"dir": str(directory), "status": "does not exist", "files": 0, "bytes": 0}
+    files, size, _ = scan_dir(directory, SUFFIX)
+    return {"dir": str(directory), "status": "", "files": files, "bytes": size}
+
+
+def _status(found: dict) -> str:
+    return f" ({found['status']})" if found["status"] else ""
 
 
 def cmd_cache_info(args: argparse.Namespace) -> int:
-    """Print the process cache counters and what the cache directory holds."""
-    from cudnn_attn.graphs.cache import GraphCache, default_cache_dir, graph_cache, secret_key_path
+    """Print both caches: the graph cache's counters and directory (graph files, how many load
+    here) and the NVRTC cubin cache's directory."""
+    import os
 
-    directory = args.dir or default_cache_dir()
+    from cudnn_attn.graphs.cache import SUFFIX, GraphCache, default_cache_dir, graph_cache
+    from cudnn_attn.graphs.cache import secret_key_path
+
+    directory = existing_dir("--dir", args.dir or default_cache_dir())
+    cubins = _describe_cubins(_cubin_dir(args))
+    graphs: dict = {"dir": str(directory), "status": "", "key": str(secret_key_path()),
+                    "process": graph_cache.info(), "files": 0, "bytes": 0}
+    others: list[str] = []
+    if not os.path.lexists(directory):
+        graphs["status"] = "does not exist"
+    else:
+        graphs["files"], graphs["bytes"], others = scan_dir(directory, SUFFIX)
+        probe = GraphCache()
+        graphs["usable"] = probe.load(directory)  # logs (and counts) every file it refuses
+        graphs["rejected"] = probe.info()["rejected_files"]
+        graphs["not_regular"] = others
+    if args.json:
+        print_json({"graphs": graphs, "cubins": cubins})
+        return 0
     print("graph_cache (this process):")
     _print_info(graph_cache.info())
-    status, notes = _describe_dir(directory)
-    print(f"cache dir: {directory}{f' ({status})' if status else ''}")
-    print(f"cache key: {secret_key_path()}")
-    if status:
-        print("  files: 0")
-        return 0
-    probe = GraphCache()
-    accepted = probe.load(directory)  # logs (and counts) every file it refuses, and why
-    notes[0] += f", usable here: {accepted}, rejected: {probe.info()['rejected_files']}"
-    for note in notes:
-        print(f"  {note}")
+    print(f"cache dir: {directory}{_status(graphs)}")
+    print(f"cache key: {graphs['key']}")
+    line = f"  files: {graphs['files']} ({graphs['bytes']} bytes)"
+    if "usable" in graphs:
+        line += f", usable here: {graphs['usable']}, rejected: {graphs['rejected']}"
+    print(line)
+    if others:
+        print(f"  not regular files (never read): {', '.join(others)}")
+    print(f"cubin dir: {cubins['dir'] or '-'}{_status(cubins)}")
+    print(f"  files: {cubins['files']} ({cubins['bytes']} bytes)")
     return 0
 
 
@@ -244,7 +292,9 @@ def warm_for_target(args: argparse.Namespace) -> int:
 
 def cmd_cache_warm(args: argparse.Namespace) -> int:
     """Build every problem of a config (and the ``--decode`` call) through the graph cache,
-    optionally saving the plans; with ``--target``, plan them for a described device."""
+    optionally saving the plans; with ``--target``, plan them for a described device. Status 2
+    for an invalid problem, 1 when a build failed or a problem built nothing (no GPU here, or
+    cuDNN declines it), else 0."""
     from cudnn_attn.dispatch import get_backend
     from cudnn_attn.graphs.cache import graph_cache
 
@@ -262,8 +312,11 @@ def cmd_cache_warm(args: argparse.Namespace) -> int:
     if args.load:
         print(f"loaded {graph_cache.load(args.load)} graph file(s) from {args.load}")
     backend, device = get_backend(args.backend), args.device or default_device()
-    items, write = progress(specs + ([decode] if decode else []), "warm")
-    invalid = failed = 0
+    # with --json the progress lines go to stderr: stdout carries the one JSON object
+    items, write = progress(specs + ([decode] if decode else []), "warm",
+                            file=sys.stderr if args.json else None)
+    invalid = failed = declined = 0
+    rows = []
     for index, spec in enumerate(items):
         name = spec.get("name") if isinstance(spec, dict) else None
         name = spec.describe() if spec is decode else name or f"problem {index}"
@@ -276,21 +329,49 @@ def cmd_cache_warm(args: argparse.Namespace) -> int:
         except Exception as exc:  # a real build failure: report it, keep warming the rest
             failed += 1
             status = f"FAILED: {type(exc).__name__}: {exc}"
+        declined += status.startswith("cannot build")
+        rows.append({"name": name, "status": status})
         write(f"{name}: {status}")
-    print("graph_cache:")
-    _print_info(graph_cache.info())
-    if args.save:
-        print(f"saved {graph_cache.save(args.save)} graph file(s) to {args.save}")
-    return 2 if invalid else 1 if failed else 0
+    saved = graph_cache.save(args.save) if args.save else None
+    if args.json:
+        print_json({"problems": rows, "graph_cache": graph_cache.info(), "saved": saved,
+                    "save_dir": None if args.save is None else str(args.save)})
+    else:
+        print("graph_cache:")
+        _print_info(graph_cache.info())
+        if args.save:
+            print(f"saved {saved} graph file(s) to {args.save}")
+    if declined and not invalid:  # asked to build, built nothing for these: say so, status 1
+        print(f"cudnn-attn cache warm: {declined} of {len(rows)} problem(s) built nothing "
+              f"(see 'cannot build' above)", file=sys.stderr)
+    return 2 if invalid else 1 if failed or declined else 0
 
 
 def cmd_cache_clear(args: argparse.Namespace) -> int:
-    """Empty the process cache and delete the graph files of the cache directory."""
+    """Empty the process cache and delete the files of both caches: the graph files of the
+    graph cache directory and the cubins of the NVRTC cubin cache (``--graphs`` / ``--cubins``:
+    only that one)."""
+    from cudnn_attn.fallback_kernels import cubin_cache
     from cudnn_attn.graphs.cache import clear_dir, default_cache_dir, graph_cache
 
-    directory = args.dir or default_cache_dir()
-    graph_cache.clear()
-    print(f"removed {clear_dir(directory)} graph file(s) from {directory}")
+    both = not args.graphs and not args.cubins
+    result: dict = {}
+    if both or args.graphs:
+        directory = existing_dir("--dir", args.dir or default_cache_dir())
+        graph_cache.clear()
+        result["graphs"] = {"dir": str(directory), "removed": clear_dir(directory)}
+    if both or args.cubins:
+        directory = _cubin_dir(args)
+        result["cubins"] = {"dir": None if directory is None else str(directory),
+                            "removed": 0 if directory is None else cubin_cache.clear(directory)}
+    if args.json:
+        print_json(result)
+        return 0
+    if "graphs" in result:
+        print(f"removed {result['graphs']['removed']} graph file(s) from {result['graphs']['dir']}")
+    if "cubins" in result:
+        where = result["cubins"]["dir"] or "the cubin cache (off: CUDNN_ATTN_CUBIN_CACHE)"
+        print(f"removed {result['cubins']['removed']} cubin file(s) from {where}")
     return 0
 
 
@@ -300,10 +381,14 @@ def add_parser(sub: Any) -> None:
 
     from cudnn_attn.dispatch import BACKEND_NAMES
 
-    cache = sub.add_parser("cache", help="the graph cache: info, warm-up, clear")
+    cache = sub.add_parser("cache", help="the caches on disk (cuDNN graphs, NVRTC cubins): info, "
+                           "warm-up, clear")
     csub = cache.add_subparsers(dest="cache_command", required=True, metavar="ACTION")
-    info = csub.add_parser("info", help="counters and the cache directory")
-    info.add_argument("--dir", type=Path, help="cache directory (default: the user cache dir)")
+    info = csub.add_parser("info", help="the graph cache's counters and directory, the cubin "
+                           "cache's directory")
+    _dir_options(info)
+    info.add_argument("--json", action="store_true",
+                      help="print one JSON object (graphs, cubins) instead of the text")
     info.set_defaults(func=cmd_cache_info)
     warm = csub.add_parser("warm", help="build the problems of a JSON config (and/or a paged "
                            "decode call) through the cache")
@@ -320,6 +405,9 @@ def add_parser(sub: Any) -> None:
                       help="plan for a described GPU without one (a100, h100, h200, b200, or "
                            "the path of a device JSON from cudnn.create_device_properties(i)"
                            ".serialize()); needs --save")
+    warm.add_argument("--json", action="store_true",
+                      help="print one JSON object (each problem's status, the cache counters) "
+                           "on stdout; progress goes to stderr")
     dec = warm.add_argument_group(
         "paged decode (GPU only)", "warm the graphs of attention_with_kvcache(q [B, S_q, H_Q, D], "
         "k/v pools [num_blocks, page_size, H_KV, D], cache_seqlens, block_table [B, max_blocks]) "
@@ -336,6 +424,21 @@ def add_parser(sub: Any) -> None:
     dec.add_argument("--mask", help="none | causal[:bottom_right] | window:L,R[,bottom_right] "
                      "(default causal:bottom_right)")
     warm.set_defaults(func=cmd_cache_warm)
-    clear = csub.add_parser("clear", help="empty the cache and delete its files")
-    clear.add_argument("--dir", type=Path, help="cache directory (default: the user cache dir)")
+    clear = csub.add_parser("clear", help="empty the graph cache and delete the files of both "
+                            "caches")
+    _dir_options(clear)
+    only = clear.add_mutually_exclusive_group()
+    only.add_argument("--graphs", action="store_true", help="clear only the graph cache")
+    only.add_argument("--cubins", action="store_true", help="clear only the cubin cache")
+    clear.add_argument("--json", action="store_true",
+                       help="print one JSON object (what was removed where) instead of the text")
     clear.set_defaults(func=cmd_cache_clear)
+
+
+def _dir_options(parser: Any) -> None:
+    from pathlib import Path
+
+    parser.add_argument("--dir", type=Path, help="graph cache directory (default: "
+                        "$CUDNN_ATTN_CACHE_DIR, else ~/.cache/cudnn_attn/graphs)")
+    parser.add_argument("--cubin-dir", type=Path, help="cubin cache directory (default: "
+                        "$CUDNN_ATTN_CUBIN_CACHE, else ~/.cache/cudnn_attn/cubins)")

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .output import print_json
 from .specs import positive_int, real_device_arg
 
 # Max abs error allowed against the float64 brute force, per input dtype (outputs are O(1)).
@@ -82,11 +83,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     sync = torch.cuda.synchronize if device.startswith("cuda") else None
     gen = torch.Generator().manual_seed(args.seed)
 
-    print(f"device {device}, dtype {str(dtype).removeprefix('torch.')}, tolerance {tol:g}, "
-          f"median of {args.repeats} runs")
+    dtype_name = str(dtype).removeprefix("torch.")
+    show = print if not args.json else (lambda *a, **k: None)  # JSON: one object at the end
+    show(f"device {device}, dtype {dtype_name}, tolerance {tol:g}, median of {args.repeats} runs")
     header = f"{'problem':<42} {'backend':<8} {'max abs err':>12} {'time ms':>10}  check"
-    print(header + "\n" + "-" * len(header))
-    failures = 0
+    show(header + "\n" + "-" * len(header))
+    failures, rows = 0, []
     for problem in demo_problems():
         q, k, v = (torch.randn(problem.shape, generator=gen).to(device, dtype) for _ in range(3))
         mask = problem.mask()
@@ -97,7 +99,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         ms = median_ms(lambda: ca.attention(q, k, v, mask=mask, backend="auto"), args.repeats, sync)  # noqa: B023
         ok = err <= tol
         failures += not ok
-        print(f"{problem.name:<42} {chosen:<8} {err:>12.3e} {ms:>10.2f}  {'ok' if ok else 'FAIL'}")
+        rows.append({"problem": problem.name, "shape": list(problem.shape), "backend": chosen,
+                     "max_abs_err": err, "time_ms": ms, "ok": ok})
+        show(f"{problem.name:<42} {chosen:<8} {err:>12.3e} {ms:>10.2f}  {'ok' if ok else 'FAIL'}")
+    if args.json:
+        print_json({"device": device, "dtype": dtype_name, "tolerance": tol,
+                    "repeats": args.repeats, "ok": not failures, "problems": rows})
     if failures:
         print(f"\n{failures} problem(s) exceeded the tolerance {tol:g}", file=sys.stderr)
     return 1 if failures else 0
@@ -123,4 +130,6 @@ def add_parser(sub: Any) -> None:
     demo.add_argument("--repeats", type=positive_int, default=5,
                       help="timed runs per problem (default: 5)")
     demo.add_argument("--seed", type=seed_arg, default=0, help="random seed for the inputs (default: 0)")
+    demo.add_argument("--json", action="store_true",
+                      help="print one JSON object (settings and each problem's row) instead of the table")
     demo.set_defaults(func=cmd_demo)

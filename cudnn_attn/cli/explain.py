@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from typing import Any
 
 from .specs import DTYPES, MASK_SYNTAX, build_inputs, default_device, device_arg, positive_int
@@ -123,10 +122,77 @@ def native_inputs(problem: Any, options: Any, backward: bool, target_sm: int) ->
     return lines
 
 
-def cmd_explain(args: argparse.Namespace) -> int:
-    """Print each backend's verdict for one call and, with the cuDNN frontend, its graph."""
+def graph_lines(text: str) -> list[str]:
+    """A compact reading of the frontend's graph JSON: the context, each node with its ports and
+    parameters on one line, each tensor with its dims, strides and type on one line (the full
+    JSON prints every number on its own line: ~110 lines for a causal call)."""
+    import json
+
+    try:
+        graph = json.loads(text)
+    except ValueError:
+        return text.splitlines()
+
+    def plain(value: Any) -> str:
+        return str(value).replace("data_type.", "").replace("diagonal_alignment.", "")
+
+    context = graph.get("context", {})
+    lines = [f"  io {plain(context.get('io_data_type'))}, compute "
+             f"{plain(context.get('compute_data_type'))}"] if context else []
+    for node in graph.get("nodes", []):
+        ports = ", ".join(node.get("inputs", {}))
+        outs = ", ".join(node.get("outputs", {}))
+        params = " ".join(f"{k}={plain(json.dumps(v))}".replace('"', "")
+                          for k, v in node.get("params", {}).items())
+        lines.append(f"  node {node.get('name')} ({node.get('type')}): {ports} -> {outs}"
+                     + (f"; {params}" if params else ""))
+    tensors = graph.get("tensors", {})
+    items = tensors.items() if isinstance(tensors, dict) else ((t.get("name"), t) for t in tensors)
+    for name, t in items:
+        virtual = " virtual" if t.get("is_virtual") else ""
+        lines.append(f"  tensor {name}: dim {t.get('dim')} stride {t.get('stride')} "
+                     f"{plain(t.get('dtype'))}{virtual}")
+    return lines
+
+
+def graph_section(args: argparse.Namespace, q: Any, k: Any, v: Any, kwargs: dict,
+                  native: Any) -> dict:
+    """What the cuDNN engine would build for the call: ``{"title", "status", "detail",
+    "graph"}`` with status ``validated``, ``unavailable`` or ``not supported``. ``native``:
+    ``(problem, options)`` of a varlen / KV-cache call, else None."""
+    import json
+
     import cudnn_attn as ca
     from cudnn_attn._probe import module_missing
+
+    title = f"cuDNN graph ({'backward' if args.backward else 'forward'}, sm_{args.target_sm})"
+    section: dict = {"title": title, "status": "unavailable", "detail": None, "graph": None,
+                     "native_inputs": []}
+    missing = module_missing("cudnn", "cu12")
+    if missing:
+        return {**section, "detail": missing[0]}
+    try:
+        from cudnn_attn.graphs import describe
+    except (ImportError, AttributeError) as exc:
+        return {**section, "detail": f"graphs.describe is not in this version: {exc}"}
+    try:
+        graph = describe(q, k, v, backward=args.backward, target_sm=args.target_sm, **kwargs)
+        inputs = [] if native is None else native_inputs(*native, args.backward, args.target_sm)
+    except ca.NotSupportedError as exc:
+        return {**section, "status": "not supported", "detail": str(exc)}
+    text = str(graph)
+    try:
+        parsed: Any = json.loads(text)
+    except ValueError:
+        parsed = text
+    return {**section, "status": "validated", "graph": parsed, "text": text,
+            "native_inputs": inputs}
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    """Print each backend's verdict for one call and, with the cuDNN frontend, a compact reading
+    of its graph (``--graph``: the whole graph JSON; ``--json``: everything as one object)."""
+    from .output import print_json
 
     if args.target is not None:
         from cudnn_attn.graphs.targets import target
@@ -137,43 +203,43 @@ def cmd_explain(args: argparse.Namespace) -> int:
             "dim_v": args.dim_v, "dtype": args.dtype, "mask": args.mask, "layout": layout,
             "alibi": args.alibi, "softcap": args.softcap, "dropout_p": args.dropout,
             "backward": args.backward}
-    try:  # meta tensors: any shape is described without allocating it
-        q, k, v, kwargs = build_inputs(spec, "meta")
-        call = call_inputs(args, q, k, v, kwargs)
-        options = None
-        if call is None:
-            print(explain_on(args.device or default_device(), q, k, v, **kwargs))
-        else:
-            from cudnn_attn.graphs.entry_calls import call_problem
+    device = args.device or default_device()
+    # meta tensors: any shape is described without allocating it (bad values raise ValueError,
+    # which main prints as one line with status 2)
+    q, k, v, kwargs = build_inputs(spec, "meta")
+    call = call_inputs(args, q, k, v, kwargs)
+    label, native = None, None
+    if call is None:
+        explanation = explain_on(device, q, k, v, **kwargs)
+    else:
+        from cudnn_attn.graphs.entry_calls import call_problem
 
-            label, q, k, v, kwargs = call
-            problem, options = call_problem(q, k, v, **kwargs)
-            print(label)
-            print(explain_problem(args.device or default_device(), problem))
-    except (ValueError, TypeError) as exc:
-        print(f"cudnn-attn explain: error: {exc}", file=sys.stderr)
-        return 2
-    title = f"cuDNN graph ({'backward' if args.backward else 'forward'}, sm_{args.target_sm})"
-    missing = module_missing("cudnn", "cu12")
-    if missing:
-        print(f"\n{title}: unavailable ({missing[0]})")
+        label, q, k, v, kwargs = call
+        problem, options = call_problem(q, k, v, **kwargs)
+        native = (problem, options)
+        explanation = explain_problem(device, problem)
+    section = graph_section(args, q, k, v, kwargs, native)
+    if args.json:
+        print_json({"call": label, "problem": explanation.problem.describe(),
+                    "selected": explanation.selected, "verdicts": dict(explanation),
+                    "graph": {key: section[key] for key in
+                              ("title", "status", "detail", "graph", "native_inputs")}})
         return 0
-    try:
-        from cudnn_attn.graphs import describe
-    except (ImportError, AttributeError) as exc:
-        print(f"\n{title}: unavailable (graphs.describe is not in this version: {exc})")
-        return 0
-    try:
-        graph = describe(q, k, v, backward=args.backward, target_sm=args.target_sm, **kwargs)
-        native = [] if call is None else native_inputs(problem, options, args.backward,
-                                                       args.target_sm)
-    except ca.NotSupportedError as exc:
-        print(f"\n{title}: not supported\n{exc}")
-        return 0
-    print(f"\n{title}:\n{graph}")
-    if native:
+    if label:
+        print(label)
+    print(explanation)
+    if section["status"] == "unavailable":
+        print(f"\n{section['title']}: unavailable ({section['detail']})")
+    elif section["status"] == "not supported":
+        print(f"\n{section['title']}: not supported\n{section['detail']}")
+    elif args.graph:
+        print(f"\n{section['title']}:\n{section['text']}")
+    else:
+        print(f"\n{section['title']}, validated (--graph prints the whole graph):")
+        print("\n".join(graph_lines(section["text"])))
+    if section["native_inputs"]:
         print("ragged offsets and page tables (graph inputs, with the lengths):")
-        print("\n".join(native))
+        print("\n".join(section["native_inputs"]))
     if args.target is not None:
         print_target_plan(args, q, k, v, kwargs)
     return 0
@@ -208,7 +274,7 @@ def add_parser(sub: Any) -> None:
     ex.add_argument("--page-size", type=positive_int,
                     help="with --cache-seqlens: a paged cache of pages of this many tokens")
     ex.add_argument("--alibi", action="store_true", help="add ALiBi")
-    ex.add_argument("--softcap", type=float)
+    ex.add_argument("--softcap", type=float, help="tanh soft-capping of the scores (default: none)")
     ex.add_argument("--dropout", type=float, default=0.0, help="dropout_p")
     ex.add_argument("--backward", action="store_true", help="describe the backward graph")
     ex.add_argument("--target-sm", type=int, default=90, help="graph target (default 90)")
@@ -218,4 +284,8 @@ def add_parser(sub: Any) -> None:
     ex.add_argument("--device", type=device_arg,
                     help="device the call would run on (default: cuda if available, else cpu); "
                          "nothing is allocated")
+    ex.add_argument("--graph", action="store_true",
+                    help="print the whole cuDNN graph JSON instead of its compact reading")
+    ex.add_argument("--json", action="store_true",
+                    help="print one JSON object (verdicts, reasons, graph) instead of the text")
     ex.set_defaults(func=cmd_explain)

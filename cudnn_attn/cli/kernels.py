@@ -9,8 +9,6 @@ import sys
 import time
 from typing import Any
 
-from .cache import progress
-
 _ARCH = re.compile(r"sm_(\d+)(\d)a?")
 
 
@@ -38,18 +36,24 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         from cupy.cuda import nvrtc  # noqa: F401
     except ImportError as exc:
         raise ImportError(f"kernels needs CuPy with NVRTC: pip install 'cudnn-attn[cu12]' ({exc})") from None
-    rows = []
-    items, write = progress(args.arch, "kernels", file=sys.stderr)  # stdout stays parseable
-    for arch in items:  # one NVRTC pass per architecture: tens of seconds each
+    # One NVRTC pass per program (a kernel module: all its variants at once, tens of seconds
+    # each); the progress counts kernels, so a long pass shows how many it is compiling.
+    work = [(arch, name, len(variants)) for arch in args.arch
+            for name, variants in fallback_kernels.kernel_programs(arch).items()]
+    total, rows = sum(count for *_, count in work), []
+    for arch, name, count in work:
+        print(f"kernels [{len(rows)}/{total}] {arch} {name}: compiling {count} kernel(s) ...",
+              file=sys.stderr, flush=True)  # stderr: stdout stays parseable
         start = time.perf_counter()
         try:
-            found = fallback_kernels.compile_all(arch)
+            found = fallback_kernels.compile_all(arch, programs=[name])
         except KernelCompileError as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             print(f"cudnn-attn kernels: error: {first}", file=sys.stderr)
             return 1
         rows += found
-        write(f"{arch}: {len(found)} kernel(s) compiled in {time.perf_counter() - start:.1f} s")
+        print(f"kernels [{len(rows)}/{total}] {arch} {name}: {len(found)} kernel(s) compiled in "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps([{k: r[k] for k in r.keys()} for r in rows], indent=2))
     else:

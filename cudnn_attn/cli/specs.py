@@ -72,9 +72,16 @@ def parse_mask(text: str | None) -> Any:
         if kind == "causal":
             return ca.Causal(rest or "top_left")
         if kind == "window":
-            left, right, *align = rest.split(",")
-            return ca.SlidingWindow(int(left), int(right), *align)
+            parts = rest.split(",")
+            if not 2 <= len(parts) <= 3:
+                raise ValueError("a window needs its left and right bounds: window:L,R or "
+                                 "window:L,R,bottom_right (-1 leaves a side unbounded)")
+            left, right = _ints("window bounds", ",".join(parts[:2]), ",")
+            return ca.SlidingWindow(left, right, *parts[2:])
         if kind == "neighborhood":
+            if rest.count(",") < 1:
+                raise ValueError("a neighborhood needs its grid and kernel: "
+                                 "neighborhood:32x32,7x7")
             return _neighborhood(rest)
         if kind == "padding":
             return _padding(rest)

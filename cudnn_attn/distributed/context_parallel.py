@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .. import _checks
@@ -28,13 +30,15 @@ def _band(mask) -> tuple[int, int]:
         return (-1, -1)
     if isinstance(mask, (Causal, SlidingWindow)):
         band = band_of(mask)
+        assert band is not None  # a Causal or SlidingWindow mask is one band
         return (band.left, band.right)
     raise ValueError(f"mask must be None, Causal() or SlidingWindow(left, right) for context "
                      f"parallelism, got {mask!r}")
 
 
-def context_parallel_attention(q, k, v, *, group=None, mask=None, scale=None, layout="bshd",
-                               sharding="zigzag", return_lse=False):
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,
+                               mask: Any = None, scale: float | None = None, layout: str = "bshd",
+                               sharding: str = "zigzag", return_lse: bool = False) -> Any:
     """Attention over a sequence split across the ranks of ``group`` (ring attention).
 
     Each rank passes its shard of the sequence axis (``shard_sequence`` makes them): ``q``
@@ -62,7 +66,7 @@ def context_parallel_attention(q, k, v, *, group=None, mask=None, scale=None, la
         out = shard_sequence(full, sharding)
     """
     rank, size = world(group)
-    local = {}
+    local: dict = {}
 
     def validate():
         # Everything a rank can get wrong on its own, before the gather (agreement module doc).

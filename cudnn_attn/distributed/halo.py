@@ -12,6 +12,9 @@ returns the halo rows' gradients to their owners.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 from .. import _checks
@@ -121,8 +124,10 @@ class _Halo(torch.autograd.Function):
         return dk, dv, None, None, None, None
 
 
-def neighborhood_attention(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False,
-                           *, group=None, scale=None):
+def neighborhood_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           kernel_size: int | Sequence[int], stride: int | Sequence[int] = 1,
+                           dilation: int | Sequence[int] = 1, is_causal: bool | Sequence[bool] = False, *,
+                           group: Any = None, scale: float | None = None) -> Any:
     """NATTEN's ``na{1,2,3}d`` on a grid sharded contiguously along its first spatial axis.
 
     ``query``/``key``/``value``: this rank's rows, heads-last ``[B, X0_local, *rest, H, D]``
@@ -180,7 +185,7 @@ def neighborhood_attention(query, key, value, kernel_size, stride=1, dilation=1,
     a, n = starts[rank], query.shape[1]
     q_slab = torch.nn.functional.pad(
         query.movedim(1, -1), (a - lo, hi - a - n)).movedim(-1, 1)
-    fn = (na.na1d, na.na2d, na.na3d)[spatial - 1]
+    fn = (na.na1d, na.na2d, na.na3d)[spatial - 1]  # type: ignore[attr-defined]  # lazy attributes
     out = fn(q_slab, k_slab, v_slab, kernel_size=mask.kernel_size, stride=mask.stride,
              dilation=mask.dilation, is_causal=mask.is_causal, scale=scale)
     return out[:, a - lo:a - lo + n]

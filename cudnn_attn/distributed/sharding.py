@@ -7,6 +7,8 @@ holds chunks ``r`` and ``2W-1-r``, which gives every rank the same causal work.
 
 from __future__ import annotations
 
+from typing import Any
+
 from dataclasses import dataclass
 
 import torch
@@ -103,7 +105,7 @@ def gather_uneven(x: torch.Tensor, lengths: list[int], group, dim: int) -> list[
     return [t.narrow(dim, 0, n) for t, n in zip(every, lengths)]
 
 
-def shard_sequence(x: torch.Tensor, sharding: str = "zigzag", group=None, dim: int = 1):
+def shard_sequence(x: torch.Tensor, sharding: str = "zigzag", group: Any = None, dim: int = 1) -> Any:
     """This rank's shard of the full tensor ``x`` along ``dim`` (every rank passes the same ``x``).
 
     Equivalent PyTorch (contiguous): ``torch.tensor_split(x, world_size, dim)[rank]``; zigzag:
@@ -114,7 +116,7 @@ def shard_sequence(x: torch.Tensor, sharding: str = "zigzag", group=None, dim: i
     return torch.cat([x.narrow(dim, c.start, c.size) for c in pieces], dim)
 
 
-def unshard_sequence(x: torch.Tensor, sharding: str = "zigzag", group=None, dim: int = 1):
+def unshard_sequence(x: torch.Tensor, sharding: str = "zigzag", group: Any = None, dim: int = 1) -> Any:
     """The full tensor from every rank's shard ``x`` (the inverse of :func:`shard_sequence`;
     an all-gather, so every rank gets the whole sequence)."""
     rank, size = world(group)

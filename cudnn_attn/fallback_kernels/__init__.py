@@ -17,6 +17,7 @@ and reports registers and spills; it needs the NVRTC library but no GPU::
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 
 from ._loader import CompileRecord, KernelCompileError, compile_program, compile_records
 from .limits import FUSED_DTYPES, LIMITS, kernel_reasons
@@ -26,8 +27,9 @@ from .tile_shapes import check_tile_sizes, valid_tile_sizes
 # oldest sm it compiles for, when it has one).
 KERNEL_MODULES = ("fused", "fused_pipelined", "unfused")
 
-__all__ = ["compile_all", "kernel_variants", "kernel_reasons", "LIMITS", "CompileRecord",
-           "KernelCompileError", "FUSED_DTYPES", "valid_tile_sizes", "check_tile_sizes"]
+__all__ = ["compile_all", "kernel_programs", "kernel_variants", "kernel_reasons", "LIMITS",
+           "CompileRecord", "KernelCompileError", "FUSED_DTYPES", "valid_tile_sizes",
+           "check_tile_sizes"]
 
 
 def kernel_variants() -> dict:
@@ -39,9 +41,18 @@ def kernel_variants() -> dict:
     return found
 
 
-def compile_all(arch: str) -> list[CompileRecord]:
+def kernel_programs(arch: str) -> dict:
+    """module name -> its kernel variants, for the modules that compile for ``arch`` (one NVRTC
+    program each)."""
+    number = int("".join(ch for ch in arch.split("_", 1)[1] if ch.isdigit()) or 0)
+    return {name: variants for name, variants in kernel_variants().items()
+            if number >= getattr(importlib.import_module(f"{__name__}.{name}"), "MIN_ARCH", 0)}
+
+
+def compile_all(arch: str, programs: Sequence[str] | None = None) -> list[CompileRecord]:
     """Compile every kernel variant for ``arch`` ("sm_80", "sm_90", ...) with NVRTC.
 
+    ``programs``: only these modules' kernels (names of ``kernel_programs(arch)``; default all).
     Returns one record per kernel with the fields ``kernel``, ``arch``, ``registers``,
     ``spill_stores``, ``spill_loads`` (and ``stack_bytes``, ``expression``); records index like
     dicts too. Raises ``KernelCompileError`` with NVRTC's log if a source does not compile, and
@@ -55,11 +66,10 @@ def compile_all(arch: str) -> list[CompileRecord]:
         raise ImportError("compile_all needs CuPy and NVRTC: pip install 'cudnn-attn[cu12]' "
                           f"({exc})") from None
     records: list[CompileRecord] = []
-    number = int("".join(ch for ch in arch.split("_", 1)[1] if ch.isdigit()) or 0)
-    for name, variants in kernel_variants().items():
+    for name, variants in kernel_programs(arch).items():
+        if programs is not None and name not in programs:
+            continue
         module = importlib.import_module(f"{__name__}.{name}")
-        if number < getattr(module, "MIN_ARCH", 0):
-            continue  # e.g. cp.async needs sm_80
         program = compile_program(module.SOURCE, module.DEFINES,
                                   [v.expression for v in variants], arch)
         records += compile_records(program, variants)

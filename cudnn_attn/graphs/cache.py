@@ -164,7 +164,7 @@ class GraphCache:
                 return value
             build = self._building.get(key)
             owner = build is None
-            if owner:
+            if build is None:
                 build = self._building[key] = _Build()
                 self._misses += 1
             elif build.thread == threading.get_ident():
@@ -288,7 +288,7 @@ class GraphCache:
                     "stored": len(self._stored), "rejected_files": self._rejected}
 
     # -- persistence --------------------------------------------------------------------------
-    def save(self, directory) -> int:
+    def save(self, directory: Any) -> int:
         """Write every serializable entry to ``directory`` (created if needed); returns the count.
 
         Entries whose value has no ``serial_kind``/``serialize``, whose ``serialize()`` raises
@@ -325,7 +325,7 @@ class GraphCache:
                 write_graph_file(dir_fd, name, encode_file(env, kind, key_text, payload, secret))
         return len(records)
 
-    def load(self, directory) -> int:
+    def load(self, directory: Any) -> int:
         """Read the graph files in ``directory``; returns how many were accepted.
 
         Only regular files whose HMAC verifies with this user's key (``secret_key_path()``) are

@@ -174,7 +174,7 @@ def _spec_for(problem, target_sm, options, backward: bool) -> GraphSpec:
     spec, reasons = analyze(problem, target_sm=target_sm, options=options, backward=backward)
     if reasons:
         raise NotSupportedError(problem, {"cudnn": reasons}, forced="cudnn")
-    return spec
+    return spec  # type: ignore[return-value]  # no reasons: analyze returned a spec
 
 
 def validate_for(problem: AttnProblem, target_sm: int, *, backward: bool = False,
@@ -215,7 +215,7 @@ def build_graph(problem: AttnProblem, spec: GraphSpec, backward: bool, *,
         from ._runtime import handle_for
 
         handle = handle_for(torch.device(device if device is not None else problem.device))
-    recorder = driver_standin.recording() if target is not None else contextlib.nullcontext([])
+    recorder: Any = driver_standin.recording() if target is not None else contextlib.nullcontext([])
     stage = "validate"
     with recorder as kernels:
         g = _new_graph(spec, handle=handle, target=target)
@@ -249,7 +249,7 @@ def build_graph(problem: AttnProblem, spec: GraphSpec, backward: bool, *,
 
 def build_forward(problem: AttnProblem, *, target_sm: Optional[int] = None,
                   options: Optional[GraphOptions] = None, stats: Optional[bool] = None,
-                  plans: Optional[bool] = None, target=None) -> BuiltGraph:
+                  plans: Optional[bool] = None, target: Any = None) -> BuiltGraph:
     """The forward graph of ``problem``: ``O`` (and the fp32 ``Stats`` = LSE, ``[B, H, S_q, 1]``,
     when ``stats`` — default: the problem needs a backward or returns its LSE). ``target``: a
     described device (``targets.target``) to build the plans for without a GPU."""
@@ -262,7 +262,7 @@ def build_forward(problem: AttnProblem, *, target_sm: Optional[int] = None,
 
 def build_backward(problem: AttnProblem, *, target_sm: Optional[int] = None,
                    options: Optional[GraphOptions] = None,
-                   plans: Optional[bool] = None, target=None) -> BuiltGraph:
+                   plans: Optional[bool] = None, target: Any = None) -> BuiltGraph:
     """The backward graph of ``problem``: ``dQ, dK, dV`` (and ``dBias`` when the bias needs a
     gradient) from ``Q, K, V, O, dO`` and the forward's ``Stats``."""
     spec = _spec_for(problem, target_sm, options, True)
@@ -273,10 +273,12 @@ def build_backward(problem: AttnProblem, *, target_sm: Optional[int] = None,
 _NOT_PROBLEM_KWARGS = ("backend", "generator")
 
 
-def describe(q, k, v, *, backward: bool = False, target_sm: Optional[int] = 90,
-             options: Optional[GraphOptions] = None, cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=None, max_seqlen_k=None, cache_seqlens=None, block_table=None,
-             target=None, **attention_kwargs):
+def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool = False,
+             target_sm: Optional[int] = 90, options: Optional[GraphOptions] = None,
+             cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
+             max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+             cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
+             target: Any = None, **attention_kwargs: Any) -> Any:
     """The validated ``cudnn.pygraph`` the cuDNN engine would build for
     ``attention(q, k, v, **attention_kwargs)`` (its backward with ``backward=True``).
 

@@ -34,6 +34,8 @@ transformers' "sdpa" does: a warning, and no attention weights (``None``). Resul
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -46,7 +48,7 @@ from .hf_masks import StructuredMask, structured_mask
 __all__ = ["register", "attention_forward"]
 
 logger = logging.getLogger("cudnn_attn")
-_warned = set()
+_warned: set[str] = set()
 
 
 def _warn_once(message: str) -> None:
@@ -104,7 +106,7 @@ def _packed_queries(struct: StructuredMask):
     query's own slot among the keys, no real key after the last query, and, for a window (it
     counts positions), contiguous tokens.
     """
-    padding = struct.padding
+    padding: Any = struct.padding
     if not struct.causal:
         return None if struct.window is not None else (
             torch.ones(padding.shape[0], struct.q_length, dtype=torch.bool,
@@ -160,12 +162,16 @@ def _structured_call(struct: StructuredMask, query, key, value, **kw):
         mask = padding if mask is None else mask & padding
         return attention(query, key, value, mask=mask, **kw).transpose(1, 2)
     packed = _packed_queries(struct)
-    return None if packed is None else _padded_call(struct, *packed, query, key, value, **kw)
+    if packed is None:
+        return None
+    real_q, alignment = packed
+    return _padded_call(struct, real_q, alignment, query, key, value, **kw)
 
 
-def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                      value: torch.Tensor, attention_mask, dropout: float = 0.0,
-                      scaling=None, is_causal=None, softcap=None, **kwargs):
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | Sequence[bool] | None = None, softcap: float | None = None,
+                      **kwargs: Any) -> Any:
     """transformers' attention-function signature on ``cudnn_attn.attention``.
 
     Args:
@@ -188,7 +194,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if kwargs.get("output_attentions", False):
         _warn_once("cudnn_attn (like transformers' `sdpa`) does not return attention weights: "
                    "`output_attentions=True` gives None. Use attn_implementation='eager' for them.")
-    kw = dict(scale=scaling, dropout_p=dropout if getattr(module, "training", False) else 0.0,
+    kw: dict[str, Any] = dict(scale=scaling, dropout_p=dropout if getattr(module, "training", False) else 0.0,
               softcap=softcap if softcap else None, sinks=kwargs.get("s_aux"))
     if isinstance(attention_mask, StructuredMask):
         out = _structured_call(attention_mask, query, key, value, **kw)

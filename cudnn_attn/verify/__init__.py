@@ -15,6 +15,8 @@ fail.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .cases import Case, grid
@@ -41,8 +43,8 @@ def _resolve(names, known: dict | tuple, what: str) -> list[str]:
     return names
 
 
-def selftest(backends=None, dtypes=None, quick: bool = True, progress: bool = True,
-             cases=None, stream=None, isolate: bool = False,
+def selftest(backends: Any = None, dtypes: Any = None, quick: bool = True, progress: bool = True,
+             cases: Any = None, stream: Any = None, isolate: bool = False,
              case_timeout_s: float | None = None) -> SelftestReport:
     """Check every engine that can run on this machine against the float64 oracle.
 

@@ -10,7 +10,13 @@ from pathlib import Path
 
 from .checks import Outcome
 
-__all__ = ["SelftestReport"]
+__all__ = ["LEGEND", "SelftestReport"]
+
+# Printed under the table: what a cell says, in the words a first-time reader needs.
+LEGEND = ("cells: pass = every case matched the float64 oracle; +d = some cases or backwards "
+          "declined; FAIL = a case exceeded its limit; declined = the engine refused every case "
+          "(reasons below); - = not run. Nx = worst error over that of the naive computation in "
+          "the same dtype (limits: 2x forward, 3x backward); ms = time of all its cases.")
 
 
 def _cell(outcomes: list[Outcome]) -> str:
@@ -74,6 +80,7 @@ class SelftestReport:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append(LEGEND)
         verdict = "FAIL, requested but" if self.settings.get("requested") else ""
         for name, reasons in self.unavailable.items():
             lines.append(f"{name}: {verdict} not run on this machine ({'; '.join(reasons)})"

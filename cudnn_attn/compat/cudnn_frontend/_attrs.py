@@ -398,29 +398,29 @@ class SdpaAttributes(ScoreModSetters, _Attributes):
         self._init_score_mod()
         self.generate_stats = True
 
-    def set_is_inference(self, value):
+    def set_is_inference(self, value: torch.Tensor) -> "SdpaAttributes":
         """``True``: no stats (``stats`` is returned as ``None``)."""
         self.generate_stats = not _flag("set_is_inference", value)
         return self
 
-    def set_generate_stats(self, value):
+    def set_generate_stats(self, value: torch.Tensor) -> "SdpaAttributes":
         """cuDNN's newer spelling: the opposite of ``set_is_inference``."""
         self.generate_stats = _flag("set_generate_stats", value)
         return self
 
-    def set_paged_attention_k_table(self, table):
+    def set_paged_attention_k_table(self, table: torch.Tensor) -> "SdpaAttributes":
         """Paged K: ``k`` is then a container ``[num_blocks, H_k, page_size, D]`` and this
         int32/int64 ``[B, 1, pages, 1]`` (or ``[B, pages]``) table says which block holds each
         page of each sequence (forward only, as cuDNN; needs padding with ``seq_len_kv``)."""
         self.k_table = _page_table("set_paged_attention_k_table", table)
         return self
 
-    def set_paged_attention_v_table(self, table):
+    def set_paged_attention_v_table(self, table: torch.Tensor) -> "SdpaAttributes":
         """Paged V: as ``set_paged_attention_k_table``, for ``v``."""
         self.v_table = _page_table("set_paged_attention_v_table", table)
         return self
 
-    def set_paged_attention_max_seq_len_kv(self, max_seq_len_kv):
+    def set_paged_attention_max_seq_len_kv(self, max_seq_len_kv: int) -> "SdpaAttributes":
         """The logical key length of a paged call (default: pages x page size)."""
         self.max_seq_len_kv = _scalar("set_paged_attention_max_seq_len_kv", "max_seq_len_kv",
                                       max_seq_len_kv, integer=True)
@@ -437,18 +437,18 @@ class SdpaBackwardAttributes(ScoreModBackwardSetters, _Attributes):
         self.dsink_token: torch.Tensor | None = None
         self.dbias: torch.Tensor | None = None
 
-    def set_deterministic_algorithm(self, value):
+    def set_deterministic_algorithm(self, value: torch.Tensor) -> "SdpaBackwardAttributes":
         """Ask for a bitwise-repeatable backward (the torch engine always is)."""
         self.deterministic = _flag("set_deterministic_algorithm", value)
         return self
 
-    def set_dbias(self, dbias):
+    def set_dbias(self, dbias: torch.Tensor) -> "SdpaBackwardAttributes":
         """The bias's gradient is written into this tensor (the bias's shape; cuDNN's dBias
         output); needs ``set_bias``."""
         self.dbias = _checks.tensor("dbias", dbias, floating=True, prefix="set_dbias: ")
         return self
 
-    def set_dSink_token(self, dsink_token):
+    def set_dSink_token(self, dsink_token: torch.Tensor) -> "SdpaBackwardAttributes":
         """The sinks' gradient is written into this float32 ``[1, H_q, 1, 1]`` tensor (cuDNN's
         output); needs ``set_sink_token``."""
         self.dsink_token = _checks.tensor("dSink_token", dsink_token,

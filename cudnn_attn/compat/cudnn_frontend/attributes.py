@@ -58,6 +58,8 @@ Conventions (where cuDNN leaves a choice or this library differs):
 
 from __future__ import annotations
 
+from typing import Any
+
 import dataclasses
 import math
 
@@ -180,7 +182,8 @@ def _check_attrs(attrs, cls, fn):
         raise TypeError(f"{fn}: attrs must be {cls.__name__}, got {type(attrs).__name__}")
 
 
-def scaled_dot_product_flash_attention(q, k, v, attrs: SdpaAttributes):
+def scaled_dot_product_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                       attrs: SdpaAttributes) -> Any:
     """``(o, stats)`` of SDPA with the attributes ``attrs`` (cuDNN's forward).
 
     ``q`` ``[B, H_q, S_q, D_qk]``, ``k`` ``[B, H_kv, S_kv, D_qk]``, ``v`` ``[B, H_kv, S_kv, D_v]``
@@ -212,7 +215,7 @@ def scaled_dot_product_flash_attention(q, k, v, attrs: SdpaAttributes):
             k, v = repeat_to_common_heads(q, k, v, "bhsd")
         call = _problem(attrs, q, k, v, need or sinks is not None)
     problem, plan, inputs = call
-    row_stats = {} if attrs.logit_max is not None or attrs.score_sum_exp is not None else None
+    row_stats: dict | None = {} if attrs.logit_max is not None or attrs.score_sum_exp is not None else None
     o, lse = execution.forward(problem, plan, inputs, need_lse=need or sinks is not None,
                                row_stats=row_stats)
     if row_stats is not None:
@@ -225,8 +228,9 @@ def scaled_dot_product_flash_attention(q, k, v, attrs: SdpaAttributes):
     return o, (lse.unsqueeze(-1) if need else None)
 
 
-def scaled_dot_product_flash_attention_backward(q, k, v, o, dO, stats,
-                                                attrs: SdpaBackwardAttributes):
+def scaled_dot_product_flash_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                                o: torch.Tensor, dO: torch.Tensor, stats: torch.Tensor,
+                                                attrs: SdpaBackwardAttributes) -> Any:
     """``(dQ, dK, dV)`` from the forward's ``o`` and ``stats`` (cuDNN's backward).
 
     ``attrs`` must describe the forward call (same masks, bias, scale and dropout); the gradients

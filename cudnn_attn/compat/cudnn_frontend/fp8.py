@@ -30,6 +30,7 @@ Equivalent PyTorch of the forward (``cast`` = round to nearest even, saturating;
 """
 
 from __future__ import annotations
+from typing import Any
 
 import torch
 
@@ -110,9 +111,9 @@ def _dense_kv(attrs, q, k, v):
     return dk.view(k.dtype), dv.view(v.dtype)
 
 
-def sdpa_fp8(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o,
+def sdpa_fp8(q: Any, k: Any, v: Any, descale_q: Any, descale_k: Any, descale_v: Any, descale_s: Any, scale_s: Any, scale_o: Any,
              attrs: SdpaAttributes, *, o_dtype: torch.dtype | None = None,
-             backend: str = "auto"):
+             backend: str = "auto") -> Any:
     """``(o, stats, amax_s, amax_o)`` of cuDNN's FP8 forward (module doc)."""
     _check_attrs(attrs, SdpaAttributes, "sdpa_fp8")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -154,10 +155,10 @@ def _check_backward(q, v, o, dO, stats):
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
 
 
-def sdpa_fp8_backward(q, k, v, o, dO, stats, descale_q, descale_k, descale_v, descale_o,
-                      descale_dO, descale_s, descale_dP, scale_s, scale_dQ, scale_dK, scale_dV,
-                      scale_dP, attrs: SdpaBackwardAttributes, *,
-                      grad_dtype: torch.dtype | None = None, backend: str = "auto"):
+def sdpa_fp8_backward(q: Any, k: Any, v: Any, o: Any, dO: Any, stats: Any, descale_q: Any, descale_k: Any, descale_v: Any, descale_o: Any,
+                      descale_dO: Any, descale_s: Any, descale_dP: Any, scale_s: Any, scale_dQ: Any, scale_dK: Any, scale_dV: Any,
+                      scale_dP: Any, attrs: SdpaBackwardAttributes, *,
+                      grad_dtype: torch.dtype | None = None, backend: str = "auto") -> Any:
     """``(dq, dk, dv, amax_dq, amax_dk, amax_dv, amax_dP)`` of cuDNN's FP8 backward; ``attrs``
     describes the forward call (same masks, scale and sinks). ``amax_dP`` is the amax of
     ``dS = P * (dP - D) * attn_scale`` before ``scale_dP``, as cuDNN's graph takes it."""

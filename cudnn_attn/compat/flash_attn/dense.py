@@ -3,6 +3,11 @@ conventions are in ``cudnn_attn.compat.flash_attn.mha``'s docstring."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
 from . import _core, _probs
 from ._args import (Options, alibi_arg, dense_qkv, flag, generator_arg, into, like, philox_state,
                     same_dtype, seed_tensors, softmax_d_of, runtime_errors)
@@ -11,8 +16,10 @@ __all__ = ["mha_fwd", "mha_bwd"]
 
 
 @runtime_errors
-def mha_fwd(q, k, v, out_, alibi_slopes_, p_dropout, softmax_scale, is_causal, window_size_left,
-            window_size_right, softcap, return_softmax, gen_):
+def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_: torch.Tensor,
+            alibi_slopes_: torch.Tensor, p_dropout: float, softmax_scale: float,
+            is_causal: bool | Sequence[bool], window_size_left: int, window_size_right: int, softcap: float,
+            return_softmax: bool, gen_: torch.Generator | None) -> Any:
     """FlashAttention forward on ``[B, S, H, D]`` tensors.
 
     Returns ``(out, q_padded, k_padded, v_padded, softmax_lse, philox_seed, philox_offset, p)``:
@@ -40,9 +47,11 @@ def mha_fwd(q, k, v, out_, alibi_slopes_, p_dropout, softmax_scale, is_causal, w
 
 
 @runtime_errors
-def mha_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, alibi_slopes_, p_dropout,
-            softmax_scale, is_causal, window_size_left, window_size_right, softcap,
-            deterministic, philox_seed, philox_offset):
+def mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            softmax_lse: torch.Tensor, dq_: torch.Tensor, dk_: torch.Tensor, dv_: torch.Tensor,
+            alibi_slopes_: torch.Tensor, p_dropout: float, softmax_scale: float,
+            is_causal: bool | Sequence[bool], window_size_left: int, window_size_right: int, softcap: float,
+            deterministic: bool, philox_seed: Any, philox_offset: Any) -> Any:
     """FlashAttention backward on ``[B, S, H, D]`` tensors: ``(dq, dk, dv, softmax_d)``.
 
     Takes the forward's arguments, its ``out`` and ``softmax_lse``, and its ``philox_seed`` /

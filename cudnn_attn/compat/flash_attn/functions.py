@@ -7,6 +7,8 @@ the unpacked function (autograd stacks the gradients back).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ... import _checks
@@ -151,9 +153,10 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
 
 
 @runtime_errors
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False):
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                    softmax_scale: float | None = None, causal: bool = False, window_size: Any = (-1, -1),
+                    softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                    deterministic: bool = False, return_attn_probs: bool = False) -> Any:
     """FlashAttention's ``flash_attn_func`` (differentiable in q, k, v).
 
     Args:
@@ -207,9 +210,10 @@ def _unbind(name: str, packed, dim: int, count: int, ndim: int):
 
 
 @runtime_errors
-def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
-                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              deterministic=False, return_attn_probs=False):
+def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+                              causal: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
+                              alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                              return_attn_probs: bool = False) -> Any:
     """``flash_attn_func`` on ``qkv`` ``[B, S, 3, H, D]`` (differentiable in qkv)."""
     q, k, v = _unbind("qkv", qkv, 2, 3, 5)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -217,9 +221,11 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 
 
 @runtime_errors
-def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
-                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             deterministic=False, return_attn_probs=False):
+def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0,
+                             softmax_scale: float | None = None, causal: bool = False,
+                             window_size: Any = (-1, -1), softcap: float = 0.0,
+                             alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                             return_attn_probs: bool = False) -> Any:
     """``flash_attn_func`` on ``q`` ``[B, S_q, H, D]`` and ``kv`` ``[B, S_k, 2, H_k, D]``."""
     k, v = _unbind("kv", kv, 2, 2, 5)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -227,10 +233,12 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 
 @runtime_errors
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None):
+def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
+                           window_size: Any = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                           return_attn_probs: bool = False, block_table: torch.Tensor | None = None) -> Any:
     """FlashAttention's ``flash_attn_varlen_func`` on packed sequences (differentiable in q, k, v).
 
     Args:
@@ -269,10 +277,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 @runtime_errors
-def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
-                                     softmax_scale=None, causal=False, window_size=(-1, -1),
-                                     softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                                     dropout_p: float = 0.0, softmax_scale: float | None = None,
+                                     causal: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
+                                     alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                     return_attn_probs: bool = False) -> Any:
     """``flash_attn_varlen_func`` on ``qkv`` ``[total, 3, H, D]`` with one ``cu_seqlens``."""
     q, k, v = _unbind("qkv", qkv, 1, 3, 4)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
@@ -281,11 +290,12 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
 
 
 @runtime_errors
-def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-                                    causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False,
-                                    return_attn_probs=False):
+def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                    dropout_p: float = 0.0, softmax_scale: float | None = None,
+                                    causal: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
+                                    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+                                    return_attn_probs: bool = False) -> Any:
     """``flash_attn_varlen_func`` on ``q`` ``[total_q, H, D]`` and ``kv`` ``[total_k, 2, H_k, D]``."""
     k, v = _unbind("kv", kv, 1, 2, 4)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

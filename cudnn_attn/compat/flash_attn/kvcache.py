@@ -18,6 +18,8 @@ FlashAttention's rules, for sequence ``b`` (``n = cache_seqlens[b]``, ``l = cach
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ... import _checks
@@ -181,12 +183,16 @@ def _rotary_tables(rotary_cos, rotary_sin, head_dim: int, need: int):
 
 
 @runtime_errors
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
-                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
-                            cache_leftpad=None, block_table=None, softmax_scale=None,
-                            causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
+def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                            rotary_cos: torch.Tensor | None = None, rotary_sin: torch.Tensor | None = None,
+                            cache_seqlens: torch.Tensor | int | None = None,
+                            cache_batch_idx: torch.Tensor | None = None,
+                            cache_leftpad: torch.Tensor | None = None,
+                            block_table: torch.Tensor | None = None, softmax_scale: float | None = None,
+                            causal: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True, alibi_slopes: torch.Tensor | None = None,
+                            num_splits: int = 0, return_softmax_lse: bool = False) -> Any:
     """FlashAttention's ``flash_attn_with_kvcache`` (inference: no autograd).
 
     Args:
@@ -276,8 +282,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if rotary is not None:
             step = torch.arange(seq_q, device=q.device) if per_token else \
                 torch.zeros(seq_q, dtype=torch.int64, device=q.device)
-            q = apply_rotary(q, *rotary, starts + step, rotary_interleaved)
-            k = apply_rotary(k, *rotary, starts + torch.arange(seq_new, device=q.device),
+            positions = starts + torch.arange(seq_new, device=q.device)
+            q = apply_rotary(q, *rotary, starts + step, rotary_interleaved)  # type: ignore[call-arg]
+            k = apply_rotary(k, *rotary, positions,  # type: ignore[call-arg]
                              rotary_interleaved)
         if k is not None:
             cache.append(k, v, lens)

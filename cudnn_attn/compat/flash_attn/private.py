@@ -29,6 +29,7 @@ Equivalent PyTorch (no dropout)::
 """
 
 from __future__ import annotations
+from typing import Any
 
 from typing import Optional
 
@@ -62,8 +63,8 @@ def _philox_pair(rng_state: Optional[torch.Tensor]):
     return seed, offset
 
 
-def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
-                        window_size_right, softcap, alibi_slopes, return_softmax):
+def _flash_attn_forward(q: Any, k: Any, v: Any, dropout_p: Any, softmax_scale: Any, causal: Any, window_size_left: Any,
+                        window_size_right: Any, softcap: Any, alibi_slopes: Any, return_softmax: Any) -> Any:
     """FlashAttention 2.8.3's ``_flash_attn_forward``: ``(out, softmax_lse, S_dmask,
     rng_state)`` on ``[B, S, H, D]`` tensors (module docstring)."""
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
@@ -73,11 +74,11 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
     return out, lse, s_dmask, _rng_state(seed, offset, q.device)
 
 
-def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               dropout_p, softmax_scale, causal, window_size_left=-1,
-                               window_size_right=-1, softcap=0.0, alibi_slopes=None,
-                               return_softmax=False, block_table=None, leftpad_k=None,
-                               seqused_k=None):
+def _flash_attn_varlen_forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
+                               dropout_p: Any, softmax_scale: Any, causal: Any, window_size_left: Any = -1,
+                               window_size_right: Any = -1, softcap: Any = 0.0, alibi_slopes: Any = None,
+                               return_softmax: Any = False, block_table: Any = None, leftpad_k: Any = None,
+                               seqused_k: Any = None) -> Any:
     """FlashAttention 2.8.3's ``_flash_attn_varlen_forward``: ``(out [total_q, H, D_v],
     softmax_lse [H, total_q], S_dmask, rng_state)`` on packed ``[total, H, D]`` tensors.
     ``leftpad_k`` other than None is not supported (NotSupportedError)."""
@@ -94,9 +95,9 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     return out, lse, s_dmask, _rng_state(seed, offset, q.device)
 
 
-def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
-                         causal, window_size_left, window_size_right, softcap, alibi_slopes,
-                         deterministic, rng_state=None):
+def _flash_attn_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, softmax_lse: Any, dq: Any, dk: Any, dv: Any, dropout_p: Any, softmax_scale: Any,
+                         causal: Any, window_size_left: Any, window_size_right: Any, softcap: Any, alibi_slopes: Any,
+                         deterministic: Any, rng_state: Any = None) -> Any:
     """FlashAttention 2.8.3's ``_flash_attn_backward``: writes ``dq``/``dk``/``dv`` (when given)
     and returns ``softmax_d [B, H, S_q]``."""
     dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
@@ -107,10 +108,10 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     return softmax_d
 
 
-def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
-                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                softmax_scale, causal, window_size_left, window_size_right,
-                                softcap, alibi_slopes, deterministic, rng_state=None):
+def _flash_attn_varlen_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, softmax_lse: Any, dq: Any, dk: Any, dv: Any, cu_seqlens_q: Any,
+                                cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any, dropout_p: Any,
+                                softmax_scale: Any, causal: Any, window_size_left: Any, window_size_right: Any,
+                                softcap: Any, alibi_slopes: Any, deterministic: Any, rng_state: Any = None) -> Any:
     """FlashAttention 2.8.3's ``_flash_attn_varlen_backward``: writes ``dq``/``dk``/``dv`` (when
     given) and returns ``softmax_d [H, total_q]``."""
     dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))

@@ -9,6 +9,11 @@ as they lie (``native``). Conventions:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import math
+
 import torch
 
 from ... import _checks
@@ -130,10 +135,12 @@ def _batch_lengths(q, k, cu_seqlens_q, cu_seqlens_k, paged: bool):
 
 
 @runtime_errors
-def mha_varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table_,
-                   alibi_slopes_, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale,
-                   zero_tensors, is_causal, window_size_left, window_size_right, softcap,
-                   return_softmax, gen_):
+def mha_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_: torch.Tensor,
+                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor,
+                   block_table_: torch.Tensor, alibi_slopes_: torch.Tensor, max_seqlen_q: int,
+                   max_seqlen_k: int, p_dropout: float, softmax_scale: float, zero_tensors: bool,
+                   is_causal: bool | Sequence[bool], window_size_left: int, window_size_right: int,
+                   softcap: float, return_softmax: bool, gen_: torch.Generator | None) -> Any:
     """FlashAttention forward on packed sequences (``[total, H, D]`` with ``cu_seqlens``).
 
     ``seqused_k`` (int ``[B]``) limits each sequence's keys to its first ``seqused_k[b]``.
@@ -187,10 +194,13 @@ def mha_varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, block_t
 
 
 @runtime_errors
-def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q, cu_seqlens_k,
-                   alibi_slopes_, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale,
-                   zero_tensors, is_causal, window_size_left, window_size_right, softcap,
-                   deterministic, philox_seed, philox_offset):
+def mha_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   softmax_lse: torch.Tensor, dq_: torch.Tensor, dk_: torch.Tensor, dv_: torch.Tensor,
+                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, alibi_slopes_: torch.Tensor,
+                   max_seqlen_q: int, max_seqlen_k: int, p_dropout: float, softmax_scale: float,
+                   zero_tensors: bool, is_causal: bool | Sequence[bool], window_size_left: int,
+                   window_size_right: int, softcap: float, deterministic: bool, philox_seed: Any,
+                   philox_offset: Any) -> Any:
     """FlashAttention backward on packed sequences: ``(dq, dk, dv, softmax_d)``.
 
     The arguments of ``mha_varlen_fwd`` (without ``seqused_k`` and paging, as FlashAttention),

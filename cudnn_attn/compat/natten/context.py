@@ -16,6 +16,8 @@ Same names, defaults, accepted values and errors as NATTEN. What they mean here:
 
 from __future__ import annotations
 
+from typing import Any
+
 import logging
 from enum import Enum
 
@@ -90,13 +92,13 @@ def use_deterministic_algorithms(mode: bool = True) -> None:
 
 
 def are_deterministic_algorithms_enabled() -> bool:
-    return _state["deterministic"]
+    return _state["deterministic"]  # type: ignore[return-value]
 
 
-def deterministic_scope():
+def deterministic_scope() -> Any:
     """Within it, the calls of this surface carry NATTEN's deterministic mode in their problems
     (``problem.deterministic_calls``: a per-call field, torch's global flag untouched)."""
-    return deterministic_calls(_state["deterministic"])
+    return deterministic_calls(bool(_state["deterministic"]))
 
 
 def use_kv_parallelism_in_fused_na(mode: bool = True) -> None:
@@ -116,7 +118,7 @@ def use_kv_parallelism_in_fused_na(mode: bool = True) -> None:
 
 
 def is_kv_parallelism_in_fused_na_enabled() -> bool:
-    return _state["kv_parallelism"]
+    return _state["kv_parallelism"]  # type: ignore[return-value]
 
 
 _PREFERENCES = {"default": MemoryUsagePreference.Default, "strict": MemoryUsagePreference.Strict,
@@ -131,7 +133,7 @@ def set_memory_usage_preference(pref: str = "default") -> None:
 
 
 def get_memory_usage_preference() -> MemoryUsagePreference:
-    return _state["memory"]
+    return _state["memory"]  # type: ignore[return-value]
 
 
 def is_memory_usage_default() -> bool:
@@ -168,11 +170,11 @@ def disable_flex_compile_backprop() -> None:
 
 
 def is_flex_compile_allowed() -> bool:
-    return _state["flex_compile"]
+    return _state["flex_compile"]  # type: ignore[return-value]
 
 
 def is_flex_compile_backprop_allowed() -> bool:
-    return _state["flex_compile_backprop"]
+    return _state["flex_compile_backprop"]  # type: ignore[return-value]
 
 
 # --- NATTEN 0.17's kernel autotuner: hints, validated and recorded --------------------------------
@@ -196,35 +198,35 @@ class AutotunerContext:
             setattr(AutotunerContext, name, value)
 
     @staticmethod
-    def set_enabled_for_forward(mode) -> None:
+    def set_enabled_for_forward(mode: bool | None) -> None:
         _set_enabled("enabled_for_forward", mode, "forward pass")
 
     @staticmethod
-    def set_enabled_for_backward(mode) -> None:
+    def set_enabled_for_backward(mode: bool | None) -> None:
         _set_enabled("enabled_for_backward", mode, "backward pass")
 
     @staticmethod
-    def set_thorough_mode_forward(mode) -> None:
+    def set_thorough_mode_forward(mode: bool | None) -> None:
         _set_checked("thorough_mode_forward", mode, bool)
 
     @staticmethod
-    def set_thorough_mode_backward(mode) -> None:
+    def set_thorough_mode_backward(mode: bool | None) -> None:
         _set_checked("thorough_mode_backward", mode, bool)
 
     @staticmethod
-    def set_warmup_steps_forward(value) -> None:
+    def set_warmup_steps_forward(value: int | None) -> None:
         _set_checked("warmup_steps_forward", value, int)
 
     @staticmethod
-    def set_warmup_steps_backward(value) -> None:
+    def set_warmup_steps_backward(value: int | None) -> None:
         _set_checked("warmup_steps_backward", value, int)
 
     @staticmethod
-    def set_steps_forward(value) -> None:
+    def set_steps_forward(value: int | None) -> None:
         _set_checked("steps_forward", value, int)
 
     @staticmethod
-    def set_steps_backward(value) -> None:
+    def set_steps_backward(value: int | None) -> None:
         _set_checked("steps_backward", value, int)
 
 
@@ -253,9 +255,10 @@ def _set_enabled(name: str, mode, which: str) -> None:
     setattr(AutotunerContext, name, mode)
 
 
-def use_autotuner(forward_pass=None, backward_pass=None, thorough_mode_forward=None,
-                  thorough_mode_backward=None, warmup_steps_forward=None,
-                  warmup_steps_backward=None, steps_forward=None, steps_backward=None) -> None:
+def use_autotuner(forward_pass: bool | None = None, backward_pass: bool | None = None,
+                  thorough_mode_forward: bool | None = None, thorough_mode_backward: bool | None = None,
+                  warmup_steps_forward: int | None = None, warmup_steps_backward: int | None = None,
+                  steps_forward: int | None = None, steps_backward: int | None = None) -> None:
     """NATTEN 0.17's ``use_autotuner``: ``None`` leaves a setting as it is; ``(False, False)``
     turns both passes off and changes nothing else. A hint here (tiles are the engines' own)."""
     if forward_pass is not None and backward_pass is not None and not forward_pass \

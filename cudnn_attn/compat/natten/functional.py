@@ -15,7 +15,10 @@ The public namespace ``cudnn_attn.neighborhood`` adds the modules (:mod:`.module
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
+from typing import Any
 
+import torch
 
 from ... import _checks
 from ...api import attention as _attention
@@ -48,7 +51,8 @@ __all__ = [
 # merge_attentions
 # ---------------------------------------------------------------------------------------------
 
-def merge_attentions(outputs, lse_tensors, torch_compile=True, use_autograd_fix=True):
+def merge_attentions(outputs: Sequence[torch.Tensor], lse_tensors: Sequence[torch.Tensor],
+                     torch_compile: bool = True, use_autograd_fix: bool = True) -> Any:
     """Merge attention results over disjoint key sets through their log-sum-exps (NATTEN 0.21).
 
     ``outputs[i]`` is ``[B, *S, H, D]`` (heads-last) and ``lse_tensors[i]`` ``[B, *S, H]`` (natural
@@ -213,12 +217,15 @@ def _call(rank, query, key, value, kernel_size, stride, dilation, is_causal, sca
 
 # The signatures are written out (not generated) so that they read as NATTEN's, in the source
 # and to inspect.signature.
-def na1d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
-         additional_keys=None, additional_values=None, attention_kwargs=None, backend=None,
-         q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
-         backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
-         run_persistent_kernel=True, kernel_schedule=None, torch_compile=False, return_lse=False,
-         *, rpb=None):
+def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_size: int | Sequence[int],
+         stride: int | Sequence[int] = 1, dilation: int | Sequence[int] = 1,
+         is_causal: bool | Sequence[bool] = False, scale: float | None = None,
+         additional_keys: torch.Tensor | None = None, additional_values: torch.Tensor | None = None,
+         attention_kwargs: dict | None = None, backend: str | None = None, q_tile_shape: Any = None,
+         kv_tile_shape: Any = None, backward_q_tile_shape: Any = None, backward_kv_tile_shape: Any = None,
+         backward_kv_splits: Any = None, backward_use_pt_reduction: bool = False,
+         run_persistent_kernel: bool = True, kernel_schedule: str | None = None, torch_compile: bool = False,
+         return_lse: bool = False, *, rpb: torch.Tensor | None = None) -> Any:
     return _call(1, query, key, value, kernel_size, stride, dilation, is_causal, scale,
                  additional_keys, additional_values, attention_kwargs, backend, q_tile_shape,
                  kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
@@ -226,12 +233,15 @@ def na1d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, 
                  return_lse, rpb)
 
 
-def na2d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
-         additional_keys=None, additional_values=None, attention_kwargs=None, backend=None,
-         q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
-         backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
-         run_persistent_kernel=True, kernel_schedule=None, torch_compile=False, return_lse=False,
-         *, rpb=None):
+def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_size: int | Sequence[int],
+         stride: int | Sequence[int] = 1, dilation: int | Sequence[int] = 1,
+         is_causal: bool | Sequence[bool] = False, scale: float | None = None,
+         additional_keys: torch.Tensor | None = None, additional_values: torch.Tensor | None = None,
+         attention_kwargs: dict | None = None, backend: str | None = None, q_tile_shape: Any = None,
+         kv_tile_shape: Any = None, backward_q_tile_shape: Any = None, backward_kv_tile_shape: Any = None,
+         backward_kv_splits: Any = None, backward_use_pt_reduction: bool = False,
+         run_persistent_kernel: bool = True, kernel_schedule: str | None = None, torch_compile: bool = False,
+         return_lse: bool = False, *, rpb: torch.Tensor | None = None) -> Any:
     return _call(2, query, key, value, kernel_size, stride, dilation, is_causal, scale,
                  additional_keys, additional_values, attention_kwargs, backend, q_tile_shape,
                  kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
@@ -239,12 +249,15 @@ def na2d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, 
                  return_lse, rpb)
 
 
-def na3d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, scale=None,
-         additional_keys=None, additional_values=None, attention_kwargs=None, backend=None,
-         q_tile_shape=None, kv_tile_shape=None, backward_q_tile_shape=None,
-         backward_kv_tile_shape=None, backward_kv_splits=None, backward_use_pt_reduction=False,
-         run_persistent_kernel=True, kernel_schedule=None, torch_compile=False, return_lse=False,
-         *, rpb=None):
+def na3d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_size: int | Sequence[int],
+         stride: int | Sequence[int] = 1, dilation: int | Sequence[int] = 1,
+         is_causal: bool | Sequence[bool] = False, scale: float | None = None,
+         additional_keys: torch.Tensor | None = None, additional_values: torch.Tensor | None = None,
+         attention_kwargs: dict | None = None, backend: str | None = None, q_tile_shape: Any = None,
+         kv_tile_shape: Any = None, backward_q_tile_shape: Any = None, backward_kv_tile_shape: Any = None,
+         backward_kv_splits: Any = None, backward_use_pt_reduction: bool = False,
+         run_persistent_kernel: bool = True, kernel_schedule: str | None = None, torch_compile: bool = False,
+         return_lse: bool = False, *, rpb: torch.Tensor | None = None) -> Any:
     return _call(3, query, key, value, kernel_size, stride, dilation, is_causal, scale,
                  additional_keys, additional_values, attention_kwargs, backend, q_tile_shape,
                  kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
@@ -252,14 +265,19 @@ def na3d(query, key, value, kernel_size, stride=1, dilation=1, is_causal=False, 
                  return_lse, rpb)
 
 
-def neighborhood_attention_generic(query, key, value, kernel_size, stride=1, dilation=1,
-                                   is_causal=False, scale=None, additional_keys=None,
-                                   additional_values=None, attention_kwargs=None, backend=None,
-                                   q_tile_shape=None, kv_tile_shape=None,
-                                   backward_q_tile_shape=None, backward_kv_tile_shape=None,
-                                   backward_kv_splits=None, backward_use_pt_reduction=False,
-                                   run_persistent_kernel=True, kernel_schedule=None,
-                                   torch_compile=False, return_lse=False, *, rpb=None):
+def neighborhood_attention_generic(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                   kernel_size: int | Sequence[int], stride: int | Sequence[int] = 1,
+                                   dilation: int | Sequence[int] = 1,
+                                   is_causal: bool | Sequence[bool] = False, scale: float | None = None,
+                                   additional_keys: torch.Tensor | None = None,
+                                   additional_values: torch.Tensor | None = None,
+                                   attention_kwargs: dict | None = None, backend: str | None = None,
+                                   q_tile_shape: Any = None, kv_tile_shape: Any = None,
+                                   backward_q_tile_shape: Any = None, backward_kv_tile_shape: Any = None,
+                                   backward_kv_splits: Any = None, backward_use_pt_reduction: bool = False,
+                                   run_persistent_kernel: bool = True, kernel_schedule: str | None = None,
+                                   torch_compile: bool = False, return_lse: bool = False, *,
+                                   rpb: torch.Tensor | None = None) -> Any:
     """``na1d``/``na2d``/``na3d`` by the query's rank (NATTEN 0.21's ``natten.functional`` name)."""
     _checks.tensor("query", query)
     if not 4 <= query.dim() <= 6:
@@ -276,12 +294,16 @@ def neighborhood_attention_generic(query, key, value, kernel_size, stride=1, dil
 # attention (NATTEN 0.21's dense and varlen entry)
 # ---------------------------------------------------------------------------------------------
 
-def attention(query, key, value, is_causal=False, scale=None, seqlens_Q=None, seqlens_KV=None,
-              cumulative_seqlen_Q=None, cumulative_seqlen_KV=None, max_seqlen_Q=None,
-              max_seqlen_KV=None, backend=None, q_tile_size=None, kv_tile_size=None,
-              backward_q_tile_size=None, backward_kv_tile_size=None, backward_kv_splits=None,
-              backward_use_pt_reduction=False, run_persistent_kernel=True, kernel_schedule=None,
-              torch_compile=False, return_lse=False):
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              is_causal: bool | Sequence[bool] = False, scale: float | None = None,
+              seqlens_Q: torch.Tensor | None = None, seqlens_KV: torch.Tensor | None = None,
+              cumulative_seqlen_Q: torch.Tensor | None = None,
+              cumulative_seqlen_KV: torch.Tensor | None = None, max_seqlen_Q: int | None = None,
+              max_seqlen_KV: int | None = None, backend: str | None = None, q_tile_size: Any = None,
+              kv_tile_size: Any = None, backward_q_tile_size: Any = None, backward_kv_tile_size: Any = None,
+              backward_kv_splits: Any = None, backward_use_pt_reduction: bool = False,
+              run_persistent_kernel: bool = True, kernel_schedule: str | None = None,
+              torch_compile: bool = False, return_lse: bool = False) -> Any:
     """Plain attention with NATTEN 0.21's ``natten.attention`` signature, heads-last.
 
     Args:

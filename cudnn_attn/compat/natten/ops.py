@@ -32,6 +32,9 @@ Equivalent PyTorch of ``na1d_qk_forward`` then ``na1d_av_forward`` (non-causal, 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import inspect
 import math
 
@@ -83,8 +86,10 @@ def _write(out: torch.Tensor, result: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _forward(output, query, key, value, rpb, kernel_size, dilation, is_causal, attn_scale,
-             query_tile_size, key_tile_size, *, rank):
+def _forward(output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             rpb: torch.Tensor | None, kernel_size: int | Sequence[int], dilation: int | Sequence[int],
+             is_causal: bool | Sequence[bool], attn_scale: float, query_tile_size: Any, key_tile_size: Any, *,
+             rank: int) -> None:
     """Fused {rank}-D neighborhood attention, written into ``output``; returns None.
 
     ``query`` ``[B, *spatial, H, D]``, ``key`` ``[B, *spatial, H_kv, D]``, ``value``
@@ -148,7 +153,9 @@ def _attn_value(op, rank, attn, value, kernel_size, dilation, is_causal):
     return nb
 
 
-def _qk_forward(attn, query, key, rpb, kernel_size, dilation, is_causal, *, rank):
+def _qk_forward(attn: torch.Tensor, query: torch.Tensor, key: torch.Tensor, rpb: torch.Tensor | None,
+                kernel_size: int | Sequence[int], dilation: int | Sequence[int],
+                is_causal: bool | Sequence[bool], *, rank: int) -> None:
     """Unfused {rank}-D QK: ``attn[b, h, *i, slot] = <query[b, h, *i], key[b, h, *j(slot)]>
     (+ rpb)``, unscaled, invalid causal slots ``-inf``; written into ``attn``, returns None.
 
@@ -168,7 +175,9 @@ def _qk_forward(attn, query, key, rpb, kernel_size, dilation, is_causal, *, rank
     _write(attn, result)
 
 
-def _qk_backward(d_query, d_key, d_rpb, d_attn, query, key, kernel_size, dilation, is_causal, *, rank):
+def _qk_backward(d_query: torch.Tensor, d_key: torch.Tensor, d_rpb: torch.Tensor | None, d_attn: torch.Tensor,
+                 query: torch.Tensor, key: torch.Tensor, kernel_size: int | Sequence[int],
+                 dilation: int | Sequence[int], is_causal: bool | Sequence[bool], *, rank: int) -> None:
     """Gradients of {rank}-D QK: writes ``d_query``, ``d_key`` and, unless it is None, ``d_rpb``
     (``[H, 2*k-1, ...]``) from ``d_attn``; returns None. Invalid causal slots get no gradient.
 
@@ -195,7 +204,9 @@ def _zeros_if_none(grad, like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like) if grad is None else grad
 
 
-def _av_forward(output, attn, value, kernel_size, dilation, is_causal, *, rank):
+def _av_forward(output: torch.Tensor, attn: torch.Tensor, value: torch.Tensor,
+                kernel_size: int | Sequence[int], dilation: int | Sequence[int],
+                is_causal: bool | Sequence[bool], *, rank: int) -> None:
     """Unfused {rank}-D AV: ``output[b, h, *i] = sum_slot attn[b, h, *i, slot] * value[b, h, *j(slot)]``
     over the valid slots; written into ``output``, returns None.
 
@@ -210,7 +221,9 @@ def _av_forward(output, attn, value, kernel_size, dilation, is_causal, *, rank):
     _write(output, result)
 
 
-def _av_backward(d_attn, d_value, d_out, attn, value, kernel_size, dilation, is_causal, *, rank):
+def _av_backward(d_attn: torch.Tensor, d_value: torch.Tensor, d_out: torch.Tensor, attn: torch.Tensor,
+                 value: torch.Tensor, kernel_size: int | Sequence[int], dilation: int | Sequence[int],
+                 is_causal: bool | Sequence[bool], *, rank: int) -> None:
     """Gradients of {rank}-D AV: writes ``d_attn`` (zero in invalid causal slots) and ``d_value``
     from ``d_out``; returns None.
 
@@ -233,7 +246,7 @@ def _ranked(impl, rank: int):
         return impl(*args, **kwargs, rank=rank)
 
     signature = inspect.signature(impl)
-    op.__signature__ = signature.replace(
+    op.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=[p for p in signature.parameters.values() if p.name != "rank"])
     op.__name__ = op.__qualname__ = f"na{rank}d{impl.__name__}"
     op.__module__ = __name__

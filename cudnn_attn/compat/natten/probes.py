@@ -20,6 +20,7 @@ result. ``HAS_LIBNATTEN`` is True: it tells callers that the fused neighborhood 
 """
 
 from __future__ import annotations
+from typing import Any
 
 from enum import Enum
 
@@ -98,33 +99,33 @@ def _blackwell(query, fmha: bool, table: dict):
     return _sizes(configs) if fmha else configs
 
 
-def get_configs_for_cutlass_fna(query, key, value):
+def get_configs_for_cutlass_fna(query: Any, key: Any, value: Any) -> Any:
     """NATTEN's CUTLASS (sm50+) FNA forward tile configurations for these tensors."""
     return _ampere(query, False)
 
 
-def get_configs_for_cutlass_fmha(query, key, value):
+def get_configs_for_cutlass_fmha(query: Any, key: Any, value: Any) -> Any:
     """NATTEN's CUTLASS (sm50+) FMHA forward tile sizes for these tensors."""
     return _ampere(query, True)
 
 
-def get_bwd_configs_for_cutlass_fna(query, key, value):
+def get_bwd_configs_for_cutlass_fna(query: Any, key: Any, value: Any) -> Any:
     """NATTEN's CUTLASS (sm50+) FNA backward tile configurations for these tensors."""
     return _ampere(query, False)
 
 
-def get_bwd_configs_for_cutlass_fmha(query, key, value):
+def get_bwd_configs_for_cutlass_fmha(query: Any, key: Any, value: Any) -> Any:
     """NATTEN's CUTLASS (sm50+) FMHA backward tile sizes for these tensors."""
     return _ampere(query, True)
 
 
-def get_configs_for_cutlass_hopper_fna(query, key, value):
+def get_configs_for_cutlass_hopper_fna(query: Any, key: Any, value: Any) -> Any:
     """NATTEN's Hopper FNA forward configurations: ``[((q_tile, kv_tile), KernelSchedule)]``."""
     rank = _rank(query, False)
     return [(_HOPPER_FWD[rank], KernelSchedule.NonPersistent)] if _hopper_ok(query) else []
 
 
-def get_configs_for_cutlass_hopper_fmha(query, key, value):
+def get_configs_for_cutlass_hopper_fmha(query: Any, key: Any, value: Any) -> Any:
     """NATTEN's Hopper FMHA forward configurations: ``[((q_tile, kv_tile), KernelSchedule)]``."""
     _rank(query, True)
     if not _hopper_ok(query):
@@ -133,44 +134,44 @@ def get_configs_for_cutlass_hopper_fmha(query, key, value):
     return [((q, kv), KernelSchedule.NonPersistent)]
 
 
-def get_bwd_configs_for_cutlass_hopper_fna(query, key, value):
+def get_bwd_configs_for_cutlass_hopper_fna(query: Any, key: Any, value: Any) -> Any:
     """NATTEN's Hopper FNA backward tile configurations."""
     rank = _rank(query, False)
     return [_HOPPER_BWD[rank]] if _hopper_ok(query, backward=True) else []
 
 
-def get_bwd_configs_for_cutlass_hopper_fmha(query, key, value):
+def get_bwd_configs_for_cutlass_hopper_fmha(query: Any, key: Any, value: Any) -> Any:
     """NATTEN's Hopper FMHA backward tile sizes."""
     _rank(query, True)
     return _sizes([_HOPPER_BWD[1]]) if _hopper_ok(query, backward=True) else []
 
 
-def get_configs_for_cutlass_blackwell_fna(query, key, value):
+def get_configs_for_cutlass_blackwell_fna(query: Any, key: Any, value: Any) -> Any:
     """NATTEN's Blackwell FNA forward tile configurations."""
     return _blackwell(query, False, _BLACKWELL_FWD)
 
 
-def get_configs_for_cutlass_blackwell_fmha(query, key, value):
+def get_configs_for_cutlass_blackwell_fmha(query: Any, key: Any, value: Any) -> Any:
     """NATTEN's Blackwell FMHA forward tile sizes."""
     return _blackwell(query, True, _BLACKWELL_FWD)
 
 
-def get_bwd_configs_for_cutlass_blackwell_fna(query, key, value):
+def get_bwd_configs_for_cutlass_blackwell_fna(query: Any, key: Any, value: Any) -> Any:
     """NATTEN's Blackwell FNA backward tile configurations."""
     return _blackwell(query, False, _BLACKWELL_BWD)
 
 
-def get_bwd_configs_for_cutlass_blackwell_fmha(query, key, value):
+def get_bwd_configs_for_cutlass_blackwell_fmha(query: Any, key: Any, value: Any) -> Any:
     """NATTEN's Blackwell FMHA backward tile sizes."""
     return _blackwell(query, True, _BLACKWELL_BWD)
 
 
-def get_configs_for_flex_fna(query, key, value, torch_compile: bool = False):
+def get_configs_for_flex_fna(query: Any, key: Any, value: Any, torch_compile: bool = False) -> Any:
     """NATTEN's Flex FNA tile configurations (any device)."""
     return list(_FLEX[_rank(query, False)])
 
 
-def get_configs_for_flex_fmha(query, key, value, torch_compile: bool = False):
+def get_configs_for_flex_fmha(query: Any, key: Any, value: Any, torch_compile: bool = False) -> Any:
     """NATTEN's Flex FMHA tile sizes (any device)."""
     _rank(query, True)
     return _sizes(_FLEX[1])

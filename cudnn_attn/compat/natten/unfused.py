@@ -9,6 +9,8 @@ order row-major over the kernel dims, masked (causally cut) slots ``-inf``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -128,27 +130,39 @@ _AV_DOC = """Unfused {rank}-D neighborhood weighting (NATTEN 0.17 ``na{rank}d_av
     """
 
 
-def na1d_qk(query, key, kernel_size, dilation=1, additional_keys=None, is_causal=False, rpb=None):
+def na1d_qk(query: torch.Tensor, key: torch.Tensor, kernel_size: int | Sequence[int],
+            dilation: int | Sequence[int] = 1, additional_keys: torch.Tensor | None = None,
+            is_causal: bool | Sequence[bool] = False, rpb: torch.Tensor | None = None) -> Any:
     return _na_qk(1, query, key, kernel_size, dilation, additional_keys, is_causal, rpb)
 
 
-def na2d_qk(query, key, kernel_size, dilation=1, additional_keys=None, is_causal=False, rpb=None):
+def na2d_qk(query: torch.Tensor, key: torch.Tensor, kernel_size: int | Sequence[int],
+            dilation: int | Sequence[int] = 1, additional_keys: torch.Tensor | None = None,
+            is_causal: bool | Sequence[bool] = False, rpb: torch.Tensor | None = None) -> Any:
     return _na_qk(2, query, key, kernel_size, dilation, additional_keys, is_causal, rpb)
 
 
-def na3d_qk(query, key, kernel_size, dilation=1, additional_keys=None, is_causal=False, rpb=None):
+def na3d_qk(query: torch.Tensor, key: torch.Tensor, kernel_size: int | Sequence[int],
+            dilation: int | Sequence[int] = 1, additional_keys: torch.Tensor | None = None,
+            is_causal: bool | Sequence[bool] = False, rpb: torch.Tensor | None = None) -> Any:
     return _na_qk(3, query, key, kernel_size, dilation, additional_keys, is_causal, rpb)
 
 
-def na1d_av(attn, value, kernel_size, dilation=1, additional_values=None, is_causal=False):
+def na1d_av(attn: torch.Tensor, value: torch.Tensor, kernel_size: int | Sequence[int],
+            dilation: int | Sequence[int] = 1, additional_values: torch.Tensor | None = None,
+            is_causal: bool | Sequence[bool] = False) -> Any:
     return _na_av(1, attn, value, kernel_size, dilation, additional_values, is_causal)
 
 
-def na2d_av(attn, value, kernel_size, dilation=1, additional_values=None, is_causal=False):
+def na2d_av(attn: torch.Tensor, value: torch.Tensor, kernel_size: int | Sequence[int],
+            dilation: int | Sequence[int] = 1, additional_values: torch.Tensor | None = None,
+            is_causal: bool | Sequence[bool] = False) -> Any:
     return _na_av(2, attn, value, kernel_size, dilation, additional_values, is_causal)
 
 
-def na3d_av(attn, value, kernel_size, dilation=1, additional_values=None, is_causal=False):
+def na3d_av(attn: torch.Tensor, value: torch.Tensor, kernel_size: int | Sequence[int],
+            dilation: int | Sequence[int] = 1, additional_values: torch.Tensor | None = None,
+            is_causal: bool | Sequence[bool] = False) -> Any:
     return _na_av(3, attn, value, kernel_size, dilation, additional_values, is_causal)
 
 
