@@ -1,7 +1,7 @@
 """Shared benchmark helpers: timing, a printed table, and a JSON record under benchmarks/results/.
 
 Result files are named ``<suite>-<YYYY-MM-DD>.json`` (UTC date): one file per suite per day, a rerun on
-the same day replaces it, older days stay as history. Each holds the environment (cudnn_attn._env),
+the same day replaces it, older days stay as history. Each holds the environment (cudnn_attn.core.env),
 the command line, the date, the options and every figure the run printed.
 """
 
@@ -109,7 +109,7 @@ def _git_describe() -> str | None:
 def write_json(suite: str, payload: dict[str, Any], results_dir: Path = RESULTS_DIR) -> Path:
     """Write ``payload`` plus env, command line and date to ``results_dir/<suite>-<date>.json``
     (through a temporary file and a rename)."""
-    from cudnn_attn import _env
+    from cudnn_attn.core import env as _env
 
     env = _env.collect()
     record = {

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import cudnn_attn as ca
-from cudnn_attn import call_spec
+from cudnn_attn.tracing import call_spec
 
 B, H, D = 1, 4, 64
 PROBLEMS = [  # name, spatial shape, kernel size

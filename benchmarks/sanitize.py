@@ -77,7 +77,7 @@ def _fused_cases():
 
     def band(dtype, d, s_q, s_kv, left, right, offset):
         def run():
-            from cudnn_attn import geometry
+            from cudnn_attn.model import geometry
 
             g = torch.Generator(device="cuda").manual_seed(1)
             rnd = lambda s, h, dd: torch.randn(1, h, s, dd, device="cuda",

@@ -16,7 +16,7 @@ _report.unshadow_cudnn()  # this folder's cudnn.py is not the cuDNN frontend
 import torch  # noqa: E402
 
 import cudnn_attn as ca  # noqa: E402
-from cudnn_attn.masks import Causal, Neighborhood, SlidingWindow  # noqa: E402
+from cudnn_attn.model.masks import Causal, Neighborhood, SlidingWindow# noqa: E402
 
 print("torch", torch.__version__, torch.cuda.get_device_name(0), flush=True)
 try:

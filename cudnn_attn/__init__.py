@@ -6,15 +6,21 @@ neighborhood attention (``fallback_kernels/``), and a pure-PyTorch engine that r
 """
 
 import importlib
+import sys
 from typing import TYPE_CHECKING
 
 from .api import Explanation, attention, explain
-from .caches import clear_caches
-from .dispatch import NotSupportedError, exclude_backend, use_backend
+from .core.caches import clear_caches
+from .core.dispatch import NotSupportedError, exclude_backend, use_backend
 from .graphs.cache import graph_cache
-from .masks import Alibi, Causal, Mask, Neighborhood, Padding, RelPosBias, SlidingWindow
-from .problem import AttnProblem, TensorSpec
+from .model.masks import Alibi, Causal, Mask, Neighborhood, Padding, RelPosBias, SlidingWindow
+from .model.problem import AttnProblem, TensorSpec
 from .varlen import attention_varlen, attention_with_kvcache
+
+# ``cudnn_attn.masks`` and ``cudnn_attn.problem`` (DESIGN.md's names) are the problem model's
+# modules themselves, not copies.
+for _name in ("masks", "problem"):
+    sys.modules[f"{__name__}.{_name}"] = sys.modules[f"{__name__}.model.{_name}"]
 
 # Surfaces reachable as attributes (cudnn_attn.neighborhood, ...) load on first use.
 _LAZY_MODULES = ("neighborhood", "ops", "flash_api", "flash_attention", "nn", "graphs",

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 
-from typing import Iterator, Literal, Mapping, Optional, overload
+from typing import Literal, Optional, overload
 
 import torch
 
-from . import custom_ops, dispatch, execution
-from .caches import LRU
-from .masks import Alibi, Mask, Padding, RelPosBias, split_bias
-from .problem import AttnProblem, deterministic_requested
-from .kv_heads import head_counts_differ, repeat_to_common_heads
-from .runtime import DropoutState, Inputs
-from .sinks import check_sinks, merge_sinks
+from .tracing import custom_ops
+from .core import dispatch, execution
+from .core.explanation import Explanation
+from .core.caches import LRU
+from .model.masks import Alibi, Mask, Padding, RelPosBias, split_bias
+from .model.problem import AttnProblem, deterministic_requested
+from .rewrites.kv_heads import head_counts_differ, repeat_to_common_heads
+from .model.inputs import DropoutState, Inputs
+from .rewrites.sinks import check_sinks, merge_sinks
 
 __all__ = ["attention", "explain", "Explanation"]
 
@@ -168,7 +170,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
             backend that cannot run the call raises ``NotSupportedError`` with its reasons.
         sinks: attention sinks, one logit per query head (``[H_q]``, differentiable): each row's
             softmax denominator gains ``exp(sinks[h])``, with no value attached (gpt-oss, cuDNN's
-            ``sink_token``); the lse includes it. Runs on every engine (``cudnn_attn.sinks``).
+            ``sink_token``); the lse includes it. Runs on every engine (``cudnn_attn.rewrites.sinks``).
 
     Returns:
         ``out`` in the layout of ``q`` with ``D_v`` features, or ``(out, lse)``. A query that sees
@@ -224,41 +226,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
     dropout = DropoutState.draw(generator) if problem.dropout_p > 0 else None
     out, lse = execution.run(problem, plan, Inputs(q, k, v, table, dropout), return_lse)
     return (out, lse) if return_lse else out
-
-
-class Explanation(Mapping):
-    """Each backend's verdict, in priority order: ``"selected"``, ``"available"`` or reasons.
-
-    ``engines``: for a call cuDNN can run whose graphs ``graph_cache`` already holds (an earlier
-    call, or a loaded warm cache), the engine cuDNN picked per graph (``"sdpa_forward"``,
-    ``"sdpa_backward"`` -> ``EngineChoice``: engine id, knobs, kernels)."""
-
-    def __init__(self, problem: AttnProblem, verdicts: dict, engines: Optional[dict] = None):
-        self.problem = problem
-        self._verdicts = verdicts
-        self.engines = dict(engines or {})
-
-    def __getitem__(self, name: str):
-        return self._verdicts[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._verdicts)
-
-    def __len__(self) -> int:
-        return len(self._verdicts)
-
-    @property
-    def selected(self) -> Optional[str]:
-        return next((n for n, v in self._verdicts.items() if v == "selected"), None)
-
-    def __str__(self) -> str:
-        text = f"{self.problem.describe()}\n{dispatch.format_reasons(self._verdicts)}"
-        for tag, engine in self.engines.items():
-            text += f"\ncuDNN {tag}: " + str(engine).replace("\n", "\n  ")
-        return text
-
-    def __repr__(self) -> str:
-        return f"Explanation({self._verdicts!r})"
 
 
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | None = None,

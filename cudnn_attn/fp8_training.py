@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from . import _checks
-from .fp8 import BACKENDS, Fp8Tensors, as_scale, fp8_problem, run_backward, run_forward
+from .model import checks
+from .core.fp8 import BACKENDS, Fp8Tensors, as_scale, fp8_problem, run_backward, run_forward
 from .torch_engine.fp8 import FP8_DTYPES, fp8_max, saturating_cast
 
 __all__ = ["DelayedScaling", "attention_fp8", "FP8Attention"]
@@ -46,8 +46,8 @@ class DelayedScaling:
     def __init__(self, fp8_format: str = "hybrid", amax_history_len: int = 16, margin: int = 0):
         if fp8_format not in _FORMATS:
             raise ValueError(f"fp8_format must be one of {tuple(_FORMATS)}, got {fp8_format!r}")
-        _checks.integer("amax_history_len", amax_history_len, 1)
-        _checks.integer("margin", margin, 0)
+        checks.integer("amax_history_len", amax_history_len, 1)
+        checks.integer("margin", margin, 0)
         self.fp8_format, self.margin = fp8_format, margin
         self.forward_dtype, self.backward_dtype = _FORMATS[fp8_format]
         self.amax_history = torch.zeros(amax_history_len, len(self.TENSORS))
@@ -163,14 +163,14 @@ def attention_fp8(q: Any, k: Any, v: Any, recipe: DelayedScaling, *, mask: Any =
     ``q`` ``[B, H_q, S_q, D]`` (``layout="bshd"``: ``[B, S, H, D]``), ``k``/``v`` with ``H_kv``
     dividing ``H_q``; ``mask`` a ``Causal``, ``SlidingWindow`` and/or ``Padding``; ``scale``
     defaults to ``D ** -0.5``; ``sinks`` ``[H_q]`` float logits (differentiable).
-    ``backend``: ``"auto"``, ``"cudnn"`` or ``"torch"`` (``cudnn_attn.fp8``).
+    ``backend``: ``"auto"``, ``"cudnn"`` or ``"torch"`` (``cudnn_attn.core.fp8``).
     """
     if not isinstance(recipe, DelayedScaling):
         raise TypeError(f"recipe must be a DelayedScaling, got {type(recipe).__name__}")
     if layout not in ("bhsd", "bshd"):
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _checks.tensor(name, t, dtypes=FP8_DTYPES + (torch.float32, torch.bfloat16,
+        checks.tensor(name, t, dtypes=FP8_DTYPES + (torch.float32, torch.bfloat16,
                                                      torch.float16), ndim=4)
     fp8 = q.dtype in FP8_DTYPES
     if fp8 != (k.dtype in FP8_DTYPES) or fp8 != (v.dtype in FP8_DTYPES):
@@ -195,7 +195,7 @@ def attention_fp8(q: Any, k: Any, v: Any, recipe: DelayedScaling, *, mask: Any =
     grad_problem = _on(fp8_problem(*metas, mask=mask, scale=scale, out=recipe.backward_dtype,
                                    sink=sinks is not None, dsink=dsink), q.device)
     if sinks is not None:
-        _checks.tensor("sinks", sinks, floating=True)
+        checks.tensor("sinks", sinks, floating=True)
         if sinks.numel() != q.shape[1]:
             raise ValueError(f"sinks must have H_q = {q.shape[1]} elements, got shape "
                              f"{tuple(sinks.shape)}")

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _checks
+from .model import checks
 from .api import attention
-from .dispatch import get_backend
-from .masks import Alibi, Mask
+from .core.dispatch import get_backend
+from .model.masks import Alibi, Mask
 
 __all__ = ["MultiheadAttention"]
 
@@ -28,7 +28,7 @@ def _probability(name: str, value) -> float:
     """A float in ``[0, 1)``: TypeError for a non-number, ValueError out of range."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float in [0, 1), got {value!r}")
-    return _checks.real(name, value, ok=lambda p: 0.0 <= p < 1.0, bound=" in [0, 1)")
+    return checks.real(name, value, ok=lambda p: 0.0 <= p < 1.0, bound=" in [0, 1)")
 
 
 def _check_mask(name: str, mask):
@@ -107,25 +107,25 @@ class MultiheadAttention(nn.Module):
                  softcap: float | None = None, batch_first: bool = True, backend: str = "auto",
                  device: Any = None, dtype: Any = None):
         super().__init__()
-        embed_dim = _checks.integer("embed_dim", embed_dim, 1)
-        num_heads = _checks.integer("num_heads", num_heads, 1)
+        embed_dim = checks.integer("embed_dim", embed_dim, 1)
+        num_heads = checks.integer("num_heads", num_heads, 1)
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim must be divisible by num_heads, got embed_dim={embed_dim}, "
                              f"num_heads={num_heads}")
-        num_kv_heads = num_heads if num_kv_heads is None else _checks.integer("num_kv_heads",
+        num_kv_heads = num_heads if num_kv_heads is None else checks.integer("num_kv_heads",
                                                                               num_kv_heads, 1)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads must be a multiple of num_kv_heads (GQA/MQA), got "
                              f"num_heads={num_heads}, num_kv_heads={num_kv_heads}")
         if kdim is not None:
-            kdim = _checks.integer("kdim", kdim, 1)
+            kdim = checks.integer("kdim", kdim, 1)
             if not cross_attention:
                 raise ValueError(f"kdim={kdim} is only meaningful with cross_attention=True "
                                  f"(self-attention projects the query input)")
         if scale is not None:
-            _checks.real("scale", scale)
+            checks.real("scale", scale)
         if softcap is not None:
-            _checks.real("softcap", softcap, ok=lambda c: c >= 0, bound=" >= 0")
+            checks.real("softcap", softcap, ok=lambda c: c >= 0, bound=" >= 0")
         if alibi is True:
             alibi = Alibi()
         elif alibi is False or alibi is None:
@@ -145,7 +145,7 @@ class MultiheadAttention(nn.Module):
         self.out_dropout = _probability("out_dropout", out_dropout)
         self.mask = _check_mask("mask", mask)
         self.alibi = alibi
-        self.scale = float(scale) if scale is not None else _checks.default_scale(self.head_dim)
+        self.scale = float(scale) if scale is not None else checks.default_scale(self.head_dim)
         self.softcap = float(softcap) if softcap else None
         self.batch_first = bool(batch_first)
         self.backend = backend
@@ -216,7 +216,7 @@ class MultiheadAttention(nn.Module):
     # -----------------------------------------------------------------------------------------
 
     def _input(self, name: str, x, width: int) -> torch.Tensor:
-        _checks.tensor(name, x)
+        checks.tensor(name, x)
         if x.dim() != 3 or x.shape[-1] != width:
             order = "[B, S, E]" if self.batch_first else "[S, B, E]"
             raise ValueError(f"{name} must be 3-D {order} with E = {width}, got shape "

@@ -1,7 +1,7 @@
 """Packed variable-length attention and decoding against a (paged) KV cache.
 
 On an accelerator (or with ``backend="cudnn"``) both entry points first try the tensors as they
-lie (``cudnn_attn.stored_calls``): packed ``[total, H, D]`` tensors as cuDNN's ragged layout, a
+lie (``cudnn_attn.packed.calls``): packed ``[total, H, D]`` tensors as cuDNN's ragged layout, a
 cache as its page-table (or whole-cache) graph, the lengths, offsets and block table kept on the
 device (no host synchronisation; a decode step can be captured in a CUDA graph). Otherwise, or where
 cuDNN declines, they run on every engine through :func:`cudnn_attn.attention`, autograd flowing
@@ -39,16 +39,26 @@ from typing import Any, cast
 
 import torch
 
-from . import call_spec, entry_ops, execution, stored_calls
+from .tracing import call_spec, entry_ops
+from .core import execution
+from .packed import calls
 from .api import attention
-from .runtime import DropoutState, Inputs, draw_seed
-from .stored_calls import kvcache_problem, varlen_problem
-from .sinks import check_sinks, merge_sinks
-from .varlen_groups import by_length_groups, grouped_varlen
-from .varlen_args import (cache_lengths, check_bias, check_cache, check_maxima, check_packed,
-                          check_user_mask, cu_lengths, index_tensor, varlen_lengths)
-from .problem import accumulator_dtype
-from .masks import Alibi, Mask, Padding, split_bias
+from .model.inputs import DropoutState, Inputs, draw_seed
+from .packed.calls import kvcache_problem, varlen_problem
+from .rewrites.sinks import check_sinks, merge_sinks
+from .packed.groups import by_length_groups, grouped_varlen
+from .packed.args import (cache_lengths,
+    check_bias,
+    check_cache,
+    check_maxima,
+    check_packed,
+    check_user_mask,
+    cu_lengths,
+    index_tensor,
+    varlen_lengths,
+)
+from .model.problem import accumulator_dtype
+from .model.masks import Alibi, Mask, Padding, split_bias
 
 __all__ = ["attention_varlen", "attention_with_kvcache", "cu_lengths", "token_slots", "pad_tokens",
            "PaddedBatch", "gather_pages", "with_padding", "index_tensor"]
@@ -272,7 +282,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out_b = attention(q[b:b+1], k_cache[b:b+1, :n], v_cache[b:b+1, :n], layout="bshd",
                           mask=mask)        # n = cache_seqlens[b], per sequence
     """
-    if sinks is not None:  # a merge over the result without them (cudnn_attn.sinks)
+    if sinks is not None:  # a merge over the result without them (cudnn_attn.rewrites.sinks)
         out, lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens,
                                           block_table=block_table, mask=mask, bias=bias,
                                           scale=scale, softcap=softcap, return_lse=True,
@@ -326,7 +336,7 @@ def _native_route(q, backend, bias) -> bool:
     ``max_seqlen`` exactly, which the native graphs round up, so it takes the dense-batch path."""
     if isinstance(bias, torch.Tensor) or not isinstance(q, torch.Tensor):
         return False
-    return backend == "cudnn" or (backend == "auto" and stored_calls.on_accelerator(q))
+    return backend == "cudnn" or (backend == "auto" and calls.on_accelerator(q))
 
 
 def _run_native(problem_of, q, k, v, backend, generator, return_lse):

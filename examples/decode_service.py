@@ -33,7 +33,7 @@ import torch
 from paged_decode import PagedKVCache, dense_attention
 
 import cudnn_attn as ca
-from cudnn_attn.dispatch import get_backend
+from cudnn_attn.core.dispatch import get_backend
 from cudnn_attn.graphs.cache import graph_cache
 
 # auto: the engines in dispatch's priority order; the first that runs the call is the one used

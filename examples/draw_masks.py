@@ -6,7 +6,7 @@ page is ``docs/figures/masks.png``, drawn by the second line:
     python examples/draw_masks.py                      # writes masks.png here
     python examples/draw_masks.py --out docs/figures/masks.png
 
-The patterns come from ``cudnn_attn.geometry``, the one description of every mask's visibility
+The patterns come from ``cudnn_attn.model.geometry``, the one description of every mask's visibility
 that the engines and the tests share.
 """
 
@@ -16,7 +16,7 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-from cudnn_attn.geometry import band_mask, neighborhood_mask
+from cudnn_attn.model.geometry import band_mask, neighborhood_mask
 
 HERE = Path(__file__).resolve().parent
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cudnn_attn as ca
-from cudnn_attn.geometry import neighborhood_mask
+from cudnn_attn.model.geometry import neighborhood_mask
 
 try:  # run as a script: examples/ is on sys.path; imported from elsewhere: load by path
     import plots

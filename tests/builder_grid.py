@@ -2,7 +2,7 @@
 through cuDNN's own C++ validator (sm_90, no GPU needed), through this library's attribute builder
 on the CPU, and through a float64 reference written from the frontend's published semantics.
 
-Used by ``tests/test_builder_cudnn_semantics.py`` (a sample) and ``benchmarks/builder_grid.py``
+Used by ``tests/surfaces/test_builder_cudnn_semantics.py`` (a sample) and ``benchmarks/builder_grid.py``
 (counts, JSON). The sampler draws what ``test_mhas``' random configs vary: sequence lengths
 (``s_q > s_kv`` included), heads (GQA), ALiBi, a bias, padding, dropout, the diagonal alignment and
 band bounds (via the causal setters, the band setters or the sliding window length), and the

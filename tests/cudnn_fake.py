@@ -26,12 +26,12 @@ import struct
 
 import torch
 
-from cudnn_attn import dispatch
-from cudnn_attn.caches import clear_caches
+from cudnn_attn.core import dispatch
+from cudnn_attn.core.caches import clear_caches
 from cudnn_attn.graphs import _emit, _runtime
 from cudnn_attn.graphs import backend as cudnn_backend
 from cudnn_attn.graphs._spec import analyze
-from cudnn_attn.score_mods import ScoreMod
+from cudnn_attn.model.score_mods import ScoreMod
 
 
 def frontend_present() -> bool:

@@ -29,7 +29,7 @@ import torch
 import cudnn_attn as ca
 from cudnn_attn.graphs._spec import GraphOptions, PagedKV, analyze
 from cudnn_attn.graphs.buckets import BucketPolicy
-from cudnn_attn.kv_heads import repeat_to_common_heads
+from cudnn_attn.rewrites.kv_heads import repeat_to_common_heads
 
 TARGETS = ("a100", "h100", "b200")
 FULL = bool(os.environ.get("CUDNN_ATTN_FULL_SWEEP"))

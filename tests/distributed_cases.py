@@ -1,4 +1,4 @@
-"""The cases tests/test_distributed.py runs inside each gloo process group (imported by the
+"""The cases tests/surfaces/test_distributed.py runs inside each gloo process group (imported by the
 spawned workers, so it lives in its own module). Every case compares this rank's shard of the
 output and of the input gradients with single-process ``attention()`` / ``na*d`` on the full
 tensors, in float64."""

@@ -1,4 +1,4 @@
-"""Calls whose ranks disagree (run by tests/test_distributed_agreement.py inside each gloo rank).
+"""Calls whose ranks disagree (run by tests/surfaces/test_distributed_agreement.py inside each gloo rank).
 
 Each case builds valid arguments for every rank and then changes one of them on the last rank
 only: something every rank must share, or something only that rank's own validation rejects.

@@ -1,4 +1,4 @@
-"""The cases tests/test_flash_attn_clients.py runs inside each gloo process: ring-flash-attn 0.1.8
+"""The cases tests/surfaces/test_flash_attn_clients.py runs inside each gloo process: ring-flash-attn 0.1.8
 and yunchang 0.6.4, unmodified, on cudnn_attn after ``integrations.flash_attn.register()``.
 
 Each case shards bf16 inputs the way the library expects (contiguous, zigzag, stripe, per-sequence

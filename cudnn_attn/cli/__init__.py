@@ -36,13 +36,13 @@ def one_line(text: object) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``cudnn-attn`` argument parser."""
-    from cudnn_attn import _env
+    from cudnn_attn.core import env
 
     parser = OneLineParser(
         prog="cudnn-attn",
         description="Attention on cuDNN graphs, CuPy kernels or PyTorch, chosen per call.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_env.package_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {env.package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in SUBCOMMANDS:
         module.add_parser(sub)

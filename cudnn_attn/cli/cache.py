@@ -150,7 +150,7 @@ MAX_CONFIG_DEPTH = 32  # a config nests 3 deep; json.loads would recurse on deep
 def read_config(path: str) -> list[dict]:
     """Problems of a warm-up config: ``{"defaults": {...}, "problems": [...]}`` or a list. A regular
     file of at most ``MAX_CONFIG_BYTES`` (a FIFO or device is refused, never read)."""
-    from cudnn_attn.trusted_files import Rejected, json_depth_ok, read_regular_path
+    from cudnn_attn.core.trusted_files import Rejected, json_depth_ok, read_regular_path
 
     try:
         data = read_regular_path(path, MAX_CONFIG_BYTES)
@@ -295,7 +295,7 @@ def cmd_cache_warm(args: argparse.Namespace) -> int:
     optionally saving the plans; with ``--target``, plan them for a described device. Status 2
     for an invalid problem, 1 when a build failed or a problem built nothing (no GPU here, or
     cuDNN declines it), else 0."""
-    from cudnn_attn.dispatch import get_backend
+    from cudnn_attn.core.dispatch import get_backend
     from cudnn_attn.graphs.cache import graph_cache
 
     if args.backend != "cudnn":
@@ -379,7 +379,7 @@ def add_parser(sub: Any) -> None:
     """``cudnn-attn cache info|warm|clear``."""
     from pathlib import Path
 
-    from cudnn_attn.dispatch import BACKEND_NAMES
+    from cudnn_attn.core.dispatch import BACKEND_NAMES
 
     cache = sub.add_parser("cache", help="the caches on disk (cuDNN graphs, NVRTC cubins): info, "
                            "warm-up, clear")

@@ -1,5 +1,5 @@
 """``cudnn-attn demo``: representative problems on ``backend="auto"``, checked against a float64
-brute force whose visibility comes from ``cudnn_attn.geometry``."""
+brute force whose visibility comes from ``cudnn_attn.model.geometry``."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class DemoProblem:
 def demo_problems() -> list[DemoProblem]:
     """The representative problems ``cudnn-attn demo`` runs."""
     import cudnn_attn as ca
-    from cudnn_attn.geometry import band_mask, neighborhood_mask
+    from cudnn_attn.model.geometry import band_mask, neighborhood_mask
 
     return [
         DemoProblem("causal LM  B2 H8 S512 D64", (2, 8, 512, 64), ca.Causal,

@@ -13,7 +13,7 @@ from .specs import DTYPES, MASK_SYNTAX, build_inputs, default_device, device_arg
 def explain_on(device: str, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
     """``cudnn_attn.explain`` for tensors that would live on ``device``, described by ``meta``
     tensors of their shapes: the verdicts of the same problem on ``device``, nothing allocated."""
-    from cudnn_attn.problem import AttnProblem
+    from cudnn_attn.model.problem import AttnProblem
 
     return explain_problem(device, AttnProblem.from_tensors(q, k, v, **kwargs))
 
@@ -22,7 +22,7 @@ def explain_problem(device: str, problem: Any) -> Any:
     """Each backend's verdict for ``problem`` moved to ``device``."""
     import torch
 
-    from cudnn_attn import dispatch
+    from cudnn_attn.core import dispatch
     from cudnn_attn.api import Explanation
 
     problem = dataclasses.replace(problem, device=torch.device(device))
@@ -163,7 +163,7 @@ def graph_section(args: argparse.Namespace, q: Any, k: Any, v: Any, kwargs: dict
     import json
 
     import cudnn_attn as ca
-    from cudnn_attn._probe import module_missing
+    from cudnn_attn.core.probe import module_missing
 
     title = f"cuDNN graph ({'backward' if args.backward else 'forward'}, sm_{args.target_sm})"
     section: dict = {"title": title, "status": "unavailable", "detail": None, "graph": None,

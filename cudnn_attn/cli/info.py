@@ -10,10 +10,10 @@ from .output import print_json
 
 def cmd_info(args: argparse.Namespace) -> int:
     """Print versions, GPU facts and each backend's availability (with reasons when unusable)."""
-    from cudnn_attn import _env
-    from cudnn_attn.dispatch import BACKENDS
+    from cudnn_attn.core import env
+    from cudnn_attn.core.dispatch import BACKENDS
 
-    facts = _env.collect()
+    facts = env.collect()
     backends = {backend.name: backend.availability() for backend in BACKENDS}
     if args.json:
         print_json({"environment": facts,

@@ -33,7 +33,7 @@ def cmd_selftest(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    from cudnn_attn.dispatch import BACKEND_NAMES
+    from cudnn_attn.core.dispatch import BACKEND_NAMES
     from cudnn_attn.verify import DTYPES
 
     p = sub.add_parser("selftest", help="check every engine on this machine against a float64 "

@@ -42,9 +42,9 @@ import numbers
 import torch
 from torch.autograd.function import once_differentiable
 
-from .. import _checks
-from .._checks import default_scale
-from ..problem import accumulator_dtype
+from ..model import checks
+from ..model.checks import default_scale
+from ..model.problem import accumulator_dtype
 
 __all__ = [
     "MAX_THREADS_PER_BLOCK",
@@ -151,7 +151,7 @@ def _check_flag(value, name: str) -> bool:
 
 def _check_qkv(Q, K, V):
     for name, t in (("Q", Q), ("K", K), ("V", V)):
-        _checks.tensor(name, t, ndim=4, what="[B, H, N, D]", dtypes=_SUPPORTED_DTYPES)
+        checks.tensor(name, t, ndim=4, what="[B, H, N, D]", dtypes=_SUPPORTED_DTYPES)
     if not (Q.shape == K.shape == V.shape):
         raise ValueError(f"Q, K and V must have the same shape [B, H, N, D], got Q {tuple(Q.shape)}, "
                          f"K {tuple(K.shape)}, V {tuple(V.shape)}")
@@ -179,12 +179,12 @@ def _check_fits(Bc: int, Br: int, head_dim: int, dtype: torch.dtype, device, bac
 
 
 def _check_stats(name, t, Q):
-    _checks.like(name, t, Q, "Q", expected=Q.shape[:3], what="[B, H, N]", any_float=True)
+    checks.like(name, t, Q, "Q", expected=Q.shape[:3], what="[B, H, N]", any_float=True)
 
 
 def _check_like_q(name, t, Q):
-    _checks.tensor(name, t, dtypes=_SUPPORTED_DTYPES)
-    _checks.like(name, t, Q, "Q", expected=Q.shape, what="Q's shape", any_float=True)
+    checks.tensor(name, t, dtypes=_SUPPORTED_DTYPES)
+    checks.like(name, t, Q, "Q", expected=Q.shape, what="Q's shape", any_float=True)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .._checks import FLOAT_DTYPES
+from ..model.checks import FLOAT_DTYPES
 
 __all__ = ["RankDisagreement", "Field", "agreed_lengths", "choice", "integers", "real"]
 

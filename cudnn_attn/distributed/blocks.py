@@ -13,12 +13,12 @@ import dataclasses
 
 import torch
 
-from .. import execution
+from ..core import execution
 from ..api import attention
-from ..masks import Causal, SlidingWindow
-from ..merging import merge_partials
-from ..problem import AttnProblem
-from ..runtime import Inputs
+from ..model.masks import Causal, SlidingWindow
+from ..rewrites.merging import merge_partials
+from ..model.problem import AttnProblem
+from ..model.inputs import Inputs
 
 __all__ = ["HIDDEN", "pair_mask", "forward_pair", "backward_pair", "merge"]
 

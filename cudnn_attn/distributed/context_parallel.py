@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from .. import _checks
-from ..masks import Causal, SlidingWindow, band_of
-from ..problem import AttnProblem
+from ..model import checks
+from ..model.masks import Causal, SlidingWindow, band_of
+from ..model.problem import AttnProblem
 from .agreement import (DTYPE, agreed_lengths, choice, encode_choice,
                         encode_dtype, encode_real, integers, real)
 from .ring import RingAttention, Schedule
@@ -71,12 +71,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     def validate():
         # Everything a rank can get wrong on its own, before the gather (agreement module doc).
         for name, t in (("q", q), ("k", k), ("v", v)):
-            _checks.tensor(name, t, ndim=4)
+            checks.tensor(name, t, ndim=4)
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be 'bshd' or 'bhsd', got {layout!r}")
         if sharding not in SHARDINGS:
             raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
-        _checks.flag("return_lse", return_lse)
+        checks.flag("return_lse", return_lse)
         qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v)) if layout == "bhsd" else (q, k, v)
         if ks.shape[1] != qs.shape[1] or vs.shape[1] != qs.shape[1]:
             raise ValueError(f"q, k and v must hold the same positions of the sequence, got "

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from .. import _checks
-from ..geometry import neighborhood_axis_mask
-from ..masks import Neighborhood
+from ..model import checks
+from ..model.geometry import neighborhood_axis_mask
+from ..model.masks import Neighborhood
 from .agreement import DTYPE, agreed_lengths, encode_dtype, encode_real, integers, real
 from .p2p import Exchange
 from .sharding import world
@@ -150,9 +150,9 @@ def neighborhood_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     def validate():
         # Everything a rank can get wrong on its own, before the gather (agreement module doc).
         for name, t in (("query", query), ("key", key), ("value", value)):
-            _checks.tensor(name, t, floating=True)
+            checks.tensor(name, t, floating=True)
         for name, t in (("key", key), ("value", value)):
-            _checks.like(name, t, query, "query")
+            checks.like(name, t, query, "query")
         spatial = query.dim() - 3
         if not 1 <= spatial <= 3:
             raise ValueError(f"query must be [B, X0, ..., H, D] with 1 to 3 spatial axes, got "
@@ -161,12 +161,12 @@ def neighborhood_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
             raise ValueError(f"query and key must share [B, *spatial, H, D], and value "
                              f"[B, *spatial, H], got {tuple(query.shape)}, {tuple(key.shape)}, "
                              f"{tuple(value.shape)}")
-        geometry = [_checks.per_axis(name, x, spatial, cast) for name, x, cast in (
-            ("kernel_size", kernel_size, _checks.integer), ("stride", stride, _checks.integer),
-            ("dilation", dilation, _checks.integer), ("is_causal", is_causal, _checks.boolean))]
+        geometry = [checks.per_axis(name, x, spatial, cast) for name, x, cast in (
+            ("kernel_size", kernel_size, checks.integer), ("stride", stride, checks.integer),
+            ("dilation", dilation, checks.integer), ("is_causal", is_causal, checks.boolean))]
         head_dim = query.shape[-1]
-        resolved = _checks.softmax_scale("scale", scale, head_dim)
-        _checks.fits_scores("scale", resolved, query.dtype)
+        resolved = checks.softmax_scale("scale", scale, head_dim)
+        checks.fits_scores("scale", resolved, query.dtype)
         local["spatial"] = spatial
         rest = list(query.shape[2:1 + spatial]) + [0] * (3 - spatial)
         padded = [list(g) + [0] * (3 - spatial) for g in geometry]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..problem import accumulator_dtype
+from ..model.problem import accumulator_dtype
 from .blocks import HIDDEN, backward_pair, forward_pair, merge, pair_mask
 from .p2p import Exchange
 from .sharding import Chunk, chunks_of

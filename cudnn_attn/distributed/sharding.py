@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .. import _checks
+from ..model import checks
 from .agreement import DTYPE, RankDisagreement, agreed_lengths, choice, encode_choice, encode_dtype, integers
 
 __all__ = ["SHARDINGS", "Chunk", "chunks_of", "shard_sequence", "unshard_sequence", "world",
@@ -123,10 +123,10 @@ def unshard_sequence(x: torch.Tensor, sharding: str = "zigzag", group: Any = Non
 
     def validate():
         _check_sharding(sharding)
-        t = _checks.tensor("x", x)
+        t = checks.tensor("x", x)
         if t.dim() > _MAX_DIMS:
             raise ValueError(f"x must have at most {_MAX_DIMS} dims, got shape {tuple(t.shape)}")
-        axis = _checks.integer("dim", dim, -t.dim(), maximum=t.dim() - 1) % t.dim()
+        axis = checks.integer("dim", dim, -t.dim(), maximum=t.dim() - 1) % t.dim()
         others = [n for d, n in enumerate(t.shape) if d != axis]
         return t.shape[axis], (t.dim(), axis, encode_dtype(t.dtype),
                                encode_choice(sharding, SHARDINGS),

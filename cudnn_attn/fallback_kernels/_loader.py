@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Mapping, Sequence
 
-from ..caches import LRU, memoize
+from ..core.caches import LRU, memoize
 from . import cubin_cache
 
 COMMON_SOURCE = "common.cu"

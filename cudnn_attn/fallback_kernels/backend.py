@@ -15,10 +15,10 @@ import functools
 
 import torch
 
-from ..caches import LRU
-from ..geometry import band_table, neighborhood_table
-from ..masks import Band, Causal, Padding, SlidingWindow, band_of, mask_parts
-from ..problem import AttnProblem
+from ..core.caches import LRU
+from ..model.geometry import band_table, neighborhood_table
+from ..model.masks import Band, Causal, Padding, SlidingWindow, band_of, mask_parts
+from ..model.problem import AttnProblem
 from . import fused
 from .limits import kernel_reasons, machine_reasons, problem_reasons
 
@@ -74,7 +74,7 @@ class CupyBackend:
 
 
 class CupyUnfusedOps:
-    """The CuPy engine of NATTEN's unfused ops (``cudnn_attn.unfused_ops``): the RawKernels of
+    """The CuPy engine of NATTEN's unfused ops (``cudnn_attn.core.unfused_ops``): the RawKernels of
     ``unfused`` (deterministic: fixed-order sums, no atomics), stride 1 only (NATTEN 0.17's ops)."""
 
     name = "cupy"

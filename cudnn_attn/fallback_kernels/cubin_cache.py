@@ -10,7 +10,7 @@ Where: ``$CUDNN_ATTN_CUBIN_CACHE`` (``off`` disables the cache), else
 ``$XDG_CACHE_HOME/cudnn_attn/cubins`` (``~/.cache`` when unset).
 
 A cubin is executable GPU code, so the cache follows the graph cache's trust model
-(``cudnn_attn.trusted_files``): a directory that is a link, belongs to another user or that group
+(``cudnn_attn.core.trusted_files``): a directory that is a link, belongs to another user or that group
 or others may write is not used; an entry is read only if it is a regular file of this user (no
 link, FIFO or device: opened non-blocking), under ``MAX_ENTRY_BYTES``, and its HMAC verifies with
 this user's cache key (``trusted_files.secret_key_path()``). Entries are written atomically (an
@@ -32,9 +32,8 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..caches import user_path
-from ..trusted_files import (
-    SIGNATURE_BYTES,
+from ..core.caches import user_path
+from ..core.trusted_files import (SIGNATURE_BYTES,
     Rejected,
     clear_files,
     json_depth_ok,

@@ -2,7 +2,7 @@
 
 One kernel family serves every mask the CuPy backend runs: up to three axes, each either a NATTEN
 0.21 neighborhood (kernel, stride, dilation, causal) or a 1-D band (dense, causal, sliding window;
-``S_q != S_kv`` allowed). The mask travels as a *geometry table* (``cudnn_attn.geometry``: 3 axes x
+``S_q != S_kv`` allowed). The mask travels as a *geometry table* (``cudnn_attn.model.geometry``: 3 axes x
 10 int32 in ``NaAxis`` field order). Tiles are boxes of ``FUSED_QUERY_TILE`` queries /
 ``FUSED_KEY_TILE`` keys inside one dilation group per axis; this module mirrors the kernels' tile
 walk (key and query ranges, tile enumeration) in Python on top of ``geometry.axis_window``, which
@@ -18,9 +18,8 @@ from typing import Sequence
 
 import torch
 
-from ..caches import memoize
-from ..geometry import (MAX_AXES, axis_dilation, axis_window, group_len, neighborhood_table,
-                        table_axes)
+from ..core.caches import memoize
+from ..model.geometry import MAX_AXES, axis_dilation, axis_window, group_len, neighborhood_table, table_axes
 from . import _loader, launch
 from .limits import MAX_HEAD_DIM
 from .tile_shapes import FUSED_KEY_TILE, FUSED_QUERY_TILE, box_shapes, check_tile_sizes

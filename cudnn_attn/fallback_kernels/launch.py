@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..caches import LRU
+from ..core.caches import LRU
 
 __all__ = ["kernel_arg", "TorchStream", "device_table", "device_index"]
 

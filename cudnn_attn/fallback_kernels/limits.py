@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._probe import cuda_missing, module_missing
-from ..caches import memoize
+from ..core.probe import cuda_missing, module_missing
+from ..core.caches import memoize
 
 __all__ = ["Limits", "LIMITS", "FUSED_DTYPES", "MAX_HEAD_DIM", "kernel_reasons",
            "machine_reasons", "problem_reasons"]

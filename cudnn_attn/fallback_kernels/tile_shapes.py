@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from ..caches import memoize
+from ..core.caches import memoize
 from .limits import FUSED_DTYPES, MAX_HEAD_DIM
 
 __all__ = ["FUSED_QUERY_TILE", "FUSED_KEY_TILE", "FUSED_DTYPES", "MAX_HEAD_DIM", "box_shapes",

@@ -28,9 +28,9 @@ import math
 
 import torch
 
-from .. import _checks
-from ..geometry import MAX_AXES, neighborhood_table
-from ..problem import accumulator_dtype
+from ..model import checks
+from ..model.geometry import MAX_AXES, neighborhood_table
+from ..model.problem import accumulator_dtype
 from . import launch
 from ._loader import KernelVariant, get_function
 
@@ -104,7 +104,7 @@ def _check_geometry(spatial, kernel_size, dilation, is_causal):
 # ---------------------------------------------------------------------------------------------
 
 def _check_tensor(name: str, t, rank: int):
-    _checks.tensor(name, t, ndim=rank + 3, what=f"[B, H, *spatial ({rank} dims), last]",
+    checks.tensor(name, t, ndim=rank + 3, what=f"[B, H, *spatial ({rank} dims), last]",
                    dtypes=_DTYPES)
     if not t.is_cuda:
         raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Any, Optional
 
-from ..caches import memoize
+from ..core.caches import memoize
 from ._spec import GraphSpec
 
 __all__ = ["UID", "FORWARD_KWARGS", "BACKWARD_KWARGS", "emit", "io_uids", "cudnn_module", "cudnn_dtype"]

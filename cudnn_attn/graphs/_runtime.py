@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..caches import LRU
+from ..core.caches import LRU
 
 __all__ = ["handle_for", "workspace", "ScalarCache", "LengthCache", "device_lengths",
            "ragged_offsets", "token_rows", "page_tables", "aligned", "philox_tensors"]

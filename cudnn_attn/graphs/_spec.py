@@ -2,7 +2,7 @@
 cuDNN cannot run it. Everything here is knowable without a GPU and without importing ``cudnn``.
 
 The engine's limits live in ``limits.LIMITS`` (one place); every reason here is derived from
-them. Mask semantics (see ``cudnn_attn.masks``):
+them. Mask semantics (see ``cudnn_attn.model.masks``):
 
 * cuDNN's diagonal band keeps key ``j`` of query ``i`` iff ``i' - L < j <= i' + R``: the left bound
   is exclusive, so FlashAttention's inclusive ``left`` becomes ``L = left + 1``; ``R = right``;
@@ -18,10 +18,10 @@ from typing import Optional
 
 import torch
 
-from ..masks import alibi_slopes, band_of
-from ..score_mods import ScoreMod
-from ..problem import AttnProblem
-from ..storage import Paged, Ragged
+from ..model.masks import alibi_slopes, band_of
+from ..model.score_mods import ScoreMod
+from ..model.problem import AttnProblem
+from ..model.storage import Paged, Ragged
 from .limits import BACKWARD_HEAD_DIM, LIMITS, MAX_HEAD_DIM
 from .score_mod_masks import mask_program, neighborhood_as_band
 

@@ -25,7 +25,7 @@ from typing import Iterable, Union
 
 import torch
 
-from ..problem import AttnProblem
+from ..model.problem import AttnProblem
 from ._spec import GraphOptions, analyze
 from .cache import GraphCache, make_key
 from .deviceless import graph_specs, plan_spec

@@ -5,7 +5,7 @@ cuDNN-frontend SDPA graphs on torch's current stream.
 (every rule knowable without a GPU) + a CUDA-device check. ``plan(problem)`` builds the graphs the
 call needs (through ``graph_cache``); a ``cudnnGraphNotSupportedError`` at any build stage raises
 ``NotSupportedError`` and the dispatcher moves on to the next engine, remembering the decline.
-The plan's ``forward`` / ``backward`` follow the protocol of ``cudnn_attn.dispatch``.
+The plan's ``forward`` / ``backward`` follow the protocol of ``cudnn_attn.core.dispatch``.
 
 The backward is cuDNN's deterministic one while ``torch.use_deterministic_algorithms(True)`` is
 on (read when a call's plan is made). Dropout runs cuDNN's Philox stream at the call's
@@ -19,11 +19,11 @@ from typing import Optional
 
 import torch
 
-from .._probe import cuda_missing, module_missing
-from ..caches import LRU, memoize
+from ..core.probe import cuda_missing, module_missing
+from ..core.caches import LRU, memoize
 from ..errors import NotSupportedError
-from ..problem import AttnProblem
-from ..storage import Paged, Ragged
+from ..model.problem import AttnProblem
+from ..model.storage import Paged, Ragged
 from . import _runtime
 from .limits import LIMITS
 from .score_mod_masks import density, neighborhood_as_band, tile_bitmask

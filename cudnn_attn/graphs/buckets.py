@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..masks import Mask, Padding, mask_parts
+from ..model.masks import Mask, Padding, mask_parts
 
 __all__ = ["BucketPolicy", "BucketShape", "Bucketed", "pad_to_bucket"]
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..caches import LRU
+from ..core.caches import LRU
 
 # Re-exported: the names users of the cache need come from this module.
 from .cache_dir import (

@@ -4,7 +4,7 @@ A graph file reaches cuDNN's native deserializer, so only files this user wrote 
 directory must be this user's and not writable by others (``UnsafeCacheDir`` otherwise), files
 are regular, this user's, under ``MAX_FILE_BYTES``, never reached through a link, and carry an
 HMAC keyed with the per-user secret (``secret_key_path()``). The rules and their code live in
-``cudnn_attn.trusted_files`` (the cubin cache follows the same ones); this module names the graph
+``cudnn_attn.core.trusted_files`` (the cubin cache follows the same ones); this module names the graph
 cache's files.
 """
 
@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import os
 
-from ..trusted_files import (
-    KEY_BYTES,
+from ..core.trusted_files import (KEY_BYTES,
     UnsafeCacheDir,
     clear_files,
     open_dir,

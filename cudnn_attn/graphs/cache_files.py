@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ..caches import memoize, user_path
-from ..trusted_files import Rejected, json_depth_ok, sign, signature_ok
+from ..core.caches import memoize, user_path
+from ..core.trusted_files import Rejected, json_depth_ok, sign, signature_ok
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "MAX_HEADER_BYTES", "MAX_JSON_DEPTH", "SUFFIX", "Rejected",
            "cudnn_versions", "current_environment", "decode_file", "default_cache_dir",

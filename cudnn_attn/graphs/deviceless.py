@@ -27,9 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from ..caches import LRU
+from ..core.caches import LRU
 from ..errors import NotSupportedError
-from ..problem import AttnProblem
+from ..model.problem import AttnProblem
 from . import driver_standin
 from ._spec import GraphOptions, GraphSpec, analyze
 from .plan_choice import EngineChoice

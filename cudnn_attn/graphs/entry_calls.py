@@ -1,5 +1,5 @@
 """The cuDNN graph of a varlen or KV-cache call, as ``graphs.describe`` shows it: the problem of
-``cudnn_attn.stored_calls`` (what ``attention_varlen`` / ``attention_with_kvcache`` run on an
+``cudnn_attn.packed.calls`` (what ``attention_varlen`` / ``attention_with_kvcache`` run on an
 accelerator) with its packed or paged storage spelled as builder options (ragged offsets on
 Q/K/V/O/Stats, or page tables). Lengths, offsets and page tables are graph inputs: one graph
 serves every batch of lengths.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ..stored_calls import kvcache_problem, varlen_problem
+from ..packed.calls import kvcache_problem, varlen_problem
 from . import _spec
 from ._spec import GraphOptions
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..caches import LRU, memoize
+from ..core.caches import LRU, memoize
 
 __all__ = ["Fp8Limits", "FP8_LIMITS", "Fp8Spec", "FP8_TYPE_NAMES", "fp8_reasons", "emit_fp8",
            "cudnn_module", "validate_fp8", "Fp8Graph", "fp8_graph", "FORWARD_SCALES", "BACKWARD_SCALES"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from ..caches import LRU
+from ..core.caches import LRU
 from . import driver_standin
 from .deviceless import prepare
 from .fp8 import Fp8Spec, cudnn_module, emit_fp8

@@ -1,4 +1,4 @@
-"""Masks and softcap as cuDNN ``score_mod`` programs (``cudnn_attn.score_mods``).
+"""Masks and softcap as cuDNN ``score_mod`` programs (``cudnn_attn.model.score_mods``).
 
 cuDNN's ``score_mod`` excludes the built-in masks in the same node, so when a call needs one
 (softcap, NATTEN neighborhoods, the builder's own ``set_score_mod``) its diagonal band is folded
@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from ..score_mods import DP, SCORE, Node, ScoreMod, ScoreModGraph
+from ..model.score_mods import DP, SCORE, Node, ScoreMod, ScoreModGraph
 
 __all__ = ["mask_program", "density", "neighborhood_as_band", "tile_bitmask", "BLOCK_TILE"]
 
@@ -169,7 +169,7 @@ def density(hood) -> float:
 def neighborhood_as_band(hood):
     """A causal 1-D neighborhood with stride and dilation 1 is cuDNN's built-in band (query
     ``i`` sees ``[max(i - k + 1, 0), i]``): that ``SlidingWindow``, else ``None``."""
-    from ..masks import SlidingWindow
+    from ..model.masks import SlidingWindow
 
     if hood is None or hood.ndim != 1 or not hood.is_causal[0] or hood.stride[0] != 1 \
             or hood.dilation[0] != 1:
@@ -184,7 +184,7 @@ def tile_bitmask(hood, batch: int, heads: int, device=None):
     masks every pair exactly: the block mask only lets cuDNN skip empty tiles (sm_100+)."""
     import torch
 
-    from ..geometry import neighborhood_mask
+    from ..model.geometry import neighborhood_mask
 
     n = hood.num_tokens
     tiles = -(-n // BLOCK_TILE)

@@ -26,8 +26,8 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ..errors import NotSupportedError
-from ..kv_heads import head_counts_differ, repeat_to_common_heads
-from ..problem import AttnProblem
+from ..rewrites.kv_heads import head_counts_differ, repeat_to_common_heads
+from ..model.problem import AttnProblem
 from ._emit import BACKWARD_KWARGS, FORWARD_KWARGS, UID, cudnn_dtype, cudnn_module, emit, io_uids
 from ._spec import Band, GraphOptions, GraphSpec, PagedKV, analyze, cudnn_reasons
 from . import driver_standin
@@ -130,7 +130,7 @@ def _spec_from_json(data: dict) -> GraphSpec:
     if data.get("paged") is not None:
         data["paged"] = PagedKV(**data["paged"])
     if data.get("score_mod") is not None:
-        from ..score_mods import ScoreMod
+        from ..model.score_mods import ScoreMod
 
         data["score_mod"] = ScoreMod.from_json(data["score_mod"])
     return GraphSpec(**data)

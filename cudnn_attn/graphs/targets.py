@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
 
-from ..caches import memoize
+from ..core.caches import memoize
 
 __all__ = ["DeviceTarget", "SHIPPED_TARGETS", "REQUIRED_KEYS", "target", "shipped_targets"]
 

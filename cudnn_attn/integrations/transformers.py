@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from ..api import attention
-from ..masks import Causal, Padding, SlidingWindow
-from ..sinks import merge_sinks
+from ..model.masks import Causal, Padding, SlidingWindow
+from ..rewrites.sinks import merge_sinks
 from ..varlen import attention_varlen
 from .hf_masks import StructuredMask, structured_mask
 

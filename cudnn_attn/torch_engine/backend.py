@@ -13,12 +13,12 @@ from typing import Optional
 
 import torch
 
-from ..caches import LRU
+from ..core.caches import LRU
 from . import cpu_sdpa
 from .layouts import cols, compute_dtype, lse_dtype, lse_layout, lse_rows, rows_of, uncols, unrows
 from .tiles import Tiles, Visibility, build_tiles, choose_tile_shape, neighborhood_axis, sequence_axis
-from ..masks import Causal, Neighborhood, SlidingWindow, alibi_distance, mask_parts
-from ..problem import AttnProblem
+from ..model.masks import Causal, Neighborhood, SlidingWindow, alibi_distance, mask_parts
+from ..model.problem import AttnProblem
 
 __all__ = ["TorchBackend", "TorchPlan"]
 

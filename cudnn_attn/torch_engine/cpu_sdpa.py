@@ -12,9 +12,9 @@ import math
 import torch
 
 from .layouts import lse_dtype
-from .._checks import default_scale
-from ..masks import Causal, mask_parts, same_alignment
-from ..problem import AttnProblem
+from ..model.checks import default_scale
+from ..model.masks import Causal, mask_parts, same_alignment
+from ..model.problem import AttnProblem
 
 
 def whole_problem_ok(problem: AttnProblem) -> bool:

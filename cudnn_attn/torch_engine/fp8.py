@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import Padding, mask_parts
+from ..model.masks import Padding, mask_parts
 from .tiles import Visibility
 
 __all__ = ["FP8_DTYPES", "fp8_max", "saturating_cast", "visibility", "fp8_forward",

@@ -7,7 +7,7 @@ dim 1 of a contiguous 3-D tensor, which is PyTorch's fast path.
 
 from __future__ import annotations
 
-from ..problem import accumulator_dtype as compute_dtype, accumulator_dtype as lse_dtype  # noqa: F401
+from ..model.problem import accumulator_dtype as compute_dtype, accumulator_dtype as lse_dtype# noqa: F401
 
 
 def rows_of(problem, t, dtype, scale=None):

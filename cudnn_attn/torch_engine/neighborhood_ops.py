@@ -12,7 +12,7 @@ the kernel dims) of query ``i`` holds the key whose axis-``a`` coordinate is
 RPB (NATTEN 0.17): ``rpb`` is ``[H, 2k_0-1, ...]``; slot ``(i, j)`` reads, per axis,
 ``(j_a - i_a) / d_a + k_a - 1``.
 
-The torch engine of the unfused ops (``TorchUnfusedOps``, dispatched by ``cudnn_attn.unfused_ops``
+The torch engine of the unfused ops (``TorchUnfusedOps``, dispatched by ``cudnn_attn.core.unfused_ops``
 like any engine): the token composites ``qk_torch`` / ``av_torch`` (gather + batched matmul,
 chunked over queries so the gathered keys stay bounded; reverse AD, forward AD and float64 for
 free) and the launchers' interface (``qk_forward``, ``qk_backward``, ``av_forward``,
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..caches import memoize
+from ..core.caches import memoize
 from .tiles import neighborhood_axis
 
 __all__ = [

@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from ..geometry import band_window, neighborhood_positions
-from ..masks import Causal, Neighborhood, Padding, SlidingWindow, line_bounds
+from ..model.geometry import band_window, neighborhood_positions
+from ..model.masks import Causal, Neighborhood, Padding, SlidingWindow, line_bounds
 
 # Smallest query tile worth a matmul on CPU; below it per-tile overhead dominates.
 MIN_TILE_QUERIES = 64

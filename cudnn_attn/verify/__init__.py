@@ -70,8 +70,8 @@ def selftest(backends: Any = None, dtypes: Any = None, quick: bool = True, progr
     Returns:
         a :class:`SelftestReport` (``.ok``, ``.table()``, ``.to_json(path)``).
     """
-    from cudnn_attn import _env
-    from cudnn_attn.dispatch import BACKEND_NAMES, get_backend
+    from cudnn_attn.core import env
+    from cudnn_attn.core.dispatch import BACKEND_NAMES, get_backend
 
     requested = backends is not None
     names = _resolve(backends or BACKEND_NAMES, BACKEND_NAMES, "backends")
@@ -84,14 +84,14 @@ def selftest(backends: Any = None, dtypes: Any = None, quick: bool = True, progr
     if isolate:
         from .isolated import run_isolated
 
-        return run_isolated(names, chosen, cases, settings=settings, environment=_env.collect(),
+        return run_isolated(names, chosen, cases, settings=settings, environment=env.collect(),
                             stream=stream, progress=progress, case_timeout_s=case_timeout_s)
     unavailable = {n: get_backend(n).availability() for n in names}
     runnable = [n for n in names if not unavailable[n]]
     unavailable = {n: r for n, r in unavailable.items() if r}
     runs = plan_runs(cases, chosen)
     report = progress_reporter(len(runs) * len(runnable), progress)
-    environment = _env.collect()
+    environment = env.collect()
     sink = ResultStream(stream) if stream is not None else None
     outcomes = []
     try:

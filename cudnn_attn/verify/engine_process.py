@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args(argv)
 
-    from cudnn_attn.dispatch import get_backend
+    from cudnn_attn.core.dispatch import get_backend
 
     with open(args.cases) as f:
         cases = [case_from_dict(c) for c in json.load(f)]

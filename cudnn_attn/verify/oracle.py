@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from cudnn_attn import geometry
-from cudnn_attn.masks import Alibi
+from cudnn_attn.model import geometry
+from cudnn_attn.model.masks import Alibi
 
 from .cases import Case
 

@@ -1,5 +1,5 @@
 """The attribute objects of the cuDNN frontend's SDPA builder (``SdpaAttributes`` /
-``SdpaBackwardAttributes``) and their setters' argument checks (``cudnn_attn._checks``).
+``SdpaBackwardAttributes``) and their setters' argument checks (``cudnn_attn.model.checks``).
 Semantics: ``cudnn_attn.compat.cudnn_frontend.attributes``' docstring."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import numbers
 
 import torch
 
-from ... import _checks, stored_calls
+from ...model import checks
+from ...packed import calls
 from ._score_attrs import ScoreModBackwardSetters, ScoreModSetters
 
 __all__ = ["SdpaAttributes", "SdpaBackwardAttributes"]
@@ -17,7 +18,7 @@ _ALIGNMENTS = ("top_left", "bottom_right")
 
 
 def _flag(setter: str, value) -> bool:
-    return _checks.flag("value", value, prefix=f"{setter}: ")
+    return checks.flag("value", value, prefix=f"{setter}: ")
 
 
 def _scalar(setter: str, what: str, value, *, integer: bool = False):
@@ -32,10 +33,10 @@ def _scalar(setter: str, what: str, value, *, integer: bool = False):
         value = value.item()
     prefix = f"{setter}: "
     if integer:
-        return _checks.integer(what, value, prefix=prefix)
+        return checks.integer(what, value, prefix=prefix)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{prefix}{what} must be a real number, got {value!r}")
-    return _checks.real(what, value, prefix=prefix)
+    return checks.real(what, value, prefix=prefix)
 
 
 def _lengths(setter: str, what: str, value):
@@ -47,7 +48,7 @@ def _lengths(setter: str, what: str, value):
         if value.dim() not in (1, 4) or (value.dim() == 4 and value.shape[1:] != (1, 1, 1)):
             raise ValueError(f"{setter}: {what} must have shape [B] or [B, 1, 1, 1], got "
                              f"{tuple(value.shape)}")
-        if stored_calls.on_accelerator(value):
+        if calls.on_accelerator(value):
             if value.numel() == 0:
                 raise ValueError(f"{setter}: {what} must not be empty")
             return value.reshape(-1)
@@ -85,7 +86,7 @@ def _cumulative(setter: str, offsets):
 
 
 def _page_table(setter: str, table) -> torch.Tensor:
-    table = _checks.tensor("table", table, dtypes=(torch.int32, torch.int64), prefix=f"{setter}: ")
+    table = checks.tensor("table", table, dtypes=(torch.int32, torch.int64), prefix=f"{setter}: ")
     if table.dim() == 4 and table.shape[1] == table.shape[3] == 1:
         table = table[:, 0, :, 0]
     if table.dim() != 2:
@@ -169,7 +170,7 @@ class _Attributes:
         side unbounded, ``(-1, -1)`` removes the window. ``alignment`` (``"top_left"`` /
         ``"bottom_right"``) defaults to the causal mask's alignment, top-left without one."""
         for what, n in (("left", left), ("right", right)):  # -1: unbounded
-            _checks.integer(what, n, minimum=-1, prefix="set_sliding_window: ")
+            checks.integer(what, n, minimum=-1, prefix="set_sliding_window: ")
         if alignment is not None and alignment not in _ALIGNMENTS:
             raise ValueError(f"set_sliding_window: alignment must be None or one of "
                              f"{_ALIGNMENTS}, got {alignment!r}")
@@ -384,8 +385,8 @@ class _Attributes:
 
     def set_sink_token(self, sink_token):
         """Attention sinks: one float logit per query head, ``[1, H_q, 1, 1]`` (or ``[H_q]``),
-        joining every row's softmax with no value (``cudnn_attn.sinks``)."""
-        self.sink_token = _checks.tensor("sink_token", sink_token, floating=True,
+        joining every row's softmax with no value (``cudnn_attn.rewrites.sinks``)."""
+        self.sink_token = checks.tensor("sink_token", sink_token, floating=True,
                                          prefix="set_sink_token: ")
         return self
 
@@ -445,13 +446,13 @@ class SdpaBackwardAttributes(ScoreModBackwardSetters, _Attributes):
     def set_dbias(self, dbias: torch.Tensor) -> "SdpaBackwardAttributes":
         """The bias's gradient is written into this tensor (the bias's shape; cuDNN's dBias
         output); needs ``set_bias``."""
-        self.dbias = _checks.tensor("dbias", dbias, floating=True, prefix="set_dbias: ")
+        self.dbias = checks.tensor("dbias", dbias, floating=True, prefix="set_dbias: ")
         return self
 
     def set_dSink_token(self, dsink_token: torch.Tensor) -> "SdpaBackwardAttributes":
         """The sinks' gradient is written into this float32 ``[1, H_q, 1, 1]`` tensor (cuDNN's
         output); needs ``set_sink_token``."""
-        self.dsink_token = _checks.tensor("dSink_token", dsink_token,
+        self.dsink_token = checks.tensor("dSink_token", dsink_token,
                                           dtypes=(torch.float32, torch.float64),
                                           prefix="set_dSink_token: ")
         return self

@@ -10,10 +10,10 @@ import math
 
 import torch
 
-from ... import execution
-from ...problem import TensorSpec
-from ...runtime import Inputs
-from ...score_mods import trace
+from ...core import execution
+from ...model.problem import TensorSpec
+from ...model.inputs import Inputs
+from ...model.score_mods import trace
 from ._score_attrs import BLOCK_BITS, BLOCK_TILE, block_mask_visibility
 
 __all__ = ["score_mod_of", "with_block_mask", "needs_torch_engine", "write_row_stats",

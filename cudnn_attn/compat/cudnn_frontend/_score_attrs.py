@@ -2,7 +2,7 @@
 ``SdpaAttributes`` / ``SdpaBackwardAttributes``; semantics in ``attributes``' docstring).
 
 * ``set_score_mod(fn)`` / ``set_score_mod_bprop(fn)``: cuDNN's callables ``fn(graph, tensor) ->
-  tensor``, recorded by ``cudnn_attn.score_mods.trace`` when the call runs;
+  tensor``, recorded by ``cudnn_attn.model.score_mods.trace`` when the call runs;
 * ``set_block_mask(mask)``: cuDNN's uint8 tile bitmask ``[B, H_q, ceil(S_q / 128),
   ceil(ceil(S_kv / 128) / 8)]``; bit ``t % 8`` (least significant first) of byte ``t // 8`` keeps
   key tile ``t`` of a 128-row query tile;
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import _checks
+from ...model import checks
 
 __all__ = ["ScoreModSetters", "BLOCK_TILE", "BLOCK_BITS", "block_mask_visibility"]
 
@@ -29,7 +29,7 @@ _MMA_CORE_MODES = ("HALF", "BFLOAT16", "FLOAT", "FP8_E4M3", "FP8_E5M2")
 
 
 def _output(setter: str, what: str, t, dtypes=(torch.float32, torch.float64)):
-    return _checks.tensor(what, t, dtypes=dtypes, prefix=f"{setter}: ")
+    return checks.tensor(what, t, dtypes=dtypes, prefix=f"{setter}: ")
 
 
 def block_mask_visibility(mask: torch.Tensor, seq_q: int, seq_kv: int) -> torch.Tensor:
@@ -68,7 +68,7 @@ class ScoreModSetters:
         """cuDNN's uint8 block mask (forward; see the module doc for the layout); ``None``
         removes it."""
         if block_mask is not None:
-            block_mask = _checks.tensor("block_mask", block_mask, dtypes=(torch.uint8,),
+            block_mask = checks.tensor("block_mask", block_mask, dtypes=(torch.uint8,),
                                         prefix="set_block_mask: ")
             if block_mask.dim() != 4:
                 raise ValueError(f"set_block_mask: block_mask must be [B, H_q, ceil(S_q/128), "
@@ -99,13 +99,13 @@ class ScoreModSetters:
     def set_unfuse_fma(self, value):
         """cuDNN's hint to split fused multiply-adds (a rounding choice of its SM100 kernels;
         the torch engine computes ``scale * (q . k)`` unfused already)."""
-        self.unfuse_fma = _checks.flag("value", value, prefix="set_unfuse_fma: ")
+        self.unfuse_fma = checks.flag("value", value, prefix="set_unfuse_fma: ")
         return self
 
     def set_stats_use_log2(self, value):
         """Stats in base 2 (``log2(sum exp(s))``) instead of natural log (the backward then
         reads base-2 stats)."""
-        self.stats_use_log2 = _checks.flag("value", value, prefix="set_stats_use_log2: ")
+        self.stats_use_log2 = checks.flag("value", value, prefix="set_stats_use_log2: ")
         return self
 
     def set_mma_core_mode(self, mode):

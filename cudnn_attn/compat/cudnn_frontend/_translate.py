@@ -9,9 +9,9 @@ import operator
 import torch
 
 
-from ... import _checks
+from ...model import checks
 from ...errors import NotSupportedError
-from ...masks import Alibi, Causal, Padding, SlidingWindow, mask_parts
+from ...model.masks import Alibi, Causal, Padding, SlidingWindow, mask_parts
 from ._attrs import check_broadcast
 
 __all__ = ["translate", "check_broadcast", "band_mask"]
@@ -114,7 +114,7 @@ def translate(attrs, q, k, v=None, backward: bool = False, packed: bool = False)
     What cuDNN rejects raises ``NotSupportedError`` with cuDNN's reason. ``packed``: q/k/v are
     the logical ``[B, H, max_seqlen, D]`` views of packed (ragged) tensors."""
     for name, t in (("q", q), ("k", k)):
-        _checks.tensor(name, t, ndim=4, what="[B, H, S, D]")
+        checks.tensor(name, t, ndim=4, what="[B, H, S, D]")
     B, H, Sq, Skv = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     mask = _mask_of(attrs, B, Sq, Skv)
     padded = any(isinstance(m, Padding) for m in mask_parts(mask))

@@ -46,7 +46,7 @@ Conventions (where cuDNN leaves a choice or this library differs):
 * ``set_compute_data_type`` takes ``torch.float32`` or ``cudnn.data_type.FLOAT`` (every engine
   computes in float32; float64 inputs stay float64 on the torch engine).
 * ``set_score_mod(fn)`` / ``set_score_mod_bprop(fn)``: cuDNN's callables, recorded as a program
-  (``cudnn_attn.score_mods``) that every engine means the same way: the torch engine interprets
+  (``cudnn_attn.model.score_mods``) that every engine means the same way: the torch engine interprets
   it, the cuDNN engine replays it onto its graph. Applied to the scaled scores before bias and
   masks; like cuDNN, it excludes the built-in band, padding and ALiBi.
 * ``set_block_mask(mask)`` (cuDNN's uint8 tile bitmask, forward) becomes ``-inf`` on the dropped
@@ -65,14 +65,16 @@ import math
 
 import torch
 
-from ... import _checks, execution, stored_calls
+from ...model import checks
+from ...core import execution
+from ...packed import calls
 from ...errors import NotSupportedError
-from ...kv_heads import head_counts_differ, repeat_to_common_heads, sum_to_heads
-from ...problem import AttnProblem
-from ...sinks import check_sinks, merge_sinks, sink_gradient
-from ...runtime import DropoutState, Inputs, hide_padded_rows
-from ...storage import Paged
-from ...stored_calls import meta_like
+from ...rewrites.kv_heads import head_counts_differ, repeat_to_common_heads, sum_to_heads
+from ...model.problem import AttnProblem
+from ...rewrites.sinks import check_sinks, merge_sinks, sink_gradient
+from ...model.inputs import DropoutState, Inputs, hide_padded_rows
+from ...model.storage import Paged
+from ...packed.calls import meta_like
 from . import _extras, packed
 from ._attrs import SdpaAttributes, SdpaBackwardAttributes
 from ._translate import check_broadcast, translate
@@ -124,7 +126,7 @@ def _problem(attrs, q, k, v, need_stats, backward=False, storage=None):
 def _paged_natively(attrs, q, k, v, need_stats):
     """``(problem, plan, inputs)`` reading cuDNN's paged containers through the page tables on
     an engine that addresses them (cuDNN on an accelerator), or ``None`` (then ``_unpage``)."""
-    if not stored_calls.on_accelerator(q) or not isinstance(k, torch.Tensor) or k.dim() != 4 \
+    if not calls.on_accelerator(q) or not isinstance(k, torch.Tensor) or k.dim() != 4 \
             or not isinstance(v, torch.Tensor) or v.dim() != 4 or k.shape[:3] != v.shape[:3] \
             or attrs.k_table.shape != attrs.v_table.shape:
         return None
@@ -162,7 +164,7 @@ def _unpage(attrs, q, k, v):
             "sequence lengths for both Q and KV."]})
     dense = []
     for name, cache, table in (("k", k, attrs.k_table), ("v", v, attrs.v_table)):
-        _checks.tensor(name, cache, ndim=4, what="[num_blocks, H_k, page_size, D] (paged)")
+        checks.tensor(name, cache, ndim=4, what="[num_blocks, H_k, page_size, D] (paged)")
         if table.shape[0] != q.shape[0] or table.device not in (cache.device,
                                                                  torch.device("cpu")):
             raise ValueError(f"the {name} page table must be [B={q.shape[0]}, pages] on "
@@ -242,7 +244,7 @@ def scaled_dot_product_flash_attention_backward(q: torch.Tensor, k: torch.Tensor
     _check_attrs(attrs, SdpaBackwardAttributes, fn)
     if packed.is_packed(q, k, v):
         for name, t in (("o", o), ("dO", dO), ("stats", stats)):
-            _checks.tensor(name, t)
+            checks.tensor(name, t)
         return packed.backward(attrs, q, k, v, o, dO, stats)
     q, k, v, o, dO, stats = (t.detach() if isinstance(t, torch.Tensor) else t
                              for t in (q, k, v, o, dO, stats))
@@ -268,7 +270,7 @@ def scaled_dot_product_flash_attention_backward(q: torch.Tensor, k: torch.Tensor
     # Positions past seq_len_q/kv are not tokens: whatever they hold never reaches a gradient.
     o, dO = hide_padded_rows(problem, o), hide_padded_rows(problem, dO)
     # With sinks, the forward's stats include them: the engine's backward is then already the
-    # backward of attention with sinks (cudnn_attn.sinks); only dSink is computed here.
+    # backward of attention with sinks (cudnn_attn.rewrites.sinks); only dSink is computed here.
     dq, dk, dv, dbias = execution.backward(problem, plan, inputs, o, lse, dO)
     _dump_rng(attrs, problem, inputs)
     if attrs.dbias is not None:
@@ -305,7 +307,7 @@ def _dump_rng(attrs, problem, inputs) -> None:
 
 def _check_backward_inputs(q, v, o, dO, stats):
     for name, t in (("o", o), ("dO", dO), ("stats", stats)):
-        _checks.tensor(name, t)
+        checks.tensor(name, t)
     if not isinstance(q, torch.Tensor) or not isinstance(v, torch.Tensor) \
             or q.dim() != 4 or v.dim() != 4:
         raise ValueError("q and v must be 4-D [B, H, S, D] tensors")

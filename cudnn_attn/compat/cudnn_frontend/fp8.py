@@ -34,10 +34,17 @@ from typing import Any
 
 import torch
 
-from ... import _checks
+from ...model import checks
 from ...errors import NotSupportedError
-from ...fp8 import (BACKWARD_SCALES, FORWARD_SCALES, FP8_DTYPES, Fp8Tensors, as_scale,
-                   fp8_problem, run_backward, run_forward)
+from ...core.fp8 import (BACKWARD_SCALES,
+    FORWARD_SCALES,
+    FP8_DTYPES,
+    Fp8Tensors,
+    as_scale,
+    fp8_problem,
+    run_backward,
+    run_forward,
+)
 from ._attrs import SdpaAttributes, SdpaBackwardAttributes
 from ._translate import translate
 from .attributes import unpage
@@ -117,7 +124,7 @@ def sdpa_fp8(q: Any, k: Any, v: Any, descale_q: Any, descale_k: Any, descale_v: 
     """``(o, stats, amax_s, amax_o)`` of cuDNN's FP8 forward (module doc)."""
     _check_attrs(attrs, SdpaAttributes, "sdpa_fp8")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _checks.tensor(name, t, dtypes=FP8_DTYPES)
+        checks.tensor(name, t, dtypes=FP8_DTYPES)
     q, k, v = (t.detach() for t in (q, k, v))
     if all(t.dim() == 3 for t in (q, k, v)):  # packed [total, H, D]
         lens_q, lens_kv = _lengths(attrs, "q"), _lengths(attrs, "kv")
@@ -139,9 +146,9 @@ def sdpa_fp8(q: Any, k: Any, v: Any, descale_q: Any, descale_k: Any, descale_v: 
 
 
 def _check_backward(q, v, o, dO, stats):
-    _checks.tensor("o", o, dtypes=FP8_DTYPES + (torch.bfloat16, torch.float16))
-    _checks.tensor("dO", dO, dtypes=FP8_DTYPES)
-    _checks.tensor("stats", stats, dtypes=(torch.float32,))
+    checks.tensor("o", o, dtypes=FP8_DTYPES + (torch.bfloat16, torch.float16))
+    checks.tensor("dO", dO, dtypes=FP8_DTYPES)
+    checks.tensor("stats", stats, dtypes=(torch.float32,))
     want = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
     for name, t in (("o", o), ("dO", dO)):
         if tuple(t.shape) != want:
@@ -165,7 +172,7 @@ def sdpa_fp8_backward(q: Any, k: Any, v: Any, o: Any, dO: Any, stats: Any, desca
     fn = "sdpa_fp8_backward"
     _check_attrs(attrs, SdpaBackwardAttributes, fn)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _checks.tensor(name, t, dtypes=FP8_DTYPES)
+        checks.tensor(name, t, dtypes=FP8_DTYPES)
     values = (descale_q, descale_k, descale_v, descale_o, descale_dO, descale_s, descale_dP,
               scale_s, scale_dQ, scale_dK, scale_dV, scale_dP)
     if all(t.dim() == 3 for t in (q, k, v)):  # packed [total, H, D]

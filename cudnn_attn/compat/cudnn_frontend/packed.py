@@ -16,11 +16,11 @@ import dataclasses
 
 import torch
 
-from ... import execution
+from ...core import execution
 from ...errors import NotSupportedError
-from ...masks import Alibi
-from ...runtime import DropoutState, Inputs
-from ...stored_calls import varlen_problem
+from ...model.masks import Alibi
+from ...model.inputs import DropoutState, Inputs
+from ...packed.calls import varlen_problem
 from ...varlen import attention_varlen
 from ._translate import band_mask, translate
 

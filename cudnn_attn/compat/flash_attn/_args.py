@@ -1,6 +1,6 @@
 """Argument checks and small result helpers shared by FlashAttention's entry points.
 
-Validators come from ``cudnn_attn._checks`` (one wording: the argument's name and the value).
+Validators come from ``cudnn_attn.model.checks`` (one wording: the argument's name and the value).
 FlashAttention reports bad input as ``RuntimeError`` (``TORCH_CHECK``); every entry point here is
 wrapped by :func:`runtime_errors`, so its ``ValueError``/``TypeError`` are also ``RuntimeError``.
 """
@@ -13,16 +13,16 @@ import numbers
 
 import torch
 
-from ... import _checks
-from ...masks import Alibi
-from ...problem import accumulator_dtype
-from ...runtime import DropoutState
+from ...model import checks
+from ...model.masks import Alibi
+from ...model.problem import accumulator_dtype
+from ...model.inputs import DropoutState
 
 __all__ = ["FlashAttnValueError", "FlashAttnTypeError", "runtime_errors", "Options", "like",
            "generator_arg", "same_dtype", "alibi_arg", "philox_state", "seed_tensors", "into", "softmax_d_of",
            "dense_qkv", "flag"]
 
-flag = _checks.flag
+flag = checks.flag
 
 
 class FlashAttnValueError(ValueError, RuntimeError):
@@ -51,7 +51,7 @@ def runtime_errors(fn):
 
 def _window(name: str, value) -> int:
     """A window size: an int or a 0-d integer tensor, negative = unbounded (normalized to -1)."""
-    return max(_checks.integer(name, value, tensors=True), -1)
+    return max(checks.integer(name, value, tensors=True), -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,14 +68,14 @@ class Options:
     @staticmethod
     def of(head_size, p_dropout, softmax_scale, is_causal, window_size_left, window_size_right,
            softcap) -> Options:
-        scale = _checks.default_scale(head_size) if softmax_scale is None else \
-            _checks.real("softmax_scale", softmax_scale)
-        p = _checks.real("p_dropout", p_dropout, ok=lambda x: 0 <= x < 1, bound=" in [0, 1)")
+        scale = checks.default_scale(head_size) if softmax_scale is None else \
+            checks.real("softmax_scale", softmax_scale)
+        p = checks.real("p_dropout", p_dropout, ok=lambda x: 0 <= x < 1, bound=" in [0, 1)")
         return Options(p, scale,
-                        _checks.flag("is_causal", is_causal),
+                        checks.flag("is_causal", is_causal),
                         _window("window_size_left", window_size_left),
                         _window("window_size_right", window_size_right),
-                        _checks.real("softcap", softcap, ok=lambda x: x >= 0, bound=" >= 0") or None)
+                        checks.real("softcap", softcap, ok=lambda x: x >= 0, bound=" >= 0") or None)
 
 
 def _overlaps_itself(t: torch.Tensor) -> bool:
@@ -95,7 +95,7 @@ def like(name: str, t, shape: tuple, ref: torch.Tensor, *, optional=False, any_f
     overlap itself: writing one value to two places is not a result)."""
     if t is None and optional:
         return None
-    t = _checks.like(name, t, ref, "q", expected=shape, any_float=any_float)
+    t = checks.like(name, t, ref, "q", expected=shape, any_float=any_float)
     if optional and t.numel() and _overlaps_itself(t):
         raise ValueError(f"{name} must not overlap itself (an expanded or stride-0 view), got "
                          f"shape {tuple(t.shape)} with strides {t.stride()}")
@@ -168,6 +168,6 @@ def softmax_d_of(dout, out, dtype) -> torch.Tensor:
 
 
 def dense_qkv(q, k, v):
-    return (_checks.tensor("q", q, ndim=4, what="[batch_size, seqlen_q, num_heads, head_size]"),
-            _checks.tensor("k", k, ndim=4, what="[batch_size, seqlen_k, num_heads_k, head_size]"),
-            _checks.tensor("v", v, ndim=4, what="[batch_size, seqlen_k, num_heads_k, head_size_v]"))
+    return (checks.tensor("q", q, ndim=4, what="[batch_size, seqlen_q, num_heads, head_size]"),
+            checks.tensor("k", k, ndim=4, what="[batch_size, seqlen_k, num_heads_k, head_size]"),
+            checks.tensor("v", v, ndim=4, what="[batch_size, seqlen_k, num_heads_k, head_size_v]"))

@@ -1,5 +1,5 @@
 """What FlashAttention's entry points share: its mask arguments as a mask, the problem, and the
-forward/backward runs through ``cudnn_attn.execution`` (``dense``, ``varlen`` and ``kvcache`` call
+forward/backward runs through ``cudnn_attn.core.execution`` (``dense``, ``varlen`` and ``kvcache`` call
 these)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import dataclasses
 
 import torch
 
-from ... import execution
-from ...masks import Causal, SlidingWindow, same_alignment
-from ...problem import AttnProblem
-from ...runtime import DropoutState, Inputs
+from ...core import execution
+from ...model.masks import Causal, SlidingWindow, same_alignment
+from ...model.problem import AttnProblem
+from ...model.inputs import DropoutState, Inputs
 from ._args import Options
 
 __all__ = ["fa_window", "fa_mask", "fa_positions_per_token", "forward", "backward"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ...problem import accumulator_dtype
+from ...model.problem import accumulator_dtype
 
 __all__ = ["block_size_n", "encode"]
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from ... import _checks
+from ...model import checks
 from ...api import attention
 from ...errors import NotSupportedError
-from ...masks import alibi_distance
-from ...problem import accumulator_dtype
+from ...model.masks import alibi_distance
+from ...model.problem import accumulator_dtype
 from ...varlen import attention_varlen
 from . import _core
 from .dense import mha_bwd, mha_fwd
@@ -187,7 +187,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     in the graph), except with ``return_attn_probs`` and dropout (``S_dmask``), which take the
     eager path.
     """
-    _checks.flag("deterministic", deterministic)  # read only by the backward: check it now
+    checks.flag("deterministic", deterministic)  # read only by the backward: check it now
     if _traced(q, k, v) and _traceable(alibi_slopes, dropout_p, return_attn_probs, q):
         opts = _traced_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, softcap)
         mask = _core.fa_mask(opts, k.shape[1], q.shape[1] == k.shape[1], False)
@@ -259,7 +259,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     Under ``torch.compile`` (and strict ``torch.export``) dense-k/v calls run as ``attention_varlen()``'s
     op, as ``flash_attn_func`` does (same exceptions: ``alibi_slopes``, ``S_dmask``).
     """
-    _checks.flag("deterministic", deterministic)  # read only by the backward: check it now
+    checks.flag("deterministic", deterministic)  # read only by the backward: check it now
     if block_table is None and torch.compiler.is_compiling() and \
             _traceable(alibi_slopes, dropout_p, return_attn_probs):
         opts = _traced_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, softcap)

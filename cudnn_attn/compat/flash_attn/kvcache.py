@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ... import _checks
+from ...model import checks
 from ...varlen import gather_pages, index_tensor, with_padding
 from . import _core, native
 from ._args import Options, alibi_arg, runtime_errors
@@ -42,7 +42,7 @@ def _lengths(name: str, value, batch: int, device, default: int) -> list[int]:
             raise ValueError(f"{name} must have one entry per batch ({batch}), got shape "
                              f"{tuple(value.shape)}")
         return values
-    return [_checks.integer(name, value, tensors=True)] * batch
+    return [checks.integer(name, value, tensors=True)] * batch
 
 
 def _check_range(name: str, values: list[int], low, high, why: str) -> None:
@@ -153,7 +153,7 @@ def _new_kv(k, v, q, cache: _Cache):
     if k is None:
         return None, None
     for name, t, dim in (("k", k, cache.k_cache.shape[3]), ("v", v, cache.v_cache.shape[3])):
-        _checks.tensor(name, t, ndim=4, what="[batch_size, seqlen_new, nheads_k, headdim]")
+        checks.tensor(name, t, ndim=4, what="[batch_size, seqlen_new, nheads_k, headdim]")
         expected = (q.shape[0], k.shape[1], cache.k_cache.shape[2], dim)
         if tuple(t.shape) != expected:
             raise ValueError(f"{name} must have shape {expected} (batch, seqlen_new, the cache's "
@@ -169,7 +169,7 @@ def _rotary_tables(rotary_cos, rotary_sin, head_dim: int, need: int):
     if rotary_cos is None or rotary_sin is None:
         raise ValueError("rotary_cos and rotary_sin must be given together")
     for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-        _checks.tensor(name, t, ndim=2, what="[seqlen_ro, rotary_dim / 2]", floating=True)
+        checks.tensor(name, t, ndim=2, what="[seqlen_ro, rotary_dim / 2]", floating=True)
     if rotary_cos.shape != rotary_sin.shape:
         raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got "
                          f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
@@ -223,9 +223,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out[b] = flash_attn_func(q[b:b+1], k_cache[b:b+1, :n + S_new],
                                  v_cache[b:b+1, :n + S_new], causal=causal)[0]
     """
-    q = _checks.tensor("q", q, ndim=4, what="[batch_size, seqlen_q, nheads, headdim]")
+    q = checks.tensor("q", q, ndim=4, what="[batch_size, seqlen_q, nheads, headdim]")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _checks.tensor(name, t, ndim=4, what="[batch_size_cache, seqlen_cache, nheads_k, headdim] "
+        checks.tensor(name, t, ndim=4, what="[batch_size_cache, seqlen_cache, nheads_k, headdim] "
                        "(or [num_blocks, page_block_size, nheads_k, headdim] with block_table)")
     cache = _Cache(q, k_cache, v_cache, cache_batch_idx, block_table)
     k, v = _new_kv(k, v, q, cache)
@@ -236,9 +236,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if native.takes_kvcache(q, cache_seqlens, cache_batch_idx, cache_leftpad, alibi_slopes):
         left, right = window_pair(window_size)
         opts = Options.of(head_dim, 0.0, softmax_scale, causal, left, right, softcap)
-        _checks.flag("rotary_interleaved", rotary_interleaved)
-        _checks.integer("num_splits", num_splits, tensors=True)
-        _checks.flag("return_softmax_lse", return_softmax_lse)
+        checks.flag("rotary_interleaved", rotary_interleaved)
+        checks.integer("num_splits", num_splits, tensors=True)
+        checks.flag("return_softmax_lse", return_softmax_lse)
         rotary = _rotary_tables(rotary_cos, rotary_sin, head_dim, 0)
         if rotary is not None and k is None:
             raise ValueError("rotary_cos/rotary_sin need new k/v (rotary embedding is applied "
@@ -266,9 +266,9 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         _check_range("cache_leftpad", lefts, 0, lens, "0 <= cache_leftpad <= cache_seqlens")
     left, right = window_pair(window_size)
     opts = Options.of(head_dim, 0.0, softmax_scale, causal, left, right, softcap)
-    _checks.flag("rotary_interleaved", rotary_interleaved)
-    _checks.integer("num_splits", num_splits, tensors=True)
-    _checks.flag("return_softmax_lse", return_softmax_lse)
+    checks.flag("rotary_interleaved", rotary_interleaved)
+    checks.integer("num_splits", num_splits, tensors=True)
+    checks.flag("return_softmax_lse", return_softmax_lse)
     alibi = alibi_arg(alibi_slopes, batch, heads, q.device)
     per_token = _core.fa_positions_per_token(opts, cache.capacity)
     need = max(n + max(seq_new, seq_q if per_token else 1) for n in lens)

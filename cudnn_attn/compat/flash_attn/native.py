@@ -18,11 +18,13 @@ from typing import Optional
 
 import torch
 
-from ... import _checks, execution, stored_calls
+from ...model import checks
+from ...core import execution
+from ...packed import calls
 from ...errors import NotSupportedError
-from ...problem import AttnProblem
-from ...runtime import DropoutState, Inputs
-from ...stored_calls import kvcache_problem, varlen_problem
+from ...model.problem import AttnProblem
+from ...model.inputs import DropoutState, Inputs
+from ...packed.calls import kvcache_problem, varlen_problem
 from ._args import Options
 from ._core import fa_mask, fa_positions_per_token
 from .rotary import apply_rotary
@@ -32,7 +34,7 @@ __all__ = ["takes", "forward", "backward", "takes_kvcache", "kvcache"]
 
 def takes(q, paged: bool, alibi_slopes, return_softmax: bool) -> bool:
     """Whether a varlen call tries the packed engines first."""
-    return (stored_calls.on_accelerator(q) and not paged and alibi_slopes is None
+    return (calls.on_accelerator(q) and not paged and alibi_slopes is None
             and not return_softmax)
 
 
@@ -85,7 +87,7 @@ def takes_kvcache(q, cache_seqlens, cache_batch_idx, cache_leftpad, alibi_slopes
     """Whether a KV-cache call tries the engines that read the cache as it lies (whole cache,
     device lengths, page tables): on an accelerator, without the arguments whose values the
     dense path must read (``cache_batch_idx``, ``cache_leftpad``, ALiBi slopes)."""
-    return (stored_calls.on_accelerator(q) and cache_batch_idx is None
+    return (calls.on_accelerator(q) and cache_batch_idx is None
             and cache_leftpad is None and alibi_slopes is None
             and not (isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dim() == 0))
 
@@ -104,13 +106,13 @@ def kvcache(q, cache, k, v, cache_seqlens, block_table, rotary, interleaved: boo
     if cache_seqlens is None:
         lens = torch.full((batch,), cache.capacity, dtype=torch.int32, device=q.device)
     elif isinstance(cache_seqlens, torch.Tensor):
-        lens = _checks.index_tensor("cache_seqlens", cache_seqlens, ndim=1, device=q.device)
+        lens = checks.index_tensor("cache_seqlens", cache_seqlens, ndim=1, device=q.device)
         if lens.shape[0] != batch:
             raise ValueError(f"cache_seqlens must have one entry per batch ({batch}), got shape "
                              f"{tuple(lens.shape)}")
         lens = lens.to(q.device, non_blocking=True)
     else:
-        lens = torch.full((batch,), _checks.integer("cache_seqlens", cache_seqlens),
+        lens = torch.full((batch,), checks.integer("cache_seqlens", cache_seqlens),
                           dtype=torch.int32, device=q.device)
     starts = lens.to(torch.int64)[:, None]
     if rotary is not None:

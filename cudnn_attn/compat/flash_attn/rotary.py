@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...problem import accumulator_dtype
+from ...model.problem import accumulator_dtype
 
 __all__ = ["apply_rotary"]
 

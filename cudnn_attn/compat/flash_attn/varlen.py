@@ -1,6 +1,6 @@
 """FlashAttention's packed (varlen) entry points ``mha_varlen_fwd`` / ``mha_varlen_bwd``
 (``[total, H, D]`` with ``cu_seqlens``, optional paged K/V). On the torch engine (the rule of
-``cudnn_attn.varlen_groups.by_length_groups``) and without dropout, weights or paging, the sequences run
+``cudnn_attn.packed.groups.by_length_groups``) and without dropout, weights or paging, the sequences run
 as one dense batch per distinct ``(len_q, len_k)`` (``varlen_groups.grouped_varlen``), so each costs
 its own length; otherwise as one batch padded to ``max_seqlen`` with a ``Padding`` mask
 (``varlen.PaddedBatch``): the fallback every surface shares when no engine runs the packed tensors
@@ -16,11 +16,11 @@ import math
 
 import torch
 
-from ... import _checks
-from ...runtime import DropoutState
+from ...model import checks
+from ...model.inputs import DropoutState
 from ...varlen import PaddedBatch, cu_lengths, gather_pages, index_tensor
-from ...varlen_args import check_maxima
-from ...varlen_groups import by_length_groups, grouped_varlen
+from ...packed.args import check_maxima
+from ...packed.groups import by_length_groups, grouped_varlen
 from . import _core, _probs, native
 from ._args import (Options, alibi_arg, flag, generator_arg, into, like, philox_state, same_dtype,
                     seed_tensors, softmax_d_of, runtime_errors)
@@ -45,18 +45,18 @@ def _grouped(q, k, v, lens_q, lens_k, max_k: int, opts: Options, alibi):
 
 
 def _varlen_heads(q, k, v, paged: bool):
-    q = _checks.tensor("q", q, ndim=3, what="[total_q, num_heads, head_size]")
+    q = checks.tensor("q", q, ndim=3, what="[total_q, num_heads, head_size]")
     if paged:
         what = "[num_blocks, page_block_size, num_heads_k, head_size{}] (paged, with block_table_)"
-        k = _checks.tensor("k", k, ndim=4, what=what.format(""))
-        v = _checks.tensor("v", v, ndim=4, what=what.format("_v"))
+        k = checks.tensor("k", k, ndim=4, what=what.format(""))
+        v = checks.tensor("v", v, ndim=4, what=what.format("_v"))
         if k.shape[:3] != v.shape[:3]:
             raise ValueError(f"k and v must have the same pages, page size and heads, got "
                              f"k={tuple(k.shape)}, v={tuple(v.shape)}")
     else:
-        k = _checks.tensor("k", k, ndim=3, what="[total_k, num_heads_k, head_size] (or 4-D pages with "
+        k = checks.tensor("k", k, ndim=3, what="[total_k, num_heads_k, head_size] (or 4-D pages with "
                     "block_table_)")
-        v = _checks.tensor("v", v, ndim=3, what="[total_k, num_heads_k, head_size_v]")
+        v = checks.tensor("v", v, ndim=3, what="[total_k, num_heads_k, head_size_v]")
         if k.shape[:2] != v.shape[:2]:
             raise ValueError(f"k and v must have the same tokens and heads, got "
                              f"k={tuple(k.shape)}, v={tuple(v.shape)}")

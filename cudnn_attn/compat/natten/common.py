@@ -8,9 +8,9 @@ import operator
 
 import torch
 
-from ... import _checks
+from ...model import checks
 from ...api import attention
-from ...masks import Neighborhood, RelPosBias
+from ...model.masks import Neighborhood, RelPosBias
 
 __all__ = ["NattenValueError", "NattenNotImplementedError", "check_tensors", "check_rpb",
            "doc_fields", "geometry", "neighborhood_attention", "unfused_geometry"]
@@ -35,7 +35,7 @@ def check_tensors(query, key, value, ndim: int, what: str) -> None:
         if t.layout != torch.strided:
             raise NattenNotImplementedError(f"{name} must be a dense tensor (NATTEN supports no "
                                             f"{t.layout} tensors)")
-        if t.dtype not in _checks.FLOAT_DTYPES:
+        if t.dtype not in checks.FLOAT_DTYPES:
             raise NattenNotImplementedError(
                 f"{name} has dtype {t.dtype}: NATTEN has no backend for it (float64, float32, "
                 f"float16 or bfloat16)")
@@ -47,7 +47,7 @@ def check_tensors(query, key, value, ndim: int, what: str) -> None:
             raise NattenValueError(f"query, key and value must share a dtype, got query "
                                    f"{query.dtype}, {name} {t.dtype}")
     for name, t in (("query", query), ("key", key), ("value", value)):
-        _checks.tensor(name, t, ndim=ndim, what=what)
+        checks.tensor(name, t, ndim=ndim, what=what)
 
 
 def geometry(spatial, kernel_size, stride, dilation, is_causal) -> Neighborhood:
@@ -74,7 +74,7 @@ def check_rpb(rpb, heads: int, kernel, causal, ref: torch.Tensor, ref_name: str 
               name: str = "rpb", same_dtype: bool = False, prefix: str = "") -> torch.Tensor:
     """NATTEN 0.17's relative positional bias ``[heads, 2*k-1 per axis]``: a float tensor on
     ``ref``'s device (of ``ref``'s dtype with ``same_dtype``), odd kernel sizes, no causal axis."""
-    _checks.like(name, rpb, ref, ref_name, expected=(heads, *(2 * k - 1 for k in kernel)),
+    checks.like(name, rpb, ref, ref_name, expected=(heads, *(2 * k - 1 for k in kernel)),
                  what="[heads, 2*kernel_size-1 per axis]", any_float=not same_dtype, prefix=prefix)
     if any(k % 2 == 0 for k in kernel):
         raise ValueError(f"{prefix}{name} needs odd kernel sizes (NATTEN 0.17), got "

@@ -23,8 +23,8 @@ from enum import Enum
 
 import torch
 
-from ... import _checks
-from ...problem import deterministic_calls
+from ...model import checks
+from ...model.problem import deterministic_calls
 
 __all__ = [
     "AutotunerContext",
@@ -151,8 +151,8 @@ def is_memory_usage_unrestricted() -> bool:
 def allow_flex_compile(mode: bool = True, backprop: bool = False) -> None:
     """``mode=False`` also turns off ``backprop``. (NATTEN 0.21.7 documents the same but leaves
     compilation allowed after ``disable_flex_compile()``; the documented behaviour is kept here.)"""
-    _checks.flag("mode", mode)
-    _checks.flag("backprop", backprop)
+    checks.flag("mode", mode)
+    checks.flag("backprop", backprop)
     _state["flex_compile"] = mode
     _state["flex_compile_backprop"] = mode and backprop
 

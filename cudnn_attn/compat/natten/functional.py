@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from ... import _checks
+from ...model import checks
 from ...api import attention as _attention
 from ...errors import NotSupportedError
-from ...masks import Causal
+from ...model.masks import Causal
 from ...varlen import attention_varlen
 from . import options, varlen_args
 from .context import deterministic_scope
-from ...merging import merge_partials
+from ...rewrites.merging import merge_partials
 from .common import (NattenValueError, check_rpb, check_tensors, doc_fields, geometry,
                      neighborhood_attention)
 from .unfused import na1d_av, na1d_qk, na2d_av, na2d_qk, na3d_av, na3d_qk
@@ -67,8 +67,8 @@ def merge_attentions(outputs: Sequence[torch.Tensor], lse_tensors: Sequence[torc
         lse = torch.logsumexp(torch.stack(lse_tensors), 0)
         out = sum(torch.exp(l - lse)[..., None] * o for o, l in zip(outputs, lse_tensors))
     """
-    _checks.flag("torch_compile", torch_compile)
-    _checks.flag("use_autograd_fix", use_autograd_fix)
+    checks.flag("torch_compile", torch_compile)
+    checks.flag("use_autograd_fix", use_autograd_fix)
     if not isinstance(outputs, (list, tuple)) or not isinstance(lse_tensors, (list, tuple)):
         raise TypeError("outputs and lse_tensors must be lists of tensors")
     if len(outputs) < 2:
@@ -82,8 +82,8 @@ def merge_attentions(outputs: Sequence[torch.Tensor], lse_tensors: Sequence[torc
 def merge_partial(outputs, lses):
     """``merge_attentions`` for one or more parts, without NATTEN's flags (internal callers)."""
     for i, (o, l) in enumerate(zip(outputs, lses)):
-        _checks.tensor(f"outputs[{i}]", o, floating=True)
-        _checks.tensor(f"lse_tensors[{i}]", l, floating=True)
+        checks.tensor(f"outputs[{i}]", o, floating=True)
+        checks.tensor(f"lse_tensors[{i}]", l, floating=True)
         if o.dim() < 2 or tuple(l.shape) != tuple(o.shape[:-1]):
             raise ValueError(f"lse_tensors[{i}] must have shape outputs[{i}].shape[:-1] = "
                              f"{tuple(o.shape[:-1])}, got {tuple(l.shape)}")
@@ -110,9 +110,9 @@ def _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale
     check_tensors(query, key, value, rank + 3, layout)
     B, spatial, H, D = query.shape[0], tuple(query.shape[1:-2]), query.shape[-2], query.shape[-1]
     Hkv, Dv = key.shape[-2], value.shape[-1]
-    _checks.like("key", key, query, "query", expected=(B, *spatial, Hkv, D),
+    checks.like("key", key, query, "query", expected=(B, *spatial, Hkv, D),
                  what="[B, *spatial, H_kv, D] of query")
-    _checks.like("value", value, query, "query", expected=(B, *spatial, Hkv, Dv),
+    checks.like("value", value, query, "query", expected=(B, *spatial, Hkv, Dv),
                  what="[B, *spatial, H_kv, D_v] of key")
     if H % Hkv:
         raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hkv})")
@@ -120,29 +120,29 @@ def _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale
     geom = geometry(spatial, kernel_size, 1 if stride is None else stride,
                     1 if dilation is None else dilation, False if is_causal is None else is_causal)
     # operator.index: the default scale from a concrete head dim, even under dynamic shapes.
-    scale = _checks.softmax_scale("scale", scale, operator.index(D), error=TypeError)
+    scale = checks.softmax_scale("scale", scale, operator.index(D), error=TypeError)
     engine = options.engine_for(backend, options.NATTEN_NA_BACKENDS)
     options.check_hints(rank, **hints)
     if attention_kwargs is not None and not isinstance(attention_kwargs, dict):
         raise TypeError(f"attention_kwargs must be a dict or None, got "
                         f"{type(attention_kwargs).__name__}")
     _check_extra_pair(additional_keys, additional_values)
-    _checks.flag("return_lse", return_lse)
+    checks.flag("return_lse", return_lse)
     S = geom.num_tokens
     if rpb is not None:
-        _checks.tensor("rpb", rpb, floating=True)
+        checks.tensor("rpb", rpb, floating=True)
         check_rpb(rpb, H, geom.kernel_size, geom.is_causal, query)
     with deterministic_scope():
         out, lse = neighborhood_attention(query, key, value, geom, scale, rpb, backend=engine)
         if additional_keys is not None:
-            _checks.tensor("additional_keys", additional_keys, ndim=4,
+            checks.tensor("additional_keys", additional_keys, ndim=4,
                            what="[B, n_extra, H_kv, D]", floating=True)
-            _checks.tensor("additional_values", additional_values, ndim=4,
+            checks.tensor("additional_values", additional_values, ndim=4,
                            what="[B, n_extra, H_kv, D_v]", floating=True)
             n = additional_keys.shape[1]
-            _checks.like("additional_keys", additional_keys, query, "query",
+            checks.like("additional_keys", additional_keys, query, "query",
                          expected=(B, n, Hkv, D), what="[B, n_extra, H_kv, D]")
-            _checks.like("additional_values", additional_values, query, "query",
+            checks.like("additional_values", additional_values, query, "query",
                          expected=(B, n, Hkv, Dv), what="[B, n_extra, H_kv, D_v]")
             # NATTEN sends attention_kwargs to the attention over the additional keys.
             extra, extra_lse = attention(query.reshape(B, S, H, D), additional_keys,
@@ -279,7 +279,7 @@ def neighborhood_attention_generic(query: torch.Tensor, key: torch.Tensor, value
                                    torch_compile: bool = False, return_lse: bool = False, *,
                                    rpb: torch.Tensor | None = None) -> Any:
     """``na1d``/``na2d``/``na3d`` by the query's rank (NATTEN 0.21's ``natten.functional`` name)."""
-    _checks.tensor("query", query)
+    checks.tensor("query", query)
     if not 4 <= query.dim() <= 6:
         raise ValueError(f"query must be [B, *spatial, H, D] with 1 to 3 spatial axes, got shape "
                          f"{tuple(query.shape)}")
@@ -335,7 +335,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     check_tensors(query, key, value, 4, "[B, S, H, D]")
     if not isinstance(is_causal, bool):
         raise NattenValueError(f"is_causal must be a bool, got {is_causal!r}")
-    _checks.flag("return_lse", return_lse)
+    checks.flag("return_lse", return_lse)
     mask = Causal() if is_causal else None
     with deterministic_scope():
         cu = varlen_args.offsets(query, key, seqlens_Q, seqlens_KV, cumulative_seqlen_Q,

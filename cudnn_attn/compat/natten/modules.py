@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from . import context, functional
-from ... import _checks, unfused_ops
+from ...model import checks
+from ...core import unfused_ops
 from .common import geometry
 
 __all__ = [
@@ -36,10 +37,10 @@ def use_fused_na(mode: bool = True, kv_parallel: bool = True, use_flex_attention
     errors), turning it off turns KV parallelism off. NATTEN's FlexAttention switches are accepted
     as hints: the fused path runs on cudnn_attn's engines either way."""
     global _FUSED_NA
-    mode = _checks.flag("mode", mode)
+    mode = checks.flag("mode", mode)
     for name, value in (("kv_parallel", kv_parallel), ("use_flex_attention", use_flex_attention),
                         ("force_flex_attention", force_flex_attention)):
-        _checks.flag(name, value)
+        checks.flag(name, value)
     if not mode:
         _FUSED_NA = False
         context.use_kv_parallelism_in_fused_na(False)
@@ -113,31 +114,31 @@ class _NeighborhoodAttention(nn.Module):
                             ("kernel_size", kernel_size)):
             if value is None:
                 raise TypeError(f"{type(self).__name__}() missing required argument: {name!r}")
-        _checks.flag("use_experimental_ops", use_experimental_ops)
+        checks.flag("use_experimental_ops", use_experimental_ops)
         stride = 1 if stride is None else stride
         dilation = 1 if dilation is None else dilation
         is_causal = False if is_causal is None else is_causal
-        embed_dim = _checks.integer("embed_dim", embed_dim, 1)
-        num_heads = _checks.integer("num_heads", num_heads, 1)
+        embed_dim = checks.integer("embed_dim", embed_dim, 1)
+        num_heads = checks.integer("num_heads", num_heads, 1)
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         rank = self.rank
-        at_least = lambda low: lambda n, v: _checks.integer(n, v, low)  # noqa: E731
-        self.kernel_size = _checks.per_axis("kernel_size", kernel_size, rank, at_least(2))
-        self.stride = _checks.per_axis("stride", stride, rank, at_least(1))
-        self.dilation = _checks.per_axis("dilation", dilation, rank, at_least(1))
-        self.is_causal = _checks.per_axis("is_causal", is_causal, rank, _checks.boolean)
+        at_least = lambda low: lambda n, v: checks.integer(n, v, low)  # noqa: E731
+        self.kernel_size = checks.per_axis("kernel_size", kernel_size, rank, at_least(2))
+        self.stride = checks.per_axis("stride", stride, rank, at_least(1))
+        self.dilation = checks.per_axis("dilation", dilation, rank, at_least(1))
+        self.is_causal = checks.per_axis("is_causal", is_causal, rank, checks.boolean)
         for k, s in zip(self.kernel_size, self.stride):
             if s > k:
                 raise ValueError(f"stride must be <= kernel_size on every axis, got stride="
                                  f"{self.stride}, kernel_size={self.kernel_size}")
         if use_fused is not None:
-            _checks.flag("use_fused", use_fused)
-        attn_drop, proj_drop = (_checks.real(name, p, ok=lambda x: 0.0 <= x < 1.0, bound=" in [0, 1)")
+            checks.flag("use_fused", use_fused)
+        attn_drop, proj_drop = (checks.real(name, p, ok=lambda x: 0.0 <= x < 1.0, bound=" in [0, 1)")
                                 for name, p in (("attn_drop", attn_drop), ("proj_drop", proj_drop)))
         self.embed_dim, self.num_heads = embed_dim, num_heads
         self.head_dim = embed_dim // num_heads
-        self.scale = _checks.softmax_scale("qk_scale", qk_scale, self.head_dim, error=TypeError)
+        self.scale = checks.softmax_scale("qk_scale", qk_scale, self.head_dim, error=TypeError)
         self._default_scale = qk_scale is None
         self.use_fused = use_fused
         self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bool(qkv_bias))
@@ -161,7 +162,7 @@ class _NeighborhoodAttention(nn.Module):
         return is_fna_enabled() if self.use_fused is None else self.use_fused
 
     def forward(self, x: torch.Tensor, return_attn_weights: bool = False):
-        _checks.tensor("x", x)
+        checks.tensor("x", x)
         if x.dim() != self.rank + 2 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"x must be [B, *spatial ({self.rank} axes), {self.embed_dim}], got "
                              f"shape {tuple(x.shape)}")

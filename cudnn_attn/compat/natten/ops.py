@@ -19,7 +19,7 @@ without causal masking only, added after scaling.
 spatial axis, as libnatten's Python layer passes them; a plain int/bool applies to every axis.
 Per axis ``kernel_size * dilation <= length``; the unfused ops take odd kernel sizes only
 (NATTEN 0.17), the fused op any size >= 2.
-The unfused ops are dispatched by ``cudnn_attn.unfused_ops`` (the CuPy RawKernels on CUDA when
+The unfused ops are dispatched by ``cudnn_attn.core.unfused_ops`` (the CuPy RawKernels on CUDA when
 they can run, else the torch engine; ``unfused_ops.explain`` says why); the fused op is one
 ``cudnn_attn.attention`` call like ``na{n}d`` (its tile sizes are validated, then hints).
 
@@ -40,9 +40,10 @@ import math
 
 import torch
 
-from ... import _checks, unfused_ops
+from ...model import checks
+from ...core import unfused_ops
 from ...fallback_kernels import FUSED_DTYPES, check_tile_sizes, valid_tile_sizes
-from ...masks import Neighborhood
+from ...model.masks import Neighborhood
 from .common import check_rpb, neighborhood_attention
 
 __all__ = [f"na{n}d_{op}" for op in ("forward", "qk_forward", "qk_backward", "av_forward",
@@ -50,17 +51,17 @@ __all__ = [f"na{n}d_{op}" for op in ("forward", "qk_forward", "qk_backward", "av
 
 
 # ----------------------------------------------------------------------------------------------------
-# Validation (``cudnn_attn._checks`` with the op's name as prefix)
+# Validation (``cudnn_attn.model.checks`` with the op's name as prefix)
 # ----------------------------------------------------------------------------------------------------
 
 
 def _tensor(op: str, name: str, t, rank: int) -> torch.Tensor:
-    return _checks.tensor(name, t, ndim=rank + 3, what=f"for a {rank}-D problem", prefix=f"{op}: ")
+    return checks.tensor(name, t, ndim=rank + 3, what=f"for a {rank}-D problem", prefix=f"{op}: ")
 
 
 def _like(op: str, name: str, t, shape, ref: torch.Tensor, ref_name: str) -> torch.Tensor:
     """``t`` is a tensor of ``shape`` with ``ref``'s dtype and device."""
-    return _checks.like(name, t, ref, ref_name, expected=shape, prefix=f"{op}: ")
+    return checks.like(name, t, ref, ref_name, expected=shape, prefix=f"{op}: ")
 
 
 def _checked_kernel_args(op: str, spatial, kernel_size, dilation, is_causal, *,
@@ -122,7 +123,7 @@ def _forward(output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value
     if rpb is not None:
         check_rpb(rpb, heads, nb.kernel_size, nb.is_causal, query, same_dtype=True,
                   prefix=f"{op}: ")
-    attn_scale = _checks.softmax_scale("attn_scale", attn_scale, dim, error=TypeError,
+    attn_scale = checks.softmax_scale("attn_scale", attn_scale, dim, error=TypeError,
                                        prefix=f"{op}: ")
     if query_tile_size is not None or key_tile_size is not None or not valid_tile_sizes(
             rank, max(dim, dim_v), query.dtype):
@@ -135,7 +136,7 @@ def _forward(output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value
 
 def _unfused_inputs(op, rank, query, key, kernel_size, dilation, is_causal):
     """Check heads-first query/key of one shape; return (geometry, attn shape)."""
-    _checks.tensor("query", query, ndim=rank + 3, what=f"for a {rank}-D problem", floating=True,
+    checks.tensor("query", query, ndim=rank + 3, what=f"for a {rank}-D problem", floating=True,
                    prefix=f"{op}: ")
     _like(op, "key", key, query.shape, query, "query")
     batch, heads, *spatial, _ = query.shape
@@ -145,7 +146,7 @@ def _unfused_inputs(op, rank, query, key, kernel_size, dilation, is_causal):
 
 def _attn_value(op, rank, attn, value, kernel_size, dilation, is_causal):
     """Check attn ``[B, H, *spatial, prod(k)]`` against value ``[B, H, *spatial, D_v]``."""
-    _checks.tensor("value", value, ndim=rank + 3, what=f"for a {rank}-D problem", floating=True,
+    checks.tensor("value", value, ndim=rank + 3, what=f"for a {rank}-D problem", floating=True,
                    prefix=f"{op}: ")
     batch, heads, *spatial, _ = value.shape
     nb = _checked_kernel_args(op, spatial, kernel_size, dilation, is_causal, odd=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ... import _checks
+from ...model import checks
 from ...errors import NotSupportedError
 
 __all__ = ["NATTEN_NA_BACKENDS", "NATTEN_FMHA_BACKENDS", "OUR_BACKENDS", "engine_for",
@@ -51,7 +51,7 @@ def _tile_shape(name: str, value, rank: int):
 
 
 def _tile_size(name: str, value):
-    return None if value is None else _checks.integer(name, value, 1)
+    return None if value is None else checks.integer(name, value, 1)
 
 
 def _kernel_schedule(value):
@@ -85,5 +85,5 @@ def check_hints(rank: int | None, *, tiles: dict, backward_kv_splits, backward_u
     for name, value in (("backward_use_pt_reduction", backward_use_pt_reduction),
                         ("run_persistent_kernel", run_persistent_kernel),
                         ("torch_compile", torch_compile)):
-        _checks.flag(name, value)
+        checks.flag(name, value)
     _kernel_schedule(kernel_schedule)

@@ -1,7 +1,7 @@
 """NATTEN 0.17's unfused neighborhood ops ``na{1,2,3}d_qk`` / ``na{1,2,3}d_av``, heads-first.
 
 This surface validates NATTEN's arguments and translates them (spatial axes flattened row-major,
-a ``masks.Neighborhood``) for ``cudnn_attn.unfused_ops.qk`` / ``av``, dispatched to the CuPy
+a ``masks.Neighborhood``) for ``cudnn_attn.core.unfused_ops.qk`` / ``av``, dispatched to the CuPy
 kernels or the torch composites. ``attn`` is ``[B, H, *spatial, prod(kernel)(+extra)]`` with slot
 order row-major over the kernel dims, masked (causally cut) slots ``-inf``.
 """
@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from ... import _checks, unfused_ops
+from ...model import checks
+from ...core import unfused_ops
 from .common import check_rpb, doc_fields, unfused_geometry
 
 __all__ = [f"na{n}d_{op}" for op in ("qk", "av") for n in (1, 2, 3)]
@@ -53,9 +54,9 @@ def _na_qk(rank, query, key, kernel_size, dilation, additional_keys, is_causal, 
                                                   is_causal, rpb),
                        {"query": query, "key": key}, "additional keys", additional_keys)
     layout = "[B, H, *spatial, D]"
-    _checks.tensor("query", query, ndim=rank + 3, what=layout, floating=True)
-    _checks.tensor("key", key, ndim=rank + 3, what=layout, floating=True)
-    _checks.like("key", key, query, "query", expected=query.shape, what="query's shape")
+    checks.tensor("query", query, ndim=rank + 3, what=layout, floating=True)
+    checks.tensor("key", key, ndim=rank + 3, what=layout, floating=True)
+    checks.like("key", key, query, "query", expected=query.shape, what="query's shape")
     B, H, spatial, D = query.shape[0], query.shape[1], tuple(query.shape[2:-1]), query.shape[-1]
     geom = unfused_geometry(spatial, kernel_size, dilation, is_causal)
     if rpb is not None:
@@ -63,9 +64,9 @@ def _na_qk(rank, query, key, kernel_size, dilation, additional_keys, is_causal, 
     q, k = query.flatten(2, -2), key.flatten(2, -2)
     attn = unfused_ops.qk(q, k, geom, rpb)
     if additional_keys is not None:
-        _checks.tensor("additional_keys", additional_keys, ndim=4, what="[B, H, n_extra, D]",
+        checks.tensor("additional_keys", additional_keys, ndim=4, what="[B, H, n_extra, D]",
                        floating=True)
-        _checks.like("additional_keys", additional_keys, query, "query",
+        checks.like("additional_keys", additional_keys, query, "query",
                      expected=(B, H, additional_keys.shape[2], D), what="[B, H, n_extra, D]")
         attn = torch.cat([attn, unfused_ops.extra_logits(q, additional_keys)], -1)
     return attn.unflatten(2, spatial)
@@ -76,21 +77,21 @@ def _na_av(rank, attn, value, kernel_size, dilation, additional_values, is_causa
         return _nested(lambda a, v, extra: _na_av(rank, a, v, kernel_size, dilation, extra,
                                                   is_causal),
                        {"attn": attn, "value": value}, "additional values", additional_values)
-    _checks.tensor("value", value, ndim=rank + 3, what="[B, H, *spatial, D]", floating=True)
-    _checks.tensor("attn", attn, ndim=rank + 3, what="[B, H, *spatial, prod(kernel_size) (+n_extra)]",
+    checks.tensor("value", value, ndim=rank + 3, what="[B, H, *spatial, D]", floating=True)
+    checks.tensor("attn", attn, ndim=rank + 3, what="[B, H, *spatial, prod(kernel_size) (+n_extra)]",
                    floating=True)
-    _checks.like("attn", attn, value, "value")
+    checks.like("attn", attn, value, "value")
     B, H, spatial, Dv = value.shape[0], value.shape[1], tuple(value.shape[2:-1]), value.shape[-1]
     geom = unfused_geometry(spatial, kernel_size, dilation, is_causal)
     K = math.prod(geom.kernel_size)
     n = 0
     if additional_values is not None:
-        _checks.tensor("additional_values", additional_values, ndim=4, what="[B, H, n_extra, D]",
+        checks.tensor("additional_values", additional_values, ndim=4, what="[B, H, n_extra, D]",
                        floating=True)
         n = additional_values.shape[2]
-        _checks.like("additional_values", additional_values, value, "value",
+        checks.like("additional_values", additional_values, value, "value",
                      expected=(B, H, n, Dv), what="[B, H, n_extra, D]")
-    _checks.shape("attn", attn, (B, H, *spatial, K + n), "[B, H, *spatial, prod(kernel_size) + n_extra]")
+    checks.shape("attn", attn, (B, H, *spatial, K + n), "[B, H, *spatial, prod(kernel_size) + n_extra]")
     a = attn.flatten(2, -2)
     out = unfused_ops.av(a[..., :K], value.flatten(2, -2), geom)
     if n:

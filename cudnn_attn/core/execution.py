@@ -1,0 +1,164 @@
+"""The one way from a planned call to an engine: every surface runs its plans through here.
+
+A surface translates its arguments into an ``AttnProblem`` and ``Inputs``; this module plans it
+(``plan_call``: the dropout engine pinned from forward to backward), runs the plan's forward and
+backward (``forward``, ``backward``, or ``run`` when autograd should record the call), and hides
+what is not a token (positions past ``Padding`` lengths) before any engine sees it. Nothing else
+in the package calls ``plan.forward`` / ``plan.backward`` (``tests/test_architecture.py``).
+
+The lse convention stays the engines' (``[B, H_q, S_q]``, natural log, ``-inf`` on a row that sees
+no key); ``lse_from_flash`` converts FlashAttention's ``+inf`` rows at its edge.
+
+Equivalent PyTorch of ``forward(problem, plan, Inputs(q, k, v))`` (bhsd, no mask)::
+
+    s = problem.scale * q @ k.transpose(-1, -2)
+    out, lse = torch.softmax(s, -1) @ v, s.logsumexp(-1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import torch
+
+from . import dispatch
+from ..errors import NotSupportedError
+from ..model.problem import AttnProblem
+from ..model.inputs import Inputs, hide_padded_rows, hide_padding
+
+__all__ = ["plan_call", "plan_on", "plan_stored", "dropout_engine", "forward", "backward", "run", "direct_runner",
+           "lse_from_flash"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning
+# ---------------------------------------------------------------------------------------------
+
+def plan_call(problem: AttnProblem, backend: str = "auto"):
+    """``(engine, problem, plan)`` of a call.
+
+    A dropout mask can only be replayed by the engine that drew it, so a dropout problem picks
+    its engine as for its backward (``requires_grad``, deterministic off) in both directions: a
+    forward is planned as that backward's forward, and a backward that engine cannot run raises
+    ``NotSupportedError`` instead of silently moving to an engine with another mask.
+    """
+    if problem.dropout_p == 0:
+        engine, plan = dispatch.plan_for(problem, backend)
+        return engine, problem, plan
+    probe = dataclasses.replace(problem, requires_grad=True, deterministic=False)
+    engine = dropout_engine(probe, backend)
+    if not problem.requires_grad:
+        return engine, probe, engine.plan(probe)
+    return plan_on(engine, problem, f"the dropout mask was made by {engine.name!r}, so its "
+                                    "backward must run there")
+
+
+def plan_on(engine, problem: AttnProblem, why: str):
+    """``(engine, problem, plan)`` on the engine a call is pinned to (the one that replays its
+    dropout mask); ``NotSupportedError`` saying ``why`` when that engine cannot run it."""
+    reasons = engine.supports(problem)
+    if reasons:
+        raise NotSupportedError(problem, {engine.name: [why, *reasons]}, forced=engine.name)
+    return engine, problem, engine.plan(problem)
+
+
+def plan_stored(problem: AttnProblem, backend: str = "auto", *, required: bool = False):
+    """``plan_call`` of a packed/paged call (``stored_calls``) on an engine that runs its storage
+    as it lies (``runs_stored``), or ``None`` when none does and the surface should build dense
+    batches instead (every surface's one fallback: ``varlen``). A forced backend, or
+    ``required`` (a dropout stream only that engine replays), raises instead."""
+    try:
+        engine, problem, plan = plan_call(problem, backend)
+    except NotSupportedError:
+        if required or backend != "auto":
+            raise
+        return None
+    if not engine.runs_stored:  # it would read a dense cache whole: the dense-batch path gives
+        return None             # it only the prefix in use
+    return engine, problem, plan
+
+
+def dropout_engine(probe: AttnProblem, backend: str = "auto"):
+    """The engine that draws and replays the dropout mask of ``probe`` (a problem planned as
+    for its backward)."""
+    return dispatch.plan_for(probe, backend)[0]
+
+
+def direct_runner(problem: AttnProblem, plan):
+    """``(q, k, v) -> out`` when the plan runs this call as one public op (a call that needs no
+    lse and no gradient), else ``None``: every plan answers ``direct(problem)``."""
+    if problem.return_lse or problem.requires_grad:
+        return None
+    return plan.direct(problem)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------------------------
+
+def forward(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool = True,
+            row_stats: Optional[dict] = None):
+    """``(out, lse)`` of one call, outside autograd; positions past ``Padding`` lengths never
+    reach the engine (``runtime.hide_padding``). ``row_stats`` (a dict, torch engine only)
+    receives each row's score maximum and sum of exponentials (the builder's logit_max and
+    score_sum_exp)."""
+    inputs = hide_padding(problem, inputs)
+    extra = {} if row_stats is None else {"row_stats": row_stats}
+    with torch.no_grad():
+        return plan.forward(problem, inputs, need_lse=need_lse, **extra)
+
+
+def backward(problem: AttnProblem, plan, inputs: Inputs, out, lse, dout, dlse=None):
+    """``(dq, dk, dv, dbias)`` of one call from its forward's ``out`` and ``lse`` (engines'
+    convention), outside autograd. Whatever the rows past the ``Padding`` lengths hold (in the
+    inputs, ``out`` or ``dout``) never reaches a gradient."""
+    inputs = hide_padding(problem, inputs)
+    out, dout = hide_padded_rows(problem, out), hide_padded_rows(problem, dout)
+    with torch.no_grad():
+        return plan.backward(problem, inputs, out, lse, dout, dlse)
+
+
+class _Recorded(torch.autograd.Function):
+    """One call as an autograd node: the backward replays the forward's dropout state."""
+
+    @staticmethod
+    def forward(ctx, problem, plan, dropout, dropout_mask, q, k, v, bias):
+        out, lse = plan.forward(problem, Inputs(q, k, v, bias, dropout, dropout_mask))
+        ctx.problem, ctx.plan, ctx.dropout, ctx.dropout_mask = problem, plan, dropout, dropout_mask
+        ctx.save_for_backward(q, k, v, bias, out, lse)
+        # An unused lse then arrives as None, not zeros: engines skip its term (and the torch
+        # engine can use the fused kernels' own backward, which has none).
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, bias, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        inputs = Inputs(q, k, v, bias, ctx.dropout, ctx.dropout_mask)
+        dq, dk, dv, dbias = ctx.plan.backward(ctx.problem, inputs, out, lse, dout, dlse)
+        return None, None, None, None, dq, dk, dv, dbias
+
+
+def run(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool):
+    """``(out, lse)`` of one call, differentiable when the problem needs it (the dropout state
+    and the plan kept for the backward). Positions past ``Padding`` lengths never reach the
+    engine, and the gradient reaching them stops at the output."""
+    inputs = hide_padding(problem, inputs)
+    if problem.requires_grad and torch.is_grad_enabled():
+        out, lse = _Recorded.apply(problem, plan, inputs.dropout, inputs.dropout_mask,
+                                   inputs.q, inputs.k, inputs.v, inputs.bias)
+        return hide_padded_rows(problem, out), lse
+    return plan.forward(problem, inputs, need_lse=need_lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# The lse convention at FlashAttention's edge
+# ---------------------------------------------------------------------------------------------
+
+def lse_from_flash(lse: torch.Tensor) -> torch.Tensor:
+    """A FlashAttention ``softmax_lse`` in the engines' convention: a row that sees no key is
+    ``+inf`` in FlashAttention's, ``-inf`` in the engines'."""
+    return lse.masked_fill(lse == math.inf, -math.inf)
+

@@ -1,0 +1,46 @@
+"""``Explanation``: every engine's verdict on one call (what ``explain()`` returns, and the unfused
+NATTEN ops' ``explain``)."""
+
+from __future__ import annotations
+
+from typing import Iterator, Mapping, Optional
+
+from ..model.problem import AttnProblem
+from . import dispatch
+
+__all__ = ["Explanation"]
+
+
+class Explanation(Mapping):
+    """Each backend's verdict, in priority order: ``"selected"``, ``"available"`` or reasons.
+
+    ``engines``: for a call cuDNN can run whose graphs ``graph_cache`` already holds (an earlier
+    call, or a loaded warm cache), the engine cuDNN picked per graph (``"sdpa_forward"``,
+    ``"sdpa_backward"`` -> ``EngineChoice``: engine id, knobs, kernels)."""
+
+    def __init__(self, problem: AttnProblem, verdicts: dict, engines: Optional[dict] = None):
+        self.problem = problem
+        self._verdicts = verdicts
+        self.engines = dict(engines or {})
+
+    def __getitem__(self, name: str):
+        return self._verdicts[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._verdicts)
+
+    def __len__(self) -> int:
+        return len(self._verdicts)
+
+    @property
+    def selected(self) -> Optional[str]:
+        return next((n for n, v in self._verdicts.items() if v == "selected"), None)
+
+    def __str__(self) -> str:
+        text = f"{self.problem.describe()}\n{dispatch.format_reasons(self._verdicts)}"
+        for tag, engine in self.engines.items():
+            text += f"\ncuDNN {tag}: " + str(engine).replace("\n", "\n  ")
+        return text
+
+    def __repr__(self) -> str:
+        return f"Explanation({self._verdicts!r})"

@@ -1,0 +1,68 @@
+"""benchmarks/neighborhood.py on CPU: it exits cleanly without CUDA, and the block mask it gives
+FlexAttention (its main peer) is NATTEN's rule, checked against tests/oracle.py."""
+
+import datetime
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import oracle
+import pytest
+import torch
+from common import load_script
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "neighborhood.py"
+
+
+def _load_script():
+    sys.path.insert(0, str(SCRIPT.parent))  # the script imports its sibling _report
+    try:
+        module = load_script(SCRIPT, "bench_neighborhood")
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return module
+
+
+def test_quick_run_without_cuda_exits_zero_and_writes_nothing():
+    day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    result = ROOT / "benchmarks" / "results" / f"neighborhood-{day}.json"
+    before = result.stat().st_mtime_ns if result.exists() else None
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--quick"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "needs a CUDA GPU" in done.stdout and "Nothing was run or written" in done.stdout
+    after = result.stat().st_mtime_ns if result.exists() else None
+    assert after == before
+
+
+@pytest.mark.parametrize("spatial, kernel, dilation, causal", [
+    ((17,), (5,), (3,), (False,)),
+    ((16,), (4,), (2,), (True,)),
+    ((7, 9), (3, 4), (2, 1), (False, True)),
+    ((5, 4, 6), (3, 2, 3), (1, 2, 2), (True, False, False)),
+])
+def test_flex_mask_mod_is_the_natten_rule(spatial, kernel, dilation, causal):
+    bench = _load_script()
+    n = 1
+    for length in spatial:
+        n *= length
+    idx = torch.arange(n)
+    got = bench.natten_mask_mod(spatial, kernel, dilation, causal)(0, 0, idx[:, None], idx[None, :])
+    want = oracle.build_visibility(1, n, n, neighborhood=dict(
+        spatial_shape=spatial, kernel_size=kernel, dilation=dilation, is_causal=causal))[0]
+    assert torch.equal(got, want)
+
+
+def test_flops_and_target_verdict():
+    bench = _load_script()
+    assert bench.na_flops(1, 16, (128, 128), (31, 31), 128, "fwd") == 4.0 * 16 * 128 * 128 * 961 * 128
+    assert bench.na_flops(2, 1, (8,), (3,), 4, "bwd") == 2.5 * 4 * 2 * 8 * 3 * 4
+    row = {"rank": 2, "dtype": "bf16", "D": 128, "dir": "fwd", "errors": {}}
+    assert bench.target_verdict([{**row, "ours_tflops": 300.0, "ours/flex": 1.6}])[0] is True
+    assert bench.target_verdict([{**row, "ours_tflops": 300.0, "ours/flex": 1.4}])[0] is False
+    assert bench.target_verdict([{**row, "ours_tflops": 240.0, "ours/flex": 2.0}])[0] is False
+    met, text = bench.target_verdict([{**row, "errors": {"ours": "no cupy"}}])
+    assert met is None and "no cupy" in text

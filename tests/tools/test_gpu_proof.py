@@ -1,0 +1,276 @@
+"""benchmarks/gpu_proof.py on CPU: the one prepared GPU call's plumbing. Its deadlines kill a
+step and the step's children, side-by-side steps overlap, junit counts come from a real pytest
+run, and a smoke run (--allow-cpu) leaves the summary JSON and the tarball the device tool
+brings back."""
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from common import load_script
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_proof.py"
+
+
+@pytest.fixture(scope="module")
+def G():
+    folder = str(SCRIPT.parent)
+    sys.path.insert(0, folder)  # the script imports its sibling _report
+    try:
+        return load_script(SCRIPT, "bench_gpu_proof")
+    finally:
+        if folder in sys.path:  # the script takes its folder off the path itself
+            sys.path.remove(folder)
+
+
+def _step(G, name, code, cap=30.0, phase=1):
+    return G.Step(name, [sys.executable, "-c", textwrap.dedent(code)], phase, cap)
+
+
+def test_a_step_past_its_deadline_is_killed_with_its_children(G, tmp_path):
+    pid_file = tmp_path / "child.pid"
+    code = f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        print("started", flush=True)
+        time.sleep(120)
+    """
+    start = time.monotonic()
+    [result] = G.run_steps([_step(G, "sleeper", code, cap=3.0)], tmp_path, start + 100,
+                           side_by_side=True)
+    assert result.timed_out and result.returncode is None and not result.ok
+    assert result.seconds < 60  # killed at its 3 s cap, not after the 120 s sleep
+    assert "started" in result.log_tail
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the grandchild went with the step's process group
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the step's child {child} outlived the deadline")
+
+
+def test_exit_status_log_tail_and_the_budget(G, tmp_path):
+    ok = _step(G, "ok", "print('hello from the step')")
+    bad = _step(G, "bad", "import sys; print('about to fail'); sys.exit(3)")
+    late = _step(G, "late", "print('never')")
+    results = G.run_steps([ok, bad], tmp_path, time.monotonic() + 100, side_by_side=False)
+    assert [(r.name, r.returncode, r.ok) for r in results] == [("ok", 0, True), ("bad", 3, False)]
+    assert results[0].log_tail[-1] == "hello from the step"
+    assert results[1].log_tail[-1] == "about to fail"
+    assert results[0].log_tail[0].startswith("$ ")  # each log starts with its command
+    [skipped] = G.run_steps([late], tmp_path, time.monotonic() + G.MIN_START_S / 2,
+                            side_by_side=True)
+    assert skipped.not_started and skipped.returncode is None and not skipped.ok
+    assert not (tmp_path / "late.log").exists()
+
+
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_side_by_side_steps_overlap_and_sequential_ones_do_not(G, tmp_path, side_by_side):
+    code = """
+        import time
+        print("mark start", time.time(), flush=True)
+        time.sleep(1.0)
+        print("mark end", time.time(), flush=True)
+    """
+    G.run_steps([_step(G, "a", code), _step(G, "b", code)], tmp_path, time.monotonic() + 100,
+                side_by_side=side_by_side)
+    times = {n: {line.split()[1]: float(line.split()[2])
+                 for line in (tmp_path / f"{n}.log").read_text().splitlines()
+                 if line.startswith("mark ")}
+             for n in "ab"}
+    overlap = times["b"]["start"] < times["a"]["end"]
+    assert overlap == side_by_side
+
+
+def test_junit_counts_from_a_real_pytest_run(G, tmp_path):
+    (tmp_path / "test_sample.py").write_text(textwrap.dedent("""
+        import pytest
+
+        @pytest.fixture
+        def broken():
+            raise RuntimeError("fixture exploded")
+
+        def test_one(): pass
+        def test_two(): pass
+        def test_wrong(): assert 1 + 1 == 3, "arithmetic"
+        def test_skipped(): pytest.skip("not here")
+        def test_errored(broken): pass
+    """))
+    xml = tmp_path / "out.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    f"--junitxml={xml}", str(tmp_path / "test_sample.py")],
+                   cwd=tmp_path, capture_output=True, check=False)
+    counts = G.junit_counts(xml)
+    assert counts["gpu"] == {"passed": 2, "failed": 1, "errors": 1, "skipped": 1}
+    found = {f["test"].rsplit("::", 1)[-1]: f for f in counts["failures"]}
+    assert set(found) == {"test_wrong", "test_errored"}
+    assert found["test_wrong"]["outcome"] == "failed" and "arithmetic" in found["test_wrong"]["message"]
+    assert found["test_errored"]["outcome"] == "errors"
+
+
+def test_step_selection_by_prefix(G, tmp_path):
+    steps = G.plan(tmp_path)
+    names = [s.name for s in steps]
+    assert names[0] == "gpu-tests" and {"bench-cudnn", "bench-neighborhood"} <= set(names)
+    assert [s.name for s in G.select(steps, "sanitize", "sanitize-racecheck")] == \
+        ["sanitize-memcheck", "sanitize-initcheck"]
+    assert [s.name for s in G.select(steps, None, "bench,sanitize")] == \
+        ["gpu-tests", "selftest-full", "selftest-plain"]
+    with pytest.raises(ValueError, match="'benchmark'"):
+        G.select(steps, "benchmark", None)
+    assert all(s.phase == (3 if s.name.endswith("-more") else 2)
+               for s in steps if s.name.startswith("bench"))
+    assert all(s.phase == 1 for s in steps if not s.name.startswith("bench"))
+    assert [s.name for s in G.select(steps, "bench-cudnn", None)] == \
+        ["bench-cudnn", "bench-cudnn-more"]
+
+
+def test_carried_cubins_seed_a_cache_of_our_own(G, tmp_path, monkeypatch):
+    from cudnn_attn.fallback_kernels import cubin_cache
+
+    carried = tmp_path / "carried"
+    # Built ahead on another machine: signed with its key, not the device's.
+    monkeypatch.setenv("CUDNN_ATTN_CACHE_KEY_FILE", str(tmp_path / "build-key"))
+    for key in ("a" * 64, "b" * 64):
+        assert cubin_cache.store(key, b"\x7fELF" + key.encode(), {"k<float>": "_Z1k"}, "", carried)
+    (carried / "notes.txt").write_text("not a cubin")
+    (carried / ("c" * 64 + ".cubin")).write_bytes(b"c.cubin")  # not an entry: not adopted
+    monkeypatch.setenv("CUDNN_ATTN_CACHE_KEY_FILE", str(tmp_path / "device-key"))
+    cache = tmp_path / "cache"
+    assert G.seed_cubin_cache(carried, cache) == 2
+    assert sorted(p.name for p in cache.iterdir()) == ["a" * 64 + ".cubin", "b" * 64 + ".cubin"]
+    assert cubin_cache.load("a" * 64, ["k<float>"], cache)[0] == b"\x7fELFaaaa" + b"a" * 60
+    assert G.seed_cubin_cache(None, tmp_path / "empty") == 0
+
+
+def test_prebuild_refuses_another_nvrtc_version(G, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("cupy")
+    from cudnn_attn.fallback_kernels import cubin_cache
+
+    try:
+        here = cubin_cache.nvrtc_version()
+    except Exception as exc:  # noqa: BLE001 - CuPy without a loadable NVRTC
+        pytest.skip(f"NVRTC does not load here: {exc}")
+    monkeypatch.setenv("CUDNN_ATTN_CUBIN_CACHE", str(tmp_path / "unused"))
+    assert G.main(["--prebuild", str(tmp_path / "cubins"), "--expect-nvrtc", "0.1"]) == 2
+    message = capsys.readouterr().err
+    assert f"NVRTC here is {here}" in message and "0.1" in message
+    assert not (tmp_path / "cubins").exists()
+
+
+def test_without_a_gpu_it_runs_nothing(G, tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert G.main(["--out", str(tmp_path / "out")]) == 0
+    assert "no CUDA GPU" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
+def test_smoke_run_writes_the_record_and_the_tarball(G, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the smoke run is the CPU's; a GPU host runs the real thing")
+    out = tmp_path / "out"
+    started = int(time.time()) - 30  # as if on-host had taken 30 s before this started
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--allow-cpu",
+                           "--steps", "gpu-tests,selftest-plain", "--workers", "2",
+                           "--call-started", str(started), "--commit", "0123abcd"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    # The CuPy selftest cannot run without a GPU: a failed step makes the whole run fail.
+    assert done.returncode == 1, done.stdout + done.stderr
+    [record] = out.glob("gpu_proof-*.json")
+    data = json.loads(record.read_text())
+    steps = {s["name"]: s for s in data["steps"]}
+    assert set(steps) == {"gpu-tests", "selftest-plain"} and not data["ok"]
+    tests = steps["gpu-tests"]
+    assert tests["returncode"] == 0 and not tests["timed_out"]
+    counts = tests["summary"]["gpu"]
+    assert counts["skipped"] > 0 and counts["passed"] == counts["failed"] == counts["errors"] == 0
+    plain = steps["selftest-plain"]
+    assert plain["returncode"] == 1 and plain["summary"]["ok"] is False
+    assert "cupy" in plain["summary"]["unavailable"] and "cupy" in plain["summary"]["table"]
+    assert data["env"]["torch"] == torch.__version__ and "command" in data
+    assert data["commit"] == data["git"] == "0123abcd"  # passed in: not the device's .git
+    assert "version" in data["nvrtc"]  # the device's NVRTC (or why none loads)
+    budget = data["budget"]  # the 600 s limit less what on-host took, the ladder, the record
+    assert budget["before_start_s"] >= 30 and budget["limit_s"] == 600
+    assert budget["budget_s"] == pytest.approx(600 - budget["before_start_s"] - budget["ladder_s"]
+                                               - budget["record_s"] - budget["safety_s"], abs=0.2)
+    assert budget["margin_s"] > budget["safety_s"]  # measured: the run ended well inside
+    assert tests["summary"]["skip_reasons"] and not tests["summary"]["partial"]
+    assert sum(tests["summary"]["skip_reasons"].values()) == counts["skipped"]
+    assert tests["threads"] >= 1 and tests["signals"] == [] and tests["leftovers"] == 0
+    assert plain["summary"]["source"] == "json"
+    with tarfile.open(out / "gpu_proof-files.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"gpu-tests.log", "gpu-tests.xml", "gpu-tests.jsonl", "selftest-plain.log",
+            "selftest-plain.json", "selftest-plain.jsonl"} <= names
+    assert sorted(p.name for p in out.iterdir()) == [record.name, "gpu_proof-files.tar.gz"]
+    lines = done.stdout.strip().splitlines()
+    last = lines[next(i for i, line in enumerate(lines) if line.startswith("wrote ")):]
+    assert any(line.startswith("gpu-tests") and "ok (exit 0" in line for line in last)
+    assert any(line.startswith("selftest-plain") and "FAILED (exit 1" in line for line in last)
+
+
+def test_summary_lines_name_every_verdict_and_count(G):
+    bench = G.StepResult("bench-cudnn", "python cudnn.py", returncode=0, seconds=61.0, summary={
+        "targets": {"tiny call": True, "large shapes": False, "headline": None},
+        "target_values": {"tiny call": 1.02, "large shapes": 0.95, "headline": None}})
+    tests = G.StepResult("gpu-tests", "pytest", returncode=1, seconds=200.0, summary={
+        "gpu": {"passed": 300, "failed": 1, "errors": 0, "skipped": 3},
+        "failures": [{"test": "tests/x.py::test_y", "outcome": "failed", "message": "boom"}]})
+    late = G.StepResult("bench-neighborhood", "python neighborhood.py", timed_out=True, seconds=150)
+    lines = G.summary_lines([tests, bench, late])
+    text = "\n".join(lines)
+    assert lines[0].startswith("gpu-tests") and "FAILED (exit 1" in lines[0]
+    assert "'failed': 1" in text and "failed: tests/x.py::test_y: boom" in text
+    assert "ok   tiny call: 1.02" in text and "MISS large shapes: 0.95" in text
+    assert "n/a  headline" in text
+    assert any(line.startswith("bench-neighborhood") and "TIMED OUT after 150 s" in line
+               for line in lines)
+
+
+def test_extra_rows_may_run_out_of_time_without_failing_the_run(G, tmp_path):
+    code = "import time; time.sleep(120)"
+    extra = G.Step("bench-extra", [sys.executable, "-c", code], 3, 1.0, optional=True)
+    needed = G.Step("gpu-tests", [sys.executable, "-c", code], 1, 1.0)
+    results = G.run_steps([extra, needed], tmp_path, time.monotonic() + 100, side_by_side=True)
+    assert all(r.timed_out and not r.ok for r in results)
+    assert [r.failed for r in results] == [False, True]
+    crashed = G.run_steps([G.Step("bench-crash", [sys.executable, "-c", "raise SystemExit(2)"], 3,
+                                  30.0, optional=True)], tmp_path, time.monotonic() + 100,
+                          side_by_side=False)
+    assert crashed[0].failed  # an optional step that ran and failed is a failure
+    steps = G.plan(tmp_path)
+    assert {s.name for s in steps if s.optional} == {s.name for s in steps if s.phase == 3} \
+        == {"bench-cudnn-more", "bench-neighborhood-more"}
+    lines = G.summary_lines(results)
+    assert "(extra rows: not a failure)" in lines[0] and "not a failure" not in lines[1]
+
+
+def test_benchmark_steps_read_their_own_folder(G, tmp_path):
+    (tmp_path / G.MORE).mkdir()
+    quick = {"targets": {"tiny call": True}, "target_values": {"tiny call": 1.01}, "rows": []}
+    more = {"targets": {"tiny call": False}, "target_values": {"tiny call": 1.2}}
+    (tmp_path / "cudnn-2026-11-26.json").write_text(json.dumps(quick))
+    (tmp_path / G.MORE / "cudnn-2026-11-26.json").write_text(json.dumps(more))
+    first = G.summarize(G.StepResult("bench-cudnn", "cmd"), tmp_path)
+    second = G.summarize(G.StepResult("bench-cudnn-more", "cmd"), tmp_path)
+    assert first["file"] == "cudnn-2026-11-26.json" and first["targets"] == {"tiny call": True}
+    assert second["file"] == "more/cudnn-2026-11-26.json"
+    assert second["target_values"] == {"tiny call": 1.2}
+    assert G.summarize(G.StepResult("bench-neighborhood", "cmd"), tmp_path) == {}
