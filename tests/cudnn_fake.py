@@ -131,6 +131,18 @@ class FakeGraph:
         for b, n in enumerate(lens_q):
             flat[offsets[b]:offsets[b] + n * s.heads_q] = lse[b, :, :n, 0].t().reshape(-1).float()
 
+    def _read_bias(self, bias):
+        """The bias through the dims and strides the graph declares (as cuDNN reads the
+        pointer), broadcast to ``[B, H_q, S_q, S_kv]``. cuDNN's backward documents biases of
+        dims ``(1|B, 1|H_q, S_q, S_kv)`` only (one broadcast along S_q gave dQ errors of ~1.4 on
+        an H200, issue 23): a backward graph declaring another shape is refused here."""
+        s = self.spec
+        if self.backward and tuple(s.bias_dim[2:]) != (s.seq_q, s.seq_kv):
+            raise AssertionError(f"cuDNN's backward reads a bias of dims (1|B, 1|H_q, S_q, "
+                                 f"S_kv) only; this graph declares {s.bias_dim}")
+        declared = torch.as_strided(bias, s.bias_dim, s.bias_stride)
+        return declared.to(torch.float64).expand(s.batch, s.heads_q, s.seq_q, s.seq_kv)
+
     # -- the graph --------------------------------------------------------------------------------
     def execute(self, buffers, workspace, handle):
         s = self.spec
@@ -147,7 +159,7 @@ class FakeGraph:
         scale = buffers[UID.SCALE].item()
         sc = scale * q @ k.transpose(-1, -2)
         if UID.BIAS in buffers:
-            sc = sc + buffers[UID.BIAS].to(torch.float64)
+            sc = sc + self._read_bias(buffers[UID.BIAS])
         if s.alibi:
             i = torch.arange(s.seq_q).view(-1, 1)
             j = torch.arange(s.seq_kv).view(1, -1)

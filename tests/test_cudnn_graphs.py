@@ -498,6 +498,35 @@ def test_plan_forward_backward_match_the_oracle(problem, fake_cudnn):
 
 
 @needs_fe
+@pytest.mark.parametrize("bias_shape", [(2, 1, 1, 16), (1, 1, 12, 1), "expanded"])
+def test_backward_binds_a_bias_broadcast_along_s_as_full_rows(bias_shape, fake_cudnn):
+    """cuDNN's backward reads (1|B, 1|H_q, S_q, S_kv) biases only (issue 23: dQ off by ~1.4 on
+    an H200 for a (B, 1, 1, S_kv) bias): the backward graph declares the full rows and the plan
+    binds a materialised copy; the gradients still match the float64 oracle."""
+    p = Problem(B=2, Hq=2, Sq=12, Skv=16, D=8)
+    inp = p.make_inputs(torch.float16, seed=4, requires_grad=True)
+    gen = torch.Generator().manual_seed(6)
+    if bias_shape == "expanded":  # stride 0 along H and S_q
+        bias = torch.randn(2, 1, 1, 16, generator=gen).to(torch.float16).expand(2, 2, 12, 16)
+    else:
+        bias = torch.randn(bias_shape, generator=gen).to(torch.float16)
+    leaves = [inp[n] for n in ("q", "k", "v")]
+    out = ca.attention(*leaves, bias=bias, backend="cudnn")
+    (spec, backward), = [b for b in fake_cudnn[1] if b[1]] or [(None, None)]
+    assert spec is not None and tuple(spec.bias_dim[2:]) == (12, 16)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    q, k, v = ref_leaves
+    ref = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + bias.double(), -1) @ v
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+    g = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad((out.double() * g).sum(), leaves)
+    want = torch.autograd.grad((ref * g).sum(), ref_leaves)
+    for name, a, e in zip("qkv", got, want):
+        torch.testing.assert_close(a.double(), e, atol=2e-2, rtol=2e-2,
+                                   msg=lambda m, n=name: f"d{n}: {m}")
+
+
+@needs_fe
 def test_plan_dropout_seed_reaches_the_backward(fake_cudnn):
     p = Problem(B=1, Hq=2, Sq=8, D=8, causal="top_left")
     inp = p.make_inputs(torch.float16, seed=2, requires_grad=True)

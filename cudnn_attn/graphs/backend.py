@@ -164,7 +164,7 @@ class CudnnPlan:
         buffers = {UID.Q: _runtime.aligned(q), UID.K: _runtime.aligned(k),
                    UID.V: _runtime.aligned(v), UID.SCALE: self._scales.get(problem.scale)}
         if self.spec.bias_dim is not None:
-            buffers[UID.BIAS] = _runtime.aligned(bias)
+            buffers[UID.BIAS] = _runtime.bias_operand(self.spec, bias)
         empty = None
         if self._lengths is not None:
             padding = problem.padding
