@@ -24,7 +24,7 @@ from cudnn_fake import cudnn_visibility
 
 import cudnn_attn as ca
 from cudnn_attn import dispatch
-from cudnn_attn.caches import clear_caches
+from cudnn_attn.caches import cache_sizes, clear_caches
 from cudnn_attn.graphs import _runtime
 from cudnn_attn.graphs._spec import GraphOptions, PagedKV, analyze, padded_rows
 from cudnn_attn.graphs.sdpa import UID, describe, validate_for
@@ -562,6 +562,22 @@ def test_plan_reuses_cached_graphs(fake_cudnn):
     assert len(built) == 1 and cache.info()["hits"] >= 1
     ca.attention(q, k, v, mask=ca.Causal(), return_lse=True, backend="cudnn")
     assert len(built) == 2 and built[1][0].stats  # the variant with stats is another graph
+
+
+@needs_fe
+def test_forgotten_calls_and_plans_rebuild_no_graph(fake_cudnn):
+    """What tests/test_cudnn_gpu.py::test_cache_hits_cause_no_rebuild checks on the GPU, on the
+    caches API (issue 23: it used a removed ``api._CALL_CACHE``)."""
+    cache, built = fake_cudnn
+    q, k, v = qkv(device="cpu", Sq=16, D=8)
+    ca.attention(q, k, v, mask=ca.Causal(), scale=0.3, backend="cudnn")
+    assert cache_sizes()["api.calls"] >= 1
+    hits = cache.info()["hits"]
+    clear_caches("api.calls")
+    assert cache_sizes()["api.calls"] == 0 and len(cache.keys()) == 1
+    dispatch.get_backend("cudnn").clear()
+    ca.attention(q, k, v, mask=ca.Causal(), scale=0.4, backend="cudnn")
+    assert len(built) == 1 and cache.info()["hits"] > hits
 
 
 # ---------------------------------------------------------------------------------------------
