@@ -182,7 +182,7 @@ def test_smoke_run_writes_the_record_and_the_tarball(G, tmp_path):
     started = time.time() - 30  # as if on-host had taken 30 s before this started
     done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--allow-cpu",
                            "--steps", "gpu-tests,selftest-plain", "--workers", "2",
-                           "--call-started", f"{started:.0f}", "--commit", "0123abcd"],
+                           "--call-started", str(int(started)), "--commit", "0123abcd"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     # The CuPy selftest cannot run without a GPU: a failed step makes the whole run fail.
     assert done.returncode == 1, done.stdout + done.stderr
@@ -199,6 +199,7 @@ def test_smoke_run_writes_the_record_and_the_tarball(G, tmp_path):
     assert "cupy" in plain["summary"]["unavailable"] and "cupy" in plain["summary"]["table"]
     assert data["env"]["torch"] == torch.__version__ and "command" in data
     assert data["commit"] == "0123abcd"  # passed in: .git does not travel to the device
+    assert data["git"] == "0123abcd"  # never a describe of a stale .git on the device (issue 23)
     assert "version" in data["nvrtc"]  # the device's NVRTC (or why none loads)
     budget = data["budget"]  # the 600 s limit less what on-host took, the ladder, the record
     assert budget["before_start_s"] >= 30 and budget["limit_s"] == 600
@@ -268,3 +269,19 @@ def test_benchmark_steps_read_their_own_folder(G, tmp_path):
     assert second["file"] == "more/cudnn-2026-11-26.json"
     assert second["target_values"] == {"tiny call": 1.2}
     assert G.summarize(G.StepResult("bench-neighborhood", "cmd"), tmp_path) == {}
+
+
+def test_a_commit_passed_in_names_every_record(G, tmp_path, monkeypatch):
+    """issue 23: the record said "78783be-dirty" (a stale .git on the device) for 7cfa5f7."""
+    report = sys.modules["_report"]
+    monkeypatch.setenv(report.COMMIT_ENV, "7cfa5f7")
+    path = report.write_json("cudnn", {"rows": []}, results_dir=tmp_path)
+    assert json.loads(path.read_text())["git"] == "7cfa5f7"
+    child = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                            "import _report; print(_report._git_describe())",
+                            str(SCRIPT.parent)], env={**os.environ}, capture_output=True,
+                           text=True, timeout=60)
+    assert child.stdout.strip() == "7cfa5f7", child.stderr
+    monkeypatch.delenv(report.COMMIT_ENV)
+    assert report._git_describe() != "7cfa5f7"
+
