@@ -627,3 +627,42 @@ def test_problem_dropout_mask_selects_the_mask_dropout_graph():
     both = ca.AttnProblem.from_tensors(q, k, v, dropout_p=0.1)  # the model refuses both itself
     object.__setattr__(both, "dropout_mask", problem.dropout_mask)
     assert any("not both" in r for r in analyze(both, target_sm=90)[1])
+
+
+@needs_fe
+def test_unpadded_backward_launches_no_lse_fixup(fake_cudnn):
+    """Per-call work of the cuDNN backward: without padding no row lacks a key, so the LSE is
+    bound as is (issue 23's profile: backward at S=1024 ran at 0.66x the bare execute); the
+    ``-inf -> +inf`` fix-up (``eq`` + ``masked_fill``) runs only for padded graphs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (t.requires_grad_(True) for t in qkv(device="cpu", Sq=16, D=8))
+    out = ca.attention(q, k, v, backend="cudnn")
+    plan_backward = dispatch.get_backend("cudnn").plan(
+        ca.AttnProblem.from_tensors(q, k, v)).backward
+    calls = []
+
+    def spy(*args, **kwargs):
+        with Ops() as ops:  # the host's ops around cuDNN's execute (a no-op here)
+            result = plan_backward(*args, **kwargs)
+        calls.append(ops.names)
+        return result
+    import cudnn_attn.graphs.backend as gb
+    monkey = pytest.MonkeyPatch()
+    try:
+        monkey.setattr(gb.CudnnPlan, "backward", lambda self, *a, **kw: spy(*a, **kw))
+        monkey.setattr(cudnn_fake.FakeGraph, "execute", lambda self, *a: None)
+        torch.autograd.grad(out.float().sum(), [q, k, v])
+    finally:
+        monkey.undo()
+    assert calls, "the cuDNN backward did not run"
+    assert not any(n.startswith(("eq", "masked_fill")) for n in calls[0]), calls[0]

@@ -267,7 +267,8 @@ class CudnnPlan:
         o_shape, stats_shape = self._shapes(q)
         packed = lse.t() if s.ragged else lse  # back to the stats' own row order
         stats = packed.reshape(stats_shape).to(torch.float32)
-        stats = stats.masked_fill(stats == -math.inf, math.inf)
+        if s.padding:  # only padded graphs have rows that see no key (the forward's -inf rows)
+            stats = stats.masked_fill(stats == -math.inf, math.inf)
         self._dropout_buffers(problem, inputs, buffers, backward=True)
         dout = _like_layout(dout, o_shape)
         if dlse is not None:
