@@ -14,7 +14,9 @@ and backward (backward FLOPs = 2.5 x forward). For each we time
             sdpa_kernel(FLASH_ATTENTION / CUDNN_ATTENTION)
 Targets (issues 3 and 14): ours >= 0.98 x bare at large shapes; call within 1.05 x bare execute on
 a tiny problem; ours >= torch-cudnn on every shape both ran; H200 bf16 D=128 causal S=8k: forward
->= 640, backward >= 540 TFLOP/s. The machine's ceilings (benchmarks/ceilings.py) are measured once
+>= 640, backward >= 540 TFLOP/s. FP8 rows (``fp8_rows.py``; ``--no-fp8`` skips them): E4M3
+``sdpa_fp8`` forward and backward, D=128, ours only (published H200: ~1,060 / ~670 TFLOP/s).
+The machine's ceilings (benchmarks/ceilings.py) are measured once
 per run, and each throughput row gets ``ours/ceiling`` (ours over the bf16 matmul ceiling).
 JSON: <--results-dir>/cudnn-<date>.json (default benchmarks/results/).
 """
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import _report  # benchmarks/_report.py (this script's folder is on sys.path)
 import ceilings  # imported before unshadowing: that takes this folder off sys.path
+import fp8_rows  # the FP8 rows (sdpa_fp8 / sdpa_fp8_backward, E4M3, D=128)
 
 _report.unshadow_cudnn()  # this folder's cudnn.py is not the cuDNN frontend
 import torch
@@ -216,7 +219,7 @@ def headline_tflops(rows):
 def target_verdicts(rows, overhead):
     """``{target: {"value", "met"}}`` from the throughput and overhead rows (also gpu_report's)."""
     tiny = next((r["vs_bare"] for r in overhead if r["call"] == TINY_CALL), None)
-    large = [r["ours/bare"] for r in rows if r["S"] >= 4096]
+    large = [r["ours/bare"] for r in rows if r["S"] >= 4096 and "ours/bare" in r]  # not FP8
     vs_torch_cudnn = [r["ours_tflops"] / r["torch-cudnn_tflops"] for r in rows
                       if r.get("torch-cudnn_tflops")]
     headline = headline_tflops(rows)
@@ -248,6 +251,10 @@ def main() -> int:
                         help="these sequence lengths instead (e.g. the rest of a --quick run's "
                              "curve)")
     parser.add_argument("--no-json", action="store_true", help="print only, write no results file")
+    parser.add_argument("--no-fp8", action="store_true",
+                        help="skip the FP8 rows (cuDNN's sdpa_fp8 and its backward, D=128)")
+    parser.add_argument("--only-fp8", action="store_true",
+                        help="the FP8 rows alone (no overhead, build or fp16/bf16 rows)")
     parser.add_argument("--no-ceilings", action="store_true",
                         help="skip measuring the copy and matmul ceilings")
     parser.add_argument("--results-dir", type=Path, default=_report.RESULTS_DIR,
@@ -268,17 +275,22 @@ def main() -> int:
     machine = None if args.no_ceilings else ceilings.measure()
     print(ceilings.describe(machine) + "\n")
 
-    overhead = bench_overhead(args)
-    _report.print_table(overhead, ["call", "us_per_call", "vs_bare"])
-    print(f"target: attention(backend='cudnn') <= {TARGET_OVERHEAD} x bare execute\n")
-    builds = bench_builds(args)
-    _report.print_table(builds, ["graph", "build_ms", "workspace_MiB"])
-    rows = []
+    overhead, builds, rows = [], [], []
+    if args.only_fp8:
+        args.dtypes = ()
+    else:
+        overhead = bench_overhead(args)
+        _report.print_table(overhead, ["call", "us_per_call", "vs_bare"])
+        print(f"target: attention(backend='cudnn') <= {TARGET_OVERHEAD} x bare execute\n")
+        builds = bench_builds(args)
+        _report.print_table(builds, ["graph", "build_ms", "workspace_MiB"])
     for dtype in args.dtypes:
         for d in dims:
             for s in seqs:
                 for causal in (False, True):
                     rows += bench_shape(dtype, d, s, causal, args)
+    if not args.no_fp8:
+        rows += fp8_rows.bench(seqs, args, timed, flops, TOKENS, HIDDEN)
     ceilings.add_fraction(rows, machine)
     cols = ["dtype", "D", "S", "causal", "dir", "ours_tflops", "bare_tflops", "ours/bare",
             "torch-flash_tflops", "torch-cudnn_tflops", "ours/ceiling"]

@@ -181,13 +181,15 @@ def _cubins(directory: Path) -> set[str]:
 
 
 def seed_cubin_cache(carried: Path | None, cache: Path) -> int:
-    """Copy the carried cubins into a fresh cache directory of ours (the cache refuses a folder
-    owned by another user or reached through a link); the number copied."""
+    """Adopt the carried cubins into a fresh cache directory of ours: they were signed with the
+    build machine's key, so ``cubin_cache.adopt`` re-signs the well-formed ones with this user's
+    (the cache loads only entries signed so); the number adopted."""
     cache.mkdir(mode=0o700, parents=True, exist_ok=True)
-    names = _cubins(carried) if carried is not None else set()
-    for name in names:
-        shutil.copyfile(carried / name, cache / name)
-    return len(names)
+    if carried is None or not _cubins(carried):
+        return 0
+    from cudnn_attn.fallback_kernels import cubin_cache
+
+    return cubin_cache.adopt(carried, cache)
 
 
 def prebuild(directory: Path, archs: list[str], expect_nvrtc: str) -> int:
@@ -268,6 +270,9 @@ def run(args: argparse.Namespace) -> int:
         cubins_for = (carried_dir / NVRTC_FILE).read_text().strip()
     extra: dict[str, Any] = {
         "commit": args.commit, "budget_s": budget["budget_s"], "budget": budget,
+        # `git describe` on the device reads whatever .git is there (a stale one, on the first
+        # H200 run): the commit passed in from the checkout that travelled is the truth.
+        **({"git": args.commit} if args.commit else {}),
         "nvrtc": {**device_nvrtc(), "cubins_compiled_with": cubins_for},
         "cores": os.cpu_count(), "cubins": {"carried": carried}}
     results: list[StepResult] = []

@@ -154,9 +154,14 @@ def correctness_lines(record: dict[str, Any]) -> list[str]:
                for step in record["steps"]]  # fields do not stop the report
     state = "every step passed" if record.get("ok") else "NOT every step passed"
     cubins = record.get("cubins") or {}
+    nvrtc, budget = record.get("nvrtc") or {}, record.get("budget") or {}
     lines = [f"{state}; {record.get('seconds')} s of a {record.get('budget_s')} s budget; cubins "
              f"carried {cubins.get('carried')}, compiled on the device "
              f"{cubins.get('compiled_on_device')}.", "",
+             f"Commit {record.get('commit') or record.get('git')}; NVRTC on the device "
+             f"{nvrtc.get('version') or nvrtc.get('error')}, cubins compiled with "
+             f"{nvrtc.get('cubins_compiled_with')}; {budget.get('margin_s')} s left under the "
+             f"device's {budget.get('limit_s')} s limit.", "",
              "```", *gpu_proof.summary_lines(results), "```"]
     for r in results:
         if r.summary.get("table"):

@@ -9,7 +9,7 @@ import importlib
 
 from .api import Explanation, attention, explain
 from .caches import clear_caches
-from .dispatch import NotSupportedError
+from .dispatch import NotSupportedError, exclude_backend, use_backend
 from .graphs.cache import graph_cache
 from .masks import Alibi, Causal, Mask, Neighborhood, Padding, RelPosBias, SlidingWindow
 from .problem import AttnProblem, TensorSpec
@@ -23,7 +23,9 @@ _LAZY_MODULES = ("neighborhood", "ops", "flash_api", "flash_attention", "nn", "g
 
 # The cuDNN attribute builder's names, from compat/cudnn_frontend on first use.
 _BUILDER_NAMES = ("SdpaAttributes", "SdpaBackwardAttributes", "scaled_dot_product_flash_attention",
-                  "scaled_dot_product_flash_attention_backward")
+                  "scaled_dot_product_flash_attention_backward", "sdpa_fp8", "sdpa_fp8_backward")
+# FP8 training (delayed scaling): cudnn_attn.fp8_training on first use.
+_FP8_TRAINING_NAMES = ("attention_fp8", "FP8Attention", "DelayedScaling")
 
 
 def __getattr__(name: str):
@@ -33,11 +35,14 @@ def __getattr__(name: str):
         return importlib.import_module(f".{name}", __name__)
     if name in _BUILDER_NAMES:
         return getattr(importlib.import_module(".compat.cudnn_frontend", __name__), name)
+    if name in _FP8_TRAINING_NAMES:
+        return getattr(importlib.import_module(".fp8_training", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_MODULES) | set(_BUILDER_NAMES) | {"selftest"})
+    return sorted(set(globals()) | set(_LAZY_MODULES) | set(_BUILDER_NAMES)
+                  | set(_FP8_TRAINING_NAMES) | {"selftest"})
 
 
 __version__ = "0.1.0"
@@ -58,11 +63,18 @@ __all__ = [
     "Alibi",
     "RelPosBias",
     "clear_caches",
+    "use_backend",
+    "exclude_backend",
     "selftest",
     "SdpaAttributes",
     "SdpaBackwardAttributes",
     "scaled_dot_product_flash_attention",
     "scaled_dot_product_flash_attention_backward",
+    "sdpa_fp8",
+    "sdpa_fp8_backward",
+    "attention_fp8",
+    "FP8Attention",
+    "DelayedScaling",
     "AttnProblem",
     "TensorSpec",
     "__version__",

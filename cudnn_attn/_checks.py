@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 __all__ = ["FLOAT_DTYPES", "INDEX_DTYPES", "tensor", "index_tensor", "like", "shape", "integer",
-           "flag", "boolean", "real", "per_axis", "softmax_scale"]
+           "flag", "boolean", "real", "per_axis", "softmax_scale", "dense", "fits_scores"]
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -26,6 +26,7 @@ def tensor(name: str, t, *, ndim: Optional[int] = None, what: str = "", floating
     one of ``dtypes`` when given)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{prefix}{name} must be a torch.Tensor, got {type(t).__name__}")
+    dense(name, t, prefix)
     if floating and t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{prefix}{name} must be float64, float32, float16 or bfloat16, got {t.dtype}")
     if dtypes is not None and t.dtype not in dtypes:
@@ -34,6 +35,17 @@ def tensor(name: str, t, *, ndim: Optional[int] = None, what: str = "", floating
     if ndim is not None and t.dim() != ndim:
         layout = f" {what}" if what else ""
         raise ValueError(f"{prefix}{name} must be {ndim}-D{layout}, got shape {tuple(t.shape)}")
+    return t
+
+
+def dense(name: str, t: torch.Tensor, prefix: str = "") -> torch.Tensor:
+    """``t`` is a dense (strided, not nested) tensor: sparse, mkldnn and nested tensors have no
+    strides to read, and torch's own error about them names no argument."""
+    if t.is_nested:
+        raise TypeError(f"{prefix}{name} must be a dense tensor, got a nested tensor")
+    if t.layout != torch.strided:
+        raise TypeError(f"{prefix}{name} must be a dense (torch.strided) tensor, got layout "
+                        f"{t.layout}")
     return t
 
 
@@ -145,3 +157,22 @@ def softmax_scale(name: str, value, head_dim: int, *, error: type = ValueError,
     if value is None:
         return default_scale(head_dim)
     return real(name, value, error=error, prefix=prefix)
+
+
+_FLOAT32 = torch.finfo(torch.float32)
+
+
+def fits_scores(name: str, value: float, dtype: torch.dtype, *, smallest: bool = False,
+                prefix: str = "") -> float:
+    """``value`` (a scale or softcap) held in the dtype scores are computed in: float32 for every
+    input dtype but float64 (cuDNN, FlashAttention and torch SDPA hold it in a C float too).
+    Outside float32's range it becomes inf (or, with ``smallest``, 0) and every score NaN, which
+    no peer reports; here it is an error."""
+    if dtype == torch.float64 or value == 0:
+        return value
+    low = _FLOAT32.tiny if smallest else 0.0
+    if not low <= abs(value) <= _FLOAT32.max:
+        bound = f"in [{low:.3g}, {_FLOAT32.max:.3g}]" if smallest else f"<= {_FLOAT32.max:.3g}"
+        raise ValueError(f"{prefix}{name}={value!r} does not fit float32, the dtype scores of "
+                         f"{dtype} inputs are computed in: |{name}| must be {bound}")
+    return value

@@ -55,12 +55,13 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
         return None
     try:
         # No tensor types: only plain torch.Tensor inputs get here (_through_ops).
-        return (q.shape, q.dtype, q.device, q.requires_grad,
+        return (q.layout, k.layout, v.layout,  # a sparse q must not find a dense call's runner
+                q.shape, q.dtype, q.device, q.requires_grad,
                 k.shape, k.dtype, k.device, k.requires_grad,
                 v.shape, v.dtype, v.device, v.requires_grad,
                 mask, bias_key, scale, dropout_p, softcap, layout, return_lse, backend,
-                _deterministic(), _deterministic_requested())
-    except (AttributeError, TypeError):
+                _deterministic(), _deterministic_requested(), dispatch.policy_key())
+    except (AttributeError, TypeError, RuntimeError):  # RuntimeError: a nested tensor's shape
         return None
 
 
@@ -140,6 +141,10 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softc
     Returns:
         ``out`` in the layout of ``q`` with ``D_v`` features, or ``(out, lse)``. A query that sees
         no key gets ``out = 0`` and ``lse = -inf``.
+
+    FP8 (E4M3/E5M2, cuDNN's ``sdpa_fp8`` and its backward) is ``cudnn_attn.attention_fp8`` /
+    ``cudnn_attn.FP8Attention``: its inputs come with scales and it returns amaxes for a
+    delayed-scaling recipe, which this function's contract has no place for.
 
     Equivalent PyTorch (bhsd, no GQA; ``visible`` the boolean mask the ``mask`` describes)::
 

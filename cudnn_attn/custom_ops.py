@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import call_spec, dispatch, execution
+from . import _checks, call_spec, dispatch, execution
 from ._checks import default_scale
 from .caches import LRU
 from .errors import NotSupportedError
@@ -112,7 +112,7 @@ def _prepare(spec: str, q, k, v, bias, dropout_mask, lens_q, lens_kv, scalars, *
     key = None
     if plan and not call.runtime_padding:
         key = (spec, scalars, _meta(q), _meta(k), _meta(v), _meta(bias), _meta(dropout_mask),
-               torch.are_deterministic_algorithms_enabled())
+               torch.are_deterministic_algorithms_enabled(), dispatch.policy_key())
         hit = _PREPARED.get(key)
         if hit is not None:
             return hit
@@ -383,6 +383,7 @@ def traced_attention(q, k, v, *, mask, bias, scale, dropout_p, softcap, layout, 
                      backend, generator):
     """``attention()`` through the custom ops: shape logic and constants only, so Dynamo and
     export trace it without a break; validation runs in the ops' fake implementation."""
+    _checks.flag("return_lse", return_lse)  # the spec keeps bool(return_lse): check it here
     q, k, v = autocast_inputs(q, k, v)
     kind, table, alibi = split_bias(bias)
     kind = "none" if kind == "alibi" else kind  # the slopes travel in the spec

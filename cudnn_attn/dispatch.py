@@ -4,20 +4,35 @@ A backend answers ``supports(problem)`` with a list of reasons it cannot run the
 means it can). Selection walks the registry and takes the first backend with no reasons; when a
 user forces a backend that has reasons, or nothing can run, ``NotSupportedError`` lists them all.
 There is never a silent fallback from a forced backend.
+
+The backend policy: :func:`use_backend` / :func:`exclude_backend` (context managers, like
+``torch.nn.attention.sdpa_kernel``) restrict which engines any call may use, whatever surface it
+comes through (``attention``, varlen, FlashAttention, NATTEN, the cuDNN builder, Hugging Face,
+libraries built on those), since every surface selects here. The policy lives in a
+``contextvars.ContextVar``: per thread and per asyncio task, and read when an op runs (never while
+``torch.compile`` traces), so a compiled graph honours the policy in force at each call. Its
+default comes from the environment when the package is imported: ``CUDNN_ATTN_BACKENDS`` (a comma-
+separated list of the engines allowed, e.g. ``torch`` or ``cudnn,torch``) and
+``CUDNN_ATTN_EXCLUDE_BACKENDS`` (engines never used). An engine outside the policy reports the
+reason ``"excluded by ..."`` in ``explain()`` and in ``NotSupportedError``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
-from typing import Protocol
+from collections.abc import Iterable
+from typing import Protocol, Union
 
 from .caches import LRU
 from .errors import NotSupportedError, format_reasons
 from .problem import AttnProblem
 
 __all__ = ["NotSupportedError", "Backend", "BACKENDS", "BACKEND_NAMES", "get_backend", "select",
-           "plan_for", "verdicts", "format_reasons"]
+           "plan_for", "verdicts", "format_reasons", "use_backend", "exclude_backend",
+           "allowed_backends", "policy_key"]
 
 logger = logging.getLogger("cudnn_attn")
 if "CUDNN_ATTN_LOG_LEVEL" in os.environ:
@@ -74,6 +89,93 @@ def get_backend(name: str):
         raise ValueError(f"backend must be 'auto' or one of {BACKEND_NAMES}, got {name!r}") from None
 
 
+# ---------------------------------------------------------------------------------------------
+# the backend policy (use_backend / exclude_backend)
+# ---------------------------------------------------------------------------------------------
+
+def _names(arg, what: str) -> tuple[str, ...]:
+    """``arg`` (a backend name or an iterable of names) as a tuple of registered names."""
+    names = (arg,) if isinstance(arg, str) else tuple(arg) if isinstance(arg, Iterable) else None
+    if not names or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{what} must be a backend name or a non-empty list of names from "
+                        f"{BACKEND_NAMES}, got {arg!r}")
+    for n in names:
+        if n not in _BY_NAME:
+            raise ValueError(f"{what} must name backends from {BACKEND_NAMES}, got {n!r}")
+    return names
+
+
+def _env_policy() -> tuple[tuple[str, ...], str]:
+    """The policy the environment asks for at import: ``(allowed names, why the others are
+    out)``."""
+    allowed, why = BACKEND_NAMES, ""
+    for var in ("CUDNN_ATTN_BACKENDS", "CUDNN_ATTN_EXCLUDE_BACKENDS"):
+        value = os.environ.get(var, "").strip()
+        if not value:
+            continue
+        names = _names([n.strip() for n in value.split(",") if n.strip()], var)
+        keep = set(names) if var == "CUDNN_ATTN_BACKENDS" else set(BACKEND_NAMES) - set(names)
+        allowed = tuple(n for n in allowed if n in keep)
+        why = f"excluded by the environment ({var}={value})"
+    return allowed, why
+
+
+# (allowed engine names in priority order, the reason given to the others)
+_POLICY: contextvars.ContextVar = contextvars.ContextVar("cudnn_attn_backend_policy",
+                                                        default=_env_policy())
+
+
+def allowed_backends() -> tuple[str, ...]:
+    """The engines the current backend policy allows, in priority order."""
+    return _POLICY.get()[0]
+
+
+def policy_key() -> tuple:
+    """The current policy as a hashable value, for caches of engine choices."""
+    return _POLICY.get()[0]
+
+
+@contextlib.contextmanager
+def _policy(allowed: tuple[str, ...], why: str):
+    token = _POLICY.set((allowed, why))
+    try:
+        yield allowed
+    finally:
+        _POLICY.reset(token)
+
+
+def use_backend(backends: Union[str, Iterable[str]]):
+    """Context manager: only ``backends`` (a name or names of ``"cudnn"``, ``"cupy"``,
+    ``"torch"``) may run attention inside the block, on every surface, for the current thread
+    or task. Like ``torch.nn.attention.sdpa_kernel``: the innermost ``use_backend`` replaces the
+    allowed set (so it can re-allow an engine an outer ``exclude_backend`` removed). A call that
+    no allowed engine can run raises ``NotSupportedError`` (never a silent fallback)::
+
+        with cudnn_attn.use_backend("torch"):
+            model(x)          # every attention call inside runs on the torch engine
+    """
+    names = set(_names(backends, "backends"))
+    allowed = tuple(n for n in BACKEND_NAMES if n in names)
+    return _policy(allowed, f"excluded by cudnn_attn.use_backend({list(allowed)})")
+
+
+def exclude_backend(backends: Union[str, Iterable[str]]):
+    """Context manager: ``backends`` are not used inside the block (on top of the current
+    policy), on every surface, for the current thread or task::
+
+        with cudnn_attn.exclude_backend("cudnn"):
+            model(x)          # no cuDNN graph runs; the next engine that can, does
+    """
+    names = _names(backends, "backends")
+    allowed = tuple(n for n in allowed_backends() if n not in names)
+    return _policy(allowed, f"excluded by cudnn_attn.exclude_backend({list(names)})")
+
+
+def _policy_reasons(engine) -> list[str]:
+    allowed, why = _POLICY.get()
+    return [] if engine.name in allowed else [why]
+
+
 # (engine, decline key) -> reasons of a plan build the engine declined.
 _DECLINED = LRU("dispatch.declined", maxsize=1024)
 
@@ -83,11 +185,23 @@ def _decline_key(engine, problem: AttnProblem) -> tuple:
 
 
 def reasons_of(engine, problem: AttnProblem) -> list[str]:
-    """``engine.supports(problem)`` plus any decline remembered from an earlier plan build."""
+    """The backend policy's reason, else ``engine.supports(problem)`` plus any decline
+    remembered from an earlier plan build."""
+    reasons = _policy_reasons(engine)
+    if reasons:
+        return reasons
     reasons = engine.supports(problem)
     if not reasons:
         reasons = list(_DECLINED.get(_decline_key(engine, problem), ()))
     return reasons
+
+
+def auto_reasons(engine, problem: AttnProblem) -> list[str]:
+    """Why ``backend="auto"`` passes over ``engine`` although it can run ``problem`` (an
+    engine's declared preference, e.g. a speed rule not yet measured); a forced backend ignores
+    them."""
+    prefer = getattr(engine, "auto_reasons", None)
+    return [] if prefer is None else prefer(problem)
 
 
 def verdicts(problem: AttnProblem) -> dict[str, list[str]]:
@@ -118,7 +232,7 @@ def plan_for(problem: AttnProblem, backend: str = "auto"):
         return chosen, plan
     collected = {}
     for candidate in BACKENDS:
-        reasons = reasons_of(candidate, problem)
+        reasons = reasons_of(candidate, problem) or auto_reasons(candidate, problem)
         if not reasons:
             plan = _try_plan(candidate, problem)
             if plan is not None:

@@ -96,12 +96,16 @@ def direct_runner(problem: AttnProblem, plan):
 # Running
 # ---------------------------------------------------------------------------------------------
 
-def forward(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool = True):
+def forward(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool = True,
+            row_stats: Optional[dict] = None):
     """``(out, lse)`` of one call, outside autograd; positions past ``Padding`` lengths never
-    reach the engine (``runtime.hide_padding``)."""
+    reach the engine (``runtime.hide_padding``). ``row_stats`` (a dict, torch engine only)
+    receives each row's score maximum and sum of exponentials (the builder's logit_max and
+    score_sum_exp)."""
     inputs = hide_padding(problem, inputs)
+    extra = {} if row_stats is None else {"row_stats": row_stats}
     with torch.no_grad():
-        return plan.forward(problem, inputs, need_lse=need_lse)
+        return plan.forward(problem, inputs, need_lse=need_lse, **extra)
 
 
 def backward(problem: AttnProblem, plan, inputs: Inputs, out, lse, dout, dlse=None):

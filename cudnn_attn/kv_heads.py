@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from . import _checks
+
 __all__ = ["head_counts_differ", "repeat_to_common_heads", "sum_to_heads"]
 
 
@@ -23,6 +25,9 @@ def _heads(t: torch.Tensor, layout: str) -> int:
 def head_counts_differ(q, k, v, layout) -> bool:
     """Whether ``q``, ``k``, ``v`` are 4-D tensors in a known layout and ``k``, ``v`` have different
     head counts (anything malformed answers ``False``: validation then explains it)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if isinstance(t, torch.Tensor):
+            _checks.dense(name, t)  # before reading shapes: torch's errors there name no argument
     return (all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v))
             and layout in ("bhsd", "bshd") and _heads(k, layout) != _heads(v, layout))
 

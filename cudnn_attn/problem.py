@@ -126,6 +126,9 @@ class AttnProblem:
     scale: float = 1.0
     dropout_p: float = 0.0
     softcap: Optional[float] = None
+    # A recorded cuDNN score_mod (cudnn_attn.score_mods.ScoreMod): pointwise ops on the scores,
+    # applied after the scale and softcap, before bias and masks (the cuDNN builder's).
+    score_mod: Optional[object] = None
     return_lse: bool = False
     requires_grad: bool = False
     bias_requires_grad: bool = False
@@ -142,7 +145,8 @@ class AttnProblem:
         key = (self.batch, self.heads_q, self.heads_kv, self.seq_q, self.seq_kv, self.dim_qk,
                self.dim_v, self.dtype, self.device, self.layout, self.q, self.k, self.v, parts,
                self.bias, self.alibi is not None, self.rpb, self.dropout_mask,
-               self.softcap is not None, self.dropout_p > 0, self.deterministic, self.storage)
+               self.softcap is not None, self.dropout_p > 0, self.deterministic, self.storage,
+               self.score_mod)
         object.__setattr__(self, "plan_key", key)
 
     # -- convenience views used by every backend ----------------------------------------------
@@ -170,6 +174,7 @@ class AttnProblem:
                   f"rpb={list(self.rpb.shape)}" if self.rpb else "",
                   f"dropout_mask={list(self.dropout_mask.shape)}" if self.dropout_mask else "",
                   f"softcap={self.softcap}" if self.softcap else "",
+                  f"score_mod={self.score_mod.label}" if self.score_mod else "",
                   f"dropout_p={self.dropout_p}" if self.dropout_p else "",
                   f"storage={self.storage!r}" if self.storage else ""]
         return (f"q=[B={self.batch}, H={self.heads_q}, S={self.seq_q}, D={self.dim_qk}] "
@@ -181,13 +186,15 @@ class AttnProblem:
     @staticmethod
     def from_tensors(q, k, v, *, mask=None, bias=None, scale=None, dropout_p=0.0, softcap=None,
                      layout="bhsd", return_lse=False, alibi=None, dropout_mask=None,
-                     dropout_scale=1.0) -> "AttnProblem":
+                     dropout_scale=1.0, score_mod=None) -> "AttnProblem":
         """Validate the arguments of ``attention()`` and describe the call.
 
         Surfaces may also pass ``alibi`` (an ``Alibi``) next to a bias tensor: the engine adds
         both (the cuDNN builder's ``set_bias`` + ``set_alibi_mask``).
         ``dropout_mask`` (a bool, integer or float tensor broadcastable to ``[B, H_q, S_q, S_kv]``,
         exclusive with ``dropout_p``) multiplies the attention weights, times ``dropout_scale``.
+        ``score_mod`` (a ``cudnn_attn.score_mods.ScoreMod``, the builder's ``set_score_mod``)
+        modifies the scores before bias and masks.
         """
         q, k, v = (_checks.tensor(n, t, floating=True) for n, t in (("q", q), ("k", k), ("v", v)))
         if not (q.dtype == k.dtype == v.dtype):
@@ -248,6 +255,7 @@ class AttnProblem:
             scale = _checks.default_scale(Dqk)
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
             raise ValueError(f"scale must be a finite number, got {scale!r}")
+        _checks.fits_scores("scale", scale, q.dtype)
         if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) \
                 or not 0.0 <= dropout_p < 1.0:
             raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
@@ -256,6 +264,8 @@ class AttnProblem:
                     or not math.isfinite(softcap) or softcap < 0:
                 raise ValueError(f"softcap must be None or a finite number >= 0, got {softcap!r}")
             softcap = float(softcap) or None  # FlashAttention's convention: 0 means off
+            if softcap is not None:  # tiny: s / softcap is 0 / 0 at a zero score
+                _checks.fits_scores("softcap", softcap, q.dtype, smallest=True)
         mask_spec = None
         if dropout_mask is not None:
             dropout_mask = _checks.tensor("dropout_mask", dropout_mask)  # bool, int or float
@@ -274,10 +284,20 @@ class AttnProblem:
             q=TensorSpec.of(q), k=TensorSpec.of(k), v=TensorSpec.of(v), mask=mask,
             bias=bias_spec, alibi=alibi, rpb=rpb_spec, dropout_mask=mask_spec,
             dropout_scale=float(dropout_scale), scale=float(scale), dropout_p=float(dropout_p),
-            softcap=softcap, return_lse=_checks.flag("return_lse", return_lse),
+            softcap=softcap, score_mod=_score_mod(score_mod),
+            return_lse=_checks.flag("return_lse", return_lse),
             requires_grad=q.requires_grad or k.requires_grad or v.requires_grad or bias_grad,
             bias_requires_grad=bias_grad,
             deterministic=deterministic_default())
+
+
+def _score_mod(program):
+    from .score_mods import ScoreMod
+
+    if program is not None and not isinstance(program, ScoreMod):
+        raise TypeError(f"score_mod must be a cudnn_attn.score_mods.ScoreMod (trace() a "
+                        f"callable), got {type(program).__name__}")
+    return program
 
 
 def _check_masks(mask, batch: int, seq_q: int, seq_kv: int, alibi: bool) -> None:

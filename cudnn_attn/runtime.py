@@ -118,8 +118,20 @@ def hide_padding(problem, inputs: Inputs) -> Inputs:
     if bias is not None and problem.bias is not None:
         full = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
         bias = torch.where(_bias_cells(valid_q, valid_kv, full.shape), full, 0).view(bias.shape)
-    return Inputs(torch.where(rows, inputs.q, 0), torch.where(keys, inputs.k, 0),
-                  torch.where(keys, inputs.v, 0), bias, inputs.dropout, inputs.dropout_mask)
+    return Inputs(_zeroed(rows, inputs.q), _zeroed(keys, inputs.k), _zeroed(keys, inputs.v),
+                  bias, inputs.dropout, inputs.dropout_mask)
+
+
+def _zeroed(keep: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``torch.where(keep, t, 0)`` laid out with ``t``'s strides: the problem (and a cuDNN graph
+    built from it) describes the caller's tensor, so the tensor bound in its place must have the
+    same strides (a sliced view would otherwise come back contiguous, and cuDNN would read it
+    through the view's strides, past its end)."""
+    out = torch.where(keep, t, 0)
+    if out.stride() == t.stride() or 0 in t.stride():
+        return out
+    like = torch.empty_strided(t.shape, t.stride(), dtype=out.dtype, device=out.device)
+    return like.copy_(out)
 
 
 def hide_padded_rows(problem, out: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ class Config:
     b: int = 2
     h_q: int = 4
     h_kv: int = 4
+    h_v: int | None = None        # None: h_kv (cuDNN allows H_k != H_v, both dividing H_q)
     s_q: int = 8
     s_kv: int = 8
     d: int = 16
@@ -44,6 +45,10 @@ class Config:
     @property
     def band(self):
         return self.left is not None or self.right is not None
+
+    @property
+    def heads_v(self) -> int:
+        return self.h_kv if self.h_v is None else self.h_v
 
 
 def sample(seed: int) -> Config:
@@ -67,6 +72,8 @@ def sample(seed: int) -> Config:
     if c.padding:
         c.seq_len_q = [rng.randint(1, c.s_q) for _ in range(c.b)]
         c.seq_len_kv = [rng.randint(1, c.s_kv) for _ in range(c.b)]
+    if rng.random() < 0.15:  # drawn last: the earlier fields of every seed stay as they were
+        c.h_v = rng.choice([h for h in (1, 2, 3, 4, 6) if h_q % h == 0])
     return c
 
 
@@ -92,7 +99,7 @@ def cudnn_verdict(c: Config) -> str | None:
 
     q = tensor("q", (c.b, c.h_q, c.s_q, c.d))
     k = tensor("k", (c.b, c.h_kv, c.s_kv, c.d))
-    v = tensor("v", (c.b, c.h_kv, c.s_kv, c.d))
+    v = tensor("v", (c.b, c.heads_v, c.s_kv, c.d))
     kw = dict(attn_scale=0.3, use_alibi_mask=c.alibi)
     if c.spelling == "causal":
         kw["use_causal_mask_bottom_right" if c.align == "bottom_right" else "use_causal_mask"] = True
@@ -118,7 +125,7 @@ def cudnn_verdict(c: Config) -> str | None:
         o, d_o = tensor("o", dims(c.s_q)), tensor("dO", dims(c.s_q))
         stats = tensor("stats", (c.b, c.h_q, c.s_q, 1), cudnn.data_type.FLOAT)
         dq, dk, dv = g.sdpa_backward(q=q, k=k, v=v, o=o, dO=d_o, stats=stats, **kw)
-        for t, heads, s in ((dq, c.h_q, c.s_q), (dk, c.h_kv, c.s_kv), (dv, c.h_kv, c.s_kv)):
+        for t, heads, s in ((dq, c.h_q, c.s_q), (dk, c.h_kv, c.s_kv), (dv, c.heads_v, c.s_kv)):
             t.set_output(True).set_dim([c.b, heads, s, c.d]).set_stride(
                 [heads * s * c.d, s * c.d, c.d, 1])
     else:
@@ -141,7 +148,7 @@ def inputs(c: Config):
     g = torch.Generator().manual_seed(c.seed)
     q = torch.randn(c.b, c.h_q, c.s_q, c.d, generator=g, dtype=F64)
     k = torch.randn(c.b, c.h_kv, c.s_kv, c.d, generator=g, dtype=F64)
-    v = torch.randn(c.b, c.h_kv, c.s_kv, c.d, generator=g, dtype=F64)
+    v = torch.randn(c.b, c.heads_v, c.s_kv, c.d, generator=g, dtype=F64)
     bias = torch.randn(1, c.h_q, c.s_q, c.s_kv, generator=g, dtype=F64) if c.bias else None
     return q, k, v, bias
 
@@ -209,7 +216,7 @@ def reference(c: Config, q, k, v, bias):
     ``s = scale * q.k + bias + slope_h * (j - i)``; padding; the diagonal band with the left
     bound exclusive; rows that see nothing give 0."""
     k = k.repeat_interleave(c.h_q // c.h_kv, 1)
-    v = v.repeat_interleave(c.h_q // c.h_kv, 1)
+    v = v.repeat_interleave(c.h_q // c.heads_v, 1)
     s = 0.3 * q @ k.transpose(-1, -2)
     if bias is not None:
         s = s + bias
@@ -253,6 +260,143 @@ def compare(c: Config, out, stats, grads) -> float:
         want = torch.autograd.grad(ref, (q, k, v), d_o)
         err = max(err, *((a - b).abs().max().item() for a, b in zip(grads, want)))
     return err
+
+
+# ------------------------------------------------------------------------------------------------
+# The engine's verdict: the graph graphs.describe builds for the same call through attention()
+# ------------------------------------------------------------------------------------------------
+
+def attention_kwargs(c: Config, bias):
+    """``attention()`` arguments meaning what the builder call means (cuDNN's left bound is
+    exclusive: ``L`` -> ``SlidingWindow(L - 1, ...)``)."""
+    import cudnn_attn as ca
+
+    parts = []
+    if c.right is not None or c.left is not None:
+        align = c.align if c.spelling != "none" else "top_left"
+        if c.left is None and c.right == 0:
+            parts.append(ca.Causal(align))
+        else:
+            parts.append(ca.SlidingWindow(-1 if c.left is None else c.left - 1,
+                                          -1 if c.right is None else c.right, align))
+    if c.padding:
+        parts.append(ca.Padding(c.seq_len_q, c.seq_len_kv))
+    mask = None
+    for m in parts:
+        mask = m if mask is None else mask & m
+    kw = dict(mask=mask, scale=0.3, dropout_p=0.1 if c.dropout else 0.0)
+    if c.alibi:
+        kw["alibi"] = ca.Alibi()
+    if bias is not None:
+        kw["bias"] = bias
+    return kw
+
+
+def engine_verdict(c: Config) -> str | None:
+    """``None`` if ``graphs.describe`` builds (and cuDNN's validator accepts, sm_90) the cuDNN
+    engine's graph for the call, else its reasons."""
+    import cudnn_attn as ca
+    from cudnn_attn import graphs
+
+    meta = lambda *shape: torch.empty(*shape, dtype=torch.float16, device="meta")  # noqa: E731
+    q, k, v = meta(c.b, c.h_q, c.s_q, c.d), meta(c.b, c.h_kv, c.s_kv, c.d), \
+        meta(c.b, c.heads_v, c.s_kv, c.d)
+    bias = meta(1, c.h_q, c.s_q, c.s_kv) if c.bias else None
+    try:  # attention()'s own alibi= next to a bias tensor: the builder's set_alibi_mask
+        graphs.describe(q, k, v, backward=c.backward, **attention_kwargs(c, bias))
+    except ca.NotSupportedError as exc:
+        return " | ".join(r for reasons in exc.reasons.values() for r in reasons)
+    except ValueError as exc:  # describe refusing the call's arguments is a refusal too
+        return f"ValueError: {exc}"
+    return None
+
+
+# The engine's declared correctness limits: cuDNN validates these graphs but its release notes
+# say they compute wrong results, so the engine refuses them on purpose.
+KNOWN_WRONG_RESULTS = ("cuDNN gives wrong results",)
+
+
+def engine_disagrees(c: Config, theirs: str | None, engine: str | None) -> bool:
+    """The engine refuses a call cuDNN validates, or runs one cuDNN refuses. Exempt: refusals
+    for cuDNN's documented wrong results (``KNOWN_WRONG_RESULTS``) and the
+    engine's equivalent rewrites of a call (its graph then passes cuDNN's validator, which
+    ``describe`` runs): a bottom-right diagonal that is the top-left one (``S_q == S_kv`` without
+    padding), bounds that hide no key dropped, and a padded decode query's right bound."""
+    if (theirs is None) == (engine is None):
+        return False
+    if theirs is None and engine is not None and all(
+            r.startswith(KNOWN_WRONG_RESULTS) for r in engine.split(" | ")):
+        return False
+    if theirs is not None and engine is None:
+        rewritten = (c.align == "bottom_right" and not c.padding and c.s_q == c.s_kv) \
+            or _bounds_hide_nothing(c) or _right_bound_hides_nothing(c) \
+            or _decode_right_bound_dropped(c)
+        return not rewritten
+    return True
+
+
+def _decode_right_bound_dropped(c: Config) -> bool:
+    """A padded decode query (S_q = 1) aligned bottom-right sits at its sequence's last key:
+    the right bound hides nothing, and the engine leaves it out (``_spec._band``)."""
+    return (c.padding and c.align == "bottom_right" and c.s_q == 1 and not c.alibi
+            and c.right is not None and c.left is None)
+
+
+def _right_bound_hides_nothing(c: Config) -> bool:
+    """Without padding, a right bound that even row 0 reaches past the last key hides nothing;
+    the engine leaves it out (then the diagonal is no longer cuDNN's bottom-right *causal* one)."""
+    offset = c.s_kv - c.s_q if c.align == "bottom_right" else 0
+    return (not c.padding and not c.alibi and c.right is not None
+            and offset + c.right >= c.s_kv - 1)
+
+
+def _bounds_hide_nothing(c: Config) -> bool:
+    if c.padding or not c.band:
+        return False
+    offset = c.s_kv - c.s_q if c.align == "bottom_right" else 0
+    right_free = c.right is None or (offset + c.right >= c.s_kv - 1 and not c.alibi)
+    left_free = c.left is None or c.s_q - 1 + offset - (c.left - 1) <= 0
+    return right_free and left_free
+
+
+# ------------------------------------------------------------------------------------------------
+# Setter parity with the installed frontend
+# ------------------------------------------------------------------------------------------------
+
+# the frontend's sdpa / sdpa_backward keyword -> the SDPA_attributes setter it stands for
+_SETTER_OF = {"use_alibi_mask": "set_alibi_mask", "use_padding_mask": "set_padding_mask",
+              "use_causal_mask": "set_causal_mask",
+              "use_causal_mask_bottom_right": "set_causal_mask_bottom_right",
+              "use_deterministic_algorithm": "set_deterministic_algorithm",
+              "score_max": "set_logit_max", "dBias": "set_dbias",
+              "dSink_token": "set_dsink_token"}
+# SDPA_attributes setters with no pygraph keyword (C++ only)
+_CPP_ONLY = {"forward": ("set_mma_core_mode",), "backward": ()}
+_OPERANDS = {"q", "k", "v", "o", "dO", "stats"}
+
+
+def frontend_setters(direction: str) -> list[str]:
+    """The setters of cuDNN's ``SDPA_attributes`` (``"forward"``) or
+    ``SDPA_backward_attributes`` (``"backward"``), from the installed frontend's signatures."""
+    import re
+
+    import cudnn
+
+    op = cudnn._pybind_module.backend_graph.sdpa if direction == "forward" \
+        else cudnn._pybind_module.backend_graph.sdpa_backward
+    signature = op.__doc__.strip().splitlines()[0]
+    names = re.findall(r"(\w+):", signature.split("(", 1)[1])
+    setters = [_SETTER_OF.get(n, f"set_{n}") for n in names if n not in _OPERANDS]
+    return sorted(set(setters) | set(_CPP_ONLY[direction]))
+
+
+def missing_setters() -> dict[str, list[str]]:
+    import cudnn_attn as ca
+
+    out = {}
+    for direction, cls in (("forward", ca.SdpaAttributes), ("backward", ca.SdpaBackwardAttributes)):
+        out[direction] = [s for s in frontend_setters(direction) if not hasattr(cls, s)]
+    return out
 
 
 def same_reason(mine: str, theirs: str) -> bool:

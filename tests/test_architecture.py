@@ -191,9 +191,26 @@ def _source(node: ast.ImportFrom, package: str) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def exported(module: str) -> set[str]:
+    """The names ``module`` lists in ``__all__``: an underscored name listed there is public on
+    purpose (a peer's own spelling, e.g. FlashAttention's ``_flash_attn_forward``)."""
+    path = NAMES.get(module)
+    if path is None:
+        return set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                                for t in node.targets):
+            try:
+                return set(ast.literal_eval(node.value))
+            except ValueError:
+                return set()
+    return set()
+
+
 def private_imports(path: pathlib.Path, text: str) -> list[str]:
     """``from <package module> import _name`` and ``module._name`` on an imported package module
-    (private submodules such as ``_checks`` are modules, not names, and pass)."""
+    (private submodules such as ``_checks`` are modules, not names, and pass; so does a name its
+    module exports in ``__all__``)."""
     tree = ast.parse(text)
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -205,7 +222,7 @@ def private_imports(path: pathlib.Path, text: str) -> list[str]:
                 continue
             found += [f"line {node.lineno}: from {source} import {a.name}" for a in node.names
                       if a.name.startswith("_") and not a.name.startswith("__")
-                      and f"{source}.{a.name}" not in NAMES]
+                      and f"{source}.{a.name}" not in NAMES and a.name not in exported(source)]
     bound = _imported_modules(path, tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \

@@ -37,6 +37,15 @@ def test_builder_and_cudnn_agree(seed):
     assert math.isnan(err) or err < 1e-9, f"{c}: error {err}"
 
 
+@pytest.mark.parametrize("seed", range(0, COUNT, 3))
+def test_the_engine_graph_and_cudnn_agree(seed):
+    """The cuDNN engine's own graph for the same call (``graphs.describe``, validated by cuDNN
+    for sm_90) refuses only what cuDNN refuses, up to its documented rewrites."""
+    c = grid.sample(seed)
+    theirs, engine = grid.cudnn_verdict(c), grid.engine_verdict(c)
+    assert not grid.engine_disagrees(c, theirs, engine), (c, theirs, engine)
+
+
 def test_the_sample_covers_both_verdicts_and_every_spelling():
     configs = [grid.sample(seed) for seed in range(COUNT)]
     verdicts = [grid.cudnn_verdict(c) for c in configs]
@@ -76,13 +85,18 @@ def test_the_grid_script_counts_agreement():
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "builder_grid.py"
+    root = Path(__file__).resolve().parents[1]
+    script = root / "benchmarks" / "builder_grid.py"
+    # this checkout's package, not whichever cudnn_attn the interpreter would find first
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
     run = subprocess.run([sys.executable, str(script), "--count", "30", "--no-json"],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     header, _, values = run.stdout.strip().splitlines()[-3:]
     counts = dict(zip(header.split(), values.split()))
     assert counts["configs"] == "30" and counts["disagreements"] == "0"
+    assert counts["engine_disagreements"] == "0" and counts["missing_setters"] == "0"
 
 
 @pytest.mark.parametrize("bias_shape", [(1, 2, 5, 7), (2, 1, 1, 7), (2, 2, 5, 7)])

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from cudnn_attn.graphs import cache as cache_mod
-from cudnn_attn.graphs import cache_dir
+from cudnn_attn import trusted_files
 from cudnn_attn.graphs.cache import MAGIC, SUFFIX, GraphCache, UnsafeCacheDir, clear_dir
 
 ENV = {"gpu_name": "Test GPU", "compute_capability": "9.0", "sm_count": 132,
@@ -129,7 +129,7 @@ def test_save_never_writes_through_a_planted_link(tmp_path, outside, monkeypatch
     assert snapshot(outside) == before
     assert not os.path.islink(directory / final) and os.path.isfile(directory / final)
     # The temporary name is random and created exclusively: even a guessed one is not followed.
-    monkeypatch.setattr(cache_dir.secrets, "token_hex", lambda n: "guessed")
+    monkeypatch.setattr(trusted_files.secrets, "token_hex", lambda n: "guessed")
     os.symlink(target, directory / f".{final}.tmpguessed")
     with pytest.raises(FileExistsError):
         cache.save(directory)
@@ -187,8 +187,9 @@ def hostile_directory(tmp_path, outside, monkeypatch):
 def test_hostile_directory_loads_only_verified_files(tmp_path, outside, caplog, monkeypatch):
     directory, n_bad = hostile_directory(tmp_path, outside, monkeypatch)
     reads: list[int] = []
-    real_read = cache_dir._read_exact
-    monkeypatch.setattr(cache_dir, "_read_exact", lambda fd, n: reads.append(n) or real_read(fd, n))
+    real_read = trusted_files.read_exact
+    monkeypatch.setattr(trusted_files, "read_exact",
+                        lambda fd, n: reads.append(n) or real_read(fd, n))
     before = snapshot(tmp_path / "outside")
     fresh = GraphCache(environment=lambda: dict(ENV))
     with caplog.at_level(logging.WARNING, logger="cudnn_attn"):
@@ -231,7 +232,7 @@ def test_directory_of_another_user_is_refused(tmp_path, caplog, monkeypatch):
     if os.geteuid() == 0:
         os.chown(directory, 12345, 12345)
     else:
-        monkeypatch.setattr(cache_dir, "_euid", lambda: os.geteuid() + 1)
+        monkeypatch.setattr(trusted_files, "_euid", lambda: os.geteuid() + 1)
     with pytest.raises(UnsafeCacheDir, match="owned by uid"):
         cache.save(directory)
     with caplog.at_level(logging.WARNING, logger="cudnn_attn"):
@@ -250,7 +251,7 @@ def test_key_file_is_private_and_outside_the_directory(tmp_path, monkeypatch):
     # default location: the user's config dir, not the cache dir
     monkeypatch.delenv("CUDNN_ATTN_CACHE_KEY_FILE")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    assert cache_dir.secret_key_path() == tmp_path / "xdg" / "cudnn_attn" / "graph-cache.key"
+    assert trusted_files.secret_key_path() == tmp_path / "xdg" / "cudnn_attn" / "graph-cache.key"
     # a key others can read is refused, as is a link
     for bad in ("readable", "link"):
         path = tmp_path / bad / "graph-cache.key"

@@ -176,3 +176,31 @@ def test_the_installed_entry_point_prints_no_traceback(tmp_path, argv):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and len(result.stderr) < 300
+
+
+@pytest.mark.parametrize("kind", ["dev-zero", "fifo", "huge", "deep"])
+def test_cache_warm_never_reads_an_unbounded_config(capsys, tmp_path, monkeypatch, kind):
+    """``/dev/zero`` once read until the OOM killer stopped it; a FIFO blocked; a deeply nested
+    file raised RecursionError. Each is now refused in one line, before (or without) reading."""
+    from cudnn_attn.cli import cache as cli_cache
+
+    if kind == "dev-zero":
+        config = "/dev/zero"
+        if not os.path.exists(config):
+            pytest.skip("no /dev/zero on this platform")
+        match = "not a regular file"
+    elif kind == "fifo":
+        config = str(tmp_path / "warm.json")
+        os.mkfifo(config)  # nobody writes it: a blocking open would never return
+        match = "not a regular file"
+    elif kind == "huge":
+        config = str(tmp_path / "warm.json")
+        with open(config, "wb") as fh:
+            fh.truncate(cli_cache.MAX_CONFIG_BYTES + 1)
+        match = "byte limit"
+    else:
+        config = str(tmp_path / "warm.json")
+        Path(config).write_text("[" * 100_000 + "]" * 100_000)
+        match = "nests deeper"
+    code, out, err = run_main(capsys, ["cache", "warm", config], timeout=20.0)
+    assert_one_line_usage_error(code, out, err, match)

@@ -345,9 +345,12 @@ REJECTED = [  # (id, tensors, kwargs, options, backward, target_sm, reason fragm
     ("d512", qkv(D=512), {}, None, False, 90, "up to 256"),
     ("last-stride", tuple(torch.empty(2, 4, 128, 128, dtype=F16, device="meta")[..., ::2]
                           for _ in range(3)), {}, None, False, None, "stride 1 along its head dim"),
-    ("neighborhood", qkv(Sq=64), {"mask": ca.Neighborhood((8, 8), 3)}, None, False, None,
-     "Neighborhood"),
-    ("softcap", qkv(), {"softcap": 30.0}, None, False, None, "softcap"),
+    # softcap and neighborhoods run as a score_mod, which excludes padding and ALiBi
+    ("neighborhood-padding", qkv(Sq=64),
+     {"mask": ca.Neighborhood((8, 8), 3) & ca.Padding([64, 30], [64, 30])}, None, False, None,
+     "excludes the padding mask"),
+    ("softcap-alibi", qkv(), {"softcap": 30.0, "mask": ca.Causal(), "bias": ca.Alibi()}, None,
+     False, None, "excludes ALiBi"),
     ("mixed-alignments", qkv(Sq=64, Skv=128),
      {"mask": ca.Causal() & ca.SlidingWindow(8, 0, "bottom_right")}, None, False, None,
      "mix top_left and bottom_right"),
@@ -468,6 +471,9 @@ PLAN_CASES = [
     Problem(id="alibi-h3-causal-padding", B=2, Hq=3, Sq=11, D=8, causal="top_left", alibi="default",
             seq_lens_q=(11, 6), seq_lens_kv=(11, 8)),
     Problem(id="window-dv8", B=1, Hq=2, Sq=14, Skv=16, D=16, Dv=8, window=(2, 1)),
+    # Any sign of the scale: a runtime value the graph multiplies before it masks.
+    Problem(id="causal-negative-scale", B=1, Hq=2, Sq=10, D=16, causal="top_left", scale=-0.7),
+    Problem(id="window-zero-scale", B=1, Hq=2, Sq=10, D=16, window=(2, 1), scale=0.0),
 ]
 
 

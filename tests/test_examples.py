@@ -165,3 +165,14 @@ def test_vision_attention_weights_match_the_library():
     hidden = ~ca.geometry.neighborhood_mask((4, 4), (3, 3))
     assert torch.all(weights[:, hidden] == 0)
     assert torch.allclose(module.attention_weights(block, x), weights.mean(0))
+
+
+def test_train_fp8_attention(capsys):
+    argv = ["--steps", "25", "--batch-size", "8", "--d-model", "32", "--print-every", "5"]
+    assert load("train_fp8_attention").main(argv) == 0
+    out = capsys.readouterr().out
+    pairs = re.findall(r"^step +\d+ +fp8 loss ([0-9.]+) +bf16 loss ([0-9.]+)", out, re.MULTILINE)
+    assert len(pairs) >= 5
+    fp8, bf16 = (float(x) for x in pairs[-1])
+    assert fp8 < float(pairs[0][0]) - 0.3 and abs(fp8 - bf16) < 0.25
+    assert "dP " in out and "E5M2 backward" in out

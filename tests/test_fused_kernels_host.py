@@ -288,3 +288,53 @@ def test_real_threads_match_oracle(request, tmp_path_factory, monkeypatch):
     for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv),
                               reference(q, k, v, dout, vis, 0.4)):
         check(name, got, ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every sign and size of the scale (a hidden pair stays hidden: scaling happens before masking)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scale", [-2.0, -0.3, 0.0, 1e-3])
+@pytest.mark.parametrize("mask", ["causal-tl", "causal-br", (2, 1, "top_left")],
+                         ids=["causal-tl", "causal-br", "window"])
+def test_band_kernels_take_any_scale(launches, mask, scale):
+    B, H, Sq, Skv, D = 1, 2, 24, 24 if mask != "causal-br" else 30, 8
+    g = torch.Generator().manual_seed(11)
+    q, k = _heads_first((B, Sq, H, D), g), _heads_first((B, Skv, H, D), g)
+    v, dout = _heads_first((B, Skv, H, D), g), _heads_first((B, Sq, H, D), g)
+    table, vis_kw = _band(Sq, Skv, mask)
+    boxes = F.choose_tiles(tuple(table), 1)
+    nan = lambda *s: torch.full(s, math.nan)
+    out, lse = nan(B, H, Sq, D).transpose(1, 2), nan(B, H, Sq).transpose(1, 2)
+    F.run_forward(q, k, v, out, lse, table, boxes, scale, 0.0)
+    vis = oracle.build_visibility(1, Sq, Skv, **vis_kw)
+    r_out, r_lse, r_dq, r_dk, r_dv = reference(q, k, v, dout, vis, scale)
+    check("out", out, r_out)
+    check("lse", lse, r_lse)
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous().transpose(1, 2)
+    dq, dk, dv = (nan(B, H, S, D).transpose(1, 2) for S in (Sq, Skv, Skv))
+    F.run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale, 0.0)
+    check("dq", dq, r_dq)
+    check("dk", dk, r_dk)
+    check("dv", dv, r_dv)
+
+
+@pytest.mark.parametrize("scale", [-2.0, 0.0])
+def test_neighborhood_kernels_take_any_scale(launches, scale):
+    spatial, kernel, causal = (20,), (5,), (True,)
+    g = torch.Generator().manual_seed(12)
+    B, H, D = 1, 2, 8
+    q, k, v, dout = (rand((B, *spatial, H, D), g) for _ in range(4))
+    geom = {"kernel_size": kernel, "stride": (1,), "dilation": (1,), "is_causal": causal,
+            "scale": scale, "query_tile": None, "key_tile": None}
+    out, lse = F.na_forward(q, k, v, **geom)
+    N = math.prod(spatial)
+    vis = oracle.build_visibility(1, N, N, neighborhood={
+        "spatial_shape": spatial, "kernel_size": kernel, "is_causal": causal})
+    r_out, r_lse, r_dq, r_dk, r_dv = reference(q, k, v, dout, vis, scale)
+    check("out", out, r_out)
+    check("lse", lse, r_lse)
+    dq, dk, dv = F.na_backward(q, k, v, out, lse, dout, **geom)
+    check("dq", dq, r_dq)
+    check("dk", dk, r_dk)
+    check("dv", dv, r_dv)

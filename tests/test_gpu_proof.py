@@ -136,15 +136,21 @@ def test_step_selection_by_prefix(G, tmp_path):
         ["bench-cudnn", "bench-cudnn-more"]
 
 
-def test_carried_cubins_seed_a_cache_of_our_own(G, tmp_path):
+def test_carried_cubins_seed_a_cache_of_our_own(G, tmp_path, monkeypatch):
+    from cudnn_attn.fallback_kernels import cubin_cache
+
     carried = tmp_path / "carried"
-    carried.mkdir()
-    for name in ("a.cubin", "b.cubin", "notes.txt"):
-        (carried / name).write_bytes(name.encode())
+    # Built ahead on another machine: signed with its key, not the device's.
+    monkeypatch.setenv("CUDNN_ATTN_CACHE_KEY_FILE", str(tmp_path / "build-key"))
+    for key in ("a" * 64, "b" * 64):
+        assert cubin_cache.store(key, b"\x7fELF" + key.encode(), {"k<float>": "_Z1k"}, "", carried)
+    (carried / "notes.txt").write_text("not a cubin")
+    (carried / ("c" * 64 + ".cubin")).write_bytes(b"c.cubin")  # not an entry: not adopted
+    monkeypatch.setenv("CUDNN_ATTN_CACHE_KEY_FILE", str(tmp_path / "device-key"))
     cache = tmp_path / "cache"
     assert G.seed_cubin_cache(carried, cache) == 2
-    assert sorted(p.name for p in cache.iterdir()) == ["a.cubin", "b.cubin"]
-    assert (cache / "a.cubin").read_bytes() == b"a.cubin"
+    assert sorted(p.name for p in cache.iterdir()) == ["a" * 64 + ".cubin", "b" * 64 + ".cubin"]
+    assert cubin_cache.load("a" * 64, ["k<float>"], cache)[0] == b"\x7fELFaaaa" + b"a" * 60
     assert G.seed_cubin_cache(None, tmp_path / "empty") == 0
 
 
@@ -179,10 +185,10 @@ def test_smoke_run_writes_the_record_and_the_tarball(G, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the smoke run is the CPU's; a GPU host runs the real thing")
     out = tmp_path / "out"
-    started = time.time() - 30  # as if on-host had taken 30 s before this started
+    started = int(time.time()) - 30  # as if on-host had taken 30 s before this started
     done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--allow-cpu",
                            "--steps", "gpu-tests,selftest-plain", "--workers", "2",
-                           "--call-started", str(int(started)), "--commit", "0123abcd"],
+                           "--call-started", str(started), "--commit", "0123abcd"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     # The CuPy selftest cannot run without a GPU: a failed step makes the whole run fail.
     assert done.returncode == 1, done.stdout + done.stderr
@@ -198,8 +204,7 @@ def test_smoke_run_writes_the_record_and_the_tarball(G, tmp_path):
     assert plain["returncode"] == 1 and plain["summary"]["ok"] is False
     assert "cupy" in plain["summary"]["unavailable"] and "cupy" in plain["summary"]["table"]
     assert data["env"]["torch"] == torch.__version__ and "command" in data
-    assert data["commit"] == "0123abcd"  # passed in: .git does not travel to the device
-    assert data["git"] == "0123abcd"  # never a describe of a stale .git on the device (issue 23)
+    assert data["commit"] == data["git"] == "0123abcd"  # passed in: not the device's .git
     assert "version" in data["nvrtc"]  # the device's NVRTC (or why none loads)
     budget = data["budget"]  # the 600 s limit less what on-host took, the ladder, the record
     assert budget["before_start_s"] >= 30 and budget["limit_s"] == 600

@@ -311,7 +311,15 @@ def test_a_gpu_proof_record_adds_the_correctness_section(report, tmp_path):
     ]
     path = proof.write_record(tmp_path, work, steps, {"budget_s": 540.0, "seconds": 498.2,
                                                       "cubins": {"carried": 3,
-                                                                 "compiled_on_device": 0}})
+                                                                 "compiled_on_device": 0},
+                                                      "commit": "0123abcd",
+                                                      "nvrtc": {"version": "13.0",
+                                                                "cubins_compiled_with": "13.0"},
+                                                      "budget": {"limit_s": 600.0,
+                                                                 "margin_s": 41.5}})
+    record = json.loads(path.read_text())
+    record["steps"][0]["field_of_a_later_version"] = 1  # does not stop the report
+    path.write_text(json.dumps(record))
     bench = write_records(report, tmp_path, cudnn=cudnn_rows(report))
     assert report.main([str(path), *map(str, bench), "--out", str(out)]) == 0
     [md] = out.glob("gpu-*.md")
@@ -319,6 +327,8 @@ def test_a_gpu_proof_record_adds_the_correctness_section(report, tmp_path):
     section = text.split("## Correctness", 1)[1].split("## Ceilings", 1)[0]
     assert "NOT every step passed; 498.2 s of a 540.0 s budget" in section
     assert "carried 3, compiled on the device 0" in section
+    assert ("Commit 0123abcd; NVRTC on the device 13.0, cubins compiled with 13.0; 41.5 s left "
+            "under the device's 600.0 s limit.") in section
     assert "'passed': 301, 'failed': 2" in section
     assert "failed: tests/test_cupy_gpu.py::test_x: AssertionError: 3.1x > 2x" in section
     assert any(line.startswith("sanitize-memcheck ") and line.endswith("TIMED OUT after 330 s")

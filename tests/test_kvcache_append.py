@@ -12,6 +12,8 @@ from FlashAttention 2.8.3's published rules:
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -234,3 +236,21 @@ def test_page_table_overflow_is_a_runtime_error():
     with pytest.raises(RuntimeError, match="cache_batch_idx"):
         flash_attn_with_kvcache(q, pages, pages.clone(), cache_seqlens=1, block_table=table,
                                 cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32))
+
+
+def test_flash_attn_kvcache_paged_block_table_bounds():
+    """A paged sequence that outgrows its block_table row: the error names block_table (the
+    bound of a paged sequence), not only cache_seqlens."""
+    g, q, _, _, k, v = setup(new=2)
+    pages = torch.zeros(4, 4, 2, 16, dtype=F64)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)  # 2 pages of 4 tokens each
+    with pytest.raises(RuntimeError, match=re.escape(
+            "cache_seqlens[1] = 7 is outside [0, 6] (block_table holds 2 pages of 4 tokens and "
+            "2 are appended)")):
+        flash_attn_with_kvcache(q, pages, pages.clone(), k, v,
+                                cache_seqlens=torch.tensor([1, 7], dtype=torch.int32),
+                                block_table=table)
+    out = flash_attn_with_kvcache(q, pages, pages.clone(), k, v,
+                                  cache_seqlens=torch.tensor([1, 6], dtype=torch.int32),
+                                  block_table=table)  # exactly full: fine
+    assert out.shape == q.shape

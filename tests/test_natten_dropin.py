@@ -118,9 +118,14 @@ def test_natten_and_our_backend_names_give_the_same_result(backend):
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(backend="cutlass-fmha"), NotImplementedError, "unrecognized backend"),
     (dict(backend="xformers"), NotImplementedError, "unrecognized backend"),
-    (dict(q_tile_shape=8), ValueError, "tile shape"),
-    (dict(q_tile_shape=(8, 8, 8, 8)), ValueError, "tile shape"),
-    (dict(kv_tile_shape=(8, 8)), ValueError, "kv_tile_shape must have 1"),
+    (dict(q_tile_shape=8, kv_tile_shape=(4,)), ValueError, "tile shape"),
+    (dict(q_tile_shape=(8, 8, 8, 8), kv_tile_shape=(4,)), ValueError, "tile shape"),
+    (dict(q_tile_shape=(4,), kv_tile_shape=(8, 8)), ValueError, "kv_tile_shape must have 1"),
+    # NATTEN 0.21's kernels take both tiles of a pass or neither (a ValueError before any other).
+    (dict(q_tile_shape=(4,)), ValueError, "specify both q_tile_shape and kv_tile_shape"),
+    (dict(q_tile_shape=8), ValueError, "specify both q_tile_shape and kv_tile_shape"),
+    (dict(kv_tile_shape=(4,)), ValueError, "specify both q_tile_shape and kv_tile_shape"),
+    (dict(backward_kv_tile_shape=(4,)), ValueError, "specify both backward_q_tile_shape"),
     (dict(backward_kv_splits=("a",)), ValueError, "tile shape"),
     (dict(kernel_schedule="fast"), ValueError, "Kernel schedule fast is invalid"),
     (dict(torch_compile=1), TypeError, "torch_compile"),

@@ -6,6 +6,7 @@ over causal combinations, plus seeded random problems drawn like NATTEN's random
 NATTEN's CPU path: fp32 only, head_dim a power of two >= 8, forward only, D_v == D.
 """
 
+import importlib
 import math
 import random
 import warnings
@@ -167,3 +168,40 @@ def test_natten_agrees_with_oracle_on_a_small_case():
     )
     torch.testing.assert_close(o.float(), ref_out.reshape(1, 42, 2, 8), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.float(), ref_lse.reshape(1, 42, 2).transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+# Arguments of the wrong kind: the error type NATTEN 0.21.7 itself raises on this CPU (its flex
+# backend), beside ours. The natten.attention cases are left out: on the CPU NATTEN finds no FMHA
+# backend for any call, so its answer there says nothing about the argument.
+_Q = (1, 8, 2, 16)
+WRONG_KIND = {
+    "kernel_size-float": lambda m, q: m.na1d(q, q, q, kernel_size=3.0),
+    "kernel_size-float-2d": lambda m, q: m.na2d(*(torch.randn(1, 6, 6, 2, 16),) * 3,
+                                               kernel_size=(3.0, 3)),
+    "stride-float": lambda m, q: m.na1d(q, q, q, kernel_size=3, stride=1.0),
+    "dilation-float": lambda m, q: m.na1d(q, q, q, kernel_size=3, dilation=1.0),
+    "is_causal-str": lambda m, q: m.na1d(q, q, q, kernel_size=3, is_causal="yes"),
+    "dtype-mix": lambda m, q: m.na1d(q, q.double(), q, kernel_size=3),
+    "int-tensors": lambda m, q: m.na1d(q.int(), q.int(), q.int(), kernel_size=3),
+    "q_tile_shape-alone": lambda m, q: m.na1d(q, q, q, kernel_size=3, q_tile_shape=(4,)),
+    "kv_tile_shape-alone": lambda m, q: m.na1d(q, q, q, kernel_size=3, kv_tile_shape=(4,)),
+}
+
+
+def _raised(call, module):
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            call(module, torch.randn(*_Q))
+    except Exception as e:  # noqa: BLE001 - the type is what is compared
+        return e
+    return None
+
+
+@pytest.mark.parametrize("name", list(WRONG_KIND))
+def test_wrong_kinds_raise_natten_error_types(name):
+    theirs = _raised(WRONG_KIND[name], natten)
+    ours = _raised(WRONG_KIND[name], importlib.import_module("cudnn_attn.natten"))
+    assert theirs is not None, "NATTEN accepted it: the case no longer probes anything"
+    assert ours is not None, "accepted here"
+    assert isinstance(ours, type(theirs)), f"NATTEN: {theirs!r}; ours: {ours!r}"

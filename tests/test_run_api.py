@@ -146,3 +146,21 @@ def test_unfused_ops_match_the_brute_force():
     want_out = torch.stack([(attn.softmax(-1)[:, :, i, :, None] * v[:, :, s:s + 3]).sum(-2)
                             for i, s in enumerate(starts)], 2)
     torch.testing.assert_close(out, want_out)
+
+
+def test_hidden_inputs_keep_the_strides_the_problem_describes():
+    """A sliced cache view (gaps between its rows) comes back with the same strides after the
+    positions past the lengths are zeroed: a cuDNN graph built from the problem reads the bound
+    tensor through those strides."""
+    from cudnn_attn.runtime import hide_padding
+
+    pool = torch.randn(3, 48, 4, 16, dtype=torch.float64)
+    k = pool[:, :42]                                   # [B, S, H, D] with batch stride 48*4*16
+    q = torch.randn(3, 2, 4, 16, dtype=torch.float64)
+    mask = Padding([2, 2, 2], [7, 2, 42])
+    problem = AttnProblem.from_tensors(q, k, k, mask=mask, layout="bshd")
+    hidden = hide_padding(problem, Inputs(q, k, k))
+    assert hidden.k.stride() == k.stride() == tuple(problem.k.stride)
+    lens = torch.tensor([7, 2, 42])
+    expect = torch.where((torch.arange(42)[None, :] < lens[:, None])[..., None, None], k, 0)
+    assert torch.equal(hidden.k, expect) and torch.equal(hidden.v, expect)

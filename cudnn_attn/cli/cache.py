@@ -95,10 +95,25 @@ def progress(items: Sequence[Any], desc: str, file: Any = None) -> tuple[Any, Ca
     return bar, lambda line: bar.write(line, file=file)
 
 
+MAX_CONFIG_BYTES = 16 << 20  # thousands of problems; /dev/zero or a runaway file is refused
+MAX_CONFIG_DEPTH = 32  # a config nests 3 deep; json.loads would recurse on deeper hostile input
+
+
 def read_config(path: str) -> list[dict]:
-    """Problems of a warm-up config: ``{"defaults": {...}, "problems": [...]}`` or a list."""
-    with open(path, encoding="utf-8") as fh:
-        config = json.load(fh)
+    """Problems of a warm-up config: ``{"defaults": {...}, "problems": [...]}`` or a list. A regular
+    file of at most ``MAX_CONFIG_BYTES`` (a FIFO or device is refused, never read)."""
+    from cudnn_attn.trusted_files import Rejected, json_depth_ok, read_regular_path
+
+    try:
+        data = read_regular_path(path, MAX_CONFIG_BYTES)
+    except Rejected as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if not json_depth_ok(data, MAX_CONFIG_DEPTH):
+        raise ValueError(f"{path}: nests deeper than {MAX_CONFIG_DEPTH} levels")
+    try:
+        config = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc})") from None
     if isinstance(config, list):
         config = {"problems": config}
     if not isinstance(config, dict) or not isinstance(config.get("problems"), list):

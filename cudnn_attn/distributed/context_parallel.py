@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import torch
+
 from .. import _checks
 from ..masks import Causal, SlidingWindow, band_of
+from ..problem import AttnProblem
+from .agreement import (DTYPE, agreed_lengths, choice, encode_choice,
+                        encode_dtype, encode_real, integers, real)
 from .ring import RingAttention, Schedule
-from .sharding import SHARDINGS, all_lengths, world
+from .sharding import SHARDINGS, check_shard_lengths, world
 
 __all__ = ["context_parallel_attention"]
+
+LAYOUTS = ("bshd", "bhsd")
+# What every rank must pass alike (checked in the length all-gather, see agreement.py).
+_SHARED = (integers("batch size B"), integers("query heads H_q"), integers("key/value heads H_kv"),
+           integers("head dim D"), integers("value head dim D_v"), DTYPE, choice("layout", LAYOUTS),
+           choice("sharding", SHARDINGS), integers("mask band (left, right)", 2), real("scale"))
 
 
 def _band(mask) -> tuple[int, int]:
@@ -50,26 +61,40 @@ def context_parallel_attention(q, k, v, *, group=None, mask=None, scale=None, la
         full = attention(unshard(q), unshard(k), unshard(v), mask=mask, layout="bshd")
         out = shard_sequence(full, sharding)
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _checks.tensor(name, t, ndim=4)
-    if layout not in ("bshd", "bhsd"):
-        raise ValueError(f"layout must be 'bshd' or 'bhsd', got {layout!r}")
-    if sharding not in SHARDINGS:
-        raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
-    _checks.flag("return_lse", return_lse)
-    if layout == "bhsd":
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
-        raise ValueError(f"q, k and v must hold the same positions of the sequence, got "
-                         f"{q.shape[1]}, {k.shape[1]} and {v.shape[1]}")
-    scale = _checks.softmax_scale("scale", scale, q.shape[-1])
     rank, size = world(group)
-    length = sum(all_lengths(q.shape[1], group, q.device))
-    schedule = Schedule(length, size, sharding, _band(mask), rank)
-    expected = schedule.rows(rank)
-    if q.shape[1] != expected:
-        raise ValueError(f"rank {rank} holds {q.shape[1]} positions but sharding={sharding!r} "
-                         f"of {length} positions over {size} ranks gives it {expected}")
+    local = {}
+
+    def validate():
+        # Everything a rank can get wrong on its own, before the gather (agreement module doc).
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            _checks.tensor(name, t, ndim=4)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be 'bshd' or 'bhsd', got {layout!r}")
+        if sharding not in SHARDINGS:
+            raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")
+        _checks.flag("return_lse", return_lse)
+        qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v)) if layout == "bhsd" else (q, k, v)
+        if ks.shape[1] != qs.shape[1] or vs.shape[1] != qs.shape[1]:
+            raise ValueError(f"q, k and v must hold the same positions of the sequence, got "
+                             f"{qs.shape[1]}, {ks.shape[1]} and {vs.shape[1]}")
+        # The local shards as one problem: dtypes, devices, heads, head dims, scale range (an
+        # empty shard, which a problem refuses, as one position on the meta device).
+        probe = (qs, ks, vs) if qs.shape[1] else tuple(
+            torch.empty(t.shape[0], 1, *t.shape[2:], dtype=t.dtype, device="meta")
+            for t in (qs, ks, vs))
+        problem = AttnProblem.from_tensors(*probe, scale=scale, layout="bshd")
+        local.update(tensors=(qs, ks, vs), band=_band(mask), scale=problem.scale)
+        return qs.shape[1], (problem.batch, problem.heads_q, problem.heads_kv, problem.dim_qk,
+                             problem.dim_v, encode_dtype(problem.dtype),
+                             encode_choice(layout, LAYOUTS), encode_choice(sharding, SHARDINGS),
+                             *local["band"], encode_real(problem.scale))
+
+    lengths = agreed_lengths("context_parallel_attention", group, q, _SHARED, validate)
+    q, k, v = local["tensors"]
+    length = sum(lengths)
+    schedule = Schedule(length, size, sharding, local["band"], rank)
+    check_shard_lengths("context_parallel_attention", lengths, sharding)
+    scale = local["scale"]
     out, lse = RingAttention.apply(q, k, v, schedule, scale, group)
     if layout == "bhsd":
         out = out.transpose(1, 2)

@@ -17,10 +17,18 @@ import torch
 from .. import _checks
 from ..geometry import neighborhood_axis_mask
 from ..masks import Neighborhood
+from .agreement import DTYPE, agreed_lengths, encode_dtype, encode_real, integers, real
 from .p2p import Exchange
-from .sharding import all_lengths, world
+from .sharding import world
 
 __all__ = ["neighborhood_attention", "halo_plan"]
+
+# What every rank must pass alike (checked in the length all-gather, see agreement.py); per-axis
+# values padded to 3 axes.
+_SHARED = (integers("batch size B"), integers("number of spatial axes"),
+           integers("spatial extent of axes 1, 2", 2), integers("heads H"), integers("head dim D"),
+           integers("value head dim D_v"), DTYPE, integers("kernel_size", 3),
+           integers("stride", 3), integers("dilation", 3), integers("is_causal", 3), real("scale"))
 
 
 def _needed(axis_mask: torch.Tensor, a: int, b: int) -> torch.Tensor:
@@ -131,19 +139,40 @@ def neighborhood_attention(query, key, value, kernel_size, stride=1, dilation=1,
     """
     from .. import neighborhood as na
 
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        _checks.tensor(name, t)
-    spatial = query.dim() - 3
-    if not 1 <= spatial <= 3:
-        raise ValueError(f"query must be [B, X0, ..., H, D] with 1 to 3 spatial axes, got shape "
-                         f"{tuple(query.shape)}")
-    if key.shape[:-1] != query.shape[:-1] or value.shape[:-1] != query.shape[:-1]:
-        raise ValueError(f"query, key and value must share [B, *spatial, H], got "
-                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     rank, _ = world(group)
-    lengths = all_lengths(query.shape[1], group, query.device)
+    local = {}
+
+    def validate():
+        # Everything a rank can get wrong on its own, before the gather (agreement module doc).
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            _checks.tensor(name, t, floating=True)
+        for name, t in (("key", key), ("value", value)):
+            _checks.like(name, t, query, "query")
+        spatial = query.dim() - 3
+        if not 1 <= spatial <= 3:
+            raise ValueError(f"query must be [B, X0, ..., H, D] with 1 to 3 spatial axes, got "
+                             f"shape {tuple(query.shape)}")
+        if key.shape != query.shape or value.shape[:-1] != query.shape[:-1]:
+            raise ValueError(f"query and key must share [B, *spatial, H, D], and value "
+                             f"[B, *spatial, H], got {tuple(query.shape)}, {tuple(key.shape)}, "
+                             f"{tuple(value.shape)}")
+        geometry = [_checks.per_axis(name, x, spatial, cast) for name, x, cast in (
+            ("kernel_size", kernel_size, _checks.integer), ("stride", stride, _checks.integer),
+            ("dilation", dilation, _checks.integer), ("is_causal", is_causal, _checks.boolean))]
+        head_dim = query.shape[-1]
+        resolved = _checks.softmax_scale("scale", scale, head_dim)
+        _checks.fits_scores("scale", resolved, query.dtype)
+        local["spatial"] = spatial
+        rest = list(query.shape[2:1 + spatial]) + [0] * (3 - spatial)
+        padded = [list(g) + [0] * (3 - spatial) for g in geometry]
+        return query.shape[1], (query.shape[0], spatial, *rest[:2], query.shape[-2], head_dim,
+                                value.shape[-1], encode_dtype(query.dtype),
+                                *(int(x) for g in padded for x in g), encode_real(resolved))
+
+    lengths = agreed_lengths("neighborhood_attention", group, query, _SHARED, validate)
+    spatial = local["spatial"]
     grid = (sum(lengths), *query.shape[2:1 + spatial])
-    mask = Neighborhood(grid, kernel_size, stride, dilation, is_causal)  # validates
+    mask = Neighborhood(grid, kernel_size, stride, dilation, is_causal)  # the same on every rank
     axis0 = next(iter(mask.axes()))
     plans, starts = halo_plan(lengths, *axis0[1:])
     k_slab, v_slab = _Halo.apply(key, value, plans, starts, rank, group)

@@ -12,10 +12,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import _checks
+from .agreement import DTYPE, RankDisagreement, agreed_lengths, choice, encode_choice, encode_dtype, integers
+
 __all__ = ["SHARDINGS", "Chunk", "chunks_of", "shard_sequence", "unshard_sequence", "world",
-           "all_lengths", "gather_uneven"]
+           "all_lengths", "gather_uneven", "check_shard_lengths"]
 
 SHARDINGS = ("contiguous", "zigzag")
+_MAX_DIMS = 8
+# What every rank's unshard_sequence call must pass alike (see agreement.py).
+_SHARED = (integers("number of dims"), integers("dim"), DTYPE, choice("sharding", SHARDINGS),
+           integers("shape outside dim", _MAX_DIMS - 1))
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,19 @@ def chunks_of(length: int, world_size: int, sharding: str) -> list[list[Chunk]]:
     return ranks
 
 
+def check_shard_lengths(call: str, lengths: list[int], sharding: str) -> None:
+    """Every rank's length (the same list on every rank) is what ``sharding`` of their sum gives
+    it; else the same ``RankDisagreement`` on every rank."""
+    chunks = chunks_of(sum(lengths), len(lengths), sharding)
+    expected = [sum(c.size for c in rank_chunks) for rank_chunks in chunks]
+    wrong = [r for r, (n, e) in enumerate(zip(lengths, expected)) if n != e]
+    if wrong:
+        raise RankDisagreement(
+            f"{call}: sharding={sharding!r} of {sum(lengths)} positions over {len(lengths)} ranks "
+            f"gives rank(s) {wrong} " + ", ".join(str(expected[r]) for r in wrong)
+            + " positions, but they hold " + ", ".join(str(lengths[r]) for r in wrong))
+
+
 def all_lengths(local: int, group, device) -> list[int]:
     """Every rank's local length (one small all-gather)."""
     _, size = world(group)
@@ -97,10 +117,22 @@ def shard_sequence(x: torch.Tensor, sharding: str = "zigzag", group=None, dim: i
 def unshard_sequence(x: torch.Tensor, sharding: str = "zigzag", group=None, dim: int = 1):
     """The full tensor from every rank's shard ``x`` (the inverse of :func:`shard_sequence`;
     an all-gather, so every rank gets the whole sequence)."""
-    _check_sharding(sharding)
     rank, size = world(group)
-    lengths = all_lengths(x.shape[dim], group, x.device)
+
+    def validate():
+        _check_sharding(sharding)
+        t = _checks.tensor("x", x)
+        if t.dim() > _MAX_DIMS:
+            raise ValueError(f"x must have at most {_MAX_DIMS} dims, got shape {tuple(t.shape)}")
+        axis = _checks.integer("dim", dim, -t.dim(), maximum=t.dim() - 1) % t.dim()
+        others = [n for d, n in enumerate(t.shape) if d != axis]
+        return t.shape[axis], (t.dim(), axis, encode_dtype(t.dtype),
+                               encode_choice(sharding, SHARDINGS),
+                               *(others + [-1] * (_MAX_DIMS - 1 - len(others))))
+
+    lengths = agreed_lengths("unshard_sequence", group, x, _SHARED, validate)
     total = sum(lengths)
+    check_shard_lengths("unshard_sequence", lengths, sharding)
     shards = gather_uneven(x, lengths, group, dim)
     pieces = []
     for r, rank_chunks in enumerate(chunks_of(total, size, sharding)):

@@ -7,11 +7,18 @@ depends on: the exact text NVRTC compiles (``_loader.source_text``: defines, com
 kernel), the name expressions, the arch, the compiler options and the NVRTC version.
 
 Where: ``$CUDNN_ATTN_CUBIN_CACHE`` (``off`` disables the cache), else
-``$XDG_CACHE_HOME/cudnn_attn/cubins`` (``~/.cache`` when unset). Files are written atomically
-(an exclusive ``mkstemp`` file renamed into place), never through a symbolic link: a link in
-place of the directory disables the cache and a link in place of an entry is neither read nor
-followed (a write replaces the link itself). A directory owned by another user is not used. An
-entry that does not parse, fails its checksum or names another key is ignored and rebuilt.
+``$XDG_CACHE_HOME/cudnn_attn/cubins`` (``~/.cache`` when unset).
+
+A cubin is executable GPU code, so the cache follows the graph cache's trust model
+(``cudnn_attn.trusted_files``): a directory that is a link, belongs to another user or that group
+or others may write is not used; an entry is read only if it is a regular file of this user (no
+link, FIFO or device: opened non-blocking), under ``MAX_ENTRY_BYTES``, and its HMAC verifies with
+this user's cache key (``trusted_files.secret_key_path()``). Entries are written atomically (an
+exclusive temporary file renamed into place, replacing a link itself). An entry that fails any
+check (or does not parse, nests its header too deep, or names another key) is ignored and
+rebuilt. Nothing here raises into the compile path: an unusable cache only costs a compile.
+Cubins carried from another machine verify only where the same key file is used
+(``$CUDNN_ATTN_CACHE_KEY_FILE``).
 """
 
 from __future__ import annotations
@@ -20,24 +27,36 @@ import hashlib
 import json
 import logging
 import os
-import stat
 import struct
-import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..caches import user_path
+from ..trusted_files import (
+    SIGNATURE_BYTES,
+    Rejected,
+    clear_files,
+    json_depth_ok,
+    open_dir,
+    open_regular_file,
+    secret_key,
+    sign,
+    signature_ok,
+    write_atomic,
+)
 
 logger = logging.getLogger("cudnn_attn")
 
-__all__ = ["cache_dir", "clear", "info", "load", "program_key", "store"]
+__all__ = ["adopt", "cache_dir", "clear", "info", "load", "program_key", "store"]
 
 MAGIC = b"cudnn_attn cubin\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: signed with the user's cache key (1 had a plain sha256)
 SUFFIX = ".cubin"
 _PREFIX = struct.Struct(">II")  # format version, header length
-_DIGEST = 32  # sha256 of everything before it
+MAX_ENTRY_BYTES = 64 << 20  # the largest program (every fused instance) is a few MiB
+MAX_HEADER_BYTES = 1 << 20  # lowered names and a ptxas log: kilobytes
+MAX_JSON_DEPTH = 4  # ours nests 2 deep
 _ENV = "CUDNN_ATTN_CUBIN_CACHE"
 
 _lock = threading.Lock()
@@ -68,47 +87,34 @@ def program_key(text: str, expressions: Sequence[str], arch: str, options: Seque
     return hashlib.sha256(spec.encode()).hexdigest()
 
 
-def _usable_dir(directory: Path, create: bool) -> bool:
-    """The directory exists (or was created), is a real directory (not a link) and is ours."""
-    try:
-        if create:
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.lstat(directory)
-    except OSError:
-        return False
-    if not stat.S_ISDIR(st.st_mode):
-        logger.warning("cubin cache: %s is not a directory (a symbolic link?); not used",
-                       directory)
-        return False
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        logger.warning("cubin cache: %s belongs to another user; not used", directory)
-        return False
-    return True
-
-
-def _encode(key: str, cubin: bytes, lowered: Mapping[str, str], log: str) -> bytes:
+def _encode(key: str, cubin: bytes, lowered: Mapping[str, str], log: str, secret: bytes) -> bytes:
     header = json.dumps({"key": key, "lowered": dict(lowered), "log": log,
                          "cubin_bytes": len(cubin)}, sort_keys=True).encode()
     body = MAGIC + _PREFIX.pack(FORMAT_VERSION, len(header)) + header + bytes(cubin)
-    return body + hashlib.sha256(body).digest()
+    return body + sign(secret, body)
 
 
-def _decode(data: bytes, key: str):
-    """(cubin, lowered, log), or a string saying why the entry is rejected."""
+def _decode(data: bytes, key: str, secret: bytes | None):
+    """(cubin, lowered, log), or a string saying why the entry is rejected. ``secret=None``
+    checks everything but the signature (``adopt``: the caller vouches for the file)."""
     start = len(MAGIC) + _PREFIX.size
-    if not data.startswith(MAGIC) or len(data) < start + _DIGEST:
+    if not data.startswith(MAGIC) or len(data) < start + SIGNATURE_BYTES:
         return "not a cubin cache entry (bad magic or truncated)"
-    body, digest = data[:-_DIGEST], data[-_DIGEST:]
-    if hashlib.sha256(body).digest() != digest:
-        return "checksum mismatch"
+    body, signature = data[:-SIGNATURE_BYTES], data[-SIGNATURE_BYTES:]
+    if secret is not None and not signature_ok(secret, body, signature):
+        return "signature mismatch (corrupt, or not written with this user's cache key)"
     version, header_len = _PREFIX.unpack_from(data, len(MAGIC))
     if version != FORMAT_VERSION:
         return f"format version {version}"
+    raw = body[start:start + header_len]
+    if header_len > MAX_HEADER_BYTES or not json_depth_ok(raw, MAX_JSON_DEPTH):
+        return "header too large or too deeply nested"
     try:
-        header = json.loads(body[start:start + header_len])
+        header = json.loads(raw)
         cubin = body[start + header_len:]
         ok = (header["key"] == key and header["cubin_bytes"] == len(cubin)
-              and isinstance(header["lowered"], dict) and isinstance(header["log"], str))
+              and isinstance(header["lowered"], dict) and isinstance(header["log"], str)
+              and all(isinstance(v, str) for v in header["lowered"].values()))
     except (ValueError, KeyError, TypeError) as exc:
         return f"unreadable header ({exc})"
     if not ok:
@@ -124,28 +130,29 @@ def _count(what: str) -> None:
 def load(key: str, expressions: Sequence[str], directory: Path | None = None):
     """``(cubin, lowered, log)`` of a stored program, or None (absent, disabled or rejected)."""
     directory = cache_dir() if directory is None else Path(directory)
-    if directory is None or not _usable_dir(directory, create=False):
+    if directory is None:
         _count("misses")
         return None
-    path = directory / (key + SUFFIX)
+    name = key + SUFFIX
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:  # absent, or a symbolic link (O_NOFOLLOW)
-        _count("misses")
-        return None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                found = "not a regular file"
-            else:
-                found = _decode(f.read(), key)
-    except OSError as exc:
-        found = f"unreadable ({exc})"
+        with open_dir(directory, create=False, follow_link=False) as dir_fd:
+            secret = secret_key()
+            try:
+                with open_regular_file(dir_fd, name, MAX_ENTRY_BYTES) as (read, size):
+                    found = _decode(read(size), key, secret)
+            except Rejected as exc:  # a link, FIFO, another user's file, too large
+                found = str(exc)
+    except (FileNotFoundError, NotADirectoryError):  # no directory or no entry: a plain miss
+        found = None
+    except OSError as exc:  # UnsafeCacheDir (its message says why), unreadable
+        logger.warning("cubin cache: %s; not used", exc)
+        found = None
     if isinstance(found, tuple) and set(found[1]) != set(expressions):
         found = "lowered names do not match the expressions"
     if isinstance(found, str):
-        logger.info("cubin cache: ignoring %s: %s; recompiling", path, found)
+        logger.info("cubin cache: ignoring %s: %s; recompiling", directory / name, found)
         _count("rejected")
+    if not isinstance(found, tuple):
         _count("misses")
         return None
     _count("hits")
@@ -154,41 +161,59 @@ def load(key: str, expressions: Sequence[str], directory: Path | None = None):
 
 def store(key: str, cubin: bytes, lowered: Mapping[str, str], log: str,
           directory: Path | None = None) -> bool:
-    """Write one program atomically; False (and a debug log) if the cache is unusable."""
+    """Write one program atomically; False (and a log line) if the cache is unusable."""
     directory = cache_dir() if directory is None else Path(directory)
-    if directory is None or not _usable_dir(directory, create=True):
+    if directory is None:
         return False
-    tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=key[:16] + ".", suffix=".tmp", dir=directory)
-        with os.fdopen(fd, "wb") as f:
-            f.write(_encode(key, cubin, lowered, log))
-        os.replace(tmp, directory / (key + SUFFIX))  # replaces a link itself, never its target
-        tmp = None
-    except OSError as exc:
+        with open_dir(directory, create=True, follow_link=False) as dir_fd:
+            write_atomic(dir_fd, key + SUFFIX, _encode(key, cubin, lowered, log, secret_key()))
+    except OSError as exc:  # UnsafeCacheDir, a file in the way, a full disk
         logger.debug("cubin cache: could not store %s: %s", key, exc)
         return False
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
     _count("stored")
     return True
 
 
+def adopt(source: Path, directory: Path | None = None) -> int:
+    """Store the entries of ``source`` (cubins built elsewhere, e.g. ahead of time on another
+    machine, signed with another key, copied in by any user) in this user's cache, signed with
+    this user's key: the caller vouches for the folder, as for a program it compiled. Each is
+    still read as the cache reads (a regular file, no link, at most ``MAX_ENTRY_BYTES``, a
+    well-formed entry of the key its name says); anything else is skipped. Returns how many
+    were stored."""
+    source, adopted = Path(source), 0
+    src_fd = os.open(source, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        names = sorted(e.name for e in os.scandir(src_fd) if e.name.endswith(SUFFIX))
+        for name in names:
+            key = name[:-len(SUFFIX)]
+            try:
+                with open_regular_file(src_fd, name, MAX_ENTRY_BYTES, owned=False) as (read, size):
+                    found = _decode(read(size), key, None)
+            except (Rejected, OSError) as exc:
+                found = str(exc)
+            if isinstance(found, str):
+                logger.warning("cubin cache: not adopting %s: %s", source / name, found)
+                continue
+            adopted += store(key, *found, directory=directory)
+    finally:
+        os.close(src_fd)
+    return adopted
+
+
 def clear(directory: Path | None = None) -> int:
-    """Delete the cache entries (and stale temp files); returns how many entries were removed."""
+    """Delete the cache entries (and stale temp files); returns how many entries were removed.
+    Directories named like entries are left alone; links are removed, never followed."""
     directory = cache_dir() if directory is None else Path(directory)
-    if directory is None or not _usable_dir(directory, create=False):
+    if directory is None:
         return 0
-    removed = 0
-    for path in directory.iterdir():
-        if path.name.endswith(SUFFIX) or path.name.endswith(".tmp"):
-            path.unlink(missing_ok=True)
-            removed += path.name.endswith(SUFFIX)
-    return removed
+    try:
+        with open_dir(directory, create=False, follow_link=False):
+            pass
+    except OSError:  # missing, not ours, writable by others: not touched
+        return 0
+    return clear_files(directory, SUFFIX)
 
 
 def info() -> dict:

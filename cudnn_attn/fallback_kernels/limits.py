@@ -103,6 +103,9 @@ def problem_reasons(problem) -> list[str]:
         reasons.append("Padding masks are not supported")
     if problem.storage is not None:
         reasons.append(f"the kernels address dense batches, not {problem.storage!r} storage")
+    if problem.score_mod is not None:
+        reasons.append("a cuDNN score_mod program is not supported (the torch and cuDNN "
+                       "engines run it)")
     if problem.dropout_mask is not None and not LIMITS.dropout_mask:
         reasons.append("an explicit dropout mask is not supported")
     if problem.rpb is not None:

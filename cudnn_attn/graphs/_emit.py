@@ -46,6 +46,7 @@ class UID(IntEnum):
     RAGGED_V = 24
     RAGGED_O = 25
     RAGGED_STATS = 26
+    BLOCK_MASK = 27
 
 
 # The only keyword arguments this module passes (checked against the C++ binding in the tests).
@@ -54,12 +55,13 @@ FORWARD_KWARGS = frozenset({
     "use_padding_mask", "seq_len_q", "seq_len_kv", "diagonal_alignment",
     "diagonal_band_left_bound", "diagonal_band_right_bound", "dropout",
     "paged_attention_k_table", "paged_attention_v_table", "paged_attention_max_seq_len_kv",
-    "max_total_seq_len_q", "max_total_seq_len_kv"})
+    "max_total_seq_len_q", "max_total_seq_len_kv", "score_mod", "block_mask"})
 BACKWARD_KWARGS = frozenset({
     "q", "k", "v", "o", "dO", "stats", "name", "attn_scale", "bias", "dBias", "use_alibi_mask",
     "use_padding_mask", "seq_len_q", "seq_len_kv", "diagonal_alignment",
     "diagonal_band_left_bound", "diagonal_band_right_bound", "dropout",
-    "use_deterministic_algorithm", "max_total_seq_len_q", "max_total_seq_len_kv"})
+    "use_deterministic_algorithm", "max_total_seq_len_q", "max_total_seq_len_kv", "score_mod",
+    "score_mod_bprop"})
 
 @memoize("cudnn.module", maxsize=1)
 def cudnn_module():
@@ -71,7 +73,7 @@ def cudnn_module():
 def cudnn_dtype(name: str):
     dt = cudnn_module().data_type
     return {"float16": dt.HALF, "bfloat16": dt.BFLOAT16, "float32": dt.FLOAT,
-            "int32": dt.INT32, "int64": dt.INT64}[name]
+            "int32": dt.INT32, "int64": dt.INT64, "uint8": dt.UINT8}[name]
 
 
 def _call(op, allowed: frozenset, **kwargs):
@@ -88,6 +90,7 @@ def _call(op, allowed: frozenset, **kwargs):
 class _Emitter:
     def __init__(self, g, spec: GraphSpec):
         self.g, self.spec, self.tensors = g, spec, {}
+        self.score_mod_bprop = None
 
     def tensor(self, uid: UID, dim, stride, dtype: str, *, by_value=False, ragged=None):
         kwargs = {} if ragged is None else {"ragged_offset": self.tensors[ragged]}
@@ -139,6 +142,8 @@ class _Emitter:
             kw["seq_len_kv"] = self.tensor(UID.SEQ_LEN_KV, (b, 1, 1, 1), (1, 1, 1, 1), "int32")
         if s.alibi:
             kw["use_alibi_mask"] = True
+        if s.score_mod is not None:  # the program's ops, replayed with cuDNN's pointwise ops
+            kw["score_mod"], self.score_mod_bprop = s.score_mod.callbacks()
         band = s.band
         if band is not None:
             kw["diagonal_alignment"] = (cd.diagonal_alignment.BOTTOM_RIGHT
@@ -182,6 +187,10 @@ class _Emitter:
         drop = self.dropout(backward=False)
         if drop is not None:
             kw["dropout"] = drop
+        if s.block_mask:
+            tiles = -(-s.seq_q // 128), -(-(-(-s.seq_kv // 128)) // 8)
+            dim = (s.batch, s.heads_q) + tiles
+            kw["block_mask"] = self.tensor(UID.BLOCK_MASK, dim, _packed(dim), "uint8")
         if s.ragged and s.stats:
             self.tensor(UID.RAGGED_STATS, (s.batch + 1, 1, 1, 1), (1, 1, 1, 1), "int32")
         o, stats = _call(self.g.sdpa, FORWARD_KWARGS, name="sdpa", generate_stats=s.stats, **kw)
@@ -210,6 +219,8 @@ class _Emitter:
             kw["dropout"] = drop
         if s.deterministic:
             kw["use_deterministic_algorithm"] = True
+        if self.score_mod_bprop is not None:
+            kw["score_mod_bprop"] = self.score_mod_bprop
         dq, dk, dv = _call(self.g.sdpa_backward, BACKWARD_KWARGS, name="sdpa_backward", **kw)
         ragged = (UID.RAGGED_Q, UID.RAGGED_K, UID.RAGGED_V) if s.ragged else (None,) * 3
         for t, uid, heads, seq, dim, rag in (
@@ -252,6 +263,8 @@ def io_uids(spec: GraphSpec, backward: bool) -> tuple[tuple, tuple]:
         inputs += [UID.DROPOUT_SEED, UID.DROPOUT_OFFSET]
     if spec.paged is not None and not backward:
         inputs += [UID.PAGE_TABLE_K, UID.PAGE_TABLE_V]
+    if spec.block_mask and not backward:
+        inputs.append(UID.BLOCK_MASK)
     if spec.ragged:
         inputs += [UID.RAGGED_Q, UID.RAGGED_K, UID.RAGGED_V, UID.RAGGED_O]
         if backward or spec.stats:

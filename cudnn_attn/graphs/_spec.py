@@ -19,9 +19,11 @@ from typing import Optional
 import torch
 
 from ..masks import alibi_slopes, band_of
+from ..score_mods import ScoreMod
 from ..problem import AttnProblem
 from ..storage import Paged, Ragged
 from .limits import BACKWARD_HEAD_DIM, LIMITS, MAX_HEAD_DIM
+from .score_mod_masks import mask_program, neighborhood_as_band
 
 __all__ = ["Band", "PagedKV", "GraphOptions", "GraphSpec", "analyze", "cudnn_reasons", "empty_rows",
            "with_storage",
@@ -104,6 +106,11 @@ class GraphSpec:
     max_total_seq_len_q: Optional[int] = None
     max_total_seq_len_kv: Optional[int] = None
     paged: Optional[PagedKV] = None
+    # softcap, a score_mod or a mask cuDNN has no attribute for, as one score_mod program
+    # (cuDNN's score_mod excludes the built-in band, padding and ALiBi: the band is folded in).
+    score_mod: Optional[ScoreMod] = None
+    # a neighborhood's tile bitmask as cuDNN's block_mask (forward, sm_100+): skips empty tiles
+    block_mask: bool = False
 
     # -- layouts of the tensors the engine allocates ---------------------------------------
     def out_stride(self, heads: int, seq: int, dim: int) -> tuple:
@@ -164,11 +171,17 @@ def _contiguous_strides(dims: tuple) -> tuple:
     return tuple(out)
 
 
-def _band(problem: AttnProblem, padding: bool, alibi: bool, reasons: list) -> Optional[Band]:
+def cudnn_band(problem: AttnProblem, padding: bool, alibi: bool, reasons: list) -> Optional[Band]:
+    """The diagonal band cuDNN is given for ``problem``'s mask (``masks.band_of`` plus cuDNN's
+    own alignment and bound rules), or None; why it cannot be one goes to ``reasons``."""
+    mask = problem.mask
+    hood_band = neighborhood_as_band(problem.neighborhood)  # a causal 1-D neighborhood
+    if hood_band is not None:
+        mask = hood_band if mask is None else mask & hood_band
     s_q, s_kv = problem.seq_q, problem.seq_kv
     # Read top-left where both alignments coincide: that avoids cuDNN's bottom-right
     # restrictions (no bias, ALiBi or dropout).
-    band = band_of(problem.mask, s_q, s_kv, padding)
+    band = band_of(mask, s_q, s_kv, padding)
     if band is None:
         return None
     if band.alignment is None:
@@ -214,6 +227,9 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
     if problem.softcap is not None and not lim.softcap:
         reasons.append("softcap needs a cuDNN score_mod subgraph, which excludes the built-in "
                        "masks, padding and ALiBi; this engine does not build one")
+    if problem.rpb is not None:
+        reasons.append("a RelPosBias table cannot be gathered inside a cuDNN score_mod (no "
+                       "gather op); only a materialised bias tensor can carry it")
     d_qk, d_v = problem.dim_qk, problem.dim_v
     if d_qk % lim.head_dim_multiple or d_v % lim.head_dim_multiple:
         reasons.append(f"cuDNN needs head dims that are multiples of {lim.head_dim_multiple}, "
@@ -229,7 +245,13 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
 
     padding = problem.padding is not None or options.ragged
     alibi = problem.alibi is not None
-    band = _band(problem, padding, alibi, reasons)
+    band = cudnn_band(problem, padding, alibi, reasons)
+    score_mod = None
+    hood = problem.neighborhood
+    if hood is not None and neighborhood_as_band(hood) is not None:
+        hood = None  # cuDNN's built-in band
+    if problem.softcap is not None or problem.score_mod is not None or hood is not None:
+        score_mod, band = _as_score_mod(problem, band, hood, padding, alibi, reasons), None
     bias_dims = bias_stride = bias_dtype = None
     if problem.bias is not None:
         bias_dtype = lim.bias_dtypes.get(problem.bias.dtype)
@@ -259,7 +281,9 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
     mask_dropout = options.dropout_mask or problem.dropout_mask is not None
     dropout = problem.dropout_p > 0 or mask_dropout
 
-    if band is not None and band.alignment == "bottom_right":
+    # cuDNN's rule is for a bottom-right *causal* diagonal (a right bound); a left bound alone
+    # passes its validator with a bias, ALiBi or dropout. (A folded band is None here.)
+    if band is not None and band.alignment == "bottom_right" and band.right is not None:
         used = {"bias": bias_dims is not None, "alibi": alibi, "dropout": dropout}
         names = {"bias": "a bias", "alibi": "ALiBi", "dropout": "dropout"}
         extras = [names[f] for f in lim.bottom_right_excludes if used[f]]
@@ -291,6 +315,10 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
             and problem.seq_kv == 1:
         reasons.append("cuDNN's SDPA backward does not support S_q = S_kv = 1")
 
+    if backward and target_sm is not None and score_mod is not None \
+            and score_mod.bprop is not None and target_sm // 10 < lim.score_mod_bprop_min_major:
+        reasons.append(f"cuDNN plans no backward with a score_mod_bprop ({score_mod.label}) on "
+                       f"sm_{target_sm}; sm_{lim.score_mod_bprop_min_major}0 or newer")
     deterministic = backward and (options.deterministic or problem.deterministic)
     _option_reasons(problem, options, mask_dropout, backward, reasons)
     if target_sm is not None:
@@ -312,8 +340,29 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
         dbias=bool(problem.bias_requires_grad and backward), dropout_p=problem.dropout_p,
         dropout_mask=mask_dropout, stats=True, deterministic=deterministic,
         ragged=options.ragged, max_total_seq_len_q=options.max_total_seq_len_q,
-        max_total_seq_len_kv=options.max_total_seq_len_kv, paged=options.paged)
+        max_total_seq_len_kv=options.max_total_seq_len_kv, paged=options.paged,
+        score_mod=score_mod, block_mask=bool(
+            hood is not None and score_mod is not None and target_sm is not None
+            and target_sm // 10 >= lim.block_mask_min_major))
     return spec, []
+
+
+def _as_score_mod(problem, band, hood, padding: bool, alibi: bool, reasons: list):
+    """The call's score_mod program (softcap, the builder's score_mod, a neighborhood and the
+    band folded in), or ``None`` with reasons."""
+    what = ", ".join(n for n, on in (("softcap", problem.softcap is not None),
+                                     ("a score_mod", problem.score_mod is not None),
+                                     ("a neighborhood mask", hood is not None)) if on)
+    if padding:
+        reasons.append(f"cuDNN's score_mod ({what}) excludes the padding mask")
+    if alibi:
+        reasons.append(f"cuDNN's score_mod ({what}) excludes ALiBi")
+    if padding or alibi:
+        return None
+    offset = problem.seq_kv - problem.seq_q if band is not None \
+        and band.alignment == "bottom_right" else 0
+    return mask_program(softcap=problem.softcap, band=band, band_offset=offset,
+                        neighborhood=hood, base=problem.score_mod)
 
 
 def with_storage(options: GraphOptions, storage) -> GraphOptions:
@@ -423,3 +472,4 @@ def problem_lengths(problem: AttnProblem) -> tuple[tuple, tuple]:
     if pad is None:
         return (problem.seq_q,) * problem.batch, (problem.seq_kv,) * problem.batch
     return pad.seq_lens_q, pad.seq_lens_kv
+

@@ -25,6 +25,8 @@ from ..errors import NotSupportedError
 from ..problem import AttnProblem
 from ..storage import Paged, Ragged
 from . import _runtime
+from .limits import LIMITS
+from .score_mod_masks import density, neighborhood_as_band, tile_bitmask
 from ._spec import GraphSpec, analyze, problem_lengths
 from .sdpa import UID, BuiltGraph, build_graph
 
@@ -63,6 +65,21 @@ class CudnnBackend:
         if problem.device.type != "cuda":
             reasons.append(f"cuDNN runs CUDA tensors; these are on {problem.device}")
         return reasons + analyze(problem)[1]  # pure Python: every rule knowable without a GPU
+
+    def auto_reasons(self, problem: AttnProblem) -> list[str]:
+        """The density rule (``LIMITS.neighborhood_auto_density``): a neighborhood that cuDNN
+        runs as a score_mod computes every tile, so ``auto`` leaves sparse ones to the CuPy
+        kernels; ``backend="cudnn"`` serves them."""
+        hood = problem.neighborhood
+        if hood is None or neighborhood_as_band(hood) is not None:
+            return []
+        kept = density(hood)
+        if kept < LIMITS.neighborhood_auto_density:
+            return [f"the neighborhood keeps {kept:.0%} of the pairs; cuDNN's score_mod computes "
+                    f"every tile, and auto picks it from "
+                    f"{LIMITS.neighborhood_auto_density:.0%} (declared limit, to be measured on a "
+                    f"GPU); backend='cudnn' runs it"]
+        return []
 
     def plan(self, problem: AttnProblem) -> "CudnnPlan":
         """The plan with every graph ``problem``'s calls need built; ``NotSupportedError`` when
@@ -127,6 +144,7 @@ class CudnnPlan:
         self.spec = spec
         self.dropout_p = problem.dropout_p
         self._graphs: dict = {}
+        self._block_mask = None
         self._scales = _runtime.ScalarCache(torch.float32)
         self._lengths = _runtime.LengthCache(spec) if spec.padding else None
         s = spec
@@ -236,6 +254,11 @@ class CudnnPlan:
         handle = _runtime.handle_for(device)
         buffers, empty = self._common(problem, q, k, v, bias, device)
         self._dropout_buffers(problem, inputs, buffers, backward=False)
+        if self.spec.block_mask:  # the neighborhood's tiles, built once per plan
+            if self._block_mask is None:
+                self._block_mask = tile_bitmask(problem.neighborhood, self.spec.batch,
+                                                self.spec.heads_q, device)
+            buffers[UID.BLOCK_MASK] = self._block_mask
         o_shape, stats_shape = self._shapes(q)
         out = torch.empty(o_shape, dtype=problem.dtype, device=device)
         buffers[UID.O] = out

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
-import hmac
 import io
 import json
 import struct
@@ -28,6 +26,7 @@ from typing import Any
 import torch
 
 from ..caches import memoize, user_path
+from ..trusted_files import Rejected, json_depth_ok, sign, signature_ok
 
 __all__ = ["FORMAT_VERSION", "MAGIC", "MAX_HEADER_BYTES", "MAX_JSON_DEPTH", "SUFFIX", "Rejected",
            "cudnn_versions", "current_environment", "decode_file", "default_cache_dir",
@@ -128,10 +127,6 @@ def default_cache_dir() -> Path:
     return user_path("CUDNN_ATTN_CACHE_DIR", "XDG_CACHE_HOME", ".cache", "graphs")
 
 
-class Rejected(Exception):
-    """A cache file that must not be trusted; the message says why."""
-
-
 MAX_HEADER_BYTES = 64 << 10  # a header is a few hundred bytes: anything larger is not ours
 MAX_JSON_DEPTH = 16  # ours nest 3 deep; bounded so hostile JSON cannot exhaust the stack
 _SCALAR = (str, int, float, bool, type(None))
@@ -146,34 +141,12 @@ def _header_prefix(env: dict, kind: str, key_text: str, payload_len: int) -> byt
 def encode_file(env: dict, kind: str, key_text: str, payload: bytes, secret: bytes) -> bytes:
     """A cache file's bytes; its last 32 bytes are HMAC-SHA256(``secret``) of all before them."""
     body = _header_prefix(env, kind, key_text, len(payload)) + payload
-    return body + hmac.new(secret, body, hashlib.sha256).digest()
-
-
-def _json_depth_ok(text: bytes, limit: int) -> bool:
-    """Whether the brackets of ``text`` (outside strings) nest at most ``limit`` deep."""
-    depth, in_string, escaped = 0, False, False
-    for byte in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:  # quote
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):
-            depth += 1
-            if depth > limit:
-                return False
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
-    return True
+    return body + sign(secret, body)
 
 
 def _parse_header(raw: bytes) -> tuple[dict, str, str, int]:
     """``(environment, kind, key_text, payload_bytes)`` of a header, each type-checked."""
-    if not _json_depth_ok(raw, MAX_JSON_DEPTH):
+    if not json_depth_ok(raw, MAX_JSON_DEPTH):
         raise Rejected(f"header nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         header = json.loads(raw)
@@ -237,8 +210,7 @@ def read_file(read: Callable[[int], bytes], total: int, env: dict, secret: bytes
     payload, digest = read(size), read(_DIGEST)
     if len(payload) != size or len(digest) != _DIGEST or read(1):
         raise Rejected("the file changed while it was read; checksum mismatch")
-    expected = hmac.new(secret, prefix + raw + payload, hashlib.sha256).digest()
-    if not hmac.compare_digest(expected, digest):
+    if not signature_ok(secret, prefix + raw + payload, digest):
         raise Rejected("checksum mismatch (corrupt, truncated, or not written with this user's "
                        "cache key)")
     return kind, key_text, payload

@@ -50,8 +50,21 @@ class CudnnLimits:
     # (cudnn-frontend #160, PyTorch #196678: NaN dQ with a bias and S_kv % 128 == 64).
     key_tile: int = 128
     # feature gaps of this engine / cuDNN
-    softcap: bool = False              # needs a score_mod subgraph (excludes masks/padding/ALiBi)
-    neighborhood_masks: bool = False   # not expressible as SDPA attributes
+    # softcap and NATTEN masks run as a score_mod program (score_mod_masks), which excludes the
+    # built-in padding and ALiBi (the band is folded into the program)
+    softcap: bool = True
+    neighborhood_masks: bool = True
+    # auto picks cuDNN for a neighborhood (score_mod) only when its window keeps at least this
+    # fraction of the (query, key) pairs: without a block mask (Hopper) cuDNN computes every
+    # tile. 1.0 keeps auto on the CuPy kernels until a GPU measurement sets it;
+    # backend="cudnn" serves any density.
+    neighborhood_auto_density: float = 1.0
+    # a backward with a score_mod_bprop (softcap's) plans from this SM major on (sm_80: no
+    # engine; deviceless plans, cuDNN 9.28)
+    score_mod_bprop_min_major: int = 9
+    # cuDNN's block mask (tiles to skip; forward only): "only supported on Blackwell and Rubin".
+    # Neighborhood graphs carry one from this SM major on.
+    block_mask_min_major: int = 10
     alibi_custom_slopes: bool = False  # ALiBi uses the standard slopes only
     alibi_needs_causal: bool = True    # ALiBi needs a diagonal right bound of 0
     # what the bottom-right diagonal cannot be combined with

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ..errors import NotSupportedError
+from ..kv_heads import head_counts_differ, repeat_to_common_heads
 from ..problem import AttnProblem
 from ._emit import BACKWARD_KWARGS, FORWARD_KWARGS, UID, cudnn_dtype, cudnn_module, emit, io_uids
 from ._spec import Band, GraphOptions, GraphSpec, PagedKV, analyze, cudnn_reasons
@@ -117,7 +118,9 @@ class BuiltGraph:
 
 
 def _spec_to_json(spec: GraphSpec) -> dict:
-    return dataclasses.asdict(spec)
+    data = dataclasses.asdict(dataclasses.replace(spec, score_mod=None))
+    data["score_mod"] = None if spec.score_mod is None else spec.score_mod.to_json()
+    return data
 
 
 def _spec_from_json(data: dict) -> GraphSpec:
@@ -126,6 +129,10 @@ def _spec_from_json(data: dict) -> GraphSpec:
         data["band"] = Band(**data["band"])
     if data.get("paged") is not None:
         data["paged"] = PagedKV(**data["paged"])
+    if data.get("score_mod") is not None:
+        from ..score_mods import ScoreMod
+
+        data["score_mod"] = ScoreMod.from_json(data["score_mod"])
     return GraphSpec(**data)
 
 
@@ -322,4 +329,9 @@ def describe_problem(q, k, v, *, options: Optional[GraphOptions] = None, **call_
         return found
     for name in CALL_ARGS:
         call_kwargs.pop(name, None)
+    layout = call_kwargs.get("layout", "bhsd")
+    if all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)) \
+            and head_counts_differ(q, k, v, layout):
+        # H_k != H_v: attention() runs it as GQA over lcm(H_k, H_v) repeated heads (kv_heads)
+        k, v = repeat_to_common_heads(q, k, v, layout)
     return AttnProblem.from_tensors(q, k, v, **call_kwargs), options

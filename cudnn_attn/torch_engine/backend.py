@@ -97,7 +97,8 @@ class TorchPlan:
     def direct(self, problem):
         """``(q, k, v) -> out`` for calls of ``problem`` that need no lse and no gradient, when one
         public op computes them (else None): the eager fast path keeps it with its call signature."""
-        if self.fused_ok and problem.heads_q == problem.heads_kv:
+        if self.fused_ok and problem.heads_q == problem.heads_kv \
+                and cpu_sdpa.whole_problem_scale_ok(problem):
             return cpu_sdpa.out_only(problem)
         return None
 
@@ -190,9 +191,10 @@ class TorchPlan:
     def _scores(self, problem, qs, k3, bias, lo, hi, keys):
         """Scores of tiles [lo, hi) as [B, H_kv, n, T, G, W] with hidden pairs at -inf.
 
-        Returns ``(qg, kg, s, tanh, hidden)``: the gathered queries [BH, n, T*G, D] and keys
-        ([BH, n, W, D], or None when every tile reads all keys), the softcap's tanh (or None)
-        and the hidden-pair mask broadcastable to ``s`` (or None).
+        Returns ``(qg, kg, s, chain, hidden)``: the gathered queries [BH, n, T*G, D] and keys
+        ([BH, n, W, D], or None when every tile reads all keys), ``chain(ds)`` taking the
+        gradient of the modified scores back through softcap / score_mod (or None) and the
+        hidden-pair mask broadcastable to ``s`` (or None).
         """
         B, Hkv, G = problem.batch, problem.heads_kv, problem.group_size
         t = self.tiles
@@ -206,10 +208,13 @@ class TorchPlan:
             kg = _gather_keys(k3, keys, t, n)
             s = torch.matmul(qg, kg.transpose(-1, -2))
         s = s.view(B, Hkv, n, T, G, W)
-        tanh = None
+        chain = None
         if problem.softcap is not None:
             tanh = (s / problem.softcap).tanh_()
             s = tanh * problem.softcap
+            chain = lambda ds: ds.mul_(1 - tanh * tanh)  # noqa: E731
+        if problem.score_mod is not None:
+            s, chain = self._score_mod(problem, s, chain, lo, hi, keys)
         extra = self.bias_of(problem, bias, lo, hi, keys, qs.device, s.dtype)
         if extra is not None:
             s.add_(extra)
@@ -217,7 +222,34 @@ class TorchPlan:
         if hidden is not None:
             hidden = hidden[:, None, :, :, None, :]
             s.masked_fill_(hidden, -math.inf)
-        return qg, kg, s, tanh, hidden
+        return qg, kg, s, chain, hidden
+
+    def _score_mod(self, problem, s, chain, lo, hi, keys):
+        """The call's score_mod on scores ``[B, H_kv, n, T, G, W]`` of tiles [lo, hi), with the
+        chain rule through it (its ``score_mod_bprop`` when it has one)."""
+        program, device = problem.score_mod, s.device
+        n, T, W = s.shape[2], s.shape[3], s.shape[5]
+        q_idx = self.tiles.on(device).q_idx[lo:hi]
+
+        def index(axis):
+            if axis == 0:
+                return torch.arange(problem.batch, device=device).view(-1, 1, 1, 1, 1, 1)
+            if axis == 1:  # head h = h_kv * G + g (GQA groups of consecutive query heads)
+                G = problem.group_size
+                return (torch.arange(problem.heads_kv, device=device).view(1, -1, 1, 1, 1, 1) * G
+                        + torch.arange(G, device=device).view(1, 1, 1, 1, -1, 1))
+            if axis == 2:
+                return q_idx.view(1, 1, n, T, 1, 1)
+            return keys.view(1, 1, n, 1, 1, W) if keys.dim() == 2 else keys.view(1, 1, 1, 1, 1, -1)
+
+        raw = s
+        modified = program.apply(raw, index)
+        inner = chain
+
+        def through(ds):
+            ds = program.gradient(raw, ds, index)
+            return ds if inner is None else inner(ds)
+        return modified.clone(), through
 
     def chunks(self, problem):
         per_tile = problem.batch * problem.heads_q * self.tiles.size * self.tiles.num_keys
@@ -232,13 +264,15 @@ class TorchPlan:
         return t.on(device).k_idx[lo:hi]
 
     # -- forward / backward ---------------------------------------------------------------------
-    def forward(self, problem, inputs, need_lse=True):
+    def forward(self, problem, inputs, need_lse=True, row_stats=None):
         """``(out, lse)``: out in the call's layout and dtype, lse [B, H, S_q] (``None`` allowed
-        when ``need_lse`` is false and nothing will run backward)."""
+        when ``need_lse`` is false and nothing will run backward). A dict ``row_stats`` receives
+        each row's score maximum ``"max"`` and ``"sum_exp"`` = sum of ``exp(s - max)`` (lse's
+        layout; cuDNN's ``score_max`` / ``score_sum_exp``: ``lse = max + log(sum_exp)``)."""
         q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
-        if self.fused_ok:
+        if self.fused_ok and row_stats is None and cpu_sdpa.whole_problem_scale_ok(problem):
             return cpu_sdpa.whole_problem(problem, q, k, v, need_lse)
-        if self.fused_tiles:
+        if self.fused_tiles and row_stats is None:
             return cpu_sdpa.tile_forward(self, problem, q, k, v, bias)
         dtype = compute_dtype(problem.dtype)
         qs = rows_of(problem, q, dtype, problem.scale)
@@ -247,6 +281,8 @@ class TorchPlan:
         rows = self.tiles.count * T
         out_t = qs.new_empty(BH, rows, G, problem.dim_v)
         lse_t = qs.new_empty(BH, rows, G)
+        max_t, sum_t = (qs.new_empty(BH, rows, G), qs.new_empty(BH, rows, G)) \
+            if row_stats is not None else (None, None)
         dropout = _Dropout(problem, inputs, qs.device)
         for lo, hi in self.chunks(problem):
             n = hi - lo
@@ -264,7 +300,14 @@ class TorchPlan:
             total = total.view(BH, n * T, G)
             out_t[:, lo * T:hi * T] = o.view(BH, n * T, G, -1) / _nonzero(total)[..., None]
             lse_t[:, lo * T:hi * T] = shift.view(BH, n * T, G) + total.log()
+            if max_t is not None:
+                max_t[:, lo * T:hi * T] = peak.reshape(BH, n * T, G)
+                sum_t[:, lo * T:hi * T] = total
         inverse = self.tiles.on(qs.device).inverse
+        if max_t is not None:
+            for name, t in (("max", max_t), ("sum_exp", sum_t)):
+                row_stats[name] = lse_layout(problem, t.index_select(1, inverse)).to(
+                    lse_dtype(problem.dtype))
         out = unrows(problem, out_t.index_select(1, inverse)).to(problem.dtype)
         lse = lse_layout(problem, lse_t.index_select(1, inverse))
         return out, lse.to(lse_dtype(problem.dtype))
@@ -275,7 +318,8 @@ class TorchPlan:
         ``dlse`` (optional) is the gradient reaching the returned LSE; d lse / d s = p.
         """
         q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
-        if self.fused_ok and dlse is None and problem.heads_q == problem.heads_kv:
+        if self.fused_ok and dlse is None and problem.heads_q == problem.heads_kv \
+                and cpu_sdpa.whole_problem_scale_ok(problem):
             return cpu_sdpa.whole_backward(problem, q, k, v, out, lse, dout)
         if self.fused_tiles and dlse is None and not problem.bias_requires_grad:
             return cpu_sdpa.tile_backward(self, problem, q, k, v, bias, out, lse, dout)
@@ -302,7 +346,7 @@ class TorchPlan:
             n = hi - lo
             keys = self.keys_of(lo, hi, qs.device)
             rows_idx = self.tiles.on(qs.device).q_idx[lo:hi].reshape(-1)
-            qg, kg, s, tanh, hidden = self._scores(problem, qs, k3, bias, lo, hi, keys)
+            qg, kg, s, chain, hidden = self._scores(problem, qs, k3, bias, lo, hi, keys)
             lse_g = lse3.index_select(1, rows_idx).view(s.shape[:-1])
             p = _exp_shifted(s, _finite(lse_g), hidden, dead=lse_g == -math.inf)
             keep = dropout.keep(self, p, lo, hi, keys)
@@ -318,9 +362,9 @@ class TorchPlan:
                 _scatter_dbias(dbias_full, ds, rows_idx, keys, problem, n, T)
             if drpb is not None:
                 _scatter_drpb(drpb, ds, self.rpb_index(problem, lo, hi, keys, qs.device))
-            if tanh is not None:
-                ds.mul_(1 - tanh * tanh)
-            ds = ds.view(BH, n, T * G, -1)
+            if chain is not None:
+                ds = chain(ds)
+            ds = ds.reshape(BH, n, T * G, -1)
             dq_t[:, lo * T:hi * T] = _times_keys(ds, k3 if kg is None else kg, keys,
                                                  self.tiles).view(BH, n * T, -1)
             _add_to_keys(dk, ds, qg, keys, self.tiles)

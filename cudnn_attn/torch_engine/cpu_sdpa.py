@@ -22,7 +22,7 @@ def whole_problem_ok(problem: AttnProblem) -> bool:
     if problem.device.type != "cpu" or problem.dim_qk != problem.dim_v:
         return False
     if (problem.bias or problem.alibi or problem.rpb or problem.softcap or problem.dropout_p
-            or problem.dropout_mask):
+            or problem.dropout_mask or problem.score_mod):
         return False
     parts = mask_parts(problem.mask)
     if not parts:
@@ -30,6 +30,12 @@ def whole_problem_ok(problem: AttnProblem) -> bool:
     if len(parts) == 1 and isinstance(parts[0], Causal):
         return same_alignment(parts[0].alignment, problem.seq_q == problem.seq_kv) == "top_left"
     return False
+
+
+def whole_problem_scale_ok(problem: AttnProblem) -> bool:
+    """Whether this call's scale (a runtime value, not in the plan key) suits the causal kernel:
+    it hides keys before scaling, so a scale <= 0 turns a hidden -inf into +inf or NaN."""
+    return problem.mask is None or problem.scale > 0
 
 
 def whole_problem(problem, q, k, v, need_lse=True):
@@ -89,7 +95,7 @@ def tiles_ok(problem: AttnProblem) -> bool:
     """The kernel needs one head dim for q/k/v and knows no softcap or replayable dropout."""
     return (problem.device.type == "cpu" and problem.dim_qk == problem.dim_v
             and problem.softcap is None and problem.dropout_p == 0
-            and problem.dropout_mask is None)
+            and problem.dropout_mask is None and problem.score_mod is None)
 
 
 def _operands(plan, problem, tensors, lo, hi):
@@ -132,10 +138,11 @@ def _additive_mask(problem, hidden, extra, n, T, W, dtype):
     if hidden is None and extra is None:
         return None, None
     mask = torch.zeros((), dtype=dtype, device=(hidden if extra is None else extra).device)
-    if hidden is not None:
-        mask = mask.masked_fill(hidden[:, None, :, :, None, :], -math.inf)
     if extra is not None:
         mask = mask + extra
+    if hidden is not None:
+        # Hiding replaces the biased score: a NaN or +inf bias at a hidden pair stays hidden.
+        mask = torch.where(hidden[:, None, :, :, None, :], -math.inf, mask)
     b, h = mask.shape[0], mask.shape[1]
     if b == 1 and h == 1:
         mask = mask.expand(1, 1, n, T, G, W).reshape(1, n, T * G, W)

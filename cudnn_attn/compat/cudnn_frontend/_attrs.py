@@ -9,6 +9,7 @@ import numbers
 import torch
 
 from ... import _checks, stored_calls
+from ._score_attrs import ScoreModBackwardSetters, ScoreModSetters
 
 __all__ = ["SdpaAttributes", "SdpaBackwardAttributes"]
 
@@ -389,11 +390,12 @@ class _Attributes:
         return self
 
 
-class SdpaAttributes(_Attributes):
+class SdpaAttributes(ScoreModSetters, _Attributes):
     """Forward attributes (cuDNN ``SDPA_attributes``); every setter returns ``self``."""
 
     def __init__(self):
         super().__init__()
+        self._init_score_mod()
         self.generate_stats = True
 
     def set_is_inference(self, value):
@@ -425,11 +427,12 @@ class SdpaAttributes(_Attributes):
         return self
 
 
-class SdpaBackwardAttributes(_Attributes):
+class SdpaBackwardAttributes(ScoreModBackwardSetters, _Attributes):
     """Backward attributes (cuDNN ``SDPA_backward_attributes``); must describe the forward call."""
 
     def __init__(self):
         super().__init__()
+        self._init_score_mod()
         self.deterministic = False
         self.dsink_token: torch.Tensor | None = None
         self.dbias: torch.Tensor | None = None

@@ -81,6 +81,10 @@ def _cudnn_verdicts(attrs, q, k, v, padded: bool, backward: bool, packed: bool) 
             reasons.append("Bottom right causal mask does not support max_s_q > max_s_kv.")
     if left is not None and seq_q > seq_kv and not padded:
         reasons.append("Sliding window attention is only supported with max_s_q <= max_s_kv.")
+    if getattr(attrs, "score_mod", None) is not None and (
+            left is not None or right is not None or attrs.alibi or padded):
+        # cuDNN's score_mod replaces the built-in mask subgraphs (fold masks into the score_mod)
+        reasons.append("Attention score mod enabled and hence other subgraphs are disabled.")
     if backward and seq_q == seq_kv == 1:
         reasons.append("s_q = s_kv = 1 is not supported.")
     if not packed and (attrs.max_total_seq_len_q is not None

@@ -45,11 +45,21 @@ Conventions (where cuDNN leaves a choice or this library differs):
   or where cuDNN declines, the pages are gathered into dense keys.
 * ``set_compute_data_type`` takes ``torch.float32`` or ``cudnn.data_type.FLOAT`` (every engine
   computes in float32; float64 inputs stay float64 on the torch engine).
+* ``set_score_mod(fn)`` / ``set_score_mod_bprop(fn)``: cuDNN's callables, recorded as a program
+  (``cudnn_attn.score_mods``) that every engine means the same way: the torch engine interprets
+  it, the cuDNN engine replays it onto its graph. Applied to the scaled scores before bias and
+  masks; like cuDNN, it excludes the built-in band, padding and ALiBi.
+* ``set_block_mask(mask)`` (cuDNN's uint8 tile bitmask, forward) becomes ``-inf`` on the dropped
+  pairs, so it runs on every engine (cuDNN plans its own block mask only on sm_100+).
+* ``set_logit_max`` / ``set_score_sum_exp`` / ``set_rng_dump`` receive those outputs (computed by
+  the torch engine, which such calls run on); ``set_unfuse_fma`` / ``set_mma_core_mode`` are
+  recorded kernel hints; ``set_stats_use_log2`` gives base-2 stats. See ``_score_attrs``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -61,7 +71,7 @@ from ...sinks import check_sinks, merge_sinks, sink_gradient
 from ...runtime import DropoutState, Inputs, hide_padded_rows
 from ...storage import Paged
 from ...stored_calls import meta_like
-from . import packed
+from . import _extras, packed
 from ._attrs import SdpaAttributes, SdpaBackwardAttributes
 from ._translate import check_broadcast, translate
 
@@ -74,6 +84,8 @@ def _problem(attrs, q, k, v, need_stats, backward=False, storage=None):
     explicit ``(mask, scale)`` (``AttnProblem.dropout_mask``), run by the selected plan.
     With ``storage`` (paged pools), ``k``/``v`` only describe the logical keys (meta)."""
     mask, bias, alibi = translate(attrs, q, k, v, backward)
+    if not backward:  # cuDNN's block mask is a forward attribute
+        bias = _extras.with_block_mask(attrs, bias, q, k)
     dropout_p, dropout, extra, keep = 0.0, None, {}, None
     if attrs.dropout is not None and attrs.dropout[0] == "philox" and attrs.dropout[1] > 0:
         dropout_p, dropout = attrs.dropout[1], DropoutState(*attrs.dropout[2:])
@@ -92,7 +104,7 @@ def _problem(attrs, q, k, v, need_stats, backward=False, storage=None):
     problem = AttnProblem.from_tensors(q_, k_, v_, mask=mask, bias=bias_, alibi=alibi,
                                        scale=attrs.attn_scale,
                                        dropout_p=dropout_p, layout="bhsd", return_lse=need_stats,
-                                       **extra)
+                                       score_mod=_extras.score_mod_of(attrs), **extra)
     if storage is not None:
         problem = dataclasses.replace(problem, device=q.device, storage=storage)
     if getattr(attrs, "deterministic", False):
@@ -100,8 +112,10 @@ def _problem(attrs, q, k, v, need_stats, backward=False, storage=None):
         problem = dataclasses.replace(problem, deterministic=True)
     if backward and getattr(attrs, "dbias", None) is not None:
         problem = dataclasses.replace(problem, requires_grad=True, bias_requires_grad=True)
-    # A Philox stream is replayed by the engine that drew it (execution.plan_call pins it).
-    _, problem, plan = execution.plan_call(problem)
+    # A Philox stream is replayed by the engine that drew it (execution.plan_call pins it); the
+    # torch engine reports logit_max / score_sum_exp / rng_dump (cuDNN's are not bound).
+    _, problem, plan = execution.plan_call(
+        problem, "torch" if _extras.needs_torch_engine(attrs) else "auto")
     return problem, plan, Inputs(q, k, v, bias, dropout, dropout_mask=keep)
 
 
@@ -198,9 +212,16 @@ def scaled_dot_product_flash_attention(q, k, v, attrs: SdpaAttributes):
             k, v = repeat_to_common_heads(q, k, v, "bhsd")
         call = _problem(attrs, q, k, v, need or sinks is not None)
     problem, plan, inputs = call
-    o, lse = execution.forward(problem, plan, inputs, need_lse=need or sinks is not None)
+    row_stats = {} if attrs.logit_max is not None or attrs.score_sum_exp is not None else None
+    o, lse = execution.forward(problem, plan, inputs, need_lse=need or sinks is not None,
+                               row_stats=row_stats)
+    if row_stats is not None:
+        _extras.write_row_stats(attrs, row_stats)
+    _dump_rng(attrs, problem, inputs)
     if sinks is not None:
         o, lse = merge_sinks(o, lse, check_sinks(sinks, problem.heads_q, q), "bhsd")
+    if need and attrs.stats_use_log2:
+        lse = lse / math.log(2.0)
     return o, (lse.unsqueeze(-1) if need else None)
 
 
@@ -233,6 +254,8 @@ def scaled_dot_product_flash_attention_backward(q, k, v, o, dO, stats,
                              f"{tuple(attrs.bias.shape)} and device {attrs.bias.device}, got "
                              f"{tuple(attrs.dbias.shape)} on {attrs.dbias.device}")
     lse = stats.reshape(stats.shape[:3])
+    if attrs.stats_use_log2:
+        lse = lse * math.log(2.0)
     repeated = head_counts_differ(q, k, v, "bhsd")
     if repeated:
         heads_k, heads_v = k.shape[1], v.shape[1]
@@ -243,6 +266,7 @@ def scaled_dot_product_flash_attention_backward(q, k, v, o, dO, stats,
     # With sinks, the forward's stats include them: the engine's backward is then already the
     # backward of attention with sinks (cudnn_attn.sinks); only dSink is computed here.
     dq, dk, dv, dbias = execution.backward(problem, plan, inputs, o, lse, dO)
+    _dump_rng(attrs, problem, inputs)
     if attrs.dbias is not None:
         attrs.dbias.copy_(dbias.reshape(attrs.dbias.shape))
     if attrs.dsink_token is not None:
@@ -255,6 +279,24 @@ def scaled_dot_product_flash_attention_backward(q, k, v, o, dO, stats,
     if repeated:
         dk, dv = sum_to_heads(dk, heads_k, "bhsd"), sum_to_heads(dv, heads_v, "bhsd")
     return dq, dk, dv
+
+
+def _dump_rng(attrs, problem, inputs) -> None:
+    """Fill ``set_rng_dump``'s tensor with the call's dropout keep mask (all ones without
+    dropout)."""
+    if attrs.rng_dump is None:
+        return
+    shape = (problem.batch, problem.heads_q, problem.seq_q, problem.seq_kv)
+    if tuple(attrs.rng_dump.shape) != shape:
+        raise ValueError(f"set_rng_dump: the tensor must be [B, H_q, S_q, S_kv] = {list(shape)}, "
+                         f"got {tuple(attrs.rng_dump.shape)}")
+    if inputs.dropout is None and inputs.dropout_mask is None:
+        attrs.rng_dump.fill_(1.0)
+    elif inputs.dropout_mask is not None:
+        attrs.rng_dump.copy_((inputs.dropout_mask != 0).expand(shape))
+    else:
+        keep = _extras.keep_mask(problem, inputs)
+        attrs.rng_dump.copy_(keep)
 
 
 def _check_backward_inputs(q, v, o, dO, stats):
@@ -281,3 +323,7 @@ def _check_backward_inputs(q, v, o, dO, stats):
             or not stats.dtype.is_floating_point:
         raise ValueError(f"stats must be a float tensor of shape [B, H_q, S_q, 1] = "
                          f"{list(want_o[:3]) + [1]}, got {stats.dtype} {tuple(stats.shape)}")
+
+
+# Public for the FP8 builder calls (compat.cudnn_frontend.fp8): one paged-container rule.
+unpage = _unpage

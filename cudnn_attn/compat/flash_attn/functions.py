@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import _checks
 from ...api import attention
 from ...errors import NotSupportedError
 from ...masks import alibi_distance
@@ -183,6 +184,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     in the graph), except with ``return_attn_probs`` and dropout (``S_dmask``), which take the
     eager path.
     """
+    _checks.flag("deterministic", deterministic)  # read only by the backward: check it now
     if _traced(q, k, v) and _traceable(alibi_slopes, dropout_p, return_attn_probs, q):
         opts = _traced_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, softcap)
         mask = _core.fa_mask(opts, k.shape[1], q.shape[1] == k.shape[1], False)
@@ -249,6 +251,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Under ``torch.compile`` (and strict ``torch.export``) dense-k/v calls run as ``attention_varlen()``'s
     op, as ``flash_attn_func`` does (same exceptions: ``alibi_slopes``, ``S_dmask``).
     """
+    _checks.flag("deterministic", deterministic)  # read only by the backward: check it now
     if block_table is None and torch.compiler.is_compiling() and \
             _traceable(alibi_slopes, dropout_p, return_attn_probs):
         opts = _traced_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, softcap)

@@ -16,6 +16,12 @@ Where this differs from FlashAttention (it accepts more, never less):
 * bad arguments raise ``ValueError``/``TypeError`` that are also ``RuntimeError`` (what
   FlashAttention's ``TORCH_CHECK`` raises), so either ``except`` catches them.
 
+``_flash_attn_forward``, ``_flash_attn_backward``, ``_flash_attn_varlen_forward`` and
+``_flash_attn_varlen_backward`` are FlashAttention 2.8.3's private functions with its exact
+signatures (see ``cudnn_attn.compat.flash_attn.private``), for libraries built on them
+(ring-flash-attn, yunchang); ``cudnn_attn.integrations.flash_attn.register()`` points their
+``import flash_attn`` here.
+
 ``S_dmask`` (``return_attn_probs=True`` with dropout) is FlashAttention's encoding: see
 ``cudnn_attn.compat.flash_attn._probs``; ``_get_block_size_n`` gives its key-block width, as
 FlashAttention's helper of that name does.
@@ -29,11 +35,15 @@ from .functions import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qk
                         flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
                         flash_attn_varlen_qkvpacked_func)
 from .kvcache import flash_attn_with_kvcache
+# FlashAttention's private entry points, under FlashAttention's own names (libraries import them).
+from .private import (_flash_attn_backward, _flash_attn_forward, _flash_attn_varlen_backward,
+                      _flash_attn_varlen_forward)
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "FlashAttnValueError",
-           "FlashAttnTypeError"]
+           "FlashAttnTypeError", "_flash_attn_forward", "_flash_attn_backward",
+           "_flash_attn_varlen_forward", "_flash_attn_varlen_backward"]
 
 
 def _get_block_size_n(device, head_dim, is_dropout, is_causal):

@@ -244,8 +244,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             out = out.contiguous()
             return (out, lse.contiguous()) if return_softmax_lse else out
     lens = _lengths("cache_seqlens", cache_seqlens, batch, q.device, cache.capacity)
+    # A paged sequence is bounded by its block_table row, so the message names it (as
+    # attention_with_kvcache's does).
+    holder = (f"block_table holds {cache.table.shape[1]} pages of {cache.page} tokens"
+              if cache.paged else f"the cache holds {cache.capacity} tokens")
     _check_range("cache_seqlens", lens, 0, cache.capacity - seq_new,
-                 f"the cache holds {cache.capacity} tokens and {seq_new} are appended")
+                 f"{holder} and {seq_new} are appended")
     if cache_leftpad is not None and cache.paged:
         raise ValueError("cache_leftpad must be None with a paged KV cache (block_table), as in "
                          "FlashAttention")

@@ -225,14 +225,8 @@ def mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q,
     dropout = philox_state(philox_seed, philox_offset)
 
     softmax_d = softmax_d_of(dout, out, q.dtype).t().contiguous()
-    if by_length_groups(q, "auto", opts.p_dropout):
-        # The forward again, differentiated (the torch engine's grouped route replays exactly).
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-            grouped_out, _ = _grouped(*leaves, lens_q, lens_k, max_k, opts, alibi)
-            grads = torch.autograd.grad(grouped_out, leaves, dout, allow_unused=True)
-        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v))]
-        return (*(into(b, g) for b, g in zip(bufs, grads)), softmax_d)
+    # One padded batch, never the forward again: FlashAttention's backward reads the caller's
+    # ``out`` and ``softmax_lse`` (ring attention passes the ones merged across ranks).
     mask = pack.mask(_core.fa_mask(opts, max_k, lens_q == lens_k, alibi is not None))
     grads = _core.backward(pack.pad_q(dout), pack.pad_q(q), pack.pad_k(k), pack.pad_k(v),
                             pack.pad_q(out), pack.lse_padded(lse), mask, alibi, opts,

@@ -12,15 +12,53 @@ from ... import _checks
 from ...api import attention
 from ...masks import Neighborhood, RelPosBias
 
-__all__ = ["check_rpb", "doc_fields", "geometry", "neighborhood_attention", "unfused_geometry"]
+__all__ = ["NattenValueError", "NattenNotImplementedError", "check_tensors", "check_rpb",
+           "doc_fields", "geometry", "neighborhood_attention", "unfused_geometry"]
+
+
+class NattenValueError(ValueError, TypeError):
+    """An argument of the wrong kind: the ``ValueError`` NATTEN 0.21 raises, and our
+    ``TypeError`` (code written for either catches it)."""
+
+
+class NattenNotImplementedError(NotImplementedError, TypeError):
+    """A tensor NATTEN 0.21 has no kernel for (an integer dtype, a sparse or mkldnn layout): its
+    ``NotImplementedError``, and our ``TypeError``."""
+
+
+def check_tensors(query, key, value, ndim: int, what: str) -> None:
+    """NATTEN 0.21's checks of its fused entries' tensors, with its error types, each naming the
+    argument: ``ndim``-D (laid out as ``what``) float tensors of one dtype and one device."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise NattenNotImplementedError(f"{name} must be a dense tensor (NATTEN supports no "
+                                            f"{t.layout} tensors)")
+        if t.dtype not in _checks.FLOAT_DTYPES:
+            raise NattenNotImplementedError(
+                f"{name} has dtype {t.dtype}: NATTEN has no backend for it (float64, float32, "
+                f"float16 or bfloat16)")
+    for name, t in (("key", key), ("value", value)):
+        if t.device != query.device:
+            raise ValueError(f"query, key and value must be on one device, got query on "
+                             f"{query.device}, {name} on {t.device}")
+        if t.dtype != query.dtype:
+            raise NattenValueError(f"query, key and value must share a dtype, got query "
+                                   f"{query.dtype}, {name} {t.dtype}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _checks.tensor(name, t, ndim=ndim, what=what)
 
 
 def geometry(spatial, kernel_size, stride, dilation, is_causal) -> Neighborhood:
-    """The ``Neighborhood`` of one call (it validates every rule, per-axis tuples). The spatial
-    extent is made concrete with ``operator.index`` (which dynamo specialises, unlike ``int``):
-    under ``torch.compile``'s dynamic shapes the mask is specialised to it, never symbolic."""
-    return Neighborhood(tuple(operator.index(s) for s in spatial), kernel_size, stride, dilation,
-                        is_causal)
+    """The ``Neighborhood`` of one call (it validates every rule, per-axis tuples). The spatial extent
+    is made concrete with ``operator.index`` (which dynamo specialises, unlike ``int``): under
+    ``torch.compile``'s dynamic shapes the mask is specialised to it, never a symbolic size."""
+    try:
+        return Neighborhood(tuple(operator.index(s) for s in spatial), kernel_size, stride,
+                            dilation, is_causal)
+    except TypeError as e:  # kernel_size=3.0, is_causal="yes": NATTEN says ValueError
+        raise NattenValueError(*e.args).with_traceback(e.__traceback__) from None
 
 
 def unfused_geometry(spatial, kernel_size, dilation, is_causal, prefix: str = "") -> Neighborhood:

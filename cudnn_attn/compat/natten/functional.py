@@ -25,7 +25,8 @@ from ...varlen import attention_varlen
 from . import options, varlen_args
 from .context import deterministic_scope
 from ...merging import merge_partials
-from .common import check_rpb, doc_fields, geometry, neighborhood_attention
+from .common import (NattenValueError, check_rpb, check_tensors, doc_fields, geometry,
+                     neighborhood_attention)
 from .unfused import na1d_av, na1d_qk, na2d_av, na2d_qk, na3d_av, na3d_qk
 
 __all__ = [
@@ -97,12 +98,12 @@ def merge_partial(outputs, lses):
 def _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
         additional_keys, additional_values, attention_kwargs, backend, hints, return_lse, rpb):
     layout = "[B, *spatial, H, D]"
-    if any(getattr(t, "is_nested", False) for t in (query, key, value)):
-        raise NotSupportedError("na{rank}d with nested tensors", {"natten": [
-            "fused neighborhood attention does not support nested tensors (as NATTEN); the "
-            "unfused na*d_qk / na*d_av ops do"]})
     for name, t in (("query", query), ("key", key), ("value", value)):
-        _checks.tensor(name, t, ndim=rank + 3, what=layout, floating=True)
+        if getattr(t, "is_nested", False):
+            raise NotSupportedError(f"na{rank}d with a nested {name}", {"natten": [
+                f"{name} is a nested tensor: fused neighborhood attention does not support "
+                f"nested tensors (as NATTEN); the unfused na*d_qk / na*d_av ops do"]})
+    check_tensors(query, key, value, rank + 3, layout)
     B, spatial, H, D = query.shape[0], tuple(query.shape[1:-2]), query.shape[-2], query.shape[-1]
     Hkv, Dv = key.shape[-2], value.shape[-1]
     _checks.like("key", key, query, "query", expected=(B, *spatial, Hkv, D),
@@ -309,9 +310,9 @@ def attention(query, key, value, is_causal=False, scale=None, seqlens_Q=None, se
                         backward_use_pt_reduction=backward_use_pt_reduction,
                         run_persistent_kernel=run_persistent_kernel,
                         kernel_schedule=kernel_schedule, torch_compile=torch_compile)
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        _checks.tensor(name, t, ndim=4, what="[B, S, H, D]", floating=True)
-    _checks.flag("is_causal", is_causal)
+    check_tensors(query, key, value, 4, "[B, S, H, D]")
+    if not isinstance(is_causal, bool):
+        raise NattenValueError(f"is_causal must be a bool, got {is_causal!r}")
     _checks.flag("return_lse", return_lse)
     mask = Causal() if is_causal else None
     with deterministic_scope():

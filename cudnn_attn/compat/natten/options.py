@@ -66,6 +66,12 @@ def check_hints(rank: int | None, *, tiles: dict, backward_kv_splits, backward_u
                 run_persistent_kernel, kernel_schedule, torch_compile) -> None:
     """Validate the tuning arguments of one call. ``rank``: the neighborhood rank, whose tiles
     are shapes (``None`` for plain attention, whose tiles are sizes)."""
+    kind = "size" if rank is None else "shape"
+    for step in ("", "backward_"):  # NATTEN's kernels take both tiles of a pass, or neither
+        q_name, kv_name = f"{step}q_tile_{kind}", f"{step}kv_tile_{kind}"
+        if (tiles.get(q_name) is None) != (tiles.get(kv_name) is None):
+            raise ValueError(f"Please specify both {q_name} and {kv_name}, or neither one. Got "
+                             f"{q_name}={tiles.get(q_name)!r}, {kv_name}={tiles.get(kv_name)!r}.")
     for name, value in tiles.items():
         if rank is None:
             _tile_size(name, value)

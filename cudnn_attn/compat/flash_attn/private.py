@@ -1,0 +1,122 @@
+"""FlashAttention 2.8.3's private entry points, which libraries built on FlashAttention import
+(ring-flash-attn, yunchang, ...): ``_flash_attn_forward``, ``_flash_attn_backward``,
+``_flash_attn_varlen_forward``, ``_flash_attn_varlen_backward``.
+
+These names (leading underscore included) are FlashAttention's, so they are the contract here.
+They are plain functions with flash-attn 2.8.3's exact parameter names, order and defaults:
+callers build keyword dicts from ``inspect.getfullargspec`` and also pass positionally. Each is a
+translation onto the public ``mha_*`` entry points (``cudnn_attn.flash_api``), so they run on
+whatever path ``mha_*`` runs (every engine, ``use_backend`` honoured); nothing is computed here.
+
+Layouts and results (as FlashAttention 2.8.3):
+
+* forward: ``q [B, S_q, H, D]``, ``k``/``v [B, S_k, H_k, D]`` ->
+  ``(out [B, S_q, H, D_v], softmax_lse [B, H, S_q] float32, S_dmask, rng_state [2] int64)``;
+  varlen: ``[total, H, D]`` with ``cu_seqlens`` and ``softmax_lse [H, total_q]``. ``S_dmask`` is
+  an empty tensor unless ``return_softmax`` (then FlashAttention's encoding, see
+  ``cudnn_attn.compat.flash_attn.mha``). ``rng_state`` is ``(seed, offset)`` of the call's dropout
+  stream, on q's device.
+* backward: uses the caller's ``out`` and ``softmax_lse`` (ring attention passes merged ones),
+  writes ``dq``/``dk``/``dv`` in place when given (strided views included) and returns
+  ``softmax_d = rowsum(dout * out)`` (``[B, H, S_q]``; varlen ``[H, total_q]``: FlashAttention
+  pads its scratch copy to a multiple of 128, which no caller reads). ``rng_state`` is the
+  forward's (None without dropout).
+
+Equivalent PyTorch (no dropout)::
+
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale    # + causal/window mask
+    softmax_lse = s.logsumexp(-1); out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...errors import NotSupportedError
+from .dense import mha_bwd, mha_fwd
+from .varlen import mha_varlen_bwd, mha_varlen_fwd
+
+__all__ = ["_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward",
+           "_flash_attn_varlen_backward"]
+
+
+def _last_dim_contiguous(x):
+    """FlashAttention's ``maybe_contiguous``: only the head dim must be unit-stride."""
+    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+
+
+def _rng_state(seed: torch.Tensor, offset: torch.Tensor, device) -> torch.Tensor:
+    return torch.stack([seed, offset]).to(device)
+
+
+def _philox_pair(rng_state: Optional[torch.Tensor]):
+    """FlashAttention's ``rng_state`` ``[2]`` -> ``(philox_seed, philox_offset)`` of ``mha_bwd``."""
+    if rng_state is None:
+        return 0, 0
+    if not isinstance(rng_state, torch.Tensor) or rng_state.numel() != 2:
+        raise TypeError(f"rng_state must be None or the forward's [2] int64 tensor, got "
+                        f"{rng_state!r}")
+    seed, offset = rng_state.reshape(2).cpu()
+    return seed, offset
+
+
+def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
+                        window_size_right, softcap, alibi_slopes, return_softmax):
+    """FlashAttention 2.8.3's ``_flash_attn_forward``: ``(out, softmax_lse, S_dmask,
+    rng_state)`` on ``[B, S, H, D]`` tensors (module docstring)."""
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    out, _, _, _, lse, seed, offset, s_dmask = mha_fwd(
+        q, k, v, None, alibi_slopes, dropout_p, softmax_scale, causal, window_size_left,
+        window_size_right, softcap, return_softmax, None)
+    return out, lse, s_dmask, _rng_state(seed, offset, q.device)
+
+
+def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               dropout_p, softmax_scale, causal, window_size_left=-1,
+                               window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                               return_softmax=False, block_table=None, leftpad_k=None,
+                               seqused_k=None):
+    """FlashAttention 2.8.3's ``_flash_attn_varlen_forward``: ``(out [total_q, H, D_v],
+    softmax_lse [H, total_q], S_dmask, rng_state)`` on packed ``[total, H, D]`` tensors.
+    ``leftpad_k`` other than None is not supported (NotSupportedError)."""
+    if leftpad_k is not None:
+        raise NotSupportedError(
+            "_flash_attn_varlen_forward(leftpad_k=...)",
+            {"flash_attn_interface": ["leftpad_k (left-padded keys) is not supported: pack the "
+                                      "keys (cu_seqlens_k) or use seqused_k"]})
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    out, _, _, _, lse, seed, offset, s_dmask = mha_varlen_fwd(
+        q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
+        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, False, causal, window_size_left,
+        window_size_right, softcap, return_softmax, None)
+    return out, lse, s_dmask, _rng_state(seed, offset, q.device)
+
+
+def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
+                         causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                         deterministic, rng_state=None):
+    """FlashAttention 2.8.3's ``_flash_attn_backward``: writes ``dq``/``dk``/``dv`` (when given)
+    and returns ``softmax_d [B, H, S_q]``."""
+    dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
+    seed, offset = _philox_pair(rng_state)
+    *_, softmax_d = mha_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, dropout_p,
+                            softmax_scale, causal, window_size_left, window_size_right, softcap,
+                            deterministic, seed, offset)
+    return softmax_d
+
+
+def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                softmax_scale, causal, window_size_left, window_size_right,
+                                softcap, alibi_slopes, deterministic, rng_state=None):
+    """FlashAttention 2.8.3's ``_flash_attn_varlen_backward``: writes ``dq``/``dk``/``dv`` (when
+    given) and returns ``softmax_d [H, total_q]``."""
+    dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
+    seed, offset = _philox_pair(rng_state)
+    *_, softmax_d = mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+                                   cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                                   dropout_p, softmax_scale, False, causal, window_size_left,
+                                   window_size_right, softcap, deterministic, seed, offset)
+    return softmax_d

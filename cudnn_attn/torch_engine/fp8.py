@@ -1,0 +1,165 @@
+"""cuDNN's FP8 attention (``sdpa_fp8`` / ``sdpa_fp8_backward``), computed in PyTorch.
+
+The quantization points are the ones the cuDNN frontend's FP8 graphs spell out
+(``scaled_dot_product_flash_attention.h`` and ``sdpa_fp8_bwd.h``), in their order, with float32
+compute (cuDNN's compute type) and every FP8 cast rounding to nearest even and **saturating**
+(a value past the format's largest finite number becomes that number, as cuDNN's cast does;
+torch's own cast gives inf for E5M2). Every amax is taken **before** the scale it precedes.
+Tensors are ``[B, H, S, D]``; scales and descales float32 ``[1, 1, 1, 1]`` tensors.
+
+Forward::
+
+    S    = Q K^T * attn_scale * descale_q * descale_k, masked         (float32)
+    P    = softmax(S) (sink logits join the denominator), Stats = logsumexp(S)
+    amax_s = amax(P);             P8 = cast_q(P * scale_s)
+    O    = (P8 V) * descale_s * descale_v
+    amax_o = amax(O);             O8 = cast_o(O * scale_o)
+
+Backward (``P`` recomputed from ``Stats``)::
+
+    D    = rowsum(dO * O) * descale_dO * descale_o
+    dV   = (cast_q(P * scale_s)^T dO) * descale_s * descale_dO
+    dS   = (dO V^T * descale_dO * descale_v - D) * P * attn_scale
+    amax_dP = amax(dS);           dS8 = cast_dO(dS * scale_dP)
+    dQ   = (dS8 K) * descale_dP * descale_k;   dK = (dS8^T Q) * descale_dP * descale_q
+    amax_dX = amax(dX);           dX8 = cast_grad(dX * scale_dX)
+
+cuDNN's fused kernels quantize the online softmax's unnormalized blocks instead of the normalized
+``P`` (NVIDIA's own ``fp8_ref.py``); both agree within NVIDIA's FP8 tolerances (O: atol 0.08,
+rtol 0.2 after dequantization), which is what the tests check against the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..masks import Padding, mask_parts
+from .tiles import Visibility
+
+__all__ = ["FP8_DTYPES", "fp8_max", "saturating_cast", "visibility", "fp8_forward",
+           "fp8_backward"]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of an FP8 format (448 for E4M3, 57344 for E5M2)."""
+    return float(torch.finfo(dtype).max)
+
+
+def saturating_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to nearest even in ``dtype``; FP8 saturates at its largest finite value
+    (NaN stays NaN). Other dtypes are a plain cast."""
+    if dtype in FP8_DTYPES:
+        top = fp8_max(dtype)
+        x = x.clamp(-top, top)
+    return x.to(dtype)
+
+
+def visibility(mask, batch: int, seq_q: int, seq_kv: int, device):
+    """``(visible [B|1, 1, S_q, S_kv] bool or None, live_rows [B, 1, S_q, 1] bool or None)``:
+    the keys each query sees under ``mask`` (causal / window / padding parts), and the query rows
+    that are tokens (padding's ``i < seq_len_q``)."""
+    parts = mask_parts(mask)
+    padding = next((m for m in parts if isinstance(m, Padding)), None)
+    rules = Visibility(parts, seq_q, seq_kv)
+    qi = torch.arange(seq_q, device=device).view(1, 1, -1, 1)
+    kj = torch.arange(seq_kv, device=device).view(1, 1, 1, -1)
+    visible = rules.lines(qi, kj, padding)
+    live = None
+    if padding is not None:
+        lens_q, lens_kv = (t.view(-1, 1, 1, 1) for t in padding.tensors(device))
+        live = qi < lens_q
+        keys = (kj < lens_kv) & live
+        visible = keys if visible is None else visible & keys
+    return visible, live
+
+
+def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _sum_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    b, h, s, d = x.shape
+    return x if h == heads else x.view(b, heads, h // heads, s, d).sum(2)
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    return x.abs().amax().reshape(1, 1, 1, 1).float() if x.numel() else x.new_zeros(1, 1, 1, 1)
+
+
+def _scores(q, k, attn_scale, descale_q, descale_k, visible):
+    """Masked float32 scores in the graph's order: matmul, attn_scale, descale_q, descale_k."""
+    s = q.float() @ _repeat_heads(k, q.shape[1]).float().transpose(-1, -2)
+    s = s * attn_scale * descale_q * descale_k
+    return s if visible is None else s.masked_fill(~visible, float("-inf"))
+
+
+def _probabilities(s, lse):
+    """``exp(S - lse)``, 0 where a key is hidden or the row sees nothing (``lse = -inf``)."""
+    p = torch.exp(s - lse)
+    return torch.where(torch.isfinite(lse) & torch.isfinite(s), p, torch.zeros_like(p))
+
+
+def _lse(s, sinks, live):
+    """Natural-log logsumexp over the keys (and the sink logit); ``-inf`` for rows with nothing
+    to see and for padded rows (a padded row is not a token, even with a sink)."""
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+        s = torch.cat([s, sink], dim=-1)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    if live is not None:
+        lse = lse.masked_fill(~live, float("-inf"))
+    return lse
+
+
+def fp8_forward(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o, *,
+                attn_scale: float, visible=None, live=None, sinks=None,
+                o_dtype: torch.dtype | None = None):
+    """``(o, stats [B, H, S_q, 1] float32, amax_s, amax_o)`` of cuDNN's FP8 forward (module doc).
+    ``o`` is in ``o_dtype`` (default q's FP8 type); the amaxes are float32 ``[1, 1, 1, 1]``."""
+    s = _scores(q, k, attn_scale, descale_q, descale_k, visible)
+    lse = _lse(s, sinks, live)
+    p = _probabilities(s, lse)
+    amax_s = _amax(p)
+    p8 = saturating_cast(p * scale_s, q.dtype).float()
+    o = (p8 @ _repeat_heads(v, q.shape[1]).float()) * descale_s * descale_v
+    amax_o = _amax(o)
+    o_out = saturating_cast(o * scale_o, o_dtype or q.dtype)
+    return o_out, lse, amax_s, amax_o
+
+
+def fp8_backward(q, k, v, o, dO, stats, descale_q, descale_k, descale_v, descale_o, descale_dO,
+                 descale_s, descale_dP, scale_s, scale_dQ, scale_dK, scale_dV, scale_dP, *,
+                 attn_scale: float, visible=None, live=None, sinks=None,
+                 grad_dtype: torch.dtype | None = None):
+    """``(dq, dk, dv, amax_dq, amax_dk, amax_dv, amax_dP, dsink)`` of cuDNN's FP8 backward
+    (module doc); ``dsink`` is ``[1, H_q, 1, 1]`` float32 with ``sinks``, else ``None``. The
+    gradients are in ``grad_dtype`` (default dO's FP8 type) and have k's and v's head counts."""
+    heads = q.shape[1]
+    s = _scores(q, k, attn_scale, descale_q, descale_k, visible)
+    lse = stats.float().reshape(s.shape[0], heads, s.shape[2], 1)
+    p = _probabilities(s, lse)
+    if live is not None:
+        p = p.masked_fill(~live, 0.0)
+    dOf = dO.float()
+    delta = (dOf * o.float()).sum(-1, keepdim=True) * descale_dO * descale_o
+    p8 = saturating_cast(p * scale_s, q.dtype).float()
+    dv = _sum_heads((p8.transpose(-1, -2) @ dOf) * descale_s * descale_dO, v.shape[1])
+    dp = (dOf @ _repeat_heads(v, heads).float().transpose(-1, -2)) * descale_dO * descale_v
+    ds = (dp - delta) * p * attn_scale
+    amax_dp = _amax(ds)
+    ds8 = saturating_cast(ds * scale_dP, dO.dtype).float()
+    dq = (ds8 @ _repeat_heads(k, heads).float()) * descale_dP * descale_k
+    dk = _sum_heads((ds8.transpose(-1, -2) @ q.float()) * descale_dP * descale_q, k.shape[1])
+    dtype = grad_dtype or dO.dtype
+    grads, amaxes = [], []
+    for g, scale in ((dq, scale_dQ), (dk, scale_dK), (dv, scale_dV)):
+        amaxes.append(_amax(g))
+        grads.append(saturating_cast(g * scale, dtype))
+    dsink = None
+    if sinks is not None:  # d lse / d sink = exp(sink - lse); d loss / d lse = -D per row
+        p_sink = torch.exp(sinks.float().view(1, -1, 1, 1) - lse)
+        p_sink = torch.where(torch.isfinite(lse), p_sink, torch.zeros_like(p_sink))
+        dsink = -(p_sink * delta).sum(dim=(0, 2), keepdim=True)
+    return (*grads, *amaxes, amax_dp, dsink)
