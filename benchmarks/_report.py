@@ -96,8 +96,17 @@ def load_sibling(name: str) -> ModuleType:
     return sys.modules[module_name]
 
 
+# The commit under test, passed in by whoever launched the run (gpu_proof.py --commit): a
+# checkout copied to a device may carry a stale .git (issue 23: "78783be-dirty" for 7cfa5f7).
+COMMIT_ENV = "CUDNN_ATTN_COMMIT"
+
+
 def _git_describe() -> str | None:
-    """``git describe --always --dirty`` of the checkout, or None outside a repository / before a commit."""
+    """The commit under test: ``$CUDNN_ATTN_COMMIT`` when set (never a device-side describe),
+    else ``git describe --always --dirty`` of the checkout, or None outside a repository."""
+    given = os.environ.get(COMMIT_ENV, "").strip()
+    if given:
+        return given
     try:
         done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=RESULTS_DIR.parent,
                               capture_output=True, text=True, timeout=10, check=True)

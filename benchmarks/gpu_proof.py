@@ -260,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
     carried_dir = Path(args.cubins) if args.cubins else None
     carried = seed_cubin_cache(carried_dir, cache)
     env = {**os.environ, "CUDNN_ATTN_CUBIN_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+    if args.commit:  # every record (this one, the benchmarks' JSON) names the commit passed in
+        os.environ[_report.COMMIT_ENV] = env[_report.COMMIT_ENV] = args.commit
     steps = select(plan(work, workers=args.workers), args.steps, args.skip)
     budget = budget_facts(args, begin_wall)
     stop_at = begin + budget["budget_s"]

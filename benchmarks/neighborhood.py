@@ -24,7 +24,9 @@ JSON: <--results-dir>/neighborhood-<date>.json (default benchmarks/results/).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import signal
 import sys
 import time
 import warnings
@@ -44,6 +46,29 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 TARGET_TFLOPS, TARGET_VS_FLEX = 250.0, 1.5  # bf16, D=128, 2-D 128x128 k=31x31, forward
 ENGINES = ("ours", "flex", "natten-flex", "sdpa-cudnn", "sdpa-flash")
 DEVICE, OURS_BACKEND = "cuda", "cupy"  # module constants so a CPU smoke run can swap them
+# A compiled peer's setup (block mask, torch.compile) and first call get this long; past it the
+# peer is recorded as timed out (issue 23: Flex's compile ate the whole 162 s share of the run).
+PEER_SETUP_S = 90.0
+PEERS = ("flex", "natten-flex")  # measured after ours and the dense SDPA rows
+
+
+class PeerTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, what: str):
+    """Raise ``PeerTimeout`` in this (main) thread after ``seconds``."""
+    def expire(signum, frame):
+        raise PeerTimeout(f"{what} took more than {seconds:.0f} s (setup, compile, first call)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def natten_mask_mod(spatial, kernel, dilation=None, causal=None):
@@ -112,7 +137,8 @@ def _leaves(tensors):
 
 
 def engines(rank, spatial, kernel, q, k, v):
-    """``{engine: forward closure}`` (each over its own leaf tensors) or ``{engine: error}``.
+    """``{engine: setup}`` in measuring order (ours, the dense SDPA rows, then the compiled
+    peers); ``setup()`` returns ``(leaves, forward closure)`` and may raise.
 
     ``q, k, v`` are heads-last ``[B, *spatial, H, D]``. A closure returns the output, heads-last
     for ours/natten, heads-first for the others. (Closures bind their leaves as default arguments:
@@ -123,36 +149,29 @@ def engines(rank, spatial, kernel, q, k, v):
 
     batch, heads, dim, tokens = q.shape[0], q.shape[-2], q.shape[-1], math.prod(spatial)
     heads_first = [t.reshape(batch, tokens, heads, dim).transpose(1, 2).contiguous() for t in (q, k, v)]
-    fns = {}
 
-    try:
+    def ours():
         flat = [t.reshape(batch, tokens, heads, dim) for t in (q, k, v)]
         verdict = ca.explain(*flat, mask=ca.Neighborhood(spatial, kernel), layout="bshd")
         if verdict.selected != OURS_BACKEND:
             raise RuntimeError(f"the dispatcher picks {verdict.selected!r}, not {OURS_BACKEND}: "
                                f"{verdict.get(OURS_BACKEND)}")
         na = getattr(neighborhood, f"na{rank}d")
-        ours = _leaves((q, k, v))
-        fns["ours"] = (ours, lambda ours=ours: na(*ours, kernel))
-    except Exception as exc:  # noqa: BLE001 - a peer failure is a result, not a crash
-        fns["ours"] = _error(exc)
+        leaves = _leaves((q, k, v))
+        return leaves, lambda leaves=leaves: na(*leaves, kernel)
 
-    try:
+    def flex():
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        mask_mod = natten_mask_mod(spatial, kernel)
-        try:
-            block_mask = create_block_mask(mask_mod, None, None, tokens, tokens, device=q.device,
-                                           _compile=True)
-        except TypeError:  # older torch: no _compile
-            block_mask = create_block_mask(mask_mod, None, None, tokens, tokens, device=q.device)
-        flex = torch.compile(flex_attention, dynamic=False)
+        # Built eagerly: create_block_mask(_compile=True) compiles a graph of its own, which
+        # cost more than these sizes' whole time share; the eager mask is the same blocks.
+        block_mask = create_block_mask(natten_mask_mod(spatial, kernel), None, None, tokens,
+                                       tokens, device=q.device)
+        compiled = torch.compile(flex_attention, dynamic=False)
         leaves = _leaves(heads_first)
-        fns["flex"] = (leaves, lambda leaves=leaves: flex(*leaves, block_mask=block_mask))
-    except Exception as exc:  # noqa: BLE001
-        fns["flex"] = _error(exc)
+        return leaves, lambda leaves=leaves: compiled(*leaves, block_mask=block_mask)
 
-    try:
+    def natten_flex():
         import natten
 
         warnings.filterwarnings("ignore", module=r"torch\.nn\.attention\.flex_attention")
@@ -160,28 +179,31 @@ def engines(rank, spatial, kernel, q, k, v):
             natten.allow_flex_compile(True, backprop=True)
         nat = getattr(natten, f"na{rank}d")
         leaves = _leaves((q, k, v))
-        fns["natten-flex"] = (leaves, lambda leaves=leaves: nat(*leaves, kernel, backend="flex-fna",
-                                                                torch_compile=True))
-    except Exception as exc:  # noqa: BLE001 - includes natten not installed
-        fns["natten-flex"] = _error(exc)
+        return leaves, lambda leaves=leaves: nat(*leaves, kernel, backend="flex-fna",
+                                                 torch_compile=True)
 
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    def dense_sdpa(backend):
+        from torch.nn.attention import sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION),
-                          ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
         leaves = _leaves(heads_first)
 
         def dense(leaves=leaves, backend=backend):
             with sdpa_kernel(backend):
                 return sdpa(*leaves)
+        return leaves, dense
 
-        fns[name] = (leaves, dense)
-    return fns
+    from torch.nn.attention import SDPBackend
+
+    return {"ours": ours,
+            "sdpa-cudnn": lambda: dense_sdpa(SDPBackend.CUDNN_ATTENTION),
+            "sdpa-flash": lambda: dense_sdpa(SDPBackend.FLASH_ATTENTION),
+            "flex": flex, "natten-flex": natten_flex}
 
 
-def bench_problem(rank, dtype_name, dim, args):
-    """One row per direction for problem ``rank`` in ``dtype_name`` with head dim ``dim``."""
+def bench_problem(rank, dtype_name, dim, args, on_rows=None):
+    """One row per direction for problem ``rank`` in ``dtype_name`` with head dim ``dim``;
+    ``on_rows(rows)`` after each engine (the caller saves them: no peer can lose ours)."""
     spatial, kernel = PROBLEMS[rank]
     batch, heads, tokens = 1, HIDDEN // dim, math.prod(spatial)
     dtype = DTYPES[dtype_name]
@@ -191,15 +213,21 @@ def bench_problem(rank, dtype_name, dim, args):
     rows = {d: {"problem": name, "rank": rank, "dtype": dtype_name, "D": dim, "H": heads,
                 "B": batch, "dir": d, "errors": {}} for d in ("fwd", "bwd")}
     outputs = {}
-    for engine, entry in engines(rank, spatial, kernel, q, k, v).items():
-        if isinstance(entry, str):
+    for engine, setup in engines(rank, spatial, kernel, q, k, v).items():
+        limit = time_limit(args.peer_timeout, engine) if engine in PEERS else \
+            contextlib.nullcontext()
+        try:
+            with limit:  # a compiled peer's setup and first call (its compile) are bounded
+                leaves, forward = setup()
+                out = forward()
+        except Exception as exc:  # noqa: BLE001 - a peer failure is a result, not a crash
             for row in rows.values():
-                row["errors"][engine] = entry
+                row["errors"][engine] = _error(exc)
+            if on_rows is not None:
+                on_rows(list(rows.values()))
             continue
-        leaves, forward = entry
         dense = engine.startswith("sdpa")
         try:
-            out = forward()
             outputs[engine] = out.detach()
             work = dense_flops(batch, heads, tokens, dim, "fwd") if dense else \
                 na_flops(batch, heads, spatial, kernel, dim, "fwd")
@@ -221,6 +249,8 @@ def bench_problem(rank, dtype_name, dim, args):
         except Exception as exc:  # noqa: BLE001
             rows["bwd"]["errors"][engine] = _error(exc)
         del out
+        if on_rows is not None:
+            on_rows(list(rows.values()))
     if "ours" in outputs and "flex" in outputs:  # a speed figure is only worth a right answer
         flex_out = outputs["flex"].transpose(1, 2).reshape(outputs["ours"].shape)
         rows["fwd"]["max|ours-flex|"] = (outputs["ours"].float() - flex_out.float()).abs().max().item()
@@ -261,6 +291,9 @@ def main() -> int:
                         help="skip measuring the copy and matmul ceilings")
     parser.add_argument("--results-dir", type=Path, default=_report.RESULTS_DIR,
                         help="where the JSON goes (default benchmarks/results)")
+    parser.add_argument("--peer-timeout", type=float, default=PEER_SETUP_S,
+                        help="seconds a compiled peer (flex, natten-flex) may take to set up, "
+                             f"compile and make its first call (default {PEER_SETUP_S:.0f})")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/neighborhood.py needs a CUDA GPU; torch sees none here. "
@@ -273,11 +306,25 @@ def main() -> int:
     machine = None if args.no_ceilings else ceilings.measure()
     print(ceilings.describe(machine) + "\n")
 
-    rows = []
+    rows: list = []
+
+    def save(current=()):
+        """The JSON with every row so far (rewritten whole after each engine)."""
+        if args.no_json:
+            return None
+        done = rows + list(current)
+        met, text = target_verdict(done)
+        return _report.write_json("neighborhood", {
+            "options": vars(args), "device": torch.cuda.get_device_name(), "ceilings": machine,
+            "problems": {str(r): {"spatial": s, "kernel": k} for r, (s, k) in PROBLEMS.items()},
+            "hidden": HIDDEN, "engines": ENGINES, "rows": done,
+            "target": {"tflops >=": TARGET_TFLOPS, "vs flex >=": TARGET_VS_FLEX, "met": met,
+                       "text": text}}, results_dir=args.results_dir)
+
     for rank in args.dims:
         for dtype_name in args.dtypes:
             for dim in args.head_dims:
-                rows += bench_problem(rank, dtype_name, dim, args)
+                rows += bench_problem(rank, dtype_name, dim, args, on_rows=save)
     ceilings.add_fraction(rows, machine)
     columns = ["problem", "dtype", "D", "dir", "ours_ms", "ours_tflops", "flex_tflops",
                "natten-flex_tflops", "sdpa-cudnn_ms", "sdpa-flash_ms", "ours/flex", "ours/ceiling",
@@ -290,13 +337,8 @@ def main() -> int:
         print(f"  {engine}: {msg}")
     met, text = target_verdict(rows)
     print(f"\n{text}")
-    if not args.no_json:
-        path = _report.write_json("neighborhood", {
-            "options": vars(args), "device": torch.cuda.get_device_name(), "ceilings": machine,
-            "problems": {str(r): {"spatial": s, "kernel": k} for r, (s, k) in PROBLEMS.items()},
-            "hidden": HIDDEN, "engines": ENGINES, "rows": rows,
-            "target": {"tflops >=": TARGET_TFLOPS, "vs flex >=": TARGET_VS_FLEX, "met": met,
-                       "text": text}}, results_dir=args.results_dir)
+    path = save()
+    if path is not None:
         print(f"\nwrote {path}")
     return 0
 

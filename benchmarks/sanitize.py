@@ -13,7 +13,9 @@ fp64/fp32/fp16/bf16). Only the package's kernels are
 instrumented (``--kernel-name kns=na_``), PyTorch's caching allocator is off in the child so
 every buffer's bounds are exact, and outputs are NaN-filled before each launch so initcheck sees
 only the kernels' own reads. The sanitizer's text report is parsed (``parse_report``) into error
-and warning counts and the first lines of each record; a JSON summary is written (default
+and warning counts and each record: its first line, kernel, thread, address and allocation
+lines, and the case that produced it (the child marks each case's start; ``by_case`` counts the
+printed records per case and kernel, up to ``PRINT_LIMIT``); a JSON summary is written (default
 ``sanitize.json``) and the exit status is 1 if any tool reports an error, any case fails, or a
 report has no summary line (a crashed child). Without a CUDA device it says so and exits 0;
 ``--list`` prints the cases anywhere.
@@ -41,6 +43,9 @@ _ERROR_SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+) errors?")
 _RACE_SUMMARY = re.compile(r"RACECHECK SUMMARY:\s*(\d+) hazards? displayed \((\d+) errors?, "
                            r"(\d+) warnings?\)")
 _CASE = re.compile(rf"^{CASE_MARK} (\S+) (ok|FAILED)(?: (.*))?$")
+_CASE_START = re.compile(rf"^{CASE_MARK}-START (\S+)$")
+_KERNEL = re.compile(r"^at (?:void )?([^(]+?)(?:\(|\+0x|$)")
+PRINT_LIMIT = 2000  # records printed per tool run (each attributed to its case)
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere: the package is the repository's
     sys.path.insert(0, str(ROOT))
@@ -49,6 +54,21 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: the package is t
 # ---------------------------------------------------------------------------------------------
 # The problems (child side)
 # ---------------------------------------------------------------------------------------------
+
+def _device_randn(generator, dtype):
+    """``randn`` drawn on the host and copied in (a cudaMemcpy, which initcheck tracks).
+
+    Why: only the package's kernels are instrumented (``--kernel-name kns=na_``), so initcheck
+    does not see what torch's own kernels (randn, casts, fills, reductions) write, and it flags
+    every read of such memory. The first GPU run (issue 23) reported 595220 16-byte reads, the
+    size of the q/k/v/dout row loads, with every output NaN-poisoned and the results right; its
+    inputs came from ``torch.randn(device="cuda")``. Copied-in inputs leave only real
+    uninitialised reads (and reads of what torch computes on the device, e.g. the backward's
+    ``delta``: 4-byte reads, now attributed by kernel and case)."""
+    import torch
+
+    return lambda *s: torch.randn(*s, generator=generator).to(dtype).to("cuda")
+
 
 def _fused_cases():
     """name -> zero-argument function running one fused problem (forward and backward)."""
@@ -59,15 +79,15 @@ def _fused_cases():
     def neighborhood(dtype, d_qk, d_v, spatial, kernel, stride, dilation, causal, heads=(2, 1),
                      rpb=False, softcap=None):
         def run():
-            g = torch.Generator(device="cuda").manual_seed(0)
-            rnd = lambda *s: torch.randn(*s, device="cuda", generator=g).to(dtype)
+            g = torch.Generator().manual_seed(0)
+            rnd = _device_randn(g, dtype)
             H, Hkv = heads
             q, k = rnd(1, *spatial, H, d_qk), rnd(1, *spatial, Hkv, d_qk)
             v, dout = rnd(1, *spatial, Hkv, d_v), rnd(1, *spatial, H, d_v)
             geom = {"kernel_size": kernel, "stride": stride, "dilation": dilation,
                     "is_causal": causal, "scale": d_qk ** -0.5, "softcap": softcap}
-            bias = (torch.randn(H, *(2 * x - 1 for x in kernel), device="cuda", generator=g)
-                    if rpb else None)
+            bias = _device_randn(g, torch.float32)(H, *(2 * x - 1 for x in kernel)) \
+                if rpb else None
             out = torch.full((1, *spatial, H, d_v), math.nan, device="cuda", dtype=dtype)
             lse = torch.full((1, *spatial, H), math.nan, device="cuda")
             F.na_forward(q, k, v, rpb=bias, out=out, lse=lse, **geom)
@@ -79,9 +99,8 @@ def _fused_cases():
         def run():
             from cudnn_attn.model import geometry
 
-            g = torch.Generator(device="cuda").manual_seed(1)
-            rnd = lambda s, h, dd: torch.randn(1, h, s, dd, device="cuda",
-                                               generator=g).to(dtype).transpose(1, 2)
+            g = torch.Generator().manual_seed(1)
+            rnd = lambda s, h, dd: _device_randn(g, dtype)(1, h, s, dd).transpose(1, 2)
             q, k, v, dout = rnd(s_q, 2, d), rnd(s_kv, 1, d), rnd(s_kv, 1, d), rnd(s_q, 2, d)
             table = geometry.band_table(s_q, s_kv, left, right, offset)
             boxes = F.choose_tiles(tuple(table), 1)
@@ -136,9 +155,9 @@ def _unfused_cases():
 
     def run_all(dtype):
         def run():
-            g = torch.Generator(device="cuda").manual_seed(2)
+            g = torch.Generator().manual_seed(2)
             spatial, kernel, dilation, causal = (6, 7), (3, 3), (2, 1), (False, False)
-            rnd = lambda *s: torch.randn(*s, device="cuda", generator=g).to(dtype)
+            rnd = _device_randn(g, dtype)
             q, k, v, d_out = (rnd(1, 2, *spatial, 8) for _ in range(4))
             rpb = rnd(*U.rpb_shape(2, kernel))
             attn = U.qk_forward(q, k, rpb, kernel, dilation, causal)
@@ -168,6 +187,7 @@ def run_child(pattern: str | None) -> int:
         if pattern and pattern not in name:
             continue
         start = time.perf_counter()
+        print(f"{CASE_MARK}-START {name}", flush=True)  # the records that follow are this case's
         try:
             run()
             torch.cuda.synchronize()
@@ -194,14 +214,21 @@ def parse_report(text: str) -> dict:
     """
     errors = warnings = None
     records: list[str] = []
+    details: list[dict] = []
     cases = {"ok": [], "failed": {}}
+    current = None  # the case whose kernels are running (SANITIZE-CASE-START ... its verdict)
     for line in text.splitlines():
+        start = _CASE_START.match(line.strip())
+        if start:
+            current = start.group(1)
+            continue
         case = _CASE.match(line.strip())
         if case:
             if case.group(2) == "ok":
                 cases["ok"].append(case.group(1))
             else:
                 cases["failed"][case.group(1)] = case.group(3) or ""
+            current = None
             continue
         m = _PREFIX.match(line)
         if m is None:
@@ -216,7 +243,35 @@ def parse_report(text: str) -> dict:
             warnings = (warnings or 0) + int(race.group(3))
         elif body and not body[0].isspace() and not body.startswith("COMPUTE-SANITIZER"):
             records.append(body.strip())
-    return {"errors": errors, "warnings": warnings or 0, "records": records, "cases": cases}
+            details.append({"message": body.strip(), "case": current, "kernel": None,
+                            "at": None, "thread": None, "address": []})
+        elif body.strip() and details and not body.strip().startswith("Host Frame"):
+            _add_detail(details[-1], body.strip())
+    return {"errors": errors, "warnings": warnings or 0, "records": records, "details": details,
+            "by_case": _by_case(details), "cases": cases}
+
+
+def _add_detail(record: dict, line: str) -> None:
+    """One indented line of a record: where (kernel and offset), which thread, which address
+    and allocation."""
+    kernel = _KERNEL.match(line)
+    if kernel and record["at"] is None:
+        record["kernel"], record["at"] = kernel.group(1), line[3:]
+    elif line.startswith("by thread") and record["thread"] is None:
+        record["thread"] = line[3:]
+    elif line.startswith(("Address", "and is", "Access at", "Allocation")) or \
+            "allocation" in line:
+        record["address"].append(line)
+
+
+def _by_case(details: list[dict]) -> dict:
+    """``{case: {"kernel: message": count}}`` over the printed records (up to the print limit)."""
+    table: dict = {}
+    for d in details:
+        key = f"{d['kernel']}: {d['message']}"
+        per_case = table.setdefault(d["case"] or "(outside any case)", {})
+        per_case[key] = per_case.get(key, 0) + 1
+    return table
 
 
 def verdict(report: dict, returncode: int) -> list[str]:
@@ -260,7 +315,7 @@ def find_sanitizer(explicit: str | None) -> str | None:
 
 
 def sanitizer_command(sanitizer: str, tool: str, cases: str | None, kernel_filter: str) -> list:
-    cmd = [sanitizer, "--tool", tool, "--print-limit", "200"]
+    cmd = [sanitizer, "--tool", tool, "--print-limit", str(PRINT_LIMIT)]
     if kernel_filter:
         cmd += ["--kernel-name", kernel_filter]
     cmd += [sys.executable, os.path.abspath(__file__), "--child"]
@@ -301,9 +356,10 @@ def run_parent(args) -> int:
         print(f"[{tool}] {' '.join(cmd)}", flush=True)
         start = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env,
-                                  timeout=args.timeout, check=False)
-            text, code = proc.stdout + proc.stderr, proc.returncode
+            # One stream: the sanitizer's records stay between the case marks that bound them.
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, env=child_env, timeout=args.timeout, check=False)
+            text, code = proc.stdout, proc.returncode
         except subprocess.TimeoutExpired as exc:
             text = (exc.stdout or b"").decode(errors="replace") if isinstance(
                 exc.stdout, bytes) else (exc.stdout or "")
@@ -315,7 +371,8 @@ def run_parent(args) -> int:
         failed = failed or bool(why)
         summary["tools"][tool] = {
             "ok": not why, "why": why, "errors": report["errors"], "warnings": report["warnings"],
-            "records": report["records"][:50], "cases_ok": len(report["cases"]["ok"]),
+            "records": report["records"][:50], "details": report["details"][:50],
+            "by_case": report["by_case"], "cases_ok": len(report["cases"]["ok"]),
             "cases_failed": report["cases"]["failed"], "exit_status": code,
             "seconds": round(time.perf_counter() - start, 1)}
         state = "clean" if not why else "FAIL: " + "; ".join(why)

@@ -17,7 +17,7 @@ from .model.masks import Alibi, Causal, Mask, Neighborhood, Padding, RelPosBias,
 from .model.problem import AttnProblem, TensorSpec
 from .varlen import attention_varlen, attention_with_kvcache
 
-# ``cudnn_attn.masks`` and ``cudnn_attn.problem`` (DESIGN.md's names) are the problem model's
+# ``cudnn_attn.model.masks`` and ``cudnn_attn.model.problem`` (DESIGN.md's names) are the problem model's
 # modules themselves, not copies.
 for _name in ("masks", "problem"):
     sys.modules[f"{__name__}.{_name}"] = sys.modules[f"{__name__}.model.{_name}"]

@@ -75,15 +75,16 @@ class TinyLM(nn.Module):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--context", type=int, default=32)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--print-every", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=150, help="training steps per model")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    p.add_argument("--context", type=int, default=32, help="tokens per sequence")
+    p.add_argument("--d-model", type=int, default=64, help="model width")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--layers", type=int, default=1, help="transformer layers")
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    p.add_argument("--print-every", type=int, default=10, help="print the losses every N steps")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the weights and batches (both models see the same)")
     return p.parse_args(argv)
 
 

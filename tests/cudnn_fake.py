@@ -191,6 +191,11 @@ class FakeGraph:
             sc = self.score_mod.apply(sc, lambda axis: torch.arange(shape[axis], dtype=sc.dtype)
                                       .view([-1 if a == axis else 1 for a in range(4)]))
         if "Bias" in n["inputs"]:
+            # cuDNN's backward documents biases of dims (1|B, 1|H_q, S_q, S_kv) only (one
+            # broadcast along S_q gave dQ errors of ~1.4 on an H200, issue 23): refused here.
+            if self.backward and tuple(self.dims("Bias")[2:]) != (sq, skv):
+                raise AssertionError(f"cuDNN's backward reads a bias of dims (1|B, 1|H_q, S_q, "
+                                     f"S_kv) only; this graph declares {self.dims('Bias')}")
             sc = sc + self._view(buffers, "Bias").to(torch.float64)
         if n["alibi_mask"]:
             i = torch.arange(sq).view(-1, 1)

@@ -128,10 +128,12 @@ def memoize(name: str, maxsize: int | None = None):
     return wrap
 
 
-def clear_caches() -> None:
-    """Empty every registered cache: plans, declines, graphs, compiled kernels, tables."""
+def clear_caches(*names: str) -> None:
+    """Empty every registered cache: plans, declines, graphs, compiled kernels, tables; or, given
+    ``names`` (as ``cache_sizes()`` lists them, e.g. ``"api.calls"``), only the caches so named."""
     for cache in list(_REGISTRY):
-        cache.clear()
+        if not names or cache.name in names:
+            cache.clear()
 
 
 def cache_sizes() -> dict[str, int]:

@@ -68,6 +68,21 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return copy.copy_(t)
 
 
+def bias_operand(spec, bias: torch.Tensor) -> torch.Tensor:
+    """The bias as ``spec`` declares it: ``bias`` itself (16-byte aligned), or, where the graph
+    spans S_q or S_kv along which the bias broadcasts (a backward graph: cuDNN's backward reads
+    ``(1|B, 1|H_q, S_q, S_kv)`` only), a contiguous copy broadcast to ``spec.bias_dim``."""
+    full = bias[(None,) * (4 - bias.dim())]
+    spans = [n > 1 and st != 0 for n, st in zip(full.shape, full.stride())]
+    if all(spans[a] or spec.bias_dim[a] == 1 for a in (2, 3)):
+        return aligned(bias)
+    source = full
+    for axis in range(4):  # broadcast axes read from their first element
+        if not spans[axis]:
+            source = source.narrow(axis, 0, 1)
+    return torch.empty(spec.bias_dim, dtype=bias.dtype, device=bias.device).copy_(source)
+
+
 class ScalarCache:
     """Pass-by-value ``(1, 1, 1, 1)`` host tensors, one per value (shared LRU
     ``cudnn.scalars``)."""

@@ -164,6 +164,13 @@ def _bias_layout(problem: AttnProblem) -> tuple[tuple, tuple]:
     return dims, tuple(out)
 
 
+def _contiguous_strides(dims: tuple) -> tuple:
+    out, inner = [0] * len(dims), 1
+    for axis in range(len(dims) - 1, -1, -1):
+        out[axis], inner = inner, inner * dims[axis]
+    return tuple(out)
+
+
 def cudnn_band(problem: AttnProblem, padding: bool, alibi: bool, reasons: list) -> Optional[Band]:
     """The diagonal band cuDNN is given for ``problem``'s mask (``masks.band_of`` plus cuDNN's
     own alignment and bound rules), or None; why it cannot be one goes to ``reasons``."""
@@ -263,6 +270,13 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
             elif bias_dims[2] != problem.seq_q or bias_dims[3] != problem.seq_kv:
                 reasons.append(f"cuDNN computes dBias only for a bias spanning S_q and S_kv, "
                                f"got shape {tuple(problem.bias.shape)}")
+        if backward and (bias_dims[2], bias_dims[3]) != (problem.seq_q, problem.seq_kv):
+            # cuDNN's backward reads a bias of dims (1|B, 1|H_q, S_q, S_kv) only: a bias
+            # broadcast along S_q or S_kv gave dQ errors of ~1.4 on an H200 (cuDNN 9.19, issue
+            # 23) while the forward was right. The backward graph declares the full rows; the
+            # plan materialises the bias to them per call (graphs/_runtime.bias_operand).
+            bias_dims = (bias_dims[0], bias_dims[1], problem.seq_q, problem.seq_kv)
+            bias_stride = _contiguous_strides(bias_dims)
     # The explicit (mask, scale) dropout form: a builder option, or the problem's own.
     mask_dropout = options.dropout_mask or problem.dropout_mask is not None
     dropout = problem.dropout_p > 0 or mask_dropout

@@ -182,7 +182,7 @@ class CudnnPlan:
         buffers = {UID.Q: _runtime.aligned(q), UID.K: _runtime.aligned(k),
                    UID.V: _runtime.aligned(v), UID.SCALE: self._scales.get(problem.scale)}
         if self.spec.bias_dim is not None:
-            buffers[UID.BIAS] = _runtime.aligned(bias)
+            buffers[UID.BIAS] = _runtime.bias_operand(self.spec, bias)
         empty = None
         if self._lengths is not None:
             padding = problem.padding
@@ -290,7 +290,8 @@ class CudnnPlan:
         o_shape, stats_shape = self._shapes(q)
         packed = lse.t() if s.ragged else lse  # back to the stats' own row order
         stats = packed.reshape(stats_shape).to(torch.float32)
-        stats = stats.masked_fill(stats == -math.inf, math.inf)
+        if s.padding:  # only padded graphs have rows that see no key (the forward's -inf rows)
+            stats = stats.masked_fill(stats == -math.inf, math.inf)
         self._dropout_buffers(problem, inputs, buffers, backward=True)
         dout = _like_layout(dout, o_shape)
         if dlse is not None:

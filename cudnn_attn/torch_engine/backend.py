@@ -15,6 +15,7 @@ import torch
 
 from ..core.caches import LRU
 from . import cpu_sdpa
+from .segments import add_at
 from .layouts import cols, compute_dtype, lse_dtype, lse_layout, lse_rows, rows_of, uncols, unrows
 from .tiles import Tiles, Visibility, build_tiles, choose_tile_shape, neighborhood_axis, sequence_axis
 from ..model.masks import Causal, Neighborhood, SlidingWindow, alibi_distance, mask_parts
@@ -433,25 +434,25 @@ def _add_to_keys(acc, weights, rows, keys, tiles):
                             rows.reshape(BH, n * R, -1))
     else:
         grads = torch.matmul(weights.transpose(-1, -2), rows)
-        acc.index_add_(1, keys.reshape(-1), grads.view(BH, n * W, -1))
+        add_at(acc, keys.reshape(-1), grads.view(BH, n * W, -1))
 
 
 def _scatter_dbias(dbias_full, ds, rows_idx, keys, problem, n, T):
     # ds: [B, Hkv, n, T, G, W] -> [B*H, n*T*W]; rows not owned carry zeros (they are masked),
-    # and index_add_ accumulates the duplicate positions they share with their owners.
+    # and add_at accumulates the duplicate positions they share with their owners.
     B, Hkv, _, _, G, W = ds.shape
     grads = ds.permute(0, 1, 4, 2, 3, 5).reshape(B * Hkv * G, n * T * W)
     cols = keys.view(1, -1).expand(n * T, W) if keys.dim() == 1 else \
         keys[:, None, :].expand(n, T, W).reshape(n * T, W)
     flat = (rows_idx[:, None] * problem.seq_kv + cols).reshape(-1)
-    dbias_full.view(B * Hkv * G, -1).index_add_(1, flat, grads)
+    add_at(dbias_full.view(B * Hkv * G, -1), flat, grads)
 
 
 def _scatter_drpb(drpb, ds, index):
     """drpb [H, R] += ds [B, Hkv, n, T, G, W] summed over the batch, at each pair's entry."""
     B, Hkv, n, T, G, W = ds.shape
     grads = ds.sum(0).permute(0, 3, 1, 2, 4).reshape(Hkv * G, n * T * W)
-    drpb.index_add_(1, index.expand(n, T, W).reshape(-1), grads)
+    add_at(drpb, index.expand(n, T, W).reshape(-1), grads)
 
 
 def _reduce_to(full, shape):

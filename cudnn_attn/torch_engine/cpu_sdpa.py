@@ -12,6 +12,7 @@ import math
 import torch
 
 from .layouts import lse_dtype
+from .segments import add_at
 from ..model.checks import default_scale
 from ..model.masks import Causal, mask_parts, same_alignment
 from ..model.problem import AttnProblem
@@ -206,8 +207,8 @@ def tile_backward(plan, problem, q, k, v, bias, out, lse, dout):
             dv += dvg[:, 0]
         else:
             flat = plan.keys_of(lo, hi, k3.device).reshape(-1)
-            dk.index_add_(1, flat, dkg.reshape(BH, -1, dkg.shape[-1]))
-            dv.index_add_(1, flat, dvg.reshape(BH, -1, dvg.shape[-1]))
+            add_at(dk, flat, dkg.reshape(BH, -1, dkg.shape[-1]))
+            add_at(dv, flat, dvg.reshape(BH, -1, dvg.shape[-1]))
     dq = unrows(problem, dq_t.index_select(1, plan.tiles.on(dk.device).inverse))
     return (dq.to(problem.dtype), uncols(problem, dk).to(problem.dtype),
             uncols(problem, dv).to(problem.dtype), None)

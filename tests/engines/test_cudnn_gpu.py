@@ -198,8 +198,8 @@ def test_dropout_pattern_reproduces_out_and_grads():
 
 def test_cache_hits_cause_no_rebuild():
     import cudnn_attn as ca
-    from cudnn_attn import api
     from cudnn_attn.core import dispatch
+    from cudnn_attn.core.caches import clear_caches
     from cudnn_attn.graphs.cache import graph_cache
 
     q, k, v = (torch.randn(2, 3, 320, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -208,7 +208,7 @@ def test_cache_hits_cause_no_rebuild():
     ca.attention(q, k, v, mask=ca.Causal(), scale=0.12, backend="cudnn")  # runtime scale
     q2, k2, v2 = (torch.randn_like(q) for _ in range(3))
     ca.attention(q2, k2, v2, mask=ca.Causal(), scale=0.13, backend="cudnn")
-    api._CALL_CACHE.clear()
+    clear_caches("api.calls")  # forget the calls and the plans: the graphs come from the cache
     dispatch.get_backend("cudnn").clear()
     hits = graph_cache.info()["hits"]
     ca.attention(q, k, v, mask=ca.Causal(), scale=0.14, backend="cudnn")

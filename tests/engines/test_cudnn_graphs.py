@@ -24,7 +24,7 @@ from cudnn_fake import cudnn_visibility
 
 import cudnn_attn as ca
 from cudnn_attn.core import dispatch
-from cudnn_attn.core.caches import clear_caches
+from cudnn_attn.core.caches import cache_sizes, clear_caches
 from cudnn_attn.graphs import _runtime
 from cudnn_attn.graphs._spec import GraphOptions, PagedKV, analyze, padded_rows
 from cudnn_attn.graphs.sdpa import UID, describe, validate_for
@@ -504,6 +504,35 @@ def test_plan_forward_backward_match_the_oracle(problem, fake_cudnn):
 
 
 @needs_fe
+@pytest.mark.parametrize("bias_shape", [(2, 1, 1, 16), (1, 1, 12, 1), "expanded"])
+def test_backward_binds_a_bias_broadcast_along_s_as_full_rows(bias_shape, fake_cudnn):
+    """cuDNN's backward reads (1|B, 1|H_q, S_q, S_kv) biases only (issue 23: dQ off by ~1.4 on
+    an H200 for a (B, 1, 1, S_kv) bias): the backward graph declares the full rows and the plan
+    binds a materialised copy; the gradients still match the float64 oracle."""
+    p = Problem(B=2, Hq=2, Sq=12, Skv=16, D=8)
+    inp = p.make_inputs(torch.float16, seed=4, requires_grad=True)
+    gen = torch.Generator().manual_seed(6)
+    if bias_shape == "expanded":  # stride 0 along H and S_q
+        bias = torch.randn(2, 1, 1, 16, generator=gen).to(torch.float16).expand(2, 2, 12, 16)
+    else:
+        bias = torch.randn(bias_shape, generator=gen).to(torch.float16)
+    leaves = [inp[n] for n in ("q", "k", "v")]
+    out = ca.attention(*leaves, bias=bias, backend="cudnn")
+    (spec, backward), = [b for b in fake_cudnn[1] if b[1]] or [(None, None)]
+    assert spec is not None and tuple(spec.bias_dim[2:]) == (12, 16)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    q, k, v = ref_leaves
+    ref = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + bias.double(), -1) @ v
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+    g = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad((out.double() * g).sum(), leaves)
+    want = torch.autograd.grad((ref * g).sum(), ref_leaves)
+    for name, a, e in zip("qkv", got, want):
+        torch.testing.assert_close(a.double(), e, atol=2e-2, rtol=2e-2,
+                                   msg=lambda m, n=name: f"d{n}: {m}")
+
+
+@needs_fe
 def test_plan_dropout_seed_reaches_the_backward(fake_cudnn):
     p = Problem(B=1, Hq=2, Sq=8, D=8, causal="top_left")
     inp = p.make_inputs(torch.float16, seed=2, requires_grad=True)
@@ -539,6 +568,22 @@ def test_plan_reuses_cached_graphs(fake_cudnn):
     assert len(built) == 1 and cache.info()["hits"] >= 1
     ca.attention(q, k, v, mask=ca.Causal(), return_lse=True, backend="cudnn")
     assert len(built) == 2 and built[1][0].stats  # the variant with stats is another graph
+
+
+@needs_fe
+def test_forgotten_calls_and_plans_rebuild_no_graph(fake_cudnn):
+    """What tests/engines/test_cudnn_gpu.py::test_cache_hits_cause_no_rebuild checks on the GPU, on the
+    caches API (issue 23: it used a removed ``api._CALL_CACHE``)."""
+    cache, built = fake_cudnn
+    q, k, v = qkv(device="cpu", Sq=16, D=8)
+    ca.attention(q, k, v, mask=ca.Causal(), scale=0.3, backend="cudnn")
+    assert cache_sizes()["api.calls"] >= 1
+    hits = cache.info()["hits"]
+    clear_caches("api.calls")
+    assert cache_sizes()["api.calls"] == 0 and len(cache.keys()) == 1
+    dispatch.get_backend("cudnn").clear()
+    ca.attention(q, k, v, mask=ca.Causal(), scale=0.4, backend="cudnn")
+    assert len(built) == 1 and cache.info()["hits"] > hits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -588,3 +633,42 @@ def test_problem_dropout_mask_selects_the_mask_dropout_graph():
     both = ca.AttnProblem.from_tensors(q, k, v, dropout_p=0.1)  # the model refuses both itself
     object.__setattr__(both, "dropout_mask", problem.dropout_mask)
     assert any("not both" in r for r in analyze(both, target_sm=90)[1])
+
+
+@needs_fe
+def test_unpadded_backward_launches_no_lse_fixup(fake_cudnn):
+    """Per-call work of the cuDNN backward: without padding no row lacks a key, so the LSE is
+    bound as is (issue 23's profile: backward at S=1024 ran at 0.66x the bare execute); the
+    ``-inf -> +inf`` fix-up (``eq`` + ``masked_fill``) runs only for padded graphs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (t.requires_grad_(True) for t in qkv(device="cpu", Sq=16, D=8))
+    out = ca.attention(q, k, v, backend="cudnn")
+    plan_backward = dispatch.get_backend("cudnn").plan(
+        ca.AttnProblem.from_tensors(q, k, v)).backward
+    calls = []
+
+    def spy(*args, **kwargs):
+        with Ops() as ops:  # the host's ops around cuDNN's execute (a no-op here)
+            result = plan_backward(*args, **kwargs)
+        calls.append(ops.names)
+        return result
+    import cudnn_attn.graphs.backend as gb
+    monkey = pytest.MonkeyPatch()
+    try:
+        monkey.setattr(gb.CudnnPlan, "backward", lambda self, *a, **kw: spy(*a, **kw))
+        monkey.setattr(cudnn_fake.FakeGraph, "execute", lambda self, *a: None)
+        torch.autograd.grad(out.float().sum(), [q, k, v])
+    finally:
+        monkey.undo()
+    assert calls, "the cuDNN backward did not run"
+    assert not any(n.startswith(("eq", "masked_fill")) for n in calls[0]), calls[0]

@@ -104,14 +104,14 @@ def run_cli(capsys, *argv):
 def test_cli_warms_a_cache_for_a_target(tmp_path, capsys, warmed):
     config = tmp_path / "warm.json"
     config.write_text(json.dumps({**CONFIG, "problems": CONFIG["problems"] + [
-        {"name": "softcap", "shape": [1, 4, 256, 64], "softcap": 30.0}]}))
+        {"name": "head-dim-512", "shape": [1, 4, 256, 512]}]}))
     out_dir = tmp_path / "cache"
     code, out, err = run_cli(capsys, "cache", "warm", config, "--target", "h100", "--save",
                              out_dir)
     assert code == 0, err
     assert "target h100: NVIDIA H100 80GB HBM3, sm_90, 132 SMs" in out
     assert "sdpa_backward: engine 6 [" in out and "_sm90_flash_bprop_" in out
-    assert "softcap: declined on h100: softcap" in out
+    assert "head-dim-512: declined on h100: cuDNN's SDPA engines serve head dims up to" in out
     assert "saved 3 graph file(s)" in out
     assert sorted(p.name for p in out_dir.iterdir()) == sorted(
         p.name for p in warmed[0].iterdir())  # the same keys as aot.warm's

@@ -132,8 +132,9 @@ def test_paged_decode_reads_nothing_past_the_lengths_sync_free():
     k_pool, v_pool, table, dense = _pool(lens, page, pages, 2, 128, seed=2)
     q = torch.randn(len(lens), 1, 8, 128, generator=torch.Generator().manual_seed(3)).to(F16)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    qd = q.to(DEV)  # before the block: a host-to-device copy synchronises (issue 23)
     with sync_free():
-        out = attention_with_kvcache(q.to(DEV), k_pool, v_pool, seqlens, block_table=table,
+        out = attention_with_kvcache(qd, k_pool, v_pool, seqlens, block_table=table,
                                      mask=ca.Causal("bottom_right"), backend="cudnn")
     assert not out.isnan().any()
     torch.testing.assert_close(out.cpu().to(F64), _decode_oracle(q, dense, lens), atol=3e-3,

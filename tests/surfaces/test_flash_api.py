@@ -805,23 +805,37 @@ def test_gpu_fwd_bwd_tolerance_policy(dtype, opts):
         assert err_g <= 3 * base_g + 1e-4, (n, err_g, base_g)
 
 
-@pytest.mark.gpu
-@gpu
-def test_gpu_dropout_backward_replays_the_mask():
+def _dropout_replay(device, dtype):
+    """The keep mask decoded from ``S_dmask`` (FlashAttention 2.8.3: ``[B, H, round128(S_q),
+    round128(S_k)]``, dropped entries negated) replays the forward and the backward."""
     B, S, H, D, p = 2, 64, 4, 64, 0.25
-    q, k, v = (t.to("cuda", torch.float16) for t in dense_inputs(B, S, S, H, H, D, seed=3))
-    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (t.to(device, dtype) for t in dense_inputs(B, S, S, H, H, D, seed=3))
+    g = torch.Generator(device=device).manual_seed(0)
     out, *_, lse, seed, offset, probs = fwd(q, k, v, p=p, causal=True, gen=g,
                                             return_softmax=True)
-    keep = (probs != 0).double().cpu()
+    assert probs.shape == (B, H, r128(S), r128(S)) and probs.device == q.device
     leaves = [t.detach().double().cpu().requires_grad_(True) for t in (q, k, v)]
+    _, _, ref_p = ref_one(*(t.detach() for t in leaves), causal=True)
+    keep = fa_decode(probs.double().cpu(), ref_p, D, True)[1].double()
+    assert 0 < keep[ref_p > 0].mean() < 1
     ref_out = explicit_mask_oracle(*leaves, keep, p, causal=True)
     assert (out.double().cpu() - ref_out.detach()).abs().max().item() < 2e-2
-    dout = randn(*out.shape, g=gen(2)).to("cuda", torch.float16)
+    dout = randn(*out.shape, g=gen(2)).to(device, dtype)
     dq, dk, dv, _ = bwd(dout, q, k, v, out, lse, p=p, causal=True, seed=seed, offset=offset)
     exp = torch.autograd.grad(ref_out, leaves, dout.double().cpu())
     for n, got, e in zip("qkv", (dq, dk, dv), exp):
         assert (got.double().cpu() - e).abs().max().item() < 5e-2 * max(1.0, e.abs().max()), n
+
+
+def test_dropout_backward_replays_the_mask_decoded_from_s_dmask():
+    # issue 23: the GPU test compared the [.., 128, 128] S_dmask with S = 64 rows uncropped
+    _dropout_replay("cpu", F64)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_dropout_backward_replays_the_mask():
+    _dropout_replay("cuda", torch.float16)
 
 
 def test_expanded_output_buffers_are_refused_clearly():

@@ -84,6 +84,7 @@ def problems(monkeypatch):
         return plan_for(problem, backend)
 
     monkeypatch.setattr(dispatch, "plan_for", spy)
+    ca.clear_caches()  # a call remembered by an earlier test would skip planning (and the spy)
     return seen
 
 

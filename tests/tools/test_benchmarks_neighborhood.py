@@ -66,3 +66,37 @@ def test_flops_and_target_verdict():
     assert bench.target_verdict([{**row, "ours_tflops": 240.0, "ours/flex": 2.0}])[0] is False
     met, text = bench.target_verdict([{**row, "errors": {"ours": "no cupy"}}])
     assert met is None and "no cupy" in text
+
+
+def test_ours_rows_are_saved_before_a_peer_that_overruns_its_time(monkeypatch):
+    """issue 23: FlexAttention's compile ate the benchmark's whole share and no row came back.
+    Ours is measured and handed to ``on_rows`` (the JSON) first; a compiled peer that overruns
+    ``--peer-timeout`` is recorded as timed out and the run goes on."""
+    import argparse
+    import copy
+    import time
+
+    bench = _load_script()
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "OURS_BACKEND", "torch")
+    monkeypatch.setattr(bench, "PROBLEMS", {2: ((6, 6), (3, 3))})
+    monkeypatch.setattr(bench, "HIDDEN", 32)
+    monkeypatch.setattr(bench, "DTYPES", {"fp32": torch.float32})
+    monkeypatch.setattr(bench, "timed", lambda fn, args: (fn(), 1.0)[1])
+    slow_mask = bench.natten_mask_mod
+
+    def stalls(*a, **kw):  # Flex's block-mask setup, as slow as a compile that never ends
+        time.sleep(30)
+        return slow_mask(*a, **kw)
+    monkeypatch.setattr(bench, "natten_mask_mod", stalls)
+    saved = []
+    args = argparse.Namespace(peer_timeout=0.5, warmup=0, repeats=1)
+    start = time.monotonic()
+    rows = bench.bench_problem(2, "fp32", 16, args, on_rows=lambda r: saved.append(copy.deepcopy(r)))
+    assert time.monotonic() - start < 20
+    fwd = next(r for r in rows if r["dir"] == "fwd")
+    assert fwd["ours_ms"] == 1.0 and "flex_ms" not in fwd
+    assert fwd["errors"]["flex"].startswith("PeerTimeout")
+    first_with_ours = next(i for i, r in enumerate(saved) if "ours_ms" in r[0])
+    first_flex = next(i for i, r in enumerate(saved) if "flex" in r[0]["errors"])
+    assert first_with_ours < first_flex  # ours was saved before the peer was tried

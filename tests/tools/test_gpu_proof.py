@@ -274,3 +274,19 @@ def test_benchmark_steps_read_their_own_folder(G, tmp_path):
     assert second["file"] == "more/cudnn-2026-11-26.json"
     assert second["target_values"] == {"tiny call": 1.2}
     assert G.summarize(G.StepResult("bench-neighborhood", "cmd"), tmp_path) == {}
+
+
+def test_a_commit_passed_in_names_every_record(G, tmp_path, monkeypatch):
+    """issue 23: the record said "78783be-dirty" (a stale .git on the device) for 7cfa5f7."""
+    report = sys.modules["_report"]
+    monkeypatch.setenv(report.COMMIT_ENV, "7cfa5f7")
+    path = report.write_json("cudnn", {"rows": []}, results_dir=tmp_path)
+    assert json.loads(path.read_text())["git"] == "7cfa5f7"
+    child = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                            "import _report; print(_report._git_describe())",
+                            str(SCRIPT.parent)], env={**os.environ}, capture_output=True,
+                           text=True, timeout=60)
+    assert child.stdout.strip() == "7cfa5f7", child.stderr
+    monkeypatch.delenv(report.COMMIT_ENV)
+    assert report._git_describe() != "7cfa5f7"
+

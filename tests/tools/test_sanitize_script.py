@@ -158,3 +158,47 @@ def test_cpu_machine_exits_zero_and_writes_nothing(tmp_path):
                             capture_output=True, text=True, env=env, timeout=300, check=False)
     assert listed.returncode == 0 and listed.stdout.split() == [
         "unfused-fp64", "unfused-fp32", "unfused-fp16", "unfused-bf16"]
+
+
+INITCHECK_TWO_CASES = """\
+========= COMPUTE-SANITIZER
+SANITIZE-CASE-START fused-fp32-hd32-1d
+SANITIZE-CASE fused-fp32-hd32-1d ok 0.5
+SANITIZE-CASE-START fused-bf16-hd64-2d-rpb
+========= Uninitialized __global__ memory read of size 16 bytes
+=========     at void na_fused_forward<__nv_bfloat16, 64>(const __nv_bfloat16 *, float *)+0x1c40 in fused_attention.cu:233
+=========     by thread (64,0,0) in block (3,1,0)
+=========     Address 0x7f2c00a01f00
+=========     and is inside the nearest allocation at 0x7f2c00a00000 of size 8192 bytes
+=========     Saved host backtrace up to driver entry point at kernel launch time
+=========     Host Frame: [0x2f0a1] in libcuda.so.1
+=========
+========= Uninitialized __global__ memory read of size 16 bytes
+=========     at void na_fused_forward<__nv_bfloat16, 64>(const __nv_bfloat16 *, float *)+0x1c40 in fused_attention.cu:233
+=========     by thread (65,0,0) in block (3,1,0)
+=========     Address 0x7f2c00a01f10
+=========
+SANITIZE-CASE fused-bf16-hd64-2d-rpb ok 0.9
+========= ERROR SUMMARY: 2 errors
+"""
+
+
+def test_initcheck_records_keep_kernel_address_and_case(S):
+    """issue 23: 595220 initcheck errors came back as bare first lines; each record now says
+    which kernel, thread, address and allocation, and which case ran it."""
+    r = S.parse_report(INITCHECK_TWO_CASES)
+    assert r["errors"] == 2 and len(r["records"]) == 2
+    first = r["details"][0]
+    assert first["case"] == "fused-bf16-hd64-2d-rpb"
+    assert first["kernel"] == "na_fused_forward<__nv_bfloat16, 64>"
+    assert "fused_attention.cu:233" in first["at"] and first["thread"].startswith("thread (64")
+    assert first["address"] == ["Address 0x7f2c00a01f00", "and is inside the nearest allocation "
+                                "at 0x7f2c00a00000 of size 8192 bytes"]
+    assert r["by_case"] == {"fused-bf16-hd64-2d-rpb": {
+        f"{first['kernel']}: Uninitialized __global__ memory read of size 16 bytes": 2}}
+    assert r["cases"]["ok"] == ["fused-fp32-hd32-1d", "fused-bf16-hd64-2d-rpb"]
+
+
+def test_the_child_marks_where_each_case_starts(S):
+    src = Path(S.__file__).read_text()
+    assert 'f"{CASE_MARK}-START {name}"' in src and "stderr=subprocess.STDOUT" in src
