@@ -18,6 +18,17 @@ ATOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
+def qkv(B=2, H=2, Sq=5, D=4, *, Skv=None, Hkv=None, Dv=None, dtype=torch.float32, seed=0,
+        layout="bhsd"):
+    """Seeded random ``q, k, v`` (``[B, H, S, D]``, or ``[B, S, H, D]`` with ``layout="bshd"``):
+    ``Skv``/``Hkv``/``Dv`` default to the query's. The one input builder the tests share."""
+    g = torch.Generator().manual_seed(seed)
+    Skv, Hkv, Dv = Sq if Skv is None else Skv, H if Hkv is None else Hkv, D if Dv is None else Dv
+    shapes = ((B, H, Sq, D), (B, Hkv, Skv, D), (B, Hkv, Skv, Dv))
+    out = tuple(torch.randn(*s, generator=g).to(dtype) for s in shapes)
+    return out if layout == "bhsd" else tuple(t.transpose(1, 2) for t in out)
+
+
 def ca():
     import cudnn_attn
 

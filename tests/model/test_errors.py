@@ -6,18 +6,8 @@ import math
 
 import pytest
 import torch
-from common import ca
+from common import ca, qkv
 
-
-def _qkv(B=2, H=2, S=5, D=4, dtype=torch.float32, Skv=None, Hkv=None, Dv=None):
-    g = torch.Generator().manual_seed(0)
-    Skv = S if Skv is None else Skv
-    Hkv = H if Hkv is None else Hkv
-    Dv = D if Dv is None else Dv
-    q = torch.randn(B, H, S, D, generator=g).to(dtype)
-    k = torch.randn(B, Hkv, Skv, D, generator=g).to(dtype)
-    v = torch.randn(B, Hkv, Skv, Dv, generator=g).to(dtype)
-    return q, k, v
 
 
 def attention(*a, **kw):
@@ -127,14 +117,14 @@ MALFORMED_PARAMS = [pytest.param(call, exc, rx, id=cid) for cid, call, exc, rx i
 def test_malformed_input(call, exc, rx):
     lib = ca()
     with pytest.raises(exc, match=rx):
-        call(lib.attention, lib, *_qkv())
+        call(lib.attention, lib, *qkv())
 
 
 @pytest.mark.parametrize("call,exc,rx", MALFORMED_PARAMS)
 def test_explain_still_raises_on_malformed_input(call, exc, rx):
     lib = ca()
     with pytest.raises(exc, match=rx):
-        call(lib.explain, lib, *_qkv())
+        call(lib.explain, lib, *qkv())
 
 
 def test_errors_are_not_notsupported():
@@ -142,7 +132,7 @@ def test_errors_are_not_notsupported():
     lib = ca()
     assert issubclass(lib.NotSupportedError, NotImplementedError)
     assert not issubclass(lib.NotSupportedError, ValueError)
-    q, k, v = _qkv()
+    q, k, v = qkv()
     with pytest.raises(ValueError) as ei:
         attention(q, k, v, layout="nope")
     assert not isinstance(ei.value, lib.NotSupportedError)
@@ -228,7 +218,7 @@ def test_mask_constructor_errors(build, exc, rx):
 @pytest.mark.parametrize("name", ["cudnn", "cupy"])
 def test_forced_gpu_backend_raises_not_supported(name):
     lib = ca()
-    q, k, v = _qkv()
+    q, k, v = qkv()
     with pytest.raises(lib.NotSupportedError) as ei:
         attention(q, k, v, backend=name, mask=lib.Causal())
     err = ei.value
@@ -240,6 +230,6 @@ def test_forced_gpu_backend_raises_not_supported(name):
 
 
 def test_forced_torch_backend_works():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     out = attention(q, k, v, backend="torch")
     assert out.shape == q.shape and torch.isfinite(out).all()

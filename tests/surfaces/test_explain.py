@@ -12,15 +12,10 @@ from collections.abc import Mapping
 
 import pytest
 import torch
-from common import Problem, ca
+from common import Problem, ca, qkv
 
 BACKEND_ORDER = ["cudnn", "cupy", "torch"]
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only verdicts")
-
-
-def _qkv(B=1, H=2, Sq=6, Skv=8, D=4, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(B, H, s, D, generator=g).to(dtype) for s in (Sq, Skv, Skv))
 
 
 EXPLAIN_CALLS = [
@@ -37,7 +32,7 @@ EXPLAIN_CALLS = [
 def _explain_args(spec):
     lib = ca()
     dtype = spec.get("dtype", torch.float32)
-    q, k, v = _qkv(Sq=8, dtype=dtype)
+    q, k, v = qkv(1, 2, 8, 4, Skv=8, dtype=dtype)
     if spec.get("layout") == "bshd":
         q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     kw = {}
@@ -83,7 +78,7 @@ def test_explain_verdicts_cpu(spec):
 @CPU_ONLY
 @pytest.mark.parametrize("forced", ["cudnn", "cupy", "torch"])
 def test_explain_with_forced_backend_never_raises(forced):
-    ex = ca().explain(*_qkv(), backend=forced)
+    ex = ca().explain(*qkv(1, 2, 6, 4, Skv=8), backend=forced)
     assert list(ex.keys()) == BACKEND_ORDER
     if forced == "torch":
         assert ex["torch"] == "selected"
@@ -95,7 +90,7 @@ def test_explain_with_forced_backend_never_raises(forced):
 def test_notsupported_reasons_match_explain():
     """A forced backend that cannot run raises NotSupportedError whose reasons are explain()'s reasons."""
     lib = ca()
-    args = _qkv()
+    args = qkv(1, 2, 6, 4, Skv=8)
     ex = lib.explain(*args)
     for name in ("cudnn", "cupy"):
         if not isinstance(ex[name], list):
@@ -116,7 +111,7 @@ def _gen(seed):
 
 def test_dropout_reproducible_with_seeded_generator():
     lib = ca()
-    q, k, v = _qkv(B=2, H=2, Sq=16, Skv=24, D=8, dtype=torch.float64)
+    q, k, v = qkv(2, 2, 16, 8, Skv=24, dtype=torch.float64)
     kw = {"mask": lib.Causal(alignment="bottom_right"), "dropout_p": 0.25}
     a = lib.attention(q, k, v, generator=_gen(123), **kw)
     b = lib.attention(q, k, v, generator=_gen(123), **kw)
@@ -129,7 +124,7 @@ def test_dropout_reproducible_with_seeded_generator():
 
 def test_dropout_zero_is_exact():
     lib = ca()
-    q, k, v = _qkv(dtype=torch.float64)
+    q, k, v = qkv(1, 2, 6, 4, Skv=8, dtype=torch.float64)
     a = lib.attention(q, k, v, dropout_p=0.0, generator=_gen(5))
     b = lib.attention(q, k, v)
     torch.testing.assert_close(a, b, atol=0, rtol=0)
@@ -186,7 +181,7 @@ def test_dropout_expectation_matches_no_dropout():
 
 def test_dropout_does_not_change_lse():
     lib = ca()
-    q, k, v = _qkv(B=1, H=2, Sq=10, Skv=12, dtype=torch.float64)
+    q, k, v = qkv(1, 2, 10, 4, Skv=12, dtype=torch.float64)
     _, lse_d = lib.attention(q, k, v, dropout_p=0.4, generator=_gen(9), return_lse=True, mask=lib.Causal())
     _, lse = lib.attention(q, k, v, return_lse=True, mask=lib.Causal())
     torch.testing.assert_close(lse_d, lse, atol=1e-12, rtol=0)
