@@ -5,7 +5,9 @@ import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
-for _p in (_ROOT, _HERE):
+# The layer folders too: a few test modules share helpers with a sibling (``from test_varlen ...``).
+_LAYERS = [os.path.join(_HERE, d) for d in ("model", "engines", "surfaces", "tracing", "tools")]
+for _p in (_ROOT, _HERE, *_LAYERS):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
