@@ -87,6 +87,21 @@ def test_cpu_benchmark_table_is_the_record():
     assert overhead["attention() auto"]["target"] == "MISS" and "**missed**" in page
 
 
+def test_gpu_benchmark_table_is_the_record():
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert "benchmarks/results/cudnn-2026-11-26.json" in page
+    data = record("cudnn-2026-11-26.json")
+    assert data["device"].startswith("NVIDIA H200")
+    for r in data["throughput"]:
+        cells = (f"| {r['S']} | {'yes' if r['causal'] else 'no'} | {r['dir']} | "
+                 f"{r['ours_tflops']:.0f} | {r['bare_tflops']:.0f} | {r['torch-cudnn_tflops']:.0f} | "
+                 f"{r['torch-flash_tflops']:.0f} |")
+        assert cells in page, cells
+    tiny = data["overhead"][1]
+    assert f"{tiny['us_per_call']:.1f} us" in page and f"({tiny['vs_bare']:.2f}x)" in page
+    assert data["targets"]["tiny call vs bare <= 1.05"] is False and "**missed**" in page
+
+
 def test_context_parallel_figures_are_the_record():
     page = (ROOT / "docs" / "distributed.md").read_text()
     rows = {(r["ranks"], r["method"]): r for r in record("context_parallel-2026-11-24.json")["rows"]}
