@@ -18,6 +18,7 @@ Equivalent PyTorch of ``forward(problem, plan, Inputs(q, k, v))`` (bhsd, no mask
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 import math
 import torch
 

@@ -62,7 +62,7 @@ def fake(monkeypatch):
     from cudnn_attn.packed import calls
 
     monkeypatch.setattr(masks, "_runtime_lengths", lambda value: isinstance(value, torch.Tensor))
-    monkeypatch.setattr(stored_calls, "on_accelerator", lambda t: isinstance(t, torch.Tensor))
+    monkeypatch.setattr(calls, "on_accelerator", lambda t: isinstance(t, torch.Tensor))
     yield cudnn_fake.install(monkeypatch)
     clear_caches()
 
@@ -425,11 +425,11 @@ def test_builder_reads_cudnn_paged_containers_through_the_tables(fake, monkeypat
                 .set_paged_attention_v_table(tables[1])
         return a
 
-    monkeypatch.setattr(stored_calls, "on_accelerator", lambda t: True)  # this CPU plays it
+    monkeypatch.setattr(calls, "on_accelerator", lambda t: True)  # this CPU plays it
     out, stats = ca.scaled_dot_product_flash_attention(q, *containers, attrs(True))
     (spec, _), = fake[1]
     assert spec.paged is not None and spec.paged.layout == "bhsd"
-    monkeypatch.setattr(stored_calls, "on_accelerator", lambda t: False)
+    monkeypatch.setattr(calls, "on_accelerator", lambda t: False)
     want, want_stats = ca.scaled_dot_product_flash_attention(q, k, v, attrs(False))
     torch.testing.assert_close(out.to(F64), want.to(F64), atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(stats, want_stats, atol=1e-4, rtol=1e-4)
@@ -488,7 +488,7 @@ def test_builder_lengths_on_the_device_are_runtime_values(fake, monkeypatch):
 
     for cumulative in (False, True):
         for lens in (([24, 5, 1], [24, 9, 3]), ([2, 24, 17], [7, 24, 20])):
-            monkeypatch.setattr(stored_calls, "on_accelerator", lambda t: True)
+            monkeypatch.setattr(calls, "on_accelerator", lambda t: True)
             monkeypatch.setattr(masks, "_runtime_lengths",
                                 lambda value: isinstance(value, torch.Tensor))
             got = run(*lens, device_only, cumulative)
@@ -538,7 +538,7 @@ def test_builder_packed_calls_match_the_oracle_on_every_engine(causal, alibi, fa
         grads = ca.scaled_dot_product_flash_attention_backward(*args, o, d_o.to(dtype), stats, bwd)
         return [cudnn_fake.host(t) for t in (o, stats, *grads)]
 
-    monkeypatch.setattr(stored_calls, "on_accelerator", lambda t: False)
+    monkeypatch.setattr(calls, "on_accelerator", lambda t: False)
     o, stats, *grads = run(F64, lambda t: t)
     ref_in = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref_o, ref_lse = oracle_varlen(*ref_in, lens_q, lens_k, slopes=slopes, scale=0.25,
@@ -549,7 +549,7 @@ def test_builder_packed_calls_match_the_oracle_on_every_engine(causal, alibi, fa
     for a, e in zip(grads, torch.autograd.grad(ref_o, ref_in, d_o)):
         torch.testing.assert_close(a, e, atol=1e-9, rtol=1e-9)
 
-    monkeypatch.setattr(stored_calls, "on_accelerator", lambda t: True)
+    monkeypatch.setattr(calls, "on_accelerator", lambda t: True)
     got = run(F16, device_only)
     assert {spec.ragged for spec, _ in fake[1]} == {True} and len(fake[1]) == 2
     for name, a, e in zip(("o", "stats", "dq", "dk", "dv"), got, (o, stats, *grads)):
