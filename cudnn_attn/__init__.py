@@ -20,7 +20,7 @@ from .varlen import attention_varlen, attention_with_kvcache
 # ``cudnn_attn.model.masks`` and ``cudnn_attn.model.problem`` (DESIGN.md's names) are the problem model's
 # modules themselves, not copies.
 for _name in ("masks", "problem"):
-    sys.modules[f"{__name__}.{_name}"] = sys.modules[f"{__name__}.model.{_name}"]
+    sys.modules[f"{__name__}.{_name}"] = globals()[_name] = sys.modules[f"{__name__}.model.{_name}"]
 
 # Surfaces reachable as attributes (cudnn_attn.neighborhood, ...) load on first use.
 _LAZY_MODULES = ("neighborhood", "ops", "flash_api", "flash_attention", "nn", "graphs",

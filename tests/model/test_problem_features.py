@@ -94,8 +94,8 @@ def test_explicit_dropout_mask_matches_the_dense_formula(mask_shape):
     keep = (torch.rand(mask_shape, generator=gen) > 0.3).to(F64)
     problem = AttnProblem.from_tensors(q, k, v, mask=ca.Causal("bottom_right"), return_lse=True,
                                        dropout_mask=keep, dropout_scale=1 / 0.7)
-    plan = ca.dispatch.plan_for(problem, "torch")[1]
-    out, lse = ca.execution.run(problem, plan, Inputs(q, k, v, dropout_mask=keep), True)
+    plan = ca.core.dispatch.plan_for(problem, "torch")[1]
+    out, lse = ca.core.execution.run(problem, plan, Inputs(q, k, v, dropout_mask=keep), True)
     visible = torch.ones(7, 9, dtype=torch.bool).tril(2)
     s = (q @ k.transpose(-1, -2) * 5 ** -0.5).masked_fill(~visible, -math.inf)
     ref = (torch.softmax(s, -1) * keep / 0.7) @ v
@@ -120,7 +120,7 @@ def test_dropout_state_replays_and_offsets_select_streams():
     q, k, v = (torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(i))
                for i in range(3))
     problem = AttnProblem.from_tensors(q, k, v, dropout_p=0.5)
-    plan = ca.dispatch.plan_for(problem, "torch")[1]
+    plan = ca.core.dispatch.plan_for(problem, "torch")[1]
 
     def run(seed, offset):
         return plan.forward(problem, Inputs(q, k, v, dropout=DropoutState(seed, offset)))[0]

@@ -162,7 +162,7 @@ def test_vision_attention_weights_match_the_library():
     q, k, _ = block.qkv(block.ln1(x)).unflatten(-1, (3, 2, -1)).unbind(2)
     expected = ca.attention(q, k, v, mask=block.mask, layout="bshd")[0].transpose(0, 1)
     assert torch.allclose(weights @ v[0].transpose(0, 1), expected, atol=1e-12)
-    hidden = ~ca.geometry.neighborhood_mask((4, 4), (3, 3))
+    hidden = ~ca.model.geometry.neighborhood_mask((4, 4), (3, 3))
     assert torch.all(weights[:, hidden] == 0)
     assert torch.allclose(module.attention_weights(block, x), weights.mean(0))
 
