@@ -13,7 +13,6 @@ import torch
 
 import cudnn_attn.flash_attn_interface as fai
 import cudnn_attn.integrations.flash_attn as ca_flash_attn
-from cudnn_attn import NotSupportedError
 from cudnn_attn.compat.flash_attn import bert_padding
 
 F64 = torch.float64
@@ -26,8 +25,9 @@ FA_283 = {
     "_flash_attn_varlen_forward": (
         ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
          "dropout_p", "softmax_scale", "causal", "window_size_left", "window_size_right",
-         "softcap", "alibi_slopes", "return_softmax", "block_table", "leftpad_k", "seqused_k"],
-        (-1, -1, 0.0, None, False, None, None, None)),
+         "softcap", "alibi_slopes", "return_softmax", "block_table", "leftpad_k", "seqused_k",
+         "zero_tensors"],
+        (-1, -1, 0.0, None, False, None, None, None, False)),
     "_flash_attn_backward": (
         ["dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "dropout_p",
          "softmax_scale", "causal", "window_size_left", "window_size_right", "softcap",
@@ -36,7 +36,7 @@ FA_283 = {
         ["dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q",
          "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "causal",
          "window_size_left", "window_size_right", "softcap", "alibi_slopes", "deterministic",
-         "rng_state"], (None,)),
+         "rng_state", "zero_tensors"], (None, False)),
 }
 
 
@@ -162,12 +162,101 @@ def test_varlen_forward_backward_against_per_sequence_oracle():
             torch.testing.assert_close(got[a:b], w[0])
 
 
-def test_varlen_leftpad_k_is_refused_as_unsupported():
+def _leftpad_case(g, lens_q, lens_k, pads, h=4, hk=2, d=8):
+    cu_q, cu_k = (torch.tensor([0, *lens]).cumsum(0).to(torch.int32) for lens in (lens_q, lens_k))
+    q = torch.randn(int(cu_q[-1]), h, d, generator=g, dtype=F64)
+    k, v = (torch.randn(int(cu_k[-1]), hk, d, generator=g, dtype=F64) for _ in range(2))
+    return q, k, v, cu_q, cu_k, torch.tensor(pads, dtype=torch.int32)
+
+
+def _check_against_keys(out, lse, q, k, v, cu_q, cu_k, key_rows, causal, window):
+    """Sequence ``b`` against the float64 oracle on keys ``key_rows[b]`` (a range of rows)."""
+    for b, rows in enumerate(key_rows):
+        a, e = cu_q[b].item(), cu_q[b + 1].item()
+        if len(rows) == 0:  # no key: zeros and -inf (the package's convention)
+            assert (out[a:e] == 0).all() and (lse[:, a:e] == float("-inf")).all()
+            continue
+        ref, ref_lse = _oracle(q[a:e][None], k[rows][None], v[rows][None], causal, window)
+        ref = ref.nan_to_num(0.0)  # a row that sees no key (causal, S_q > S_k): zeros
+        torch.testing.assert_close(out[a:e], ref[0])
+        torch.testing.assert_close(lse[:, a:e], ref_lse[0])
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (2, 1))])
+def test_varlen_leftpad_k_drops_each_sequences_first_keys(causal, window):
+    # FlashAttention's block_info.h: keys of sequence b are rows cu_seqlens_k[b] + leftpad_k[b]
+    # .. cu_seqlens_k[b + 1] - 1; masks align to them. Sequence 0 is padded too, and the last
+    # sequence loses every key.
+    g = torch.Generator().manual_seed(7)
+    q, k, v, cu_q, cu_k, pads = _leftpad_case(g, [3, 4, 2, 3], [6, 5, 9, 3], [2, 0, 4, 3])
+    out, lse, _, _ = fai._flash_attn_varlen_forward(
+        q, k, v, cu_q, cu_k, 4, 9, 0.0, 8 ** -0.5, causal, *window, leftpad_k=pads)
+    starts, ends = cu_k[:-1] + pads, cu_k[1:]
+    _check_against_keys(out, lse, q, k, v, cu_q, cu_k,
+                        [range(s, e) for s, e in zip(starts.tolist(), ends.tolist())],
+                        causal, window)
+
+
+def test_varlen_leftpad_k_with_seqused_k_counts_the_padding():
+    # FlashAttention: actual_seqlen_k = seqused_k[b] - leftpad_k[b], from the same start.
+    g = torch.Generator().manual_seed(8)
+    q, k, v, cu_q, cu_k, pads = _leftpad_case(g, [2, 5, 3], [7, 6, 8], [1, 3, 0])
+    used = torch.tensor([5, 6, 4], dtype=torch.int32)
+    out, lse, _, _ = fai._flash_attn_varlen_forward(
+        q, k, v, cu_q, cu_k, 5, 8, 0.0, 8 ** -0.5, True, leftpad_k=pads, seqused_k=used)
+    rows = [range(s + p, s + n) for s, p, n in zip(cu_k[:-1].tolist(), pads.tolist(),
+                                                   used.tolist())]
+    _check_against_keys(out, lse, q, k, v, cu_q, cu_k, rows, True, (-1, -1))
+
+
+def test_varlen_leftpad_k_bf16_matches_the_oracle_and_accepts_int64():
+    g = torch.Generator().manual_seed(9)
+    q, k, v, cu_q, cu_k, pads = _leftpad_case(g, [4, 4], [8, 6], [3, 1])
+    low = [t.to(torch.bfloat16) for t in (q, k, v)]
+    out, lse, _, _ = fai._flash_attn_varlen_forward(
+        *low, cu_q, cu_k, 4, 8, 0.0, 8 ** -0.5, False, leftpad_k=pads.long())
+    want, want_lse, _, _ = fai._flash_attn_varlen_forward(
+        *(t.to(F64) for t in low), cu_q, cu_k, 4, 8, 0.0, 8 ** -0.5, False, leftpad_k=pads)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    torch.testing.assert_close(out.to(F64), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.to(F64), want_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(block_table=torch.zeros(1, 1, dtype=torch.int32)), RuntimeError,
+     "We don't support Paged KV and leftpad_k running at the same time yet"),
+    (dict(leftpad_k=torch.zeros(1)), TypeError, "leftpad_k must be int32 or int64"),
+    (dict(leftpad_k=torch.zeros(2, dtype=torch.int32)), ValueError,
+     r"leftpad_k must have shape \(batch_size\) = \(1,\)"),
+    (dict(leftpad_k=torch.tensor([5], dtype=torch.int32)), ValueError,
+     r"leftpad_k\[0\] = 5 must be in \[0, 4\]"),
+    (dict(leftpad_k=torch.tensor([-1], dtype=torch.int32)), ValueError,
+     r"leftpad_k\[0\] = -1 must be in \[0, 4\]"),
+    (dict(seqused_k=torch.tensor([2], dtype=torch.int32),
+          leftpad_k=torch.tensor([3], dtype=torch.int32)), ValueError,
+     r"leftpad_k\[0\] = 3 must be in \[0, 2\] \(sequence 0 has 2 keys in seqused_k\)"),
+])
+def test_varlen_leftpad_k_bad_input(change, error, match):
     q = torch.zeros(4, 1, 8)
     cu = torch.tensor([0, 4], dtype=torch.int32)
-    with pytest.raises(NotSupportedError, match="leftpad_k"):
-        fai._flash_attn_varlen_forward(q, q, q, cu, cu, 4, 4, 0.0, 1.0, False,
-                                       leftpad_k=torch.zeros(1, dtype=torch.int32))
+    kwargs = {"leftpad_k": torch.zeros(1, dtype=torch.int32), **change}
+    with pytest.raises(error, match=match) as caught:
+        fai._flash_attn_varlen_forward(q, q, q, cu, cu, 4, 4, 0.0, 1.0, False, **kwargs)
+    assert isinstance(caught.value, RuntimeError)  # what FlashAttention's TORCH_CHECK raises
+
+
+def test_varlen_zero_tensors_is_accepted():
+    g = torch.Generator().manual_seed(10)
+    q, k, v, cu_q, cu_k, _ = _leftpad_case(g, [3, 2], [3, 2], [0, 0])
+    plain = fai._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 3, 3, 0.0, 0.5, True)
+    zeroed = fai._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 3, 3, 0.0, 0.5, True,
+                                            zero_tensors=True)
+    torch.testing.assert_close(zeroed[0], plain[0])
+    dout = torch.ones_like(q)
+    d = fai._flash_attn_varlen_backward(dout, q, k, v, plain[0], plain[1], None, None, None,
+                                        cu_q, cu_k, 3, 3, 0.0, 0.5, True, -1, -1, 0.0, None,
+                                        False, None, True)
+    assert d.shape == (4, 5)
 
 
 def test_bert_padding_round_trip_and_lengths():

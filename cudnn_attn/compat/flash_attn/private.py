@@ -12,7 +12,9 @@ Layouts and results (as FlashAttention 2.8.3):
 
 * forward: ``q [B, S_q, H, D]``, ``k``/``v [B, S_k, H_k, D]`` ->
   ``(out [B, S_q, H, D_v], softmax_lse [B, H, S_q] float32, S_dmask, rng_state [2] int64)``;
-  varlen: ``[total, H, D]`` with ``cu_seqlens`` and ``softmax_lse [H, total_q]``. ``S_dmask`` is
+  varlen: ``[total, H, D]`` with ``cu_seqlens`` and ``softmax_lse [H, total_q]``; its
+  ``leftpad_k`` skips each sequence's first keys (FlashAttention's ``block_info.h``), passed on
+  as shifted ``cu_seqlens_k``/``seqused_k``. ``S_dmask`` is
   an empty tensor unless ``return_softmax`` (then FlashAttention's encoding, see
   ``cudnn_attn.compat.flash_attn.mha``). ``rng_state`` is ``(seed, offset)`` of the call's dropout
   stream, on q's device.
@@ -35,7 +37,8 @@ from typing import Optional
 
 import torch
 
-from ...errors import NotSupportedError
+from ...packed.args import index_tensor
+from ._args import runtime_errors
 from .dense import mha_bwd, mha_fwd
 from .varlen import mha_varlen_bwd, mha_varlen_fwd
 
@@ -63,6 +66,56 @@ def _philox_pair(rng_state: Optional[torch.Tensor]):
     return seed, offset
 
 
+@runtime_errors
+def _keys_after_leftpad(k, v, leftpad_k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table):
+    """FlashAttention's ``leftpad_k`` as the packed keys, offsets and lengths ``mha_varlen_fwd``
+    takes: ``(k', v', cu_seqlens_k', seqused_k')``.
+
+    FlashAttention (``block_info.h``): sequence ``b``'s keys start at row ``cu_seqlens_k[b] +
+    leftpad_k[b]`` and number ``used[b] - leftpad_k[b]``, ``used`` being ``seqused_k`` or the
+    ``cu_seqlens_k`` lengths. Here sequence ``b``'s span starts at its first kept key and runs on
+    to the next sequence's first kept key (``cu'[b] = cu_seqlens_k[b] + leftpad_k[b]``, less the
+    rows before sequence 0's first key, which ``k'``/``v'`` drop as views), and ``seqused_k' =
+    used - leftpad_k`` keeps only the sequence's own keys. The values are read on the host (to
+    check them, and for sequence 0's start).
+    """
+    if block_table is not None:  # FlashAttention's TORCH_CHECK, word for word
+        raise ValueError("We don't support Paged KV and leftpad_k running at the same time yet "
+                         "(leftpad_k must be None with block_table)")
+    device = k.device
+    lefts = index_tensor("leftpad_k", leftpad_k, 1, device)
+    batch = index_tensor("cu_seqlens_q", cu_seqlens_q, 1, device).numel() - 1
+    if lefts.shape[0] != batch:
+        raise ValueError(f"leftpad_k must have shape (batch_size) = ({batch},) (one entry per "
+                         f"sequence of cu_seqlens_q), got {tuple(lefts.shape)}")
+    cu = index_tensor("cu_seqlens_k", cu_seqlens_k, 1, device)
+    if cu.shape[0] != batch + 1:
+        raise ValueError(f"cu_seqlens_k must have shape (batch_size + 1) = ({batch + 1},), got "
+                         f"{tuple(cu.shape)}")
+    starts, full = cu[:-1].tolist(), (cu[1:] - cu[:-1]).tolist()
+    used = full
+    if seqused_k is not None:
+        used = index_tensor("seqused_k", seqused_k, 1, device).tolist()
+        if len(used) != batch:
+            raise ValueError(f"seqused_k must have shape (batch_size) = ({batch},), got "
+                             f"({len(used)},)")
+    pads = lefts.tolist()
+    what = "cu_seqlens_k" if seqused_k is None else "seqused_k"
+    for b, (pad, n, cap) in enumerate(zip(pads, used, full)):
+        if not 0 <= n <= cap:
+            raise ValueError(f"seqused_k[{b}] = {n} must be in [0, {cap}] (the keys of "
+                             f"sequence {b} in cu_seqlens_k)")
+        if not 0 <= pad <= n:
+            raise ValueError(f"leftpad_k[{b}] = {pad} must be in [0, {n}] (sequence {b} has {n} "
+                             f"keys in {what})")
+    first = starts[0] + pads[0]
+    offsets = [s + pad - first for s, pad in zip(starts, pads)] + [k.shape[0] - first]
+    lengths = [n - pad for n, pad in zip(used, pads)]
+    as_index = dict(dtype=cu.dtype, device=cu.device)
+    return (k[first:], v[first:], torch.tensor(offsets, **as_index),
+            torch.tensor(lengths, **as_index))
+
+
 def _flash_attn_forward(q: Any, k: Any, v: Any, dropout_p: Any, softmax_scale: Any, causal: Any, window_size_left: Any,
                         window_size_right: Any, softcap: Any, alibi_slopes: Any, return_softmax: Any) -> Any:
     """FlashAttention 2.8.3's ``_flash_attn_forward``: ``(out, softmax_lse, S_dmask,
@@ -78,20 +131,22 @@ def _flash_attn_varlen_forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seq
                                dropout_p: Any, softmax_scale: Any, causal: Any, window_size_left: Any = -1,
                                window_size_right: Any = -1, softcap: Any = 0.0, alibi_slopes: Any = None,
                                return_softmax: Any = False, block_table: Any = None, leftpad_k: Any = None,
-                               seqused_k: Any = None) -> Any:
+                               seqused_k: Any = None, zero_tensors: Any = False) -> Any:
     """FlashAttention 2.8.3's ``_flash_attn_varlen_forward``: ``(out [total_q, H, D_v],
     softmax_lse [H, total_q], S_dmask, rng_state)`` on packed ``[total, H, D]`` tensors.
-    ``leftpad_k`` other than None is not supported (NotSupportedError)."""
-    if leftpad_k is not None:
-        raise NotSupportedError(
-            "_flash_attn_varlen_forward(leftpad_k=...)",
-            {"flash_attn_interface": ["leftpad_k (left-padded keys) is not supported: pack the "
-                                      "keys (cu_seqlens_k) or use seqused_k"]})
+
+    ``leftpad_k`` (int ``[B]``, FlashAttention's semantics): sequence ``b``'s keys are rows
+    ``cu_seqlens_k[b] + leftpad_k[b]`` up to ``cu_seqlens_k[b + 1]`` (up to ``cu_seqlens_k[b] +
+    seqused_k[b]`` when ``seqused_k`` is given, which then counts the padding too); masks align
+    to those keys. Not with ``block_table`` (as FlashAttention)."""
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    if leftpad_k is not None:
+        k, v, cu_seqlens_k, seqused_k = _keys_after_leftpad(
+            k, v, leftpad_k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table)
     out, _, _, _, lse, seed, offset, s_dmask = mha_varlen_fwd(
         q, k, v, None, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi_slopes,
-        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, False, causal, window_size_left,
-        window_size_right, softcap, return_softmax, None)
+        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, zero_tensors, causal,
+        window_size_left, window_size_right, softcap, return_softmax, None)
     return out, lse, s_dmask, _rng_state(seed, offset, q.device)
 
 
@@ -111,13 +166,15 @@ def _flash_attn_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, softmax_ls
 def _flash_attn_varlen_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, softmax_lse: Any, dq: Any, dk: Any, dv: Any, cu_seqlens_q: Any,
                                 cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any, dropout_p: Any,
                                 softmax_scale: Any, causal: Any, window_size_left: Any, window_size_right: Any,
-                                softcap: Any, alibi_slopes: Any, deterministic: Any, rng_state: Any = None) -> Any:
+                                softcap: Any, alibi_slopes: Any, deterministic: Any, rng_state: Any = None,
+                                zero_tensors: Any = False) -> Any:
     """FlashAttention 2.8.3's ``_flash_attn_varlen_backward``: writes ``dq``/``dk``/``dv`` (when
     given) and returns ``softmax_d [H, total_q]``."""
     dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
     seed, offset = _philox_pair(rng_state)
     *_, softmax_d = mha_varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
                                    cu_seqlens_k, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                                   dropout_p, softmax_scale, False, causal, window_size_left,
-                                   window_size_right, softcap, deterministic, seed, offset)
+                                   dropout_p, softmax_scale, zero_tensors, causal,
+                                   window_size_left, window_size_right, softcap, deterministic,
+                                   seed, offset)
     return softmax_d
