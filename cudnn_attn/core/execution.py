@@ -98,13 +98,16 @@ def direct_runner(problem: AttnProblem, plan):
 # ---------------------------------------------------------------------------------------------
 
 def forward(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool = True,
-            row_stats: Optional[dict] = None):
+            row_stats: Optional[dict] = None, weights: Optional[dict] = None):
     """``(out, lse)`` of one call, outside autograd; positions past ``Padding`` lengths never
     reach the engine (``runtime.hide_padding``). ``row_stats`` (a dict, torch engine only)
     receives each row's score maximum and sum of exponentials (the builder's logit_max and
-    score_sum_exp)."""
+    score_sum_exp); ``weights`` (a dict, torch engine only) the attention weights before and
+    after dropout (``"probs"``, ``"dropped"``, ``[B, H_q, S_q, S_kv]``)."""
     inputs = hide_padding(problem, inputs)
     extra = {} if row_stats is None else {"row_stats": row_stats}
+    if weights is not None:
+        extra["weights"] = weights
     with torch.no_grad():
         return plan.forward(problem, inputs, need_lse=need_lse, **extra)
 

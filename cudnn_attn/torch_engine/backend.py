@@ -15,6 +15,7 @@ import torch
 
 from ..core.caches import LRU
 from . import cpu_sdpa
+from .dropout import DropoutStream
 from .segments import add_at
 from .layouts import cols, compute_dtype, lse_dtype, lse_layout, lse_rows, rows_of, uncols, unrows
 from .tiles import Tiles, Visibility, build_tiles, choose_tile_shape, neighborhood_axis, sequence_axis
@@ -264,15 +265,19 @@ class TorchPlan:
         return t.on(device).k_idx[lo:hi]
 
     # -- forward / backward ---------------------------------------------------------------------
-    def forward(self, problem, inputs, need_lse=True, row_stats=None):
+    def forward(self, problem, inputs, need_lse=True, row_stats=None, weights=None):
         """``(out, lse)``: out in the call's layout and dtype, lse [B, H, S_q] (``None`` allowed
         when ``need_lse`` is false and nothing will run backward). A dict ``row_stats`` receives
         each row's score maximum ``"max"`` and ``"sum_exp"`` = sum of ``exp(s - max)`` (lse's
-        layout; cuDNN's ``score_max`` / ``score_sum_exp``: ``lse = max + log(sum_exp)``)."""
+        layout; cuDNN's ``score_max`` / ``score_sum_exp``: ``lse = max + log(sum_exp)``).
+        A dict ``weights`` receives the attention weights ``[B, H_q, S_q, S_kv]`` (compute
+        dtype): ``"probs"`` before dropout, ``"dropped"`` as applied (kept entries scaled by
+        ``1 / (1 - p)``, dropped ones 0; the same tensor without dropout)."""
         q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
-        if self.fused_ok and row_stats is None and cpu_sdpa.whole_problem_scale_ok(problem):
+        plain = row_stats is None and weights is None
+        if self.fused_ok and plain and cpu_sdpa.whole_problem_scale_ok(problem):
             return cpu_sdpa.whole_problem(problem, q, k, v, need_lse)
-        if self.fused_tiles and row_stats is None:
+        if self.fused_tiles and plain:
             return cpu_sdpa.tile_forward(self, problem, q, k, v, bias)
         dtype = compute_dtype(problem.dtype)
         qs = rows_of(problem, q, dtype, problem.scale)
@@ -283,7 +288,10 @@ class TorchPlan:
         lse_t = qs.new_empty(BH, rows, G)
         max_t, sum_t = (qs.new_empty(BH, rows, G), qs.new_empty(BH, rows, G)) \
             if row_stats is not None else (None, None)
-        dropout = _Dropout(problem, inputs, qs.device)
+        dropout = DropoutStream(problem, inputs, qs.device)
+        full = None if weights is None else {
+            name: qs.new_zeros(problem.batch, problem.heads_q, problem.seq_q, problem.seq_kv)
+            for name in ("probs", "dropped")}
         for lo, hi in self.chunks(problem):
             n = hi - lo
             keys = self.keys_of(lo, hi, qs.device)
@@ -293,6 +301,11 @@ class TorchPlan:
             p = _exp_shifted(s, shift, hidden, dead=peak == -math.inf)
             total = p.sum(-1)
             keep = dropout.keep(self, p, lo, hi, keys)
+            if full is not None:
+                probs = p / _nonzero(total)[..., None]
+                for name, w in (("probs", probs), ("dropped", probs if keep is None else
+                                                   probs * keep)):
+                    _put_pairs(full[name], w, self.tiles.on(qs.device), lo, hi, keys)
             if keep is not None:
                 p = p * keep
             o = _times_keys(p.view(BH, n, T * G, -1), _gather_keys(v3, keys, self.tiles, n),
@@ -304,6 +317,8 @@ class TorchPlan:
                 max_t[:, lo * T:hi * T] = peak.reshape(BH, n * T, G)
                 sum_t[:, lo * T:hi * T] = total
         inverse = self.tiles.on(qs.device).inverse
+        if full is not None:
+            weights.update(full)
         if max_t is not None:
             for name, t in (("max", max_t), ("sum_exp", sum_t)):
                 row_stats[name] = lse_layout(problem, t.index_select(1, inverse)).to(
@@ -341,7 +356,7 @@ class TorchPlan:
             drpb = qs.new_zeros(problem.heads_q, math.prod(problem.rpb.shape[1:]))
         elif problem.bias_requires_grad:
             dbias_full = qs.new_zeros(B, problem.heads_q, problem.seq_q, problem.seq_kv)
-        dropout = _Dropout(problem, inputs, qs.device)
+        dropout = DropoutStream(problem, inputs, qs.device)
         for lo, hi in self.chunks(problem):
             n = hi - lo
             keys = self.keys_of(lo, hi, qs.device)
@@ -448,6 +463,18 @@ def _scatter_dbias(dbias_full, ds, rows_idx, keys, problem, n, T):
     add_at(dbias_full.view(B * Hkv * G, -1), flat, grads)
 
 
+def _put_pairs(full, w, tiles, lo, hi, keys):
+    """``full[B, H, S_q, S_kv]`` at the pairs of tiles [lo, hi) = ``w [B, Hkv, n, T, G, W]``:
+    owned rows only, each (query, key) pair is written once (a tile's keys are distinct)."""
+    B, Hkv, n, T, G, W = w.shape
+    values = w.permute(0, 1, 4, 2, 3, 5).reshape(B * Hkv * G, n * T, W)
+    cols = keys.view(1, -1).expand(n * T, W) if keys.dim() == 1 else \
+        keys[:, None, :].expand(n, T, W).reshape(n * T, W)
+    own = tiles.owned[lo:hi].reshape(-1)
+    rows = tiles.q_idx[lo:hi].reshape(-1)[own]
+    full.view(B * Hkv * G, *full.shape[2:])[:, rows[:, None], cols[own]] = values[:, own]
+
+
 def _scatter_drpb(drpb, ds, index):
     """drpb [H, R] += ds [B, Hkv, n, T, G, W] summed over the batch, at each pair's entry."""
     B, Hkv, n, T, G, W = ds.shape
@@ -461,40 +488,3 @@ def _reduce_to(full, shape):
     x = full.sum(dim=tuple(range(lead))) if lead else full
     dims = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
     return x.sum(dim=dims, keepdim=True) if dims else x
-
-
-# ---------------------------------------------------------------------------------------------
-# Dropout with a replayable stream: backward regenerates the forward's keep masks chunk by chunk.
-# ---------------------------------------------------------------------------------------------
-
-class _Dropout:
-    """Dropout keep masks, chunk by chunk: either the explicit ``dropout_mask`` of the call
-    (times ``dropout_scale``) at each tile's pairs, or a private generator seeded by the call's
-    ``DropoutState``, so the backward (and any replay of the same state) regenerates the
-    forward's masks."""
-
-    def __init__(self, problem, inputs, device):
-        self.problem, self.p = problem, problem.dropout_p
-        self.generator = None
-        self.mask = None
-        if problem.dropout_mask is not None:
-            self.mask, self.scale = inputs.dropout_mask, problem.dropout_scale
-        elif self.p > 0:
-            if inputs.dropout is None:
-                raise ValueError("a dropout call needs its DropoutState")
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(_stream_seed(inputs.dropout))
-
-    def keep(self, plan, p, lo, hi, keys):
-        """Scaled keep mask of tiles [lo, hi), broadcastable to ``p`` (``None``: keep all)."""
-        if self.mask is not None:
-            return plan.pairs_of(self.problem, self.mask, lo, hi, keys, p.dtype) * self.scale
-        if self.generator is None:
-            return None
-        draw = torch.rand(p.shape, generator=self.generator, device=p.device, dtype=p.dtype)
-        return (draw >= self.p).to(p.dtype) / (1.0 - self.p)
-
-
-def _stream_seed(state) -> int:
-    """One generator seed per (seed, offset): offsets select distinct streams of one seed."""
-    return (state.seed + state.offset * 0x9E3779B97F4A7C15) % (2 ** 63)

@@ -739,11 +739,34 @@ def test_varlen_bwd_errors():
              bufs=(None, None, torch.zeros(2, dtype=F64)))
 
 
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_softmax_weights_come_from_the_call_itself_on_the_torch_engine(monkeypatch, p):
+    # The torch engine hands its weights back from the one forward: no call with v widened by
+    # the identity (O(S_k) more value columns, O(S^3) work), no second call without dropout.
+    from cudnn_attn.core import execution
+
+    planned = []
+    real = execution.plan_call
+
+    def spy(problem, backend="auto"):
+        planned.append(problem)
+        return real(problem, backend)
+
+    monkeypatch.setattr(execution, "plan_call", spy)
+    q, k, v = _dense()
+    out, *_, probs = fwd(q, k, v, p=p, gen=gen(0), return_softmax=True)
+    assert [(t.dim_v, t.dropout_p) for t in planned] == [(v.shape[-1], p)]
+    _, _, ref_p = ref_one(q, k, v)
+    pre, keep = fa_decode(probs, ref_p, q.shape[-1], p > 0)
+    torch.testing.assert_close(pre, ref_p, **TOL)
+
+
 def test_dropout_softmax_needs_the_mask_engine(monkeypatch):
     # Dropout with return_softmax needs the engine that makes (and replays) the mask to also run
     # the widened call; an engine that cannot is a NotSupportedError, never a different mask.
+    # (The torch engine hands its weights back directly: this engine is another one.)
     class Declines:
-        name = "torch"
+        name = "an_engine_without_weights"
         plan = dispatch.get_backend("torch").plan
 
         def supports(self, problem):

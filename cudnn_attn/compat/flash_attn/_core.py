@@ -71,7 +71,14 @@ def forward(q, k, v, mask, alibi, opts: Options, return_softmax, gen_):
     if not return_softmax:
         out, lse = execution.forward(problem, plan, inputs)
         return out, lse, dropout, None, None
-    # One call computes out and the weights: p @ [v | I] = [out | p].
+    if engine.name == "torch":  # it hands its weights back: O(S_q S_k) on top of the call
+        weights: dict = {}
+        out, lse = execution.forward(problem, plan, inputs, weights=weights)
+        probs = weights["probs"]
+        keep = None if opts.p_dropout == 0 else (weights["dropped"] != 0) | (probs == 0)
+        return out, lse, dropout, probs, keep
+    # Other engines: one call computes out and the weights, p @ [v | I] = [out | p] (O(S_k)
+    # more value columns).
     seq_k, dim_v = k.shape[1], v.shape[3]
     eye = _identity(v, seq_k)
     inputs.v = torch.cat([v, eye], dim=-1)

@@ -47,17 +47,18 @@ def encode(probs: torch.Tensor, keep, head_dim: int, is_causal: bool, dtype) -> 
     """``probs`` ``[B, H, S_q, S_k]`` (pre-dropout, normalized) and ``keep`` (bool, same shape,
     or None without dropout) -> FlashAttention's ``S_dmask`` in ``dtype``."""
     batch, heads, seq_q, seq_k = probs.shape
-    work = probs.to(accumulator_dtype(probs.dtype))
     width = block_size_n(min(head_dim, 256), keep is not None, is_causal)
-    out = work.new_zeros(batch, heads, _round(seq_q), _round(seq_k))
+    out = probs.new_zeros(batch, heads, _round(seq_q), _round(seq_k),
+                          dtype=accumulator_dtype(probs.dtype))
     if seq_k and seq_q:
-        blocks = work.split(width, dim=-1)
-        block_max = torch.stack([b.amax(dim=-1) for b in blocks], dim=-1)
-        suffix_max = block_max.flip(-1).cummax(dim=-1).values.flip(-1)
-        sizes = torch.tensor([b.shape[-1] for b in blocks], device=work.device)
-        denom = suffix_max.repeat_interleave(sizes, dim=-1)
-        scaled = torch.where(denom > 0, work / denom.clamp_min(torch.finfo(work.dtype).tiny), 0.0)
+        rows = out[:, :, :seq_q]
+        rows[..., :seq_k] = probs
+        # The padded width is a multiple of every block width; padding zeros change no maximum
+        # (weights are >= 0).
+        blocks = rows.unflatten(-1, (-1, width))
+        suffix_max = blocks.amax(dim=-1).flip(-1).cummax(dim=-1).values.flip(-1)
+        # A block whose suffix maximum is 0 holds only zeros: 0 / tiny stays 0.
+        blocks.div_(suffix_max.clamp_min(torch.finfo(out.dtype).tiny)[..., None])
         if keep is not None:
-            scaled = torch.where(keep, scaled, -scaled)
-        out[:, :, :seq_q, :seq_k] = scaled
+            rows[..., :seq_k].mul_(keep.to(out.dtype).mul_(2).sub_(1))
     return out.to(dtype)
