@@ -24,11 +24,17 @@ def run_pytest(workdir: Path, tests: list, extra_args: list, json_path, record: 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(workdir), str(REPO)]))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
            *map(str, tests), *extra_args]
-    run = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
-    print(run.stdout[-20000:], run.stderr[-5000:], sep="\n")
-    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+    # Streamed line by line (a long run shows its progress, and a killed one what it reached).
+    run = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, bufsize=1)
+    summary = ""
+    for line in run.stdout:
+        print(line, end="", flush=True)
+        if line.strip():
+            summary = line.strip()
+    returncode = run.wait()
     if json_path:
         Path(json_path).write_text(json.dumps(
             {**record, "counts": counts(summary), "summary": summary,
-             "returncode": run.returncode}, indent=2))
-    return run.returncode
+             "returncode": returncode}, indent=2))
+    return returncode
