@@ -197,10 +197,10 @@ def _torch_masks(problem: Fp8Problem):
 
 def _cudnn_buffers(problem: Fp8Problem, t: Fp8Tensors, names) -> dict:
     buffers = {UID.Q: t.q.contiguous(), UID.K: t.k.contiguous(), UID.V: t.v.contiguous(),
-               UID.ATTN_SCALE: torch.full((1, 1, 1, 1), problem.logical.scale,
+               UID.SCALE: torch.full((1, 1, 1, 1), problem.logical.scale,
                                           dtype=torch.float32)}
     for i, name in enumerate(names):
-        buffers[UID.SCALES + i] = t.scales[name].contiguous()
+        buffers[UID.FP8_SCALES + i] = t.scales[name].contiguous()
     padding = _padding(problem)
     if padding is not None:
         lens = padding.tensors(t.q.device)
