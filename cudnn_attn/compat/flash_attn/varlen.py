@@ -9,9 +9,6 @@ as they lie (``native``). Conventions:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import math
 
 import torch
@@ -135,12 +132,14 @@ def _batch_lengths(q, k, cu_seqlens_q, cu_seqlens_k, paged: bool):
 
 
 @runtime_errors
-def mha_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_: torch.Tensor,
-                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor,
-                   block_table_: torch.Tensor, alibi_slopes_: torch.Tensor, max_seqlen_q: int,
-                   max_seqlen_k: int, p_dropout: float, softmax_scale: float, zero_tensors: bool,
-                   is_causal: bool | Sequence[bool], window_size_left: int, window_size_right: int,
-                   softcap: float, return_softmax: bool, gen_: torch.Generator | None) -> Any:
+def mha_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_: torch.Tensor | None,
+                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                   seqused_k: torch.Tensor | None, block_table_: torch.Tensor | None,
+                   alibi_slopes_: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+                   p_dropout: float, softmax_scale: float | None, zero_tensors: bool,
+                   is_causal: bool, window_size_left: int, window_size_right: int,
+                   softcap: float, return_softmax: bool, gen_: torch.Generator | None,
+                   ) -> tuple[torch.Tensor, ...]:
     """FlashAttention forward on packed sequences (``[total, H, D]`` with ``cu_seqlens``).
 
     ``seqused_k`` (int ``[B]``) limits each sequence's keys to its first ``seqused_k[b]``.
@@ -194,13 +193,16 @@ def mha_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_: torc
 
 
 @runtime_errors
-def mha_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   softmax_lse: torch.Tensor, dq_: torch.Tensor, dk_: torch.Tensor, dv_: torch.Tensor,
-                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, alibi_slopes_: torch.Tensor,
-                   max_seqlen_q: int, max_seqlen_k: int, p_dropout: float, softmax_scale: float,
-                   zero_tensors: bool, is_causal: bool | Sequence[bool], window_size_left: int,
-                   window_size_right: int, softcap: float, deterministic: bool, philox_seed: Any,
-                   philox_offset: Any) -> Any:
+def mha_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, softmax_lse: torch.Tensor, dq_: torch.Tensor | None,
+                   dk_: torch.Tensor | None, dv_: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
+                   cu_seqlens_k: torch.Tensor, alibi_slopes_: torch.Tensor | None,
+                   max_seqlen_q: int, max_seqlen_k: int, p_dropout: float,
+                   softmax_scale: float | None, zero_tensors: bool, is_causal: bool,
+                   window_size_left: int, window_size_right: int, softcap: float,
+                   deterministic: bool, philox_seed: torch.Tensor | int,
+                   philox_offset: torch.Tensor | int,
+                   ) -> tuple[torch.Tensor, ...]:
     """FlashAttention backward on packed sequences: ``(dq, dk, dv, softmax_d)``.
 
     The arguments of ``mha_varlen_fwd`` (without ``seqused_k`` and paging, as FlashAttention),
