@@ -1,7 +1,7 @@
 """FlashAttention's packed (varlen) entry points ``mha_varlen_fwd`` / ``mha_varlen_bwd``
 (``[total, H, D]`` with ``cu_seqlens``, optional paged K/V). On the torch engine (the rule of
 ``cudnn_attn.packed.groups.by_length_groups``) and without dropout, weights or paging, the sequences run
-as one dense batch per distinct ``(len_q, len_k)`` (``varlen_groups.grouped_varlen``), so each costs
+as one dense batch per distinct ``(len_q, len_k)`` (``packed.groups.grouped_varlen``), so each costs
 its own length; otherwise as one batch padded to ``max_seqlen`` with a ``Padding`` mask
 (``varlen.PaddedBatch``): the fallback every surface shares when no engine runs the packed tensors
 as they lie (``native``). Conventions:
@@ -34,7 +34,7 @@ def _packing(lens_q, lens_k, max_seqlen_q, max_seqlen_k, device):
 
 
 def _grouped(q, k, v, lens_q, lens_k, max_k: int, opts: Options, alibi):
-    """``(out [total_q, H, D_v], lse [H, total_q])`` through ``varlen_groups.grouped_varlen``
+    """``(out [total_q, H, D_v], lse [H, total_q])`` through ``packed.groups.grouped_varlen``
     (one dense batch per length group, the torch engine's route). FlashAttention normalizes its
     window against ``max_seqlen_k``, not the sequence's length: so does the mask here."""
     return grouped_varlen(q, k, v, lens_q, lens_k, _core.fa_mask(opts, max_k, False, alibi is not None),
