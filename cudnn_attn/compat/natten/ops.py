@@ -255,12 +255,17 @@ def _av_backward(rank: int, d_attn: torch.Tensor, d_value: torch.Tensor, d_out: 
 def _ranked(impl: Callable[Concatenate[int, P], None], rank: int) -> Callable[P, None]:
     """``impl`` with its first argument, ``rank``, fixed: the public op ``na{rank}d_<op>`` with
     impl's other arguments (for type checkers too: ``Concatenate`` drops ``rank``)."""
+    signature = inspect.signature(impl)
+    public = signature.replace(parameters=list(signature.parameters.values())[1:])
+
     def op(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:  # a wrong argument count is reported against the public op, not impl
+            public.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{op.__name__}(): {exc}") from None
         return impl(rank, *args, **kwargs)
 
-    signature = inspect.signature(impl)
-    op.__signature__ = signature.replace(  # type: ignore[attr-defined]
-        parameters=list(signature.parameters.values())[1:])
+    op.__signature__ = public  # type: ignore[attr-defined]
     op.__name__ = op.__qualname__ = f"na{rank}d{impl.__name__}"
     op.__module__ = __name__
     op.__doc__ = (impl.__doc__ or "").replace("{rank}", str(rank))
