@@ -78,7 +78,8 @@ def test_no_heading_or_anchor_names_an_internal_module(site):
                                           ("cudnn_attn.flash_attn_interface",
                                            "flash_attn_interface"),
                                           ("cudnn_attn.flash_api", "flash_api"),
-                                          ("cudnn_attn.distributed", "distributed")])
+                                          ("cudnn_attn.distributed", "distributed"),
+                                          ("cudnn_attn.natten", "natten")])
 def test_every_public_name_has_its_heading(site, module, page):
     import importlib
 
@@ -103,6 +104,23 @@ def test_generated_ops_show_their_signatures(site):
     selftest = [text(s) for s in SIGNATURE.findall(api_pages(site)["cudnn_attn"])
                 if text(s).startswith("selftest(")]
     assert len(selftest) == 1 and "quick: bool = True" in selftest[0], selftest
+
+
+def section(page: str, anchor: str) -> str:
+    """The text from heading ``anchor`` to the next heading of its level or above."""
+    start = page.index(f'id="{anchor}"')
+    level = page.rfind("<h", 0, start)
+    end = re.search(rf"<h[1-{page[level + 2]}]\b", page[start:])
+    return text(page[start:start + end.start()] if end else page[start:])
+
+
+def test_docstrings_written_at_import_time_are_rendered(site):
+    """NATTEN's ``na1d/na2d/na3d`` share one docstring filled in per rank when the module loads,
+    and the modules' ``__doc__`` is built from their base's: the reference shows both."""
+    page = api_pages(site)["natten"]
+    assert "2-D neighborhood attention (NATTEN 0.21 na2d" in section(page, "cudnn_attn.natten.na2d")
+    assert "2-D Neighborhood self-attention layer" in \
+        section(page, "cudnn_attn.natten.NeighborhoodAttention2D")
 
 
 def test_the_public_aliases_are_the_internal_modules_and_functions():
