@@ -21,7 +21,7 @@ import json
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 import torch
 
@@ -34,6 +34,13 @@ from ._spec import Band, GraphOptions, GraphSpec, PagedKV, analyze, cudnn_reason
 from . import driver_standin
 from .entry_calls import CALL_ARGS, call_problem
 from .plan_choice import EngineChoice, selected_engine
+
+if TYPE_CHECKING:
+    import os
+
+    from cudnn import pygraph  # the cuDNN frontend's graph (an optional dependency)
+
+    from .targets import DeviceTarget
 
 __all__ = ["UID", "BuiltGraph", "GraphOptions", "PagedKV", "cudnn_reasons", "build_forward",
            "build_backward", "describe", "describe_problem", "validate_for", "FORWARD_KWARGS",
@@ -238,7 +245,8 @@ def build_graph(problem: AttnProblem, spec: GraphSpec, backward: bool, *,
 
 def build_forward(problem: AttnProblem, *, target_sm: Optional[int] = None,
                   options: Optional[GraphOptions] = None, stats: Optional[bool] = None,
-                  plans: Optional[bool] = None, target: Any = None) -> BuiltGraph:
+                  plans: Optional[bool] = None,
+                  target: Optional[DeviceTarget] = None) -> BuiltGraph:
     """The forward graph of ``problem``: ``O`` (and the fp32 ``Stats`` = LSE, ``[B, H, S_q, 1]``,
     when ``stats`` — default: the problem needs a backward or returns its LSE). ``target``: a
     described device (``targets.target``) to build the plans for without a GPU."""
@@ -251,7 +259,8 @@ def build_forward(problem: AttnProblem, *, target_sm: Optional[int] = None,
 
 def build_backward(problem: AttnProblem, *, target_sm: Optional[int] = None,
                    options: Optional[GraphOptions] = None,
-                   plans: Optional[bool] = None, target: Any = None) -> BuiltGraph:
+                   plans: Optional[bool] = None,
+                   target: Optional[DeviceTarget] = None) -> BuiltGraph:
     """The backward graph of ``problem``: ``dQ, dK, dV`` (and ``dBias`` when the bias needs a
     gradient) from ``Q, K, V, O, dO`` and the forward's ``Stats``."""
     spec = _spec_for(problem, target_sm, options, True)
@@ -267,7 +276,8 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: boo
              cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
              max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
              cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-             target: Any = None, **attention_kwargs: Any) -> Any:
+             target: Union[str, os.PathLike[str], DeviceTarget, None] = None,
+             **attention_kwargs: Any) -> pygraph:
     """The validated ``cudnn.pygraph`` the cuDNN engine would build for
     ``attention(q, k, v, **attention_kwargs)`` (its backward with ``backward=True``).
 

@@ -169,9 +169,9 @@ def _structured_call(struct: StructuredMask, query, key, value, **kw):
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
-                      is_causal: bool | Sequence[bool] | None = None, softcap: float | None = None,
-                      **kwargs: Any) -> Any:
+                      attention_mask: StructuredMask | torch.Tensor | None, dropout: float = 0.0,
+                      scaling: float | None = None, is_causal: bool | None = None,
+                      softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature on ``cudnn_attn.attention``.
 
     Args:

@@ -29,7 +29,6 @@ Equivalent PyTorch (no dropout)::
 """
 
 from __future__ import annotations
-from typing import Any
 
 from typing import Optional
 
@@ -63,8 +62,11 @@ def _philox_pair(rng_state: Optional[torch.Tensor]):
     return seed, offset
 
 
-def _flash_attn_forward(q: Any, k: Any, v: Any, dropout_p: Any, softmax_scale: Any, causal: Any, window_size_left: Any,
-                        window_size_right: Any, softcap: Any, alibi_slopes: Any, return_softmax: Any) -> Any:
+def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                        softmax_scale: float, causal: bool, window_size_left: int,
+                        window_size_right: int, softcap: float,
+                        alibi_slopes: Optional[torch.Tensor], return_softmax: bool,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashAttention 2.8.3's ``_flash_attn_forward``: ``(out, softmax_lse, S_dmask,
     rng_state)`` on ``[B, S, H, D]`` tensors (module docstring)."""
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
@@ -74,11 +76,17 @@ def _flash_attn_forward(q: Any, k: Any, v: Any, dropout_p: Any, softmax_scale: A
     return out, lse, s_dmask, _rng_state(seed, offset, q.device)
 
 
-def _flash_attn_varlen_forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
-                               dropout_p: Any, softmax_scale: Any, causal: Any, window_size_left: Any = -1,
-                               window_size_right: Any = -1, softcap: Any = 0.0, alibi_slopes: Any = None,
-                               return_softmax: Any = False, block_table: Any = None, leftpad_k: Any = None,
-                               seqused_k: Any = None) -> Any:
+def _flash_attn_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                               max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                               softmax_scale: float, causal: bool, window_size_left: int = -1,
+                               window_size_right: int = -1, softcap: float = 0.0,
+                               alibi_slopes: Optional[torch.Tensor] = None,
+                               return_softmax: bool = False,
+                               block_table: Optional[torch.Tensor] = None,
+                               leftpad_k: Optional[torch.Tensor] = None,
+                               seqused_k: Optional[torch.Tensor] = None,
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashAttention 2.8.3's ``_flash_attn_varlen_forward``: ``(out [total_q, H, D_v],
     softmax_lse [H, total_q], S_dmask, rng_state)`` on packed ``[total, H, D]`` tensors.
     ``leftpad_k`` other than None is not supported (NotSupportedError)."""
@@ -95,9 +103,13 @@ def _flash_attn_varlen_forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seq
     return out, lse, s_dmask, _rng_state(seed, offset, q.device)
 
 
-def _flash_attn_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, softmax_lse: Any, dq: Any, dk: Any, dv: Any, dropout_p: Any, softmax_scale: Any,
-                         causal: Any, window_size_left: Any, window_size_right: Any, softcap: Any, alibi_slopes: Any,
-                         deterministic: Any, rng_state: Any = None) -> Any:
+def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         out: torch.Tensor, softmax_lse: torch.Tensor, dq: Optional[torch.Tensor],
+                         dk: Optional[torch.Tensor], dv: Optional[torch.Tensor], dropout_p: float,
+                         softmax_scale: float, causal: bool, window_size_left: int,
+                         window_size_right: int, softcap: float,
+                         alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+                         rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
     """FlashAttention 2.8.3's ``_flash_attn_backward``: writes ``dq``/``dk``/``dv`` (when given)
     and returns ``softmax_d [B, H, S_q]``."""
     dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
@@ -108,10 +120,15 @@ def _flash_attn_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, softmax_ls
     return softmax_d
 
 
-def _flash_attn_varlen_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, softmax_lse: Any, dq: Any, dk: Any, dv: Any, cu_seqlens_q: Any,
-                                cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any, dropout_p: Any,
-                                softmax_scale: Any, causal: Any, window_size_left: Any, window_size_right: Any,
-                                softcap: Any, alibi_slopes: Any, deterministic: Any, rng_state: Any = None) -> Any:
+def _flash_attn_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                v: torch.Tensor, out: torch.Tensor, softmax_lse: torch.Tensor,
+                                dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
+                                dv: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor,
+                                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                dropout_p: float, softmax_scale: float, causal: bool,
+                                window_size_left: int, window_size_right: int, softcap: float,
+                                alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+                                rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
     """FlashAttention 2.8.3's ``_flash_attn_varlen_backward``: writes ``dq``/``dk``/``dv`` (when
     given) and returns ``softmax_d [H, total_q]``."""
     dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
