@@ -1,0 +1,157 @@
+"""Hugging Face masks that used to fall back to a dense bias now reach the engines structured:
+static caches (eager and under ``torch.compile(fullgraph=True)``: no host read, no graph break),
+packed sequences (``position_ids`` restarting, as ``DataCollatorWithFlattening`` makes them),
+bidirectional sliding windows (ModernBERT), and what stays dense (a window with holes in the
+2-D mask). Peers: transformers' own "sdpa" on tiny models built from configs (float32), and,
+for packed sequences, each sequence run alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import cudnn_attn as ca  # noqa: E402
+import cudnn_attn.integrations.transformers as ca_hf  # noqa: E402
+from cudnn_attn.core import dispatch  # noqa: E402
+from cudnn_attn.integrations import hf_calls, hf_masks  # noqa: E402
+
+NAME = ca_hf.register()
+TOL = dict(atol=2e-5, rtol=2e-5)
+SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=64)
+
+
+def llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, num_key_value_heads=2))
+
+
+def mistral():
+    return transformers.MistralForCausalLM(
+        transformers.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=3))
+
+
+def modernbert():
+    cfg = transformers.ModernBertConfig(vocab_size=97, hidden_size=32, intermediate_size=48,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        max_position_embeddings=64, local_attention=4,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        pad_token_id=0)
+    return transformers.ModernBertModel(cfg)
+
+
+def build(factory):
+    torch.manual_seed(0)
+    return factory().eval()
+
+
+def token_ids(batch, seq, seed=1):
+    return torch.randint(1, 97, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def problems(monkeypatch):
+    """Every AttnProblem the dispatcher plans while the test runs (planning happens when a call
+    runs, also inside a compiled graph)."""
+    seen = []
+    plan_for = dispatch.plan_for
+
+    def spy(problem, backend="auto"):
+        seen.append(problem)
+        return plan_for(problem, backend)
+
+    monkeypatch.setattr(dispatch, "plan_for", spy)
+    ca.clear_caches()
+    return seen
+
+
+def structured(problems, *parts):
+    """No problem carries a bias, and each of ``parts`` is in some problem's description."""
+    described = [p.describe() for p in problems]
+    assert problems and all(p.bias is None for p in problems), described
+    for part in parts:
+        assert any(part in d for d in described), (part, described)
+
+
+def logits_of(model, impl, *args, **kwargs):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        out = model(*args, **kwargs)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+# --- a. static caches ---------------------------------------------------------------------------
+
+def generate_static(model, impl, ids, mask, compiled):
+    model.set_attn_implementation(impl)
+    kw = {}
+    if compiled:  # transformers compiles the decode steps; fullgraph: a graph break would raise
+        config = transformers.CompileConfig(fullgraph=True, backend="eager")
+        config._compile_all_devices = True  # CPU too (transformers compiles on GPUs only)
+        kw = dict(compile_config=config)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                          cache_implementation="static", output_logits=True,
+                          return_dict_in_generate=True, **kw)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("holes", [False, True], ids=["left_padding", "holes"])
+def test_static_cache_generation_equals_sdpa_and_stays_structured(compiled, holes, problems):
+    model = build(llama)
+    ids = token_ids(2, 7)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    if holes:
+        mask[0, 2] = 0
+    torch._dynamo.reset()
+    ours = generate_static(model, NAME, ids, mask, compiled)
+    ours_problems = list(problems)
+    theirs = generate_static(model, "sdpa", ids, mask, compiled)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    for a, b in zip(ours.logits, theirs.logits):
+        torch.testing.assert_close(a, b, **TOL)
+    # decode steps: one query against its visible keys (a Padding of runtime lengths)
+    structured(ours_problems, "Padding")
+    assert any(p.q.shape[2 if p.layout == "bhsd" else 1] == 1 for p in ours_problems)
+
+
+def test_a_compiled_static_decode_step_reads_nothing_on_the_host(monkeypatch):
+    """The decode step's calls trace into one graph (fullgraph) with no recompile per step."""
+    model = build(llama)
+    ids, mask = token_ids(2, 6), torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    generate_static(model, NAME, ids, mask, compiled=True)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_static_cache_without_a_2d_mask_is_causal_with_padding(problems):
+    model = build(llama)
+    ids = token_ids(2, 6)
+    step = token_ids(2, 1, seed=2)
+    outs = {}
+    for impl in (NAME, "sdpa"):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        first = logits_of(model, impl, ids, cache=cache, use_cache=True)
+        second = logits_of(model, impl, step, cache=cache, use_cache=True)
+        outs[impl] = (first, second)
+        if impl == NAME:
+            ours_problems = list(problems)
+    for a, b in zip(outs[NAME], outs["sdpa"]):
+        torch.testing.assert_close(a, b, **TOL)
+    structured(ours_problems, "Causal(alignment='bottom_right')", "Padding")
+
+
+def test_a_static_mask_snapshots_the_cache_counter():
+    """The cache counts its tokens in place before attention runs: the mask keeps the offset
+    the mask was built for."""
+    counter = torch.tensor(3)
+    built = hf_masks.structured_mask(1, 1, 8, q_offset=counter, kv_offset=0,
+                                     attention_mask=torch.ones(1, 4, dtype=torch.bool))
+    counter.add_(1)
+    assert int(built.q_offset) == 3
+    # and generate()'s prepared mask passes back through the builder unchanged
+    assert hf_masks.structured_mask(1, 1, 8, attention_mask=built) is built
