@@ -134,20 +134,11 @@ def _padded_call(struct, real_q, alignment, query, key, value, kw):
 
 def segment_bounds(segments: torch.Tensor) -> torch.Tensor:
     """int32 ``cu_seqlens`` of the packed sequences in ``segments`` ``[B, S]`` (a new sequence
-    where the id changes, and at each row's start), for the ``B * S`` tokens back to back.
-    Under torch.compile it has a fixed ``B * S + 1`` entries (the unused ones empty
-    sequences at the end), so nothing is read on the host."""
-    batch, seq = segments.shape
+    where the id changes, and at each row's start), for the ``B * S`` tokens back to back."""
     starts = torch.ones_like(segments, dtype=torch.bool)
     starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    starts = starts.reshape(-1)
-    total = starts.numel()
-    positions = torch.arange(total, device=segments.device)
-    if torch.compiler.is_compiling():
-        firsts = torch.where(starts, positions, total).sort().values
-    else:
-        firsts = positions[starts]
-    return torch.cat([firsts, firsts.new_full((1,), total)]).to(torch.int32)
+    firsts = starts.reshape(-1).nonzero().reshape(-1)
+    return torch.cat([firsts, firsts.new_full((1,), starts.numel())]).to(torch.int32)
 
 
 def _packed_sequences_call(struct, query, key, value, kw):
@@ -169,7 +160,8 @@ def _static_cache_call(struct, query, key, value, kw):
     if not struct.causal or key.shape[2] != struct.kv_length:
         return None
     batch, device = query.shape[0], query.device
-    start = (struct.q_offset - struct.kv_offset).to(device)   # the first query's key slot
+    start = struct.q_offset - struct.kv_offset   # the first query's key slot (int or tensor)
+    start = start.to(device) if isinstance(start, torch.Tensor) else start
     if struct.padding is None:
         # Slots past the last query are not filled yet; per batch, i' = i + start (bottom-right).
         lens_q = torch.full((batch,), struct.q_length, dtype=torch.int64, device=device)
@@ -196,9 +188,10 @@ def structured_call(struct: StructuredMask, query, key, value, **kw) -> Optional
     ``kw``: ``attention``'s ``scale``, ``dropout_p``, ``softcap`` and ``sinks``."""
     if struct.segments is not None:
         return _packed_sequences_call(struct, query, key, value, kw)
-    if isinstance(struct.q_offset, torch.Tensor):
+    compiling = torch.compiler.is_compiling()
+    if isinstance(struct.q_offset, torch.Tensor) or compiling:
         out = _static_cache_call(struct, query, key, value, kw)
-        if out is not None or torch.compiler.is_compiling():
+        if out is not None or compiling:
             return out
         # Eager, a multi-token step with a 2-D mask: read the offset, then the rules below.
         struct = dataclasses.replace(struct, q_offset=int(struct.q_offset))

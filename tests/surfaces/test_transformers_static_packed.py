@@ -32,6 +32,12 @@ def mistral():
         transformers.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=3))
 
 
+def gemma2():
+    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **SMALL, num_key_value_heads=2, head_dim=8, sliding_window=4, attn_logit_softcapping=3.0,
+        final_logit_softcapping=None))
+
+
 def modernbert():
     cfg = transformers.ModernBertConfig(vocab_size=97, hidden_size=32, intermediate_size=48,
                                         num_hidden_layers=2, num_attention_heads=4,
@@ -95,10 +101,19 @@ def generate_static(model, impl, ids, mask, compiled):
                           return_dict_in_generate=True, **kw)
 
 
+# (model, peer, holes in the 2-D mask besides left padding): Mistral's layers are all sliding
+# windows (a static sliding cache passes int offsets), Gemma-2 mixes both with softcap ("sdpa"
+# refuses softcap: its peer is "eager").
+# (A window with holes stays dense in the prompt: see test_a_window_with_holes_stays_dense.)
+STATIC = {"llama": (llama, "sdpa", False), "llama_holes": (llama, "sdpa", True),
+          "mistral": (mistral, "sdpa", False), "gemma2": (gemma2, "eager", False)}
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("holes", [False, True], ids=["left_padding", "holes"])
-def test_static_cache_generation_equals_sdpa_and_stays_structured(compiled, holes, problems):
-    model = build(llama)
+@pytest.mark.parametrize("case", sorted(STATIC))
+def test_static_cache_generation_equals_the_peer_and_stays_structured(case, compiled, problems):
+    factory, peer, holes = STATIC[case]
+    model = build(factory)
     ids = token_ids(2, 7)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
@@ -107,13 +122,14 @@ def test_static_cache_generation_equals_sdpa_and_stays_structured(compiled, hole
     torch._dynamo.reset()
     ours = generate_static(model, NAME, ids, mask, compiled)
     ours_problems = list(problems)
-    theirs = generate_static(model, "sdpa", ids, mask, compiled)
+    theirs = generate_static(model, peer, ids, mask, compiled)
     assert torch.equal(ours.sequences, theirs.sequences)
     for a, b in zip(ours.logits, theirs.logits):
         torch.testing.assert_close(a, b, **TOL)
-    # decode steps: one query against its visible keys (a Padding of runtime lengths)
-    structured(ours_problems, "Padding")
-    assert any(p.q.shape[2 if p.layout == "bhsd" else 1] == 1 for p in ours_problems)
+    structured(ours_problems)
+    # decode steps: one query against a masked cache (Padding of the visible keys, or a band)
+    steps = [p.describe() for p in ours_problems if p.seq_q == 1]
+    assert steps and all("mask=none" not in d for d in steps), steps
 
 
 def test_a_compiled_static_decode_step_reads_nothing_on_the_host(monkeypatch):
