@@ -155,8 +155,9 @@ def _packed_sequences_call(struct, query, key, value, kw):
 
 
 def _static_cache_call(struct, query, key, value, kw):
-    """A static cache (``q_offset`` a tensor, keys the whole preallocated cache), nothing read
-    on the host; None when the structure cannot serve it without reading the mask's layout."""
+    """A static cache (keys the whole preallocated cache, ``q_offset`` a tensor or int), nothing
+    read on the host; None when the structure cannot serve it without reading the mask's
+    layout."""
     if not struct.causal or key.shape[2] != struct.kv_length:
         return None
     batch, device = query.shape[0], query.device
@@ -211,7 +212,7 @@ def structured_call(struct: StructuredMask, query, key, value, **kw) -> Optional
         return attention(query, key, value, mask=padding if band is None else band & padding,
                          **kw).transpose(1, 2)
     packed = _packed_queries(struct)
-    if packed is None:
-        return None
+    if packed is None:  # one query (decoding) still has an exact form: its keys gathered
+        return _static_cache_call(struct, query, key, value, kw)
     real_q, alignment = packed
     return _padded_call(struct, real_q, alignment, query, key, value, kw)

@@ -27,9 +27,9 @@ def llama():
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, num_key_value_heads=2))
 
 
-def mistral():
+def mistral(window=3):
     return transformers.MistralForCausalLM(
-        transformers.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=3))
+        transformers.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=window))
 
 
 def gemma2():
@@ -171,3 +171,89 @@ def test_a_static_mask_snapshots_the_cache_counter():
     assert int(built.q_offset) == 3
     # and generate()'s prepared mask passes back through the builder unchanged
     assert hf_masks.structured_mask(1, 1, 8, attention_mask=built) is built
+
+
+# --- b. packed sequences ------------------------------------------------------------------------
+
+PACKED_LENGTHS = ((5, 4, 3), (2, 6, 4))  # two rows, three sequences each
+
+
+def packed_inputs():
+    ids = token_ids(2, 12, seed=3)
+    positions = torch.tensor([[p for n in row for p in range(n)] for row in PACKED_LENGTHS])
+    return ids, positions
+
+
+@pytest.mark.parametrize("factory", [llama, mistral], ids=["llama", "mistral"])
+def test_packed_sequences_run_through_varlen_and_equal_sdpa(factory, problems, monkeypatch):
+    model = build(factory)
+    ids, positions = packed_inputs()
+    calls = []
+    real_varlen = hf_calls.attention_varlen
+
+    def recorder(q, k, v, cu_q, cu_k, *args, **kwargs):
+        calls.append((cu_q.tolist(), kwargs.get("mask")))
+        return real_varlen(q, k, v, cu_q, cu_k, *args, **kwargs)
+
+    monkeypatch.setattr(hf_calls, "attention_varlen", recorder)
+    ours = logits_of(model, NAME, ids, position_ids=positions, use_cache=False)
+    theirs = logits_of(model, "sdpa", ids, position_ids=positions, use_cache=False)
+    torch.testing.assert_close(ours, theirs, **TOL)
+    # the independent oracle: each sequence alone
+    for row, lengths in enumerate(PACKED_LENGTHS):
+        start = 0
+        for n in lengths:
+            alone = logits_of(model, "sdpa", ids[row:row + 1, start:start + n], use_cache=False)
+            torch.testing.assert_close(ours[row, start:start + n], alone[0], **TOL)
+            start += n
+    assert calls and all(cu == [0, 5, 9, 12, 14, 20, 24] for cu, _ in calls), calls
+    structured(problems, "SlidingWindow(left=2, right=0" if factory is mistral else "Causal")
+
+
+def test_segment_bounds_starts_a_sequence_at_each_id_change_and_row():
+    segments = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])
+    assert hf_calls.segment_bounds(segments).tolist() == [0, 2, 5, 6, 8, 10]
+    assert hf_calls.segment_bounds(segments).dtype == torch.int32
+
+
+# --- c. bidirectional sliding windows ------------------------------------------------------------
+
+def test_bidirectional_sliding_window_is_a_symmetric_window(problems):
+    model = build(modernbert)
+    ids = token_ids(3, 12, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    mask[2, 9:] = 0  # right padding
+    ours = logits_of(model, NAME, ids, attention_mask=mask)
+    theirs = logits_of(model, "sdpa", ids, attention_mask=mask)
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], theirs[real], **TOL)
+    # ModernBERT's local_attention = 4: keys within distance 2 of the query, both sides
+    structured(problems, "SlidingWindow(left=2, right=2")
+    unpadded = logits_of(model, NAME, ids, attention_mask=torch.ones_like(ids))
+    assert not torch.allclose(unpadded[1][real[1]], ours[1][real[1]], **TOL)
+
+
+# --- d. what stays dense --------------------------------------------------------------------------
+
+def test_a_window_with_holes_stays_dense(problems):
+    """A sliding window counts positions: packing the real tokens would close the holes, and no
+    mask hides a key inside a row. Such a prompt runs transformers' mask as a bias (exact);
+    decode steps with one query still run structured (its visible keys gathered)."""
+    model = build(lambda: mistral(window=4))
+    ids = token_ids(2, 9, seed=5)
+    mask = torch.ones_like(ids)
+    mask[0, 7] = 0  # inside the first decode steps' windows (positions 6..9, 7..10) too
+    ours = logits_of(model, NAME, ids, attention_mask=mask)
+    theirs = logits_of(model, "sdpa", ids, attention_mask=mask)
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], theirs[real], **TOL)
+    assert any(p.bias is not None for p in problems)
+    del problems[:]
+    ours = generate_static(model, NAME, ids, mask, compiled=False)
+    theirs = generate_static(model, "sdpa", ids, mask, compiled=False)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    for a, b in zip(ours.logits, theirs.logits):
+        torch.testing.assert_close(a, b, **TOL)
+    steps = [p for p in problems if p.seq_q == 1]
+    assert steps and all(p.bias is None for p in steps), [p.describe() for p in steps]
