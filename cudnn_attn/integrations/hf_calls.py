@@ -154,34 +154,62 @@ def _packed_sequences_call(struct, query, key, value, kw):
     return out.view(batch, seq, *out.shape[1:])
 
 
-def _static_cache_call(struct, query, key, value, kw):
-    """A static cache (keys the whole preallocated cache, ``q_offset`` a tensor or int), nothing
-    read on the host; None when the structure cannot serve it without reading the mask's
-    layout."""
-    if not struct.causal or key.shape[2] != struct.kv_length:
-        return None
-    batch, device = query.shape[0], query.device
-    start = struct.q_offset - struct.kv_offset   # the first query's key slot (int or tensor)
-    start = start.to(device) if isinstance(start, torch.Tensor) else start
-    if struct.padding is None:
-        # Slots past the last query are not filled yet; per batch, i' = i + start (bottom-right).
-        lens_q = torch.full((batch,), struct.q_length, dtype=torch.int64, device=device)
-        mask = band_mask(struct, "bottom_right") & Padding(lens_q, lens_q + start)
-        return attention(query, key, value, mask=mask, **kw).transpose(1, 2)
-    if struct.q_length != 1:
-        return None
-    # One query: its visible keys (real, not after it, inside the window) gathered to the front
-    # in order, then Padding(1, count). Exact for any 2-D mask, holes included.
-    slots = torch.arange(struct.kv_length, device=device)
-    visible = struct.padding.to(device) & (slots <= start)
-    if struct.window is not None:
-        visible = visible & (slots > start - struct.window)
+def _gathered_call(query, key, value, visible, lens_q, kw):
+    """Each row's ``visible`` keys (``[B, S_k]``, the same for all its queries) gathered to the
+    front in order (a stable sort on the device), then ``Padding(lens_q, count)``."""
     order = torch.sort((~visible).to(torch.int8), dim=1, stable=True).indices
     k, v = (t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
             for t in (key, value))
     count = visible.sum(1)
-    mask = Padding(torch.ones_like(count), count)
+    mask = Padding(torch.full_like(count, lens_q), count)
     return attention(query, k, v, mask=mask, **kw).transpose(1, 2)
+
+
+def _bidirectional_host_free(struct, query, key, value, kw):
+    """Bidirectional attention without reading anything on the host: every query sees every
+    real key (gathered when a 2-D mask is given); a window only without padding and with queries
+    and keys starting together."""
+    if struct.window is None:
+        if struct.padding is None:
+            return attention(query, key, value, **kw).transpose(1, 2)
+        return _gathered_call(query, key, value, struct.padding.to(query.device), struct.q_length,
+                              kw)
+    aligned = isinstance(struct.q_offset, int) and struct.q_offset == struct.kv_offset and \
+        struct.q_length == struct.kv_length
+    if struct.padding is not None or not aligned:
+        return None
+    return attention(query, key, value, mask=band_mask(struct, "top_left"),
+                     **kw).transpose(1, 2)
+
+
+def _host_free_call(struct, query, key, value, kw):
+    """The call with nothing read on the host (a static cache's tensor offset, a compiled
+    step): keys are every slot of the cache (or the layer's keys), ``q_offset`` a tensor or an
+    int. None when the structure cannot serve it without reading the mask's layout."""
+    if key.shape[2] != struct.kv_length:
+        return None
+    if not struct.causal:
+        return _bidirectional_host_free(struct, query, key, value, kw)
+    batch, device = query.shape[0], query.device
+    start = struct.q_offset - struct.kv_offset   # the first query's key slot (int or tensor)
+    start = start.to(device) if isinstance(start, torch.Tensor) else start
+    band = band_mask(struct, "bottom_right")
+    if struct.padding is None:
+        if isinstance(start, int) and start + struct.q_length == struct.kv_length:
+            return attention(query, key, value, mask=band, **kw).transpose(1, 2)
+        # Slots past the last query are not filled yet; per batch, i' = i + start (bottom-right).
+        lens_q = torch.full((batch,), struct.q_length, dtype=torch.int64, device=device)
+        mask = band & Padding(lens_q, lens_q + start)
+        return attention(query, key, value, mask=mask, **kw).transpose(1, 2)
+    if struct.q_length != 1:
+        return None
+    # One query (decoding): its visible keys (real, not after it, inside the window), gathered.
+    # Exact for any 2-D mask, holes included.
+    slots = torch.arange(struct.kv_length, device=device)
+    visible = struct.padding.to(device) & (slots <= start)
+    if struct.window is not None:
+        visible = visible & (slots > start - struct.window)
+    return _gathered_call(query, key, value, visible, 1, kw)
 
 
 def structured_call(struct: StructuredMask, query, key, value, **kw) -> Optional[torch.Tensor]:
@@ -191,7 +219,7 @@ def structured_call(struct: StructuredMask, query, key, value, **kw) -> Optional
         return _packed_sequences_call(struct, query, key, value, kw)
     compiling = torch.compiler.is_compiling()
     if isinstance(struct.q_offset, torch.Tensor) or compiling:
-        out = _static_cache_call(struct, query, key, value, kw)
+        out = _host_free_call(struct, query, key, value, kw)
         if out is not None or compiling:
             return out
         # Eager, a multi-token step with a 2-D mask: read the offset, then the rules below.
@@ -213,6 +241,6 @@ def structured_call(struct: StructuredMask, query, key, value, **kw) -> Optional
                          **kw).transpose(1, 2)
     packed = _packed_queries(struct)
     if packed is None:  # one query (decoding) still has an exact form: its keys gathered
-        return _static_cache_call(struct, query, key, value, kw)
+        return _host_free_call(struct, query, key, value, kw)
     real_q, alignment = packed
     return _padded_call(struct, real_q, alignment, query, key, value, kw)

@@ -257,3 +257,51 @@ def test_a_window_with_holes_stays_dense(problems):
         torch.testing.assert_close(a, b, **TOL)
     steps = [p for p in problems if p.seq_q == 1]
     assert steps and all(p.bias is None for p in steps), [p.describe() for p in steps]
+
+
+# --- compiled forwards: structured where nothing must be read on the host --------------------
+
+def bert():
+    return transformers.BertModel(transformers.BertConfig(**SMALL))
+
+
+def compiled_logits(model, impl, ids, mask, use_cache):
+    model.set_attn_implementation(impl)
+    torch._dynamo.reset()
+    forward = torch.compile(lambda i, m: model(i, attention_mask=m, use_cache=use_cache),
+                            backend="eager", fullgraph=True)
+    with torch.no_grad():
+        out = forward(ids, mask)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+# (factory, padded, use_cache, what the engines see): BERT's real keys are gathered (every query
+# sees the same keys, holes included); a causal prompt without padding is the band; a causal
+# prompt with padding would need its layout read on the host, so it keeps transformers' mask (a
+# bias), and so does a causal forward without a cache: transformers then builds its
+# packed-sequence mask from the position ids inside the compiled region, a closure the
+# builder cannot look into while dynamo traces.
+COMPILED = {"bert_holes": (bert, True, False, "Padding"),
+            "llama": (llama, False, True, "Causal(alignment='bottom_right')"),
+            "llama_padded": (llama, True, True, "bias="),
+            "llama_no_cache": (llama, False, False, "bias=")}
+
+
+@pytest.mark.parametrize("case", sorted(COMPILED))
+def test_compiled_forward(case, problems):
+    factory, padded, use_cache, expected = COMPILED[case]
+    model = build(factory)
+    ids = token_ids(2, 8, seed=6)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :2] = 0
+        mask[1, 5] = 0
+    ours = compiled_logits(model, NAME, ids, mask if padded else None, use_cache)
+    theirs = logits_of(model, "sdpa", ids, attention_mask=mask if padded else None,
+                       use_cache=use_cache)
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], theirs[real], **TOL)
+    described = [p.describe() for p in problems]
+    assert any(expected in d for d in described), described
+    if expected != "bias=":
+        structured(problems)
