@@ -4,22 +4,26 @@
 gives at every real token, or None when only transformers' dense mask does.
 
 Query/key tensors arrive as transformers hands them to an attention function: ``[B, H, S, D]``;
-results are ``[B, S_q, H_q, D_v]``. Four routes:
+results are ``[B, S_q, H_q, D_v]``. The routes:
 
 * packed sequences (``segments``): ``attention_varlen`` with ``cu_seqlens`` from the sequence
-  ids, as transformers' FlashAttention-2 integration does;
-* a static cache (``q_offset`` a 0-d tensor, keys the whole preallocated cache): without a 2-D
-  mask, ``Padding(S_q, q_offset + S_q)`` and a bottom-right band; with one, a one-token step
-  (decoding) gathers each row's visible keys to the front (a sort on the device) and runs
-  ``Padding(1, count)``: nothing is read on the host, so it also runs inside a compiled decode
-  step. A multi-token step with a 2-D mask reads the offset on the host when eager (then the
-  integer rules below) and keeps the dense mask under ``torch.compile``, where no check of the
-  mask's layout can run without a host synchronisation;
+  ids, as transformers' FlashAttention-2 integration does (``cu_seqlens`` is read on the host,
+  as there);
+* host-free (a static cache's tensor ``q_offset``, or any step under ``torch.compile``; keys are
+  every slot the mask covers): causal without a 2-D mask is ``Padding(S_q, start + S_q)`` (slots
+  past the last query are not filled yet) with a bottom-right band; one query with a 2-D mask
+  (decoding) gathers its visible keys (real, not after it, inside the window) to the front with a
+  stable sort on the device and runs ``Padding(1, count)``, exact for any mask, holes included;
+  bidirectional attention gathers the real keys (every query sees the same ones). A multi-token
+  causal step with a 2-D mask, or a bidirectional window with one, is served here only when
+  eager (the offset is then read on the host and the rules below apply); compiled, it keeps the
+  dense mask, since checking the mask's layout would need a host synchronisation;
 * no padding: the band alone, aligned top-left or bottom-right;
 * padding: right padding (each row's tokens a prefix) as ``Padding(S_q, lengths)``; otherwise the
   real tokens packed into ``attention_varlen`` when that keeps every query's keys (left padding;
-  holes in causal, window-free attention; decoding). A window with holes in the padding stays
-  dense: a window counts positions, packing closes the holes, and no mask hides an interior key.
+  holes in causal, window-free attention; cached steps), else one query's keys gathered as
+  above. A multi-token window with holes in the padding stays dense: a window counts
+  positions, packing closes the holes, and no mask hides a key inside a row.
 """
 
 from __future__ import annotations

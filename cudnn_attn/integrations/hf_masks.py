@@ -25,6 +25,13 @@ Recognized mask functions (transformers 5.x ``masking_utils``), positions absolu
 
 Static caches pass the query offset as a 0-d tensor (so a compiled decode step does not
 recompile): it is kept as a tensor (a snapshot: the cache updates its own counter in place).
+``generate()`` builds a static cache's masks before its (compiled) forward and passes them in;
+the builder hands such a prepared mask back unchanged.
+
+Under ``torch.compile`` the combined functions (windows, packed sequences) that transformers
+creates *inside* the compiled region cannot be looked into (dynamo does not expose a closure's
+contents), so only ``causal_mask_function`` / ``bidirectional_mask_function`` are recognized
+there; the others get the dense mask.
 """
 
 from __future__ import annotations

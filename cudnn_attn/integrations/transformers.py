@@ -9,21 +9,33 @@
 ``register(name)`` adds :func:`attention_forward` to transformers' ``AttentionInterface`` and
 :func:`cudnn_attn.integrations.hf_masks.structured_mask` to its ``AttentionMaskInterface`` under
 ``name`` (without a mask builder registered, transformers builds no mask at all, so padding would
-be ignored). The masks reach the engines structured, never as a dense bias unless the model
-really asks for an arbitrary mask:
+be ignored). The masks reach the engines structured (the rules: :mod:`.hf_calls`), with
+results equal to "sdpa" at every real token:
 
 * causal (bottom-right aligned when the queries are the last keys, as with a cache), sliding
-  windows (``SlidingWindow(w - 1, 0)`` for transformers' ``sliding_window = w``) and
-  bidirectional attention become ``Causal`` / ``SlidingWindow`` / no mask;
-* padding from the 2-D ``attention_mask``: right padding (each row's tokens a prefix, queries and
-  keys starting together) adds ``Padding(S_q, lengths)`` to that mask, so every query row, padding
-  ones included, gets what "sdpa" gives it; otherwise (left padding, holes, a cache) the real tokens
-  are packed and run through ``attention_varlen`` with per-sequence lengths (as transformers'
-  FlashAttention-2 integration does), and outputs at padding queries are zeros (no implementation
-  defines their logits);
-* a 4-D mask the model passes itself, custom mask functions (``or``/``and`` masks, packed
-  sequences, chunked or block-wise attention) and static-cache offsets under compile get
-  transformers' own boolean mask as a bias.
+  windows (``SlidingWindow(w - 1, 0)`` for transformers' ``sliding_window = w``), bidirectional
+  attention and bidirectional windows (ModernBERT: ``|q - k| <= w`` is ``SlidingWindow(w, w)``)
+  become ``Causal`` / ``SlidingWindow`` / no mask;
+* padding from the 2-D ``attention_mask``: right padding adds ``Padding(S_q, lengths)`` (every
+  query row, padding ones included, gets what "sdpa" gives it); left padding, holes and cached
+  steps run the real tokens through ``attention_varlen`` (as transformers' FlashAttention-2
+  integration does; outputs at padding queries are zeros, which no implementation defines);
+* packed sequences (``position_ids`` restarting, no 2-D mask, no cache:
+  ``DataCollatorWithFlattening``) run through ``attention_varlen`` with ``cu_seqlens`` of the
+  sequences;
+* static caches (tensor offsets) and compiled steps read nothing on the host:
+  ``Padding(S_q, offset + S_q)`` with a bottom-right band, or, for one query with a 2-D mask,
+  the visible keys gathered and ``Padding(1, count)``; ``generate(cache_implementation=
+  "static")`` compiles its decode steps with ``fullgraph=True``.
+
+transformers' own boolean mask runs as a bias (exact, O(S^2)) only for: a 4-D mask the model
+passes itself; custom mask functions (``or``/``and`` masks, chunked or block-wise attention); a
+sliding window (causal or bidirectional) whose prompt has holes in the 2-D mask (a window counts
+positions, packing closes holes, and no mask hides a key inside a row); and, under
+``torch.compile``, a multi-token step with a 2-D mask (its layout cannot be checked without a
+host read) and any mask function transformers builds inside the compiled region other than plain
+causal / bidirectional (dynamo does not expose a closure's contents: windows built there, and
+the packed-sequence mask transformers builds for a forward without a cache).
 
 GQA goes to the engines as is (no ``repeat_kv``); ``softcap`` (Gemma-2), ``scaling``, ``dropout``
 (training) and sinks (``s_aux``, gpt-oss) are passed on. ``output_attentions=True`` behaves as
