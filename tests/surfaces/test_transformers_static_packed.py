@@ -144,7 +144,15 @@ def test_a_compiled_static_decode_step_reads_nothing_on_the_host(monkeypatch):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
-def test_static_cache_without_a_2d_mask_is_causal_with_padding(problems):
+def test_static_cache_without_a_2d_mask_is_causal_with_padding(problems, monkeypatch):
+    calls = []
+    real_attention = hf_calls.attention
+
+    def recorder(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real_attention(*args, **kwargs)
+
+    monkeypatch.setattr(hf_calls, "attention", recorder)
     model = build(llama)
     ids = token_ids(2, 6)
     step = token_ids(2, 1, seed=2)
@@ -159,6 +167,10 @@ def test_static_cache_without_a_2d_mask_is_causal_with_padding(problems):
     for a, b in zip(outs[NAME], outs["sdpa"]):
         torch.testing.assert_close(a, b, **TOL)
     structured(ours_problems, "Causal(alignment='bottom_right')", "Padding")
+    explained = [str(ca.explain(*a, **{k: v for k, v in kw.items() if k != "sinks"}))
+                 for a, kw in calls]
+    assert explained and all("bias=" not in e for e in explained), explained
+    assert any("Padding(" in e and "Causal(alignment='bottom_right')" in e for e in explained)
 
 
 def test_a_static_mask_snapshots_the_cache_counter():
