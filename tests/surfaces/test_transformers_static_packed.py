@@ -38,6 +38,17 @@ def gemma2():
         final_logit_softcapping=None))
 
 
+def gpt_oss():
+    cfg = transformers.GptOssConfig(**SMALL, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                    num_local_experts=4, num_experts_per_tok=2,
+                                    layer_types=["sliding_attention", "full_attention"])
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():  # sinks large enough to move the logits well past the tolerance
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+    return model
+
+
 def modernbert():
     cfg = transformers.ModernBertConfig(vocab_size=97, hidden_size=32, intermediate_size=48,
                                         num_hidden_layers=2, num_attention_heads=4,
@@ -103,10 +114,11 @@ def generate_static(model, impl, ids, mask, compiled):
 
 # (model, peer, holes in the 2-D mask besides left padding): Mistral's layers are all sliding
 # windows (a static sliding cache passes int offsets), Gemma-2 mixes both with softcap ("sdpa"
-# refuses softcap: its peer is "eager").
+# refuses softcap: its peer is "eager"), gpt-oss with attention sinks.
 # (A window with holes stays dense in the prompt: see test_a_window_with_holes_stays_dense.)
 STATIC = {"llama": (llama, "sdpa", False), "llama_holes": (llama, "sdpa", True),
-          "mistral": (mistral, "sdpa", False), "gemma2": (gemma2, "eager", False)}
+          "mistral": (mistral, "sdpa", False), "gemma2": (gemma2, "eager", False),
+          "gpt_oss_sinks": (gpt_oss, "eager", False)}
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
