@@ -230,8 +230,8 @@ def structured_call(struct: StructuredMask, query, key, value, **kw) -> Optional
         struct = dataclasses.replace(struct, q_offset=int(struct.q_offset))
     alignment = _alignment(struct)
     if struct.padding is None or bool(struct.padding.all()):
-        if alignment is None:
-            return None
+        if alignment is None:  # e.g. a sliding cache not full yet: Padding of its filled slots
+            return _host_free_call(struct, query, key, value, kw)
         return attention(query, key, value, mask=band_mask(struct, alignment),
                          **kw).transpose(1, 2)
     lens_k = struct.padding.sum(1)

@@ -156,7 +156,13 @@ def test_a_compiled_static_decode_step_reads_nothing_on_the_host(monkeypatch):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
-def test_static_cache_without_a_2d_mask_is_causal_with_padding(problems, monkeypatch):
+@pytest.mark.parametrize("factory, band", [
+    (llama, "Causal(alignment='bottom_right')"),
+    # a window longer than the cache has filled: the static sliding cache is not full yet
+    (lambda: mistral(window=6), "SlidingWindow(left=5, right=0, alignment='bottom_right')")],
+    ids=["llama", "mistral"])
+def test_static_cache_without_a_2d_mask_is_a_band_with_padding(factory, band, problems,
+                                                                monkeypatch):
     calls = []
     real_attention = hf_calls.attention
 
@@ -165,8 +171,8 @@ def test_static_cache_without_a_2d_mask_is_causal_with_padding(problems, monkeyp
         return real_attention(*args, **kwargs)
 
     monkeypatch.setattr(hf_calls, "attention", recorder)
-    model = build(llama)
-    ids = token_ids(2, 6)
+    model = build(factory)
+    ids = token_ids(2, 3)
     step = token_ids(2, 1, seed=2)
     outs = {}
     for impl in (NAME, "sdpa"):
@@ -178,11 +184,11 @@ def test_static_cache_without_a_2d_mask_is_causal_with_padding(problems, monkeyp
             ours_problems = list(problems)
     for a, b in zip(outs[NAME], outs["sdpa"]):
         torch.testing.assert_close(a, b, **TOL)
-    structured(ours_problems, "Causal(alignment='bottom_right')", "Padding")
+    structured(ours_problems, band, "Padding")
     explained = [str(ca.explain(*a, **{k: v for k, v in kw.items() if k != "sinks"}))
                  for a, kw in calls]
     assert explained and all("bias=" not in e for e in explained), explained
-    assert any("Padding(" in e and "Causal(alignment='bottom_right')" in e for e in explained)
+    assert any("Padding(" in e and band in e for e in explained), explained
 
 
 def test_a_static_mask_snapshots_the_cache_counter():
