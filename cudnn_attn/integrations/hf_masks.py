@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -75,7 +75,7 @@ class StructuredMask:
     ndim = 4
 
 
-def _closure(fn, qualname: str) -> Optional[dict]:
+def _closure(fn, qualname: str) -> Optional[Mapping[str, Any]]:
     """The nonlocals of ``fn`` when it is the inner function ``qualname``, else None."""
     if getattr(fn, "__qualname__", "") != qualname:
         return None
@@ -157,8 +157,9 @@ def structured_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, 
         return dense()
     padding = None
     if attention_mask is not None:
-        padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
-        padding = padding[:, kv_offset:kv_offset + kv_length].to(torch.bool)
+        padded = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        assert padded is not None  # a 2-D mask in, its padded form out
+        padding = padded[:, kv_offset:kv_offset + kv_length].to(torch.bool)
     q_offset = q_offset if isinstance(q_offset, torch.Tensor) else int(q_offset)
     return StructuredMask(pattern[0], pattern[1], padding, q_offset, int(kv_offset),
                           int(q_length), int(kv_length), dense, segments)
