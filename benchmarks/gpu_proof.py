@@ -193,7 +193,8 @@ def seed_cubin_cache(carried: Path | None, cache: Path) -> int:
 
 
 def prebuild(directory: Path, archs: list[str], expect_nvrtc: str) -> int:
-    """Compile every kernel program for ``archs`` into ``directory`` (no GPU needed)."""
+    """Compile every kernel variant for ``archs`` into ``directory``, one cubin each (no GPU
+    needed)."""
     os.environ["CUDNN_ATTN_CUBIN_CACHE"] = str(directory.resolve())
     from cudnn_attn import fallback_kernels
     from cudnn_attn.fallback_kernels import cubin_cache
