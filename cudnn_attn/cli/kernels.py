@@ -78,7 +78,8 @@ def add_parser(sub: Any) -> None:
                          help="target, e.g. sm_90 (repeatable; default: sm_80 and sm_90)")
     kernels.add_argument("--json", action="store_true", help="print JSON records")
     kernels.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
-                         help="kernels compiled at once (default: the CPUs this process may use)")
+                         help="kernels compiled at once (default: the CPUs this process may use, "
+                              "at most 8)")
     kernels.set_defaults(func=lambda a: cmd_kernels(_with_default_arch(a)))
 
 

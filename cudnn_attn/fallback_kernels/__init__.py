@@ -31,7 +31,7 @@ from .tile_shapes import check_tile_sizes, valid_tile_sizes
 # oldest sm it compiles for, when it has one).
 KERNEL_MODULES = ("fused", "fused_pipelined", "unfused")
 
-__all__ = ["compile_all", "kernel_programs", "kernel_variants", "kernel_reasons", "LIMITS",
+__all__ = ["compile_all", "default_jobs", "kernel_programs", "kernel_variants", "kernel_reasons", "LIMITS",
            "CompileRecord", "KernelBuild", "KernelCompileError", "FUSED_DTYPES", "valid_tile_sizes",
            "check_tile_sizes"]
 
@@ -53,12 +53,17 @@ def kernel_programs(arch: str) -> dict:
             if number >= getattr(importlib.import_module(f"{__name__}.{name}"), "MIN_ARCH", 0)}
 
 
+MAX_DEFAULT_JOBS = 8  # one NVRTC compile of a fused kernel peaks near 0.4 GB
+
+
 def default_jobs() -> int:
-    """Threads ``compile_all`` compiles with: the CPUs this process may use."""
+    """Threads ``compile_all`` compiles with by default: the CPUs this process may use, at most
+    ``MAX_DEFAULT_JOBS``."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_DEFAULT_JOBS))
 
 
 Progress = Callable[[int, int, KernelBuild], None]

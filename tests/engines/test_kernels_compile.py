@@ -132,6 +132,15 @@ def test_compile_all_reports_each_kernel_in_order_whatever_the_threads():
     assert {s[3] for s in seen} == {"memory"}  # the serial pass built them in this process
 
 
+def test_default_jobs_follow_the_cpus_up_to_a_cap(monkeypatch):
+    import os
+
+    for cpus, expected in ((1, 1), (2, 2), (64, fallback_kernels.MAX_DEFAULT_JOBS)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)),
+                            raising=False)
+        assert fallback_kernels.default_jobs() == expected
+
+
 def test_compile_all_rejects_bad_jobs():
     for jobs in (0, -1, 1.5, "2"):
         with pytest.raises(ValueError, match="jobs"):
