@@ -210,7 +210,7 @@ def prebuild(directory: Path, archs: list[str], expect_nvrtc: str) -> int:
     before = _cubins(directory)
     for arch in archs:
         start = time.perf_counter()
-        records = fallback_kernels.compile_all(arch)
+        records = fallback_kernels.compile_all(arch, jobs=fallback_kernels.default_jobs())
         print(f"{arch}: {len(records)} kernels in {time.perf_counter() - start:.1f} s")
     added = _cubins(directory) - before
     (directory / NVRTC_FILE).write_text(version + "\n")  # the record compares it with the device's

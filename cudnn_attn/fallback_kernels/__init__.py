@@ -6,7 +6,7 @@ declares what they can run: ``kernel_reasons(device)`` says why they cannot run 
 when they can); ``FUSED_DTYPES`` and ``valid_tile_sizes``/``check_tile_sizes`` are what the fused
 kernels take (NATTEN's op layer validates its arguments with them). ``fused`` and ``unfused`` launch them; ``backend`` is the ``"cupy"`` engine.
 ``compile_all(arch)`` compiles every kernel variant the package can launch for one architecture,
-each its own NVRTC program (several at once on a thread pool), and reports registers and spills;
+each its own NVRTC program (``jobs=`` at once on a thread pool), and reports registers and spills;
 it needs the NVRTC library but no GPU::
 
     >>> from cudnn_attn import fallback_kernels
@@ -31,9 +31,9 @@ from .tile_shapes import check_tile_sizes, valid_tile_sizes
 # oldest sm it compiles for, when it has one).
 KERNEL_MODULES = ("fused", "fused_pipelined", "unfused")
 
-__all__ = ["compile_all", "default_jobs", "kernel_programs", "kernel_variants", "kernel_reasons", "LIMITS",
-           "CompileRecord", "KernelBuild", "KernelCompileError", "FUSED_DTYPES", "valid_tile_sizes",
-           "check_tile_sizes"]
+__all__ = ["compile_all", "default_jobs", "kernel_programs", "kernel_variants", "kernel_reasons",
+           "LIMITS", "CompileRecord", "KernelBuild", "KernelCompileError", "FUSED_DTYPES",
+           "valid_tile_sizes", "check_tile_sizes"]
 
 
 def kernel_variants() -> dict:
@@ -57,8 +57,8 @@ MAX_DEFAULT_JOBS = 8  # one NVRTC compile of a fused kernel peaks near 0.4 GB
 
 
 def default_jobs() -> int:
-    """Threads ``compile_all`` compiles with by default: the CPUs this process may use, at most
-    ``MAX_DEFAULT_JOBS``."""
+    """Threads the tools (``cudnn-attn kernels``, the GPU proof's prebuild) compile with: the
+    CPUs this process may use, at most ``MAX_DEFAULT_JOBS``."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -70,11 +70,12 @@ Progress = Callable[[int, int, KernelBuild], None]
 
 
 def compile_all(arch: str, programs: Sequence[str] | None = None,
-                progress: Progress | None = None, jobs: int | None = None) -> list[CompileRecord]:
+                progress: Progress | None = None, jobs: int = 1) -> list[CompileRecord]:
     """Compile every kernel variant for ``arch`` ("sm_80", "sm_90", ...) with NVRTC.
 
     Each variant is its own NVRTC program, compiled (or read from the cubin cache) on ``jobs``
-    threads (default ``default_jobs()``; NVRTC runs without the GIL). ``programs``: only these
+    threads (NVRTC runs without the GIL; ``default_jobs()`` is what the tools use, 1 the
+    default here: a library call starts no threads unless asked). ``programs``: only these
     modules' kernels (names of ``kernel_programs(arch)``; default all). ``progress(done, total,
     build)`` is called once per kernel, in order, from the calling thread (``build``: a
     ``KernelBuild`` with the record, seconds and ``origin``). Returns one record per kernel, in
@@ -86,7 +87,7 @@ def compile_all(arch: str, programs: Sequence[str] | None = None,
     """
     if not isinstance(arch, str) or not arch.startswith(("sm_", "compute_")):
         raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
-    if jobs is not None and (not isinstance(jobs, int) or jobs < 1):
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
         raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
     try:
         from cupy.cuda import nvrtc  # noqa: F401
@@ -98,7 +99,7 @@ def compile_all(arch: str, programs: Sequence[str] | None = None,
         if programs is None or name in programs:
             defines = importlib.import_module(f"{__name__}.{name}").DEFINES
             work += [(variant, defines) for variant in variants]
-    workers = min(jobs or default_jobs(), max(len(work), 1))
+    workers = min(jobs, max(len(work), 1))
     records: list[CompileRecord] = []
 
     def report(build: KernelBuild) -> None:

@@ -142,7 +142,7 @@ def test_default_jobs_follow_the_cpus_up_to_a_cap(monkeypatch):
 
 
 def test_compile_all_rejects_bad_jobs():
-    for jobs in (0, -1, 1.5, "2"):
+    for jobs in (0, -1, 1.5, "2", None, True):
         with pytest.raises(ValueError, match="jobs"):
             fallback_kernels.compile_all("sm_80", jobs=jobs)
 
