@@ -276,19 +276,39 @@ def main() -> int:
     print(ceilings.describe(machine) + "\n")
 
     overhead, builds, rows = [], [], []
+
+    def save(complete: bool = False):
+        """The JSON with everything measured so far (rewritten whole after each section and
+        shape, so a run cut short keeps its rows; ``complete`` tells the two apart)."""
+        if args.no_json:
+            return None
+        verdicts = target_verdicts(rows, overhead)
+        return _report.write_json("cudnn", {
+            "options": {k: (str(v) if k == "dtypes" else v) for k, v in vars(args).items()},
+            "device": torch.cuda.get_device_name(), "problem": {"tokens": TOKENS, "hidden": HIDDEN},
+            "ceilings": machine, "overhead": overhead, "builds": builds, "throughput": rows,
+            "headline_tflops": headline_tflops(rows), "complete": complete,
+            # name -> met (as before: gpu_proof.py reads it) and, apart, name -> the figure judged
+            "targets": {name: v["met"] for name, v in verdicts.items()},
+            "target_values": {name: v["value"] for name, v in verdicts.items()}},
+            results_dir=args.results_dir)
+
     if args.only_fp8:
         args.dtypes = ()
     else:
         overhead = bench_overhead(args)
+        save()
         _report.print_table(overhead, ["call", "us_per_call", "vs_bare"])
         print(f"target: attention(backend='cudnn') <= {TARGET_OVERHEAD} x bare execute\n")
         builds = bench_builds(args)
+        save()
         _report.print_table(builds, ["graph", "build_ms", "workspace_MiB"])
     for dtype in args.dtypes:
         for d in dims:
             for s in seqs:
                 for causal in (False, True):
                     rows += bench_shape(dtype, d, s, causal, args)
+                    save()
     if not args.no_fp8:
         rows += fp8_rows.bench(seqs, args, timed, flops, TOKENS, HIDDEN)
     ceilings.add_fraction(rows, machine)
@@ -296,21 +316,11 @@ def main() -> int:
             "torch-flash_tflops", "torch-cudnn_tflops", "ours/ceiling"]
     print()
     _report.print_table(rows, cols)
-    headline = headline_tflops(rows)
-    verdicts = target_verdicts(rows, overhead)
     print()
-    for name, verdict in verdicts.items():
+    for name, verdict in target_verdicts(rows, overhead).items():
         print(f"  {verdict_line(name, verdict)}")
-    if not args.no_json:
-        path = _report.write_json("cudnn", {
-            "options": {k: (str(v) if k == "dtypes" else v) for k, v in vars(args).items()},
-            "device": torch.cuda.get_device_name(), "problem": {"tokens": TOKENS, "hidden": HIDDEN},
-            "ceilings": machine, "overhead": overhead, "builds": builds, "throughput": rows,
-            "headline_tflops": headline,
-            # name -> met (as before: gpu_proof.py reads it) and, apart, name -> the figure judged
-            "targets": {name: v["met"] for name, v in verdicts.items()},
-            "target_values": {name: v["value"] for name, v in verdicts.items()}},
-            results_dir=args.results_dir)
+    path = save(complete=True)
+    if path is not None:
         print(f"\nwrote {path}")
     return 0
 

@@ -193,7 +193,8 @@ def seed_cubin_cache(carried: Path | None, cache: Path) -> int:
 
 
 def prebuild(directory: Path, archs: list[str], expect_nvrtc: str) -> int:
-    """Compile every kernel program for ``archs`` into ``directory`` (no GPU needed)."""
+    """Compile every kernel variant for ``archs`` into ``directory``, one cubin each (no GPU
+    needed)."""
     os.environ["CUDNN_ATTN_CUBIN_CACHE"] = str(directory.resolve())
     from cudnn_attn import fallback_kernels
     from cudnn_attn.fallback_kernels import cubin_cache
@@ -209,7 +210,7 @@ def prebuild(directory: Path, archs: list[str], expect_nvrtc: str) -> int:
     before = _cubins(directory)
     for arch in archs:
         start = time.perf_counter()
-        records = fallback_kernels.compile_all(arch)
+        records = fallback_kernels.compile_all(arch, jobs=fallback_kernels.default_jobs())
         print(f"{arch}: {len(records)} kernels in {time.perf_counter() - start:.1f} s")
     added = _cubins(directory) - before
     (directory / NVRTC_FILE).write_text(version + "\n")  # the record compares it with the device's

@@ -335,6 +335,15 @@ def environment() -> dict:
     return env
 
 
+def write_summary(path: str, summary: dict, complete: bool) -> None:
+    """Rewrite the summary whole after each tool (through a rename), so a run cut short keeps
+    the tools that finished; ``complete`` is False until the last one has."""
+    target = Path(path)
+    partial = target.with_name(f".{target.name}.partial")
+    partial.write_text(json.dumps({**summary, "complete": complete}, indent=2) + "\n")
+    os.replace(partial, target)
+
+
 def run_parent(args) -> int:
     import torch
 
@@ -377,7 +386,7 @@ def run_parent(args) -> int:
             "seconds": round(time.perf_counter() - start, 1)}
         state = "clean" if not why else "FAIL: " + "; ".join(why)
         print(f"[{tool}] {len(report['cases']['ok'])} cases, {state}", flush=True)
-    Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+        write_summary(args.json, summary, complete=tool == args.tools[-1])
     print(f"summary: {args.json}")
     return 1 if failed else 0
 

@@ -35,13 +35,17 @@ _BUILDER_NAMES = ("SdpaAttributes", "SdpaBackwardAttributes", "scaled_dot_produc
 _FP8_TRAINING_NAMES = ("attention_fp8", "FP8Attention", "DelayedScaling")
 
 
-if TYPE_CHECKING:  # what the lazy builder names are, for type checkers and the API reference
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and the API reference
     from .compat.cudnn_frontend import (
         SdpaAttributes,
         SdpaBackwardAttributes,
         scaled_dot_product_flash_attention,
         scaled_dot_product_flash_attention_backward,
+        sdpa_fp8,
+        sdpa_fp8_backward,
     )
+    from .fp8_training import DelayedScaling, FP8Attention, attention_fp8
+    from .verify import selftest  # (verify imports nothing of the root: no cycle)
 
 
 def __getattr__(name: str) -> object:

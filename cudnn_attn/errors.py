@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from typing import Any, Mapping
+from typing import Mapping
 
 __all__ = ["NotSupportedError", "format_reasons"]
 
@@ -27,7 +27,7 @@ class NotSupportedError(NotImplementedError):
     call's description (anything with a ``describe()`` method, usually an ``AttnProblem``).
     """
 
-    def __init__(self, problem: Any, reasons: Mapping[str, list[str]], forced: str = ""):
+    def __init__(self, problem: object, reasons: Mapping[str, list[str]], forced: str = "") -> None:
         self.problem = problem
         self.reasons = dict(reasons)
         head = (f"backend={forced!r} cannot run this attention call" if forced

@@ -17,12 +17,13 @@ Equivalent PyTorch (up to the FP8 rounding at cuDNN's quantization points)::
 """
 
 from __future__ import annotations
-from typing import Any
 
 import torch
 
 from .model import checks
-from .core.fp8 import BACKENDS, Fp8Tensors, as_scale, fp8_problem, run_backward, run_forward
+from .model.masks import Mask
+from .core.fp8 import (BACKENDS, Fp8Tensors, Scale, as_scale, fp8_problem, run_backward,
+                       run_forward)
 from .torch_engine.fp8 import FP8_DTYPES, fp8_max, saturating_cast
 
 __all__ = ["DelayedScaling", "attention_fp8", "FP8Attention"]
@@ -62,7 +63,7 @@ class DelayedScaling:
             self.amax_history = self.amax_history.to(device)
             self.scale = self.scale.to(device)
 
-    def scale_of(self, name: str, device: Any) -> torch.Tensor:
+    def scale_of(self, name: str, device: torch.device | str | int) -> torch.Tensor:
         """The current scale of ``name``, float32 ``[1, 1, 1, 1]`` on ``device`` (a copy)."""
         self._to(device)
         return self.scale[self.TENSORS.index(name)].reshape(1, 1, 1, 1).clone()
@@ -154,9 +155,11 @@ class _Fp8Attention(torch.autograd.Function):
         return (*grads, dsink, None)
 
 
-def attention_fp8(q: Any, k: Any, v: Any, recipe: DelayedScaling, *, mask: Any = None, scale: Any = None, sinks: Any = None,
-                  layout: str = "bhsd", backend: str = "auto", descale_q: Any = None, descale_k: Any = None,
-                  descale_v: Any = None) -> Any:
+def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recipe: DelayedScaling, *,
+                  mask: Mask | None = None, scale: float | None = None,
+                  sinks: torch.Tensor | None = None, layout: str = "bhsd", backend: str = "auto",
+                  descale_q: Scale | None = None, descale_k: Scale | None = None,
+                  descale_v: Scale | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(out, amaxes)`` of FP8 attention (module doc): cuDNN's ``sdpa_fp8`` forward and, through
     autograd, its ``sdpa_fp8_backward``, with the scales of ``recipe``.
 
@@ -199,7 +202,7 @@ def attention_fp8(q: Any, k: Any, v: Any, recipe: DelayedScaling, *, mask: Any =
         if sinks.numel() != q.shape[1]:
             raise ValueError(f"sinks must have H_q = {q.shape[1]} elements, got shape "
                              f"{tuple(sinks.shape)}")
-    amaxes: dict = {}
+    amaxes: dict[str, torch.Tensor] = {}
     call = dict(recipe=recipe, problem=problem, grad_problem=grad_problem, backend=backend,
                 amaxes=amaxes, descales=descales, fp8=fp8)
     out = _Fp8Attention.apply(q, k, v, sinks, call)
@@ -226,8 +229,9 @@ class FP8Attention(torch.nn.Module):
     ``num_sinks`` learnable per-head logits when ``num_sinks`` (= H_q) is given.
     """
 
-    def __init__(self, *, mask: Any = None, scale: Any = None, layout: str = "bhsd", backend: str = "auto",
-                 recipe: DelayedScaling | None = None, num_sinks: int | None = None) -> Any:
+    def __init__(self, *, mask: Mask | None = None, scale: float | None = None,
+                 layout: str = "bhsd", backend: str = "auto",
+                 recipe: DelayedScaling | None = None, num_sinks: int | None = None) -> None:
         super().__init__()
         self.mask, self.scale, self.layout, self.backend = mask, scale, layout, backend
         self.recipe = recipe if recipe is not None else DelayedScaling()
@@ -235,7 +239,9 @@ class FP8Attention(torch.nn.Module):
         self.amaxes: dict = {}
         self._calls = 0
 
-    def forward(self, q: Any, k: Any, v: Any, descale_q: Any = None, descale_k: Any = None, descale_v: Any = None) -> Any:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                descale_q: Scale | None = None, descale_k: Scale | None = None,
+                descale_v: Scale | None = None) -> torch.Tensor:
         if self.training and self._calls:
             self.recipe.update()
         self._calls += 1

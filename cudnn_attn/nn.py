@@ -105,7 +105,8 @@ class MultiheadAttention(nn.Module):
                  dropout: float = 0.0, out_dropout: float = 0.0, mask: Mask | None = None,
                  alibi: bool | Alibi = False, scale: float | None = None,
                  softcap: float | None = None, batch_first: bool = True, backend: str = "auto",
-                 device: Any = None, dtype: Any = None):
+                 device: torch.device | str | int | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         embed_dim = checks.integer("embed_dim", embed_dim, 1)
         num_heads = checks.integer("num_heads", num_heads, 1)

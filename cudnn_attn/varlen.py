@@ -29,7 +29,7 @@ Helpers for surfaces (public, shared with ``compat.flash_attn``; the argument ru
   back (every surface's dense-batch route; positions past a length are hidden by the run API);
 * ``index_tensor(name, t, rank, device)`` — an int32/int64 tensor on q's device or the CPU.
 
-Grouping packed sequences by length (the torch engine's varlen path) is ``varlen_groups``.
+Grouping packed sequences by length (the torch engine's varlen path) is ``packed.groups``.
 """
 
 from __future__ import annotations

@@ -13,9 +13,13 @@ for _p in (_ROOT, _HERE, *_LAYERS):
 
 # NVRTC cubins compiled by the tests go to a throwaway directory, not the user's cache.
 if "CUDNN_ATTN_CUBIN_CACHE" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["CUDNN_ATTN_CUBIN_CACHE"] = tempfile.mkdtemp(prefix="cudnn_attn_cubins_")
+    # removed when this pytest process ends (subprocesses that inherited it have ended by then)
+    atexit.register(shutil.rmtree, os.environ["CUDNN_ATTN_CUBIN_CACHE"], ignore_errors=True)
 
 # cuDNN remembers a failed load of its runtime-compiled engines (no libcuda.so.1) for the whole
 # process, so the driver stand-in of the deviceless plans loads before any test touches cuDNN.

@@ -30,30 +30,35 @@ def arch_arg(text: str) -> str:
 
 def cmd_kernels(args: argparse.Namespace) -> int:
     from cudnn_attn import fallback_kernels
-    from cudnn_attn.fallback_kernels._loader import KernelCompileError
+    from cudnn_attn.fallback_kernels import KernelCompileError
 
     try:  # fail in one line, before any work, when CuPy/NVRTC are missing
         from cupy.cuda import nvrtc  # noqa: F401
     except ImportError as exc:
         raise ImportError(f"kernels needs CuPy with NVRTC: pip install 'cudnn-attn[cu12]' ({exc})") from None
-    # One NVRTC pass per program (a kernel module: all its variants at once, tens of seconds
-    # each); the progress counts kernels, so a long pass shows how many it is compiling.
-    work = [(arch, name, len(variants)) for arch in args.arch
-            for name, variants in fallback_kernels.kernel_programs(arch).items()]
-    total, rows = sum(count for *_, count in work), []
-    for arch, name, count in work:
-        print(f"kernels [{len(rows)}/{total}] {arch} {name}: compiling {count} kernel(s) ...",
-              file=sys.stderr, flush=True)  # stderr: stdout stays parseable
-        start = time.perf_counter()
+    # Each kernel is its own NVRTC program (a few seconds, or milliseconds from the cubin
+    # cache): one progress line per kernel, on stderr so that stdout stays parseable.
+    total = sum(len(variants) for arch in args.arch
+                for variants in fallback_kernels.kernel_programs(arch).values())
+    rows: list = []
+    jobs = args.jobs or fallback_kernels.default_jobs()
+    print(f"kernels: compiling {total} kernel(s) for {', '.join(args.arch)} with NVRTC "
+          f"({jobs} at a time)", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    for arch in args.arch:
+        def show(done: int, count: int, build: Any, arch: str = arch) -> None:
+            where = "" if build.origin == "compiled" else f" ({build.origin})"
+            print(f"kernels [{len(rows) + done}/{total}] {arch} {build.record.kernel} "
+                  f"{build.seconds:.1f} s{where}", file=sys.stderr, flush=True)
+
         try:
-            found = fallback_kernels.compile_all(arch, programs=[name])
+            rows += fallback_kernels.compile_all(arch, progress=show, jobs=jobs)
         except KernelCompileError as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             print(f"cudnn-attn kernels: error: {first}", file=sys.stderr)
             return 1
-        rows += found
-        print(f"kernels [{len(rows)}/{total}] {arch} {name}: {len(found)} kernel(s) compiled in "
-              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    print(f"kernels: {len(rows)} kernel(s) in {time.perf_counter() - start:.1f} s",
+          file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps([{k: r[k] for k in r.keys()} for r in rows], indent=2))
     else:
@@ -72,6 +77,9 @@ def add_parser(sub: Any) -> None:
     kernels.add_argument("--arch", action="append", default=None, type=arch_arg,
                          help="target, e.g. sm_90 (repeatable; default: sm_80 and sm_90)")
     kernels.add_argument("--json", action="store_true", help="print JSON records")
+    kernels.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
+                         help="kernels compiled at once (default: the CPUs this process may use, "
+                              "at most 8)")
     kernels.set_defaults(func=lambda a: cmd_kernels(_with_default_arch(a)))
 
 
@@ -79,3 +87,14 @@ def _with_default_arch(args: argparse.Namespace) -> argparse.Namespace:
     if not args.arch:
         args.arch = ["sm_80", "sm_90"]
     return args
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value

@@ -18,13 +18,13 @@ reason ``"excluded by ..."`` in ``explain()`` and in ``NotSupportedError``.
 """
 
 from __future__ import annotations
-from typing import Any
 
 import contextlib
 import contextvars
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
 from typing import Protocol, Union
 
 from .caches import LRU
@@ -158,7 +158,7 @@ def policy_key() -> tuple:
 
 
 @contextlib.contextmanager
-def _policy(allowed: tuple[str, ...], why: str):
+def _policy(allowed: tuple[str, ...], why: str) -> Iterator[tuple[str, ...]]:
     token = _POLICY.set((allowed, why))
     try:
         yield allowed
@@ -166,7 +166,8 @@ def _policy(allowed: tuple[str, ...], why: str):
         _POLICY.reset(token)
 
 
-def use_backend(backends: Union[str, Iterable[str]]) -> Any:
+def use_backend(backends: Union[str, Iterable[str]],
+                ) -> AbstractContextManager[tuple[str, ...]]:
     """Context manager: only ``backends`` (a name or names of ``"cudnn"``, ``"cupy"``,
     ``"torch"``) may run attention inside the block, on every surface, for the current thread
     or task. Like ``torch.nn.attention.sdpa_kernel``: the innermost ``use_backend`` replaces the
@@ -181,7 +182,8 @@ def use_backend(backends: Union[str, Iterable[str]]) -> Any:
     return _policy(allowed, f"excluded by cudnn_attn.use_backend({list(allowed)})")
 
 
-def exclude_backend(backends: Union[str, Iterable[str]]) -> Any:
+def exclude_backend(backends: Union[str, Iterable[str]],
+                    ) -> AbstractContextManager[tuple[str, ...]]:
     """Context manager: ``backends`` are not used inside the block (on top of the current
     policy), on every surface, for the current thread or task::
 

@@ -64,7 +64,7 @@ def plan_on(engine, problem: AttnProblem, why: str):
 
 
 def plan_stored(problem: AttnProblem, backend: str = "auto", *, required: bool = False):
-    """``plan_call`` of a packed/paged call (``stored_calls``) on an engine that runs its storage
+    """``plan_call`` of a packed/paged call (``packed.calls``) on an engine that runs its storage
     as it lies (``runs_stored``), or ``None`` when none does and the surface should build dense
     batches instead (every surface's one fallback: ``varlen``). A forced backend, or
     ``required`` (a dropout stream only that engine replays), raises instead."""
@@ -100,7 +100,7 @@ def direct_runner(problem: AttnProblem, plan):
 def forward(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool = True,
             row_stats: Optional[dict] = None, weights: Optional[dict] = None):
     """``(out, lse)`` of one call, outside autograd; positions past ``Padding`` lengths never
-    reach the engine (``runtime.hide_padding``). ``row_stats`` (a dict, torch engine only)
+    reach the engine (``model.inputs.hide_padding``). ``row_stats`` (a dict, torch engine only)
     receives each row's score maximum and sum of exponentials (the builder's logit_max and
     score_sum_exp); ``weights`` (a dict, torch engine only) the attention weights before and
     after dropout (``"probs"``, ``"dropped"``, ``[B, H_q, S_q, S_kv]``)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -28,9 +28,12 @@ from ..torch_engine.fp8 import FP8_DTYPES, fp8_backward, fp8_forward, visibility
 # BACKWARD_SCALES, FORWARD_SCALES and FP8_DTYPES are re-exported for the surfaces (compat imports
 # no engine module).
 __all__ = ["BACKWARD_SCALES", "FORWARD_SCALES", "FP8_DTYPES", "Fp8Problem", "Fp8Tensors", "fp8_problem", "as_scale", "cudnn_fp8_reasons",
-           "run_forward", "run_backward", "BACKENDS"]
+           "run_forward", "run_backward", "BACKENDS", "Scale"]
 
 BACKENDS = ("auto", "cudnn", "torch")
+# A scale or descale as the FP8 entry points take it (``as_scale``): a Python number or a
+# one-element float tensor (float32 ``[1, 1, 1, 1]`` as cuDNN binds it).
+Scale = Union[float, torch.Tensor]
 _OUT_DTYPES = FP8_DTYPES + (torch.bfloat16, torch.float16)
 
 
@@ -197,10 +200,10 @@ def _torch_masks(problem: Fp8Problem):
 
 def _cudnn_buffers(problem: Fp8Problem, t: Fp8Tensors, names) -> dict:
     buffers = {UID.Q: t.q.contiguous(), UID.K: t.k.contiguous(), UID.V: t.v.contiguous(),
-               UID.ATTN_SCALE: torch.full((1, 1, 1, 1), problem.logical.scale,
+               UID.SCALE: torch.full((1, 1, 1, 1), problem.logical.scale,
                                           dtype=torch.float32)}
     for i, name in enumerate(names):
-        buffers[UID.SCALES + i] = t.scales[name].contiguous()
+        buffers[UID.FP8_SCALES + i] = t.scales[name].contiguous()
     padding = _padding(problem)
     if padding is not None:
         lens = padding.tensors(t.q.device)

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..model import checks
-from ..model.masks import Causal, SlidingWindow, band_of
+from ..model.masks import Causal, Mask, SlidingWindow, band_of
 from ..model.problem import AttnProblem
 from .agreement import (DTYPE, agreed_lengths, choice, encode_choice,
                         encode_dtype, encode_real, integers, real)
 from .ring import RingAttention, Schedule
 from .sharding import SHARDINGS, check_shard_lengths, world
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["context_parallel_attention"]
 
@@ -36,9 +39,11 @@ def _band(mask) -> tuple[int, int]:
                      f"parallelism, got {mask!r}")
 
 
-def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: Any = None,
-                               mask: Any = None, scale: float | None = None, layout: str = "bshd",
-                               sharding: str = "zigzag", return_lse: bool = False) -> Any:
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                               group: ProcessGroup | None = None, mask: Mask | None = None,
+                               scale: float | None = None, layout: str = "bshd",
+                               sharding: str = "zigzag", return_lse: bool = False,
+                               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over a sequence split across the ranks of ``group`` (ring attention).
 
     Each rank passes its shard of the sequence axis (``shard_sequence`` makes them): ``q``

@@ -13,7 +13,7 @@ returns the halo rows' gradients to their owners.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +23,9 @@ from ..model.masks import Neighborhood
 from .agreement import DTYPE, agreed_lengths, encode_dtype, encode_real, integers, real
 from .p2p import Exchange
 from .sharding import world
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["neighborhood_attention", "halo_plan"]
 
@@ -127,7 +130,8 @@ class _Halo(torch.autograd.Function):
 def neighborhood_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            kernel_size: int | Sequence[int], stride: int | Sequence[int] = 1,
                            dilation: int | Sequence[int] = 1, is_causal: bool | Sequence[bool] = False, *,
-                           group: Any = None, scale: float | None = None) -> Any:
+                           group: ProcessGroup | None = None, scale: float | None = None,
+                           ) -> torch.Tensor:
     """NATTEN's ``na{1,2,3}d`` on a grid sharded contiguously along its first spatial axis.
 
     ``query``/``key``/``value``: this rank's rows, heads-last ``[B, X0_local, *rest, H, D]``

@@ -7,7 +7,7 @@ holds chunks ``r`` and ``2W-1-r``, which gives every rank the same causal work.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dataclasses import dataclass
 
@@ -16,6 +16,9 @@ import torch.distributed as dist
 
 from ..model import checks
 from .agreement import DTYPE, RankDisagreement, agreed_lengths, choice, encode_choice, encode_dtype, integers
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["SHARDINGS", "Chunk", "chunks_of", "shard_sequence", "unshard_sequence", "world",
            "all_lengths", "gather_uneven", "check_shard_lengths"]
@@ -105,7 +108,8 @@ def gather_uneven(x: torch.Tensor, lengths: list[int], group, dim: int) -> list[
     return [t.narrow(dim, 0, n) for t, n in zip(every, lengths)]
 
 
-def shard_sequence(x: torch.Tensor, sharding: str = "zigzag", group: Any = None, dim: int = 1) -> Any:
+def shard_sequence(x: torch.Tensor, sharding: str = "zigzag", group: ProcessGroup | None = None,
+                   dim: int = 1) -> torch.Tensor:
     """This rank's shard of the full tensor ``x`` along ``dim`` (every rank passes the same ``x``).
 
     Equivalent PyTorch (contiguous): ``torch.tensor_split(x, world_size, dim)[rank]``; zigzag:
@@ -116,7 +120,8 @@ def shard_sequence(x: torch.Tensor, sharding: str = "zigzag", group: Any = None,
     return torch.cat([x.narrow(dim, c.start, c.size) for c in pieces], dim)
 
 
-def unshard_sequence(x: torch.Tensor, sharding: str = "zigzag", group: Any = None, dim: int = 1) -> Any:
+def unshard_sequence(x: torch.Tensor, sharding: str = "zigzag", group: ProcessGroup | None = None,
+                     dim: int = 1) -> torch.Tensor:
     """The full tensor from every rank's shard ``x`` (the inverse of :func:`shard_sequence`;
     an all-gather, so every rank gets the whole sequence)."""
     rank, size = world(group)

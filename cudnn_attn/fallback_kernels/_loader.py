@@ -3,17 +3,21 @@
 A kernel file never sees an f-string: its text is the ``.cu`` file as shipped, preceded by a block
 of ``#define`` lines (built from a dict owned by the Python module that launches it) and by
 ``common.cu``. Every template instance a module can launch is named by a :class:`KernelVariant`;
-all variants of one source compile in one NVRTC program per architecture, to a cubin, with
-``ptxas -v`` so that register and spill counts come back with it. Compiling needs only the NVRTC
-library (``nvidia-cuda-nvrtc-cu12``, loaded through CuPy), never a GPU; loading a cubin needs one.
-Compiled programs are memoized per process and kept on disk per machine (``cubin_cache``), so
-each program is compiled once per machine, not once per run.
+each variant is its own NVRTC program per architecture (the whole text, one name expression),
+compiled to a cubin with ``ptxas -v`` so that register and spill counts come back with it. One
+program per variant keeps a first launch cheap (``get_function`` compiles the one kernel it is
+asked for, seconds, not the whole source's tens of seconds) and lets ``compile_all`` report, and
+parallelise, kernel by kernel. Compiling needs only the NVRTC library (``nvidia-cuda-nvrtc-cu12``,
+loaded through CuPy), never a GPU; loading a cubin needs one. Compiled programs are memoized per
+process and kept on disk per machine (``cubin_cache``, one entry per variant and arch), so each
+kernel is compiled once per machine, not once per run.
 """
 
 from __future__ import annotations
 
 import re
 import threading
+import time
 from dataclasses import dataclass
 from importlib import resources
 from typing import Mapping, Sequence
@@ -87,20 +91,32 @@ class KernelCompileError(RuntimeError):
     """NVRTC rejected a source; the message carries its log."""
 
 
-_COMPILE_LOCK = threading.Lock()
+# One lock per stripe of program keys: a program is compiled once even when threads ask for it
+# together, while different programs compile concurrently (NVRTC releases the GIL in CuPy).
+_COMPILE_LOCKS = tuple(threading.Lock() for _ in range(32))
 # Compiled programs: (source, defines, expressions, arch) -> CompiledProgram.
 _PROGRAMS = LRU("fallback_kernels.programs", None)
 
 
 def compile_program(source: str, defines: Mapping[str, object], expressions: Sequence[str],
                     arch: str) -> CompiledProgram:
-    """Compile every name expression of ``source`` for ``arch`` (memoized per process, and on
-    disk per machine: see ``cubin_cache``)."""
-    key = (source, tuple(sorted(defines.items())), tuple(expressions), arch)
-    with _COMPILE_LOCK:
-        found = _PROGRAMS.get(key)
+    """Compile the name expressions of ``source`` for ``arch`` as one NVRTC program (memoized per
+    process, and on disk per machine: see ``cubin_cache``). The package compiles one expression
+    per program (``compile_variant``); several are allowed (one cubin holding them all)."""
+    return _compiled(source, defines, tuple(expressions), arch)[0]
+
+
+def _compiled(source: str, defines: Mapping[str, object], expressions: tuple[str, ...],
+              arch: str) -> tuple[CompiledProgram, str]:
+    """``compile_program`` and where the program came from: "memory", "disk" or "compiled"."""
+    key = (source, tuple(sorted(defines.items())), expressions, arch)
+    found = _PROGRAMS.get(key)
+    if found is not None:
+        return found, "memory"
+    with _COMPILE_LOCKS[hash(key) % len(_COMPILE_LOCKS)]:
+        found = _PROGRAMS.get(key)  # compiled by another thread while this one waited
         if found is not None:
-            return found
+            return found, "memory"
         from cupy.cuda import nvrtc  # imported late: the package imports without CuPy
 
         text = source_text(source, defines)
@@ -108,7 +124,7 @@ def compile_program(source: str, defines: Mapping[str, object], expressions: Seq
                                            cubin_cache.nvrtc_version())
         stored = cubin_cache.load(disk_key, expressions)
         if stored is not None:
-            return _PROGRAMS.put(key, CompiledProgram(source, arch, *stored))
+            return _PROGRAMS.put(key, CompiledProgram(source, arch, *stored)), "disk"
         prog = nvrtc.createProgram(text, source, [], [])
         try:
             for expression in expressions:
@@ -125,7 +141,27 @@ def compile_program(source: str, defines: Mapping[str, object], expressions: Seq
         finally:
             nvrtc.destroyProgram(prog)
         cubin_cache.store(disk_key, program.cubin, program.lowered, program.log)
-        return _PROGRAMS.put(key, program)
+        return _PROGRAMS.put(key, program), "compiled"
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """One variant built for one arch by ``compile_variant``: its record, the seconds it took,
+    and where its cubin came from: ``"compiled"`` (NVRTC ran), ``"disk"`` (the cubin cache) or
+    ``"memory"`` (already built in this process)."""
+
+    record: CompileRecord
+    seconds: float
+    origin: str
+
+
+def compile_variant(variant: KernelVariant, defines: Mapping[str, object],
+                    arch: str) -> KernelBuild:
+    """Compile one kernel variant (its own NVRTC program) for ``arch`` and read its budget."""
+    start = time.perf_counter()
+    program, origin = _compiled(variant.source, defines, (variant.expression,), arch)
+    (record,) = compile_records(program, [variant])
+    return KernelBuild(record, time.perf_counter() - start, origin)
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
@@ -169,7 +205,7 @@ def compile_records(program: CompiledProgram,
     return records
 
 
-# Functions loaded on a device: (source, defines, expressions, device, expression) -> Function.
+# Functions loaded on a device: (source, defines, device, expression) -> Function.
 _FUNCTIONS = LRU("fallback_kernels.functions", None)
 
 
@@ -180,25 +216,23 @@ def device_arch(device_index: int) -> str:
     return f"sm_{major}{minor}"
 
 
-def get_function(source: str, defines: Mapping[str, object], expressions: Sequence[str],
-                 expression: str, device_index: int):
+def get_function(source: str, defines: Mapping[str, object], expression: str,
+                 device_index: int):
     """The launchable CuPy function for ``expression`` on CUDA device ``device_index``.
 
-    The cubin of the whole source is loaded once per device; functions are memoized.
+    Only that variant is compiled (or read from the cubin cache) and loaded, once per device;
+    functions are memoized.
     """
-    key = (source, tuple(sorted(defines.items())), tuple(expressions), device_index, expression)
+    key = (source, tuple(sorted(defines.items())), device_index, expression)
     function = _FUNCTIONS.get(key)
     if function is not None:
         return function
     import cupy
 
-    program = compile_program(source, defines, expressions, device_arch(device_index))
+    program = compile_program(source, defines, (expression,), device_arch(device_index))
     with cupy.cuda.Device(device_index):
         module = cupy.cuda.function.Module()
         module.load(program.cubin)
-        # Every function of the module is resolved now, so the module object lives as long as
-        # they do (each Function keeps a reference to it).
-        loaded = {e: module.get_function(program.lowered[e]) for e in expressions}
-    for e, f in loaded.items():
-        _FUNCTIONS.put(key[:-1] + (e,), f)
-    return _FUNCTIONS.get(key, loaded[expression])
+        # The Function keeps a reference to its module, so the module lives as long as it does.
+        function = module.get_function(program.lowered[expression])
+    return _FUNCTIONS.put(key, function)

@@ -1,10 +1,12 @@
-"""On-disk cache of compiled NVRTC programs, so a machine compiles each kernel program once.
+"""On-disk cache of compiled NVRTC programs, so a machine compiles each kernel once.
 
-One file per program (a kernel source with its defines, the name expressions it instantiates,
-the target arch): the cubin, the lowered (mangled) names and the ``ptxas -v`` log that
-``compile_all`` reads registers and spills from. The file name is a hash of everything the cubin
-depends on: the exact text NVRTC compiles (``_loader.source_text``: defines, common.cu, the
-kernel), the name expressions, the arch, the compiler options and the NVRTC version.
+One file per program: the loader makes each kernel variant its own program (a kernel source
+with its defines, the one name expression it instantiates, the target arch), so there is one
+entry per variant and arch, and a call reads or writes only the kernels it launches. An entry
+holds the cubin, the lowered (mangled) names and the ``ptxas -v`` log that ``compile_all`` reads
+registers and spills from. The file name is a hash of everything the cubin depends on: the exact
+text NVRTC compiles (``_loader.source_text``: defines, common.cu, the kernel), the name
+expressions, the arch, the compiler options and the NVRTC version.
 
 Where: ``$CUDNN_ATTN_CUBIN_CACHE`` (``off`` disables the cache), else
 ``$XDG_CACHE_HOME/cudnn_attn/cubins`` (``~/.cache`` when unset).
@@ -53,7 +55,7 @@ MAGIC = b"cudnn_attn cubin\n"
 FORMAT_VERSION = 2  # 2: signed with the user's cache key (1 had a plain sha256)
 SUFFIX = ".cubin"
 _PREFIX = struct.Struct(">II")  # format version, header length
-MAX_ENTRY_BYTES = 64 << 20  # the largest program (every fused instance) is a few MiB
+MAX_ENTRY_BYTES = 64 << 20  # one variant is ~100 KiB; a program of every fused instance a few MiB
 MAX_HEADER_BYTES = 1 << 20  # lowered names and a ptxas log: kilobytes
 MAX_JSON_DEPTH = 4  # ours nests 2 deep
 _ENV = "CUDNN_ATTN_CUBIN_CACHE"

@@ -194,11 +194,9 @@ def _function(kernel: str, dtype: torch.dtype, head_dim: int, device_index: int,
     """The loaded kernel, opted in to its dynamic shared memory (needed above 48 KB)."""
     from cupy.cuda import driver
 
-    defines, found = (PIPELINED_DEFINES, pipelined_variants()) if use_pipelined else (
-        DEFINES, variants())
-    expressions = tuple(v.expression for v in found)
-    fn = _loader.get_function(SOURCE, defines, expressions, _expression(kernel, dtype, head_dim),
-                              device_index)
+    # Only this variant is compiled (its own NVRTC program): a first call pays for one kernel.
+    fn = _loader.get_function(SOURCE, PIPELINED_DEFINES if use_pipelined else DEFINES,
+                              _expression(kernel, dtype, head_dim), device_index)
     driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             smem_bytes(kernel, dtype, head_dim, use_pipelined))
     return fn

@@ -53,10 +53,6 @@ def variants() -> list[KernelVariant]:
             for name in _KERNELS for ctype in _DTYPES.values()]
 
 
-def _expressions() -> tuple[str, ...]:
-    return tuple(v.expression for v in variants())
-
-
 # ---------------------------------------------------------------------------------------------
 # Pure-Python geometry (CPU-testable)
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +147,7 @@ class _Launch:
             return
         expression = f"{name}<{_DTYPES[self.dtype]}>"
         with launch.TorchStream(self.device) as ctx:
-            fn = get_function(SOURCE, DEFINES, _expressions(), expression, ctx.index)
+            fn = get_function(SOURCE, DEFINES, expression, ctx.index)
             args = [launch.kernel_arg(t) for t in (*tensors, self.table)] + list(scalars)
             fn(grid, (threads,), tuple(args), stream=ctx.stream)
 

@@ -47,6 +47,17 @@ class UID(IntEnum):
     RAGGED_O = 25
     RAGGED_STATS = 26
     BLOCK_MASK = 27
+    # FP8 graphs (``graphs.fp8``): sink logits, amax outputs, and the scale/descale inputs at
+    # ``FP8_SCALES + i`` (i: index in FORWARD_SCALES / BACKWARD_SCALES, at most 12).
+    SINK = 28
+    DSINK = 29
+    AMAX_S = 30
+    AMAX_O = 31
+    AMAX_DQ = 32
+    AMAX_DK = 33
+    AMAX_DV = 34
+    AMAX_DP = 35
+    FP8_SCALES = 40
 
 
 # The only keyword arguments this module passes (checked against the C++ binding in the tests).

@@ -25,7 +25,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable
-from typing import Any
+import os
+from typing import Any, TypeVar
 
 import torch
 
@@ -63,6 +64,9 @@ __all__ = ["FORMAT_VERSION", "MAGIC", "SUFFIX", "GraphCache", "UnsafeCacheDir", 
            "cudnn_versions", "current_environment", "decode_file", "default_cache_dir",
            "encode_file", "encode_key", "graph_cache", "make_key", "register_deserializer",
            "secret_key", "secret_key_path"]
+
+# What a cache entry's builder returns (and get_or_build hands back).
+T = TypeVar("T")
 
 logger = logging.getLogger("cudnn_attn")
 
@@ -152,7 +156,7 @@ class GraphCache:
         self.reset_stats()
 
     # -- lookups ------------------------------------------------------------------------------
-    def get_or_build(self, key: Hashable, build_fn: Callable[[], Any]) -> Any:
+    def get_or_build(self, key: Hashable, build_fn: Callable[[], T]) -> T:
         """The value cached under ``key``, building it with ``build_fn()`` on a miss."""
         with self._lock:
             try:
@@ -216,7 +220,7 @@ class GraphCache:
         self._entries.put(key, value)
         self._evictions += before - len(self._entries)
 
-    def peek(self, key: Hashable, default: Any = None) -> Any:
+    def peek(self, key: Hashable, default: object = None) -> Any:
         """The value cached under ``key``, or ``default``: never builds or loads, and leaves the
         counters alone (for reports such as ``explain()``)."""
         with self._lock:
@@ -288,7 +292,7 @@ class GraphCache:
                     "stored": len(self._stored), "rejected_files": self._rejected}
 
     # -- persistence --------------------------------------------------------------------------
-    def save(self, directory: Any) -> int:
+    def save(self, directory: str | os.PathLike[str]) -> int:
         """Write every serializable entry to ``directory`` (created if needed); returns the count.
 
         Entries whose value has no ``serial_kind``/``serialize``, whose ``serialize()`` raises
@@ -325,7 +329,7 @@ class GraphCache:
                 write_graph_file(dir_fd, name, encode_file(env, kind, key_text, payload, secret))
         return len(records)
 
-    def load(self, directory: Any) -> int:
+    def load(self, directory: str | os.PathLike[str]) -> int:
         """Read the graph files in ``directory``; returns how many were accepted.
 
         Only regular files whose HMAC verifies with this user's key (``secret_key_path()``) are

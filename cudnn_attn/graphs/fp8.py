@@ -14,14 +14,15 @@ outputs. Semantics: ``cudnn_attn.torch_engine.fp8``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Optional
 
 import torch
 
-from ..core.caches import LRU, memoize
+from ..core.caches import LRU
+from .build_stages import GraphRefused, run_build_stages
+from ._emit import UID, cudnn_module  # one uid space for every graph the engine builds
 
-__all__ = ["Fp8Limits", "FP8_LIMITS", "Fp8Spec", "FP8_TYPE_NAMES", "fp8_reasons", "emit_fp8",
+__all__ = ["UID", "Fp8Limits", "FP8_LIMITS", "Fp8Spec", "FP8_TYPE_NAMES", "fp8_reasons", "emit_fp8",
            "cudnn_module", "validate_fp8", "Fp8Graph", "fp8_graph", "FORWARD_SCALES", "BACKWARD_SCALES"]
 
 FP8_TYPE_NAMES = {torch.float8_e4m3fn: "FP8_E4M3", torch.float8_e5m2: "FP8_E5M2",
@@ -144,39 +145,6 @@ def fp8_reasons(spec: Fp8Spec, backward: bool, sm: int, version: int) -> list[st
 # emission
 # ---------------------------------------------------------------------------------------------
 
-class UID(IntEnum):
-    """Fixed tensor uids of the FP8 graphs."""
-
-    Q = 1
-    K = 2
-    V = 3
-    O = 4  # noqa: E741 - the frontend's name
-    STATS = 5
-    DO = 6
-    DQ = 7
-    DK = 8
-    DV = 9
-    SEQ_LEN_Q = 13
-    SEQ_LEN_KV = 14
-    SINK = 15
-    DSINK = 16
-    AMAX_S = 30
-    AMAX_O = 31
-    AMAX_DQ = 32
-    AMAX_DK = 33
-    AMAX_DV = 34
-    AMAX_DP = 35
-    ATTN_SCALE = 39
-    SCALES = 40   # 40 + index in FORWARD_SCALES / BACKWARD_SCALES
-
-
-@memoize("cudnn.fp8_module", maxsize=1)
-def cudnn_module():
-    import cudnn  # deferred: importing cudnn_attn must not need it
-
-    return cudnn
-
-
 def _contiguous(dim) -> list:
     stride, acc = [0] * len(dim), 1
     for axis in range(len(dim) - 1, -1, -1):
@@ -231,12 +199,12 @@ class _Emitter:
         """The softmax scale: a runtime value, passed by value (a host float32 scalar)."""
         t = self.g.tensor(name="attn_scale", dim=[1, 1, 1, 1], stride=[1, 1, 1, 1],
                           data_type=self.dt.FLOAT, is_pass_by_value=True)
-        t.set_uid(int(UID.ATTN_SCALE))
-        self.uids.append(int(UID.ATTN_SCALE))
+        t.set_uid(int(UID.SCALE))
+        self.uids.append(int(UID.SCALE))
         return t
 
     def scales(self, names) -> list:
-        return [self.tensor(UID.SCALES + i, (1, 1, 1, 1), "FLOAT") for i in range(len(names))]
+        return [self.tensor(UID.FP8_SCALES + i, (1, 1, 1, 1), "FLOAT") for i in range(len(names))]
 
     def forward(self):
         s = self.spec
@@ -310,15 +278,13 @@ class Fp8Graph:
     def __init__(self, spec: Fp8Spec, backward: bool, device: torch.device):
         from ._runtime import handle_for
 
-        cd = cudnn_module()
         self.device = device
         g = _new_graph(spec, handle=handle_for(device))
         self.uids = emit_fp8(g, spec, backward)
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cd.heur_mode.A, cd.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans()
+        try:
+            run_build_stages(g)
+        except GraphRefused as refused:  # callers expect cuDNN's own exception
+            raise refused.error from None
         self.graph, self.workspace_size = g, int(g.get_workspace_size())
 
     def run(self, buffers: dict) -> None:

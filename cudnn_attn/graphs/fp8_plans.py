@@ -1,7 +1,6 @@
 """cuDNN execution plans for the FP8 graphs without a GPU (``deviceless``'s machinery).
 
-``plan_fp8(spec, backward, "h100")`` runs the five build stages (validate,
-build_operation_graph, create_execution_plans([A, FALLBACK]), check_support, build_plans) of
+``plan_fp8(spec, backward, "h100")`` runs the build stages (``build_stages``) of
 ``spec``'s ``sdpa_fp8`` / ``sdpa_fp8_backward`` graph against a described device
 (``targets``: ``h100``, ``h200``, ``b200``, ...), with the driver stand-in in place of
 ``libcuda``: the answer to "does an engine of that GPU run this FP8 graph?", which ``validate()``
@@ -15,6 +14,7 @@ from typing import Optional, Union
 
 from ..core.caches import LRU
 from . import driver_standin
+from .build_stages import GraphRefused, run_build_stages
 from .deviceless import prepare
 from .fp8 import Fp8Spec, cudnn_module, emit_fp8
 from .plan_choice import EngineChoice, selected_engine
@@ -43,7 +43,6 @@ class Fp8PlanResult:
 def _plan(spec: Fp8Spec, backward: bool, device: DeviceTarget, build: bool) -> Fp8PlanResult:
     cd = cudnn_module()
     prepare()
-    stage = "validate"
     with driver_standin.recording() as kernels:
         g = cd.pygraph(name="cudnn_attn_sdpa_fp8", io_data_type=getattr(cd.data_type, spec.io),
                        intermediate_data_type=cd.data_type.FLOAT,
@@ -52,18 +51,9 @@ def _plan(spec: Fp8Spec, backward: bool, device: DeviceTarget, build: bool) -> F
                        sm_count=device.sm_count)
         emit_fp8(g, spec, backward)
         try:
-            g.validate()
-            stage = "build_operation_graph"
-            g.build_operation_graph()
-            stage = "create_execution_plans"
-            g.create_execution_plans([cd.heur_mode.A, cd.heur_mode.FALLBACK])
-            stage = "check_support"
-            g.check_support()
-            if build:
-                stage = "build_plans"
-                g.build_plans()
-        except cd.cudnnGraphNotSupportedError as exc:
-            return Fp8PlanResult(device.name, backward, refusal=f"{stage}: {exc}")
+            run_build_stages(g, build=build)
+        except GraphRefused as refused:
+            return Fp8PlanResult(device.name, backward, refusal=str(refused))
     engine = selected_engine(g)
     if engine is not None and kernels:
         import dataclasses

@@ -7,8 +7,8 @@ uids are fixed (``UID``), the scale is a pass-by-value input (never a float bake
 ``generate_stats`` is always explicit, and the keyword arguments handed to ``sdpa`` /
 ``sdpa_backward`` are whitelisted, because ``pygraph`` silently swallows misspelled ones.
 
-Build order: validate -> build_operation_graph -> create_execution_plans -> check_support ->
-build_plans (the last four only when the problem's tensors are on a CUDA device). A
+Build order (``build_stages``): validate -> build_operation_graph -> create_execution_plans ->
+check_support -> build_plans (the last four only when the problem's tensors are on a CUDA device). A
 ``cudnnGraphNotSupportedError`` at any stage declines (``NotSupportedError`` with the reason);
 any other exception is a bug and surfaces.
 """
@@ -21,18 +21,26 @@ import json
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 import torch
 
 from ..errors import NotSupportedError
 from ..rewrites.kv_heads import head_counts_differ, repeat_to_common_heads
 from ..model.problem import AttnProblem
+from .build_stages import GraphRefused, run_build_stages
 from ._emit import BACKWARD_KWARGS, FORWARD_KWARGS, UID, cudnn_dtype, cudnn_module, emit, io_uids
 from ._spec import Band, GraphOptions, GraphSpec, PagedKV, analyze, cudnn_reasons
 from . import driver_standin
 from .entry_calls import CALL_ARGS, call_problem
 from .plan_choice import EngineChoice, selected_engine
+
+if TYPE_CHECKING:
+    import os
+
+    from cudnn import pygraph  # the cuDNN frontend's graph (an optional dependency)
+
+    from .targets import DeviceTarget
 
 __all__ = ["UID", "BuiltGraph", "GraphOptions", "PagedKV", "cudnn_reasons", "build_forward",
            "build_backward", "describe", "describe_problem", "validate_for", "FORWARD_KWARGS",
@@ -205,7 +213,6 @@ def build_graph(problem: AttnProblem, spec: GraphSpec, backward: bool, *,
     ``target`` (a ``targets.DeviceTarget``): build the plans without a GPU, for that described
     device (``deviceless``; the driver stand-in records the kernels into ``engine``).
     ``build_plans=False`` stops after ``check_support`` (``engine``: the top-ranked plan)."""
-    cd = cudnn_module()
     if plans is None:
         device = torch.device(device if device is not None else problem.device)
         plans = target is not None or (device.type == "cuda" and torch.cuda.is_available())
@@ -216,26 +223,15 @@ def build_graph(problem: AttnProblem, spec: GraphSpec, backward: bool, *,
 
         handle = handle_for(torch.device(device if device is not None else problem.device))
     recorder: Any = driver_standin.recording() if target is not None else contextlib.nullcontext([])
-    stage = "validate"
+    check_cpp = None if target_sm is None else \
+        (lambda: _validate_cpp(problem, spec, backward, target_sm))
     with recorder as kernels:
         g = _new_graph(spec, handle=handle, target=target)
         emit(g, spec, backward)
         try:
-            g.validate()
-            if target_sm is not None:
-                _validate_cpp(problem, spec, backward, target_sm)
-            if plans:
-                stage = "build_operation_graph"
-                g.build_operation_graph()
-                stage = "create_execution_plans"
-                g.create_execution_plans([cd.heur_mode.A, cd.heur_mode.FALLBACK])
-                stage = "check_support"
-                g.check_support()
-                if build_plans:
-                    stage = "build_plans"
-                    g.build_plans()
-        except cd.cudnnGraphNotSupportedError as exc:
-            raise _decline(problem, stage, backward, exc) from exc
+            run_build_stages(g, plans=plans, build=build_plans, after_validate=check_cpp)
+        except GraphRefused as refused:
+            raise _decline(problem, refused.stage, backward, refused.error) from refused.error
     built = bool(plans and build_plans)
     engine = selected_engine(g) if plans else None
     if engine is not None and kernels:
@@ -249,7 +245,8 @@ def build_graph(problem: AttnProblem, spec: GraphSpec, backward: bool, *,
 
 def build_forward(problem: AttnProblem, *, target_sm: Optional[int] = None,
                   options: Optional[GraphOptions] = None, stats: Optional[bool] = None,
-                  plans: Optional[bool] = None, target: Any = None) -> BuiltGraph:
+                  plans: Optional[bool] = None,
+                  target: Optional[DeviceTarget] = None) -> BuiltGraph:
     """The forward graph of ``problem``: ``O`` (and the fp32 ``Stats`` = LSE, ``[B, H, S_q, 1]``,
     when ``stats`` — default: the problem needs a backward or returns its LSE). ``target``: a
     described device (``targets.target``) to build the plans for without a GPU."""
@@ -262,7 +259,8 @@ def build_forward(problem: AttnProblem, *, target_sm: Optional[int] = None,
 
 def build_backward(problem: AttnProblem, *, target_sm: Optional[int] = None,
                    options: Optional[GraphOptions] = None,
-                   plans: Optional[bool] = None, target: Any = None) -> BuiltGraph:
+                   plans: Optional[bool] = None,
+                   target: Optional[DeviceTarget] = None) -> BuiltGraph:
     """The backward graph of ``problem``: ``dQ, dK, dV`` (and ``dBias`` when the bias needs a
     gradient) from ``Q, K, V, O, dO`` and the forward's ``Stats``."""
     spec = _spec_for(problem, target_sm, options, True)
@@ -278,7 +276,8 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: boo
              cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None,
              max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
              cache_seqlens: torch.Tensor | None = None, block_table: torch.Tensor | None = None,
-             target: Any = None, **attention_kwargs: Any) -> Any:
+             target: Union[str, os.PathLike[str], DeviceTarget, None] = None,
+             **attention_kwargs: Any) -> pygraph:
     """The validated ``cudnn.pygraph`` the cuDNN engine would build for
     ``attention(q, k, v, **attention_kwargs)`` (its backward with ``backward=True``).
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -229,7 +229,8 @@ class Padding(Mask):
     runtime: Optional[tuple] = dataclasses.field(default=None, compare=False, repr=False,
                                                  init=False)
 
-    def __init__(self, seq_lens_q: Any, seq_lens_kv: Any = None):
+    def __init__(self, seq_lens_q: Sequence[int] | torch.Tensor,
+                 seq_lens_kv: Sequence[int] | torch.Tensor | None = None) -> None:
         if _runtime_lengths(seq_lens_q) or _runtime_lengths(seq_lens_kv):
             self._init_runtime(seq_lens_q, seq_lens_q if seq_lens_kv is None else seq_lens_kv)
             return
@@ -261,7 +262,8 @@ class Padding(Mask):
             return len(self.seq_lens_q)  # type: ignore[arg-type]  # ints when not runtime
         return self.runtime[0].shape[0]
 
-    def tensors(self, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def tensors(self, device: torch.device | str | int | None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(lens_q, lens_kv)`` as integer tensors on ``device``; runtime ones are moved, never
         read (no host synchronisation)."""
         if self.runtime is not None:

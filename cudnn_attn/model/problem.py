@@ -11,8 +11,9 @@ import contextlib
 import contextvars
 import math
 import numbers
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -29,6 +30,9 @@ from .masks import (Alibi,
     without_full_neighborhoods,
 )
 from .storage import Storage
+
+if TYPE_CHECKING:
+    from .score_mods import ScoreMod
 
 __all__ = ["TensorSpec", "AttnProblem", "LAYOUTS", "FLOAT_DTYPES", "accumulator_dtype",
            "deterministic_default", "deterministic_calls", "deterministic_requested"]
@@ -52,7 +56,7 @@ def deterministic_default() -> bool:
 
 
 @contextlib.contextmanager
-def deterministic_calls(on: bool = True):
+def deterministic_calls(on: bool = True) -> Iterator[None]:
     """The calls made inside (this thread or task) plan deterministic backwards when ``on``; the
     flag lands in each problem, so a later backward of such a call stays deterministic.
 
@@ -192,11 +196,12 @@ class AttnProblem:
 
     # -- construction and validation ----------------------------------------------------------
     @staticmethod
-    def from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None, bias: Any = None,
+    def from_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | None = None,
+                     bias: torch.Tensor | Alibi | RelPosBias | None = None,
                      scale: float | None = None, dropout_p: float = 0.0, softcap: float | None = None,
                      layout: str = "bhsd", return_lse: bool = False, alibi: bool | None = None,
                      dropout_mask: torch.Tensor | None = None, dropout_scale: float = 1.0,
-                     score_mod: Any = None) -> "AttnProblem":
+                     score_mod: ScoreMod | None = None) -> "AttnProblem":
         """Validate the arguments of ``attention()`` and describe the call.
 
         Surfaces may also pass ``alibi`` (an ``Alibi``) next to a bias tensor: the engine adds

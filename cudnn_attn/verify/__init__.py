@@ -15,7 +15,8 @@ fail.
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -43,8 +44,9 @@ def _resolve(names, known: dict | tuple, what: str) -> list[str]:
     return names
 
 
-def selftest(backends: Any = None, dtypes: Any = None, quick: bool = True, progress: bool = True,
-             cases: Any = None, stream: Any = None, isolate: bool = False,
+def selftest(backends: str | Sequence[str] | None = None, dtypes: str | Sequence[str] | None = None,
+             quick: bool = True, progress: bool = True, cases: Iterable[Case] | None = None,
+             stream: str | os.PathLike[str] | None = None, isolate: bool = False,
              case_timeout_s: float | None = None) -> SelftestReport:
     """Check every engine that can run on this machine against the float64 oracle.
 

@@ -16,8 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-import cudnn_attn
+# The public functions by their modules: the package root imports this package (for type
+# checkers), so nothing here imports the root.
+from cudnn_attn.api import attention
 from cudnn_attn.errors import NotSupportedError
+from cudnn_attn.model.masks import Alibi, Causal, Neighborhood, Padding, RelPosBias, SlidingWindow
+from cudnn_attn.varlen import attention_varlen, attention_with_kvcache
 
 from . import oracle
 from .cases import Case
@@ -93,13 +97,13 @@ def _library_mask(case: Case):
     parts = []
     for kind, *params in case.mask:
         if kind == "causal":
-            parts.append(cudnn_attn.Causal(params[0]))
+            parts.append(Causal(params[0]))
         elif kind == "window":
-            parts.append(cudnn_attn.SlidingWindow(*params))
+            parts.append(SlidingWindow(*params))
         elif kind == "padding" and case.surface == "attention":
-            parts.append(cudnn_attn.Padding(*params))
+            parts.append(Padding(*params))
         elif kind == "neighborhood":
-            parts.append(cudnn_attn.Neighborhood(*params))
+            parts.append(Neighborhood(*params))
     mask = None
     for part in parts:
         mask = part if mask is None else mask & part
@@ -108,9 +112,9 @@ def _library_mask(case: Case):
 
 def _library_bias(case: Case, bias):
     if case.bias == "alibi":
-        return cudnn_attn.Alibi()
+        return Alibi()
     if case.bias == "rpb":
-        return cudnn_attn.RelPosBias(bias)
+        return RelPosBias(bias)
     return bias
 
 
@@ -154,11 +158,11 @@ def call(case: Case, backend: str, q, k, v, bias, generator=None):
     common = dict(scale=case.dim_qk ** -0.5, softcap=case.softcap, return_lse=True,
                   backend=backend)
     if case.surface == "attention":
-        return cudnn_attn.attention(q, k, v, mask=mask, bias=lib_bias, dropout_p=case.dropout_p,
+        return attention(q, k, v, mask=mask, bias=lib_bias, dropout_p=case.dropout_p,
                                     generator=generator, **common)
     lens_q, lens_kv = case.lengths
     if case.surface == "varlen":
-        out, lse = cudnn_attn.attention_varlen(
+        out, lse = attention_varlen(
             _pack(q, lens_q), _pack(k, lens_kv), _pack(v, lens_kv),
             _cumulative(lens_q, q.device), _cumulative(lens_kv, q.device), case.seq_q,
             case.seq_kv, mask=mask, bias=lib_bias, **common)
@@ -166,7 +170,7 @@ def call(case: Case, backend: str, q, k, v, bias, generator=None):
     if case.surface == "paged":
         k_cache, table = _paged_cache(case, k, lens_kv)
         v_cache, _ = _paged_cache(case, v, lens_kv)
-        out, lse = cudnn_attn.attention_with_kvcache(
+        out, lse = attention_with_kvcache(
             q.transpose(1, 2), k_cache, v_cache,
             torch.tensor(lens_kv, dtype=torch.int32, device=q.device), block_table=table,
             mask=mask, bias=lib_bias, **common)
@@ -298,7 +302,7 @@ def _judge_dropout(outcome: Outcome, case: Case, backend: str, dtype, device) ->
 
     def draw(seed):
         gen = torch.Generator(device=device).manual_seed(seed)
-        return cudnn_attn.attention(q, k, v, dropout_p=p, generator=gen, backend=backend)
+        return attention(q, k, v, dropout_p=p, generator=gen, backend=backend)
 
     poison_allocator(device)
     try:

@@ -36,8 +36,8 @@ class FakeFp8Graph:
 
     def run(self, buffers):
         s, b = self.spec, buffers
-        sc = {name: float(b[UID.SCALES + i]) for i, name in enumerate(self.scales)}
-        scale = float(b[UID.ATTN_SCALE])
+        sc = {name: float(b[UID.FP8_SCALES + i]) for i, name in enumerate(self.scales)}
+        scale = float(b[UID.SCALE])
         lens_q = (b[UID.SEQ_LEN_Q].view(-1).tolist() if s.padding else [s.seq_q] * s.batch)
         lens_kv = (b[UID.SEQ_LEN_KV].view(-1).tolist() if s.padding else [s.seq_kv] * s.batch)
         visible = band_visible(lens_q, lens_kv, s.seq_q, s.seq_kv, s.alignment,

@@ -7,6 +7,7 @@ job of the GPU-marked tests.
 """
 
 import re
+import time
 
 import pytest
 
@@ -50,12 +51,12 @@ def test_unfused_kernels_include_double():
     assert any("double" in e for e in expressions)
 
 
-def test_half_kernels_use_tensor_cores():
+def test_half_kernels_use_tensor_cores(records):
     # mma.sync must be in the fp16/bf16 fused forward; fp32 must not silently use tf32.
-    fused = fallback_kernels.kernel_variants()["fused"]
     module = __import__("cudnn_attn.fallback_kernels.fused", fromlist=["SOURCE"])
+    # The program compile_all built for this variant (memoized: compiles nothing more).
     program = _loader.compile_program(module.SOURCE, module.DEFINES,
-                                      [v.expression for v in fused], "sm_90")
+                                      ["na_fused_forward<na_half, 64>"], records[0].arch)
     text = _loader.source_text(module.SOURCE, module.DEFINES)
     assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32", text)
     assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", text)
@@ -97,12 +98,70 @@ def test_compile_all_rejects_a_bad_arch():
         fallback_kernels.compile_all("hopper")
 
 
-def test_cli_kernels_prints_every_record(capsys):
+def test_cli_kernels_prints_every_record_and_a_line_per_kernel(capsys):
     import json
 
     from cudnn_attn.cli import main
 
     assert main(["kernels", "--arch", "sm_90", "--json"]) == 0
-    printed = json.loads(capsys.readouterr().out)
-    assert {r["kernel"] for r in printed} == {r.kernel for r in fallback_kernels.compile_all("sm_90")}
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)
+    expected = fallback_kernels.compile_all("sm_90")
+    assert printed == [{k: r[k] for k in r.keys()} for r in expected]
     assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 for r in printed)
+    # stderr: one progress line per kernel, counted in order, naming the kernel.
+    lines = [line for line in captured.err.splitlines() if line.startswith("kernels [")]
+    assert len(lines) == len(expected)
+    for done, (line, record) in enumerate(zip(lines, expected), 1):
+        assert re.fullmatch(rf"kernels \[{done}/{len(expected)}\] sm_90 {re.escape(record.kernel)} "
+                            r"\d+\.\d s( \((memory|disk)\))?", line), line
+
+
+def test_compile_all_reports_each_kernel_in_order_whatever_the_threads():
+    unfused = fallback_kernels.kernel_programs("sm_80")["unfused"]
+    seen = []
+    serial = fallback_kernels.compile_all("sm_80", programs=["unfused"], jobs=1)
+    threaded = fallback_kernels.compile_all(
+        "sm_80", programs=["unfused"], jobs=3,
+        progress=lambda done, total, build: seen.append((done, total, build.record.kernel,
+                                                         build.origin)))
+    assert [r.kernel for r in serial] == [v.kernel for v in unfused]
+    assert threaded == serial
+    assert [s[:3] for s in seen] == [(i, len(unfused), v.kernel)
+                                     for i, v in enumerate(unfused, 1)]
+    assert {s[3] for s in seen} == {"memory"}  # the serial pass built them in this process
+
+
+def test_default_jobs_follow_the_cpus_up_to_a_cap(monkeypatch):
+    import os
+
+    for cpus, expected in ((1, 1), (2, 2), (64, fallback_kernels.MAX_DEFAULT_JOBS)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)),
+                            raising=False)
+        assert fallback_kernels.default_jobs() == expected
+
+
+def test_compile_all_rejects_bad_jobs():
+    for jobs in (0, -1, 1.5, "2", None, True):
+        with pytest.raises(ValueError, match="jobs"):
+            fallback_kernels.compile_all("sm_80", jobs=jobs)
+
+
+def test_a_failing_kernel_stops_compile_all(monkeypatch):
+    real = fallback_kernels.compile_variant
+    started = []
+
+    def failing(variant, defines, arch):
+        started.append(variant.kernel)
+        if len(started) == 1:
+            raise _loader.KernelCompileError(f"NVRTC could not compile {variant.kernel}")
+        time.sleep(0.2)  # the others take a while, as compiles do
+        return real(variant, defines, arch)
+
+    monkeypatch.setattr(fallback_kernels, "compile_variant", failing)
+    for jobs in (1, 2):
+        started.clear()
+        with pytest.raises(_loader.KernelCompileError, match="could not compile"):
+            fallback_kernels.compile_all("sm_80", programs=["unfused"], jobs=jobs)
+        # The kernels not yet started when the first failed are not compiled.
+        assert len(started) <= jobs + 1 < len(fallback_kernels.kernel_programs("sm_80")["unfused"])

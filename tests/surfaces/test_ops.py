@@ -328,6 +328,22 @@ def test_signatures(name, rank):
     assert fn.__name__ in ops.__all__
 
 
+@pytest.mark.parametrize("rank", [1, 2, 3])
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_wrong_argument_counts_name_the_public_op(name, rank):
+    """The rank wrappers check the call against the public signature (``rank`` is not one of its
+    parameters), so the error names ``na{rank}d_<op>`` and never counts the hidden ``rank``."""
+    fn = _op(rank, name)
+    params = SIGNATURES[name].split()
+    with pytest.raises(TypeError, match=rf"^na{rank}d_{name}\(\): missing a required argument: "
+                                        rf"'{params[-1]}'"):
+        fn(*([None] * (len(params) - 1)))
+    with pytest.raises(TypeError, match=rf"^na{rank}d_{name}\(\): too many positional"):
+        fn(*([None] * (len(params) + 1)))
+    with pytest.raises(TypeError, match=rf"^na{rank}d_{name}\(\): .*'rank'"):
+        fn(*([None] * len(params)), rank=rank)
+
+
 def _fused_args(**over):
     q = torch.randn(1, 9, 8, 2, 8)
     args = dict(output=torch.empty_like(q), query=q, key=q.clone(), value=q.clone(), rpb=None,

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 import cudnn_attn as ca  # noqa: E402
 import cudnn_attn.integrations.transformers as ca_hf  # noqa: E402
 from cudnn_attn.core import dispatch# noqa: E402
-from cudnn_attn.integrations import hf_masks  # noqa: E402
+from cudnn_attn.integrations import hf_calls, hf_masks  # noqa: E402
 
 NAME = ca_hf.register()
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -131,13 +131,13 @@ def test_generation_with_left_padding_stays_structured(name, problems):
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
 def test_explain_of_the_captured_calls_names_a_structured_mask(name, monkeypatch):
     calls = []
-    real_attention = ca_hf.attention
+    real_attention = hf_calls.attention
 
     def recorder(*args, **kwargs):
         calls.append((args, kwargs))
         return real_attention(*args, **kwargs)
 
-    monkeypatch.setattr(ca_hf, "attention", recorder)
+    monkeypatch.setattr(hf_calls, "attention", recorder)
     model = build(name)
     model.set_attn_implementation(NAME)
     ids, _ = padded_batch()
@@ -169,9 +169,13 @@ def test_mask_pattern_recognizes_only_what_the_masks_express():
     assert hf_masks.mask_pattern(mu.causal_mask_function) == (True, None)
     assert hf_masks.mask_pattern(mu.bidirectional_mask_function) == (False, None)
     assert hf_masks.mask_pattern(mu.sliding_window_causal_mask_function(7)) == (True, 7)
+    assert hf_masks.mask_pattern(mu.sliding_window_bidirectional_mask_function(3)) == (False, 3)
     chunked = mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
     custom = mu.or_masks(mu.causal_mask_function, lambda b, h, q, k: k == 0)
-    for fn in (chunked, custom, mu.sliding_window_bidirectional_mask_function(3)):
+    blockwise = mu.or_masks(mu.causal_mask_function,
+                            mu.blockwise_overlay(torch.zeros(1, 4, dtype=torch.long)))
+    for fn in (chunked, custom, blockwise,
+               mu.and_masks(mu.sliding_window_overlay(3), mu.bidirectional_mask_function)):
         assert hf_masks.mask_pattern(fn) is None
     # and those get transformers' own dense mask
     dense = hf_masks.structured_mask(1, 4, 4, mask_function=custom, allow_is_causal_skip=False)

@@ -180,29 +180,48 @@ def test_mask_mistakes_are_one_line(capsys, mask, match):
 # kernels, explain, selftest, versions
 # --------------------------------------------------------------------------------------------
 
-def test_kernels_progress_counts_kernels(capsys, monkeypatch):
+def test_kernels_progress_is_one_line_per_kernel(capsys, monkeypatch):
     pytest.importorskip("cupy", reason="kernels needs CuPy and NVRTC ([test] extra)")
     from cudnn_attn import fallback_kernels
-    from cudnn_attn.fallback_kernels import CompileRecord
+    from cudnn_attn.fallback_kernels import CompileRecord, KernelBuild
 
     fake = {"fused": ["a", "b", "c"], "unfused": ["d", "e"]}
-    compiled = []
+    origins = {"b": "disk", "e": "memory"}
+    calls = []
 
-    def compile_all(arch, programs=None):
-        (name,) = programs
-        compiled.append((arch, name))
-        return [CompileRecord(kernel=f"{name}_{v}", arch=arch, registers=32, spill_stores=0,
-                              spill_loads=0, stack_bytes=0, expression=v) for v in fake[name]]
+    def compile_all(arch, progress=None, jobs=None):
+        calls.append((arch, jobs))
+        records = []
+        for name, kernels in fake.items():
+            for kernel in kernels:
+                records.append(CompileRecord(kernel=f"{name}.{kernel}", arch=arch, registers=32,
+                                             spill_stores=0, spill_loads=0, stack_bytes=0,
+                                             expression=kernel))
+                progress(len(records), 5, KernelBuild(records[-1], 1.25 * len(records),
+                                                      origins.get(kernel, "compiled")))
+        return records
 
     monkeypatch.setattr(fallback_kernels, "kernel_programs", lambda arch: fake)
     monkeypatch.setattr(fallback_kernels, "compile_all", compile_all)
-    code, out, err = run(capsys, "kernels", "--arch", "sm_80", "--arch", "sm_90")
-    assert code == 0 and len(compiled) == 4
-    done = [line for line in err.splitlines() if "compiled in" in line]
-    assert [line.split("]")[0] for line in done] == ["kernels [3/10", "kernels [5/10",
-                                                     "kernels [8/10", "kernels [10/10"]
-    assert "sm_90 unfused: 2 kernel(s)" in done[-1]
-    assert len(out.splitlines()) == 1 + 10  # header + one row per kernel
+    code, out, err = run(capsys, "kernels", "--arch", "sm_80", "--arch", "sm_90", "--jobs", "3")
+    assert code == 0 and calls == [("sm_80", 3), ("sm_90", 3)]
+    lines = [line for line in err.splitlines() if line.startswith("kernels [")]
+    assert lines[:3] == ["kernels [1/10] sm_80 fused.a 1.2 s",
+                         "kernels [2/10] sm_80 fused.b 2.5 s (disk)",
+                         "kernels [3/10] sm_80 fused.c 3.8 s"]
+    assert lines[5:] == ["kernels [6/10] sm_90 fused.a 1.2 s",
+                         "kernels [7/10] sm_90 fused.b 2.5 s (disk)",
+                         "kernels [8/10] sm_90 fused.c 3.8 s",
+                         "kernels [9/10] sm_90 unfused.d 5.0 s",
+                         "kernels [10/10] sm_90 unfused.e 6.2 s (memory)"]
+    assert "compiling 10 kernel(s) for sm_80, sm_90 with NVRTC (3 at a time)" in err.splitlines()[0]
+    rows = out.splitlines()
+    assert len(rows) == 1 + 10 and rows[1].split()[:2] == ["fused.a", "sm_80"]  # stdout: the table
+    with pytest.raises(SystemExit) as exit_:  # argparse's one-line usage error
+        cli.main(["kernels", "--arch", "sm_90", "--jobs", "0"])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "--jobs: must be a positive integer, got '0'" in err
 
 
 def test_explain_is_compact_and_the_whole_graph_is_behind_a_flag(capsys):

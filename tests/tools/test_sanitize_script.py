@@ -202,3 +202,28 @@ def test_initcheck_records_keep_kernel_address_and_case(S):
 def test_the_child_marks_where_each_case_starts(S):
     src = Path(S.__file__).read_text()
     assert 'f"{CASE_MARK}-START {name}"' in src and "stderr=subprocess.STDOUT" in src
+
+
+def test_a_run_cut_after_the_first_tool_keeps_that_tools_summary(S, tmp_path, monkeypatch):
+    """The summary is rewritten after each tool: a kill during racecheck leaves memcheck's."""
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd[2])
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the proof's SIGINT while the second tool runs
+        return subprocess.CompletedProcess(cmd, 1, stdout=MEMCHECK_ERROR)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(S, "find_sanitizer", lambda given: "/opt/compute-sanitizer")
+    monkeypatch.setattr(S, "environment", lambda: {"gpu": "stand-in"})
+    monkeypatch.setattr(S.subprocess, "run", fake_run)
+    out = tmp_path / "s.json"
+    args = S.parse_args(["--tools", "memcheck,racecheck", "--json", str(out)])
+    with pytest.raises(KeyboardInterrupt):
+        S.run_parent(args)
+    import json
+    summary = json.loads(out.read_text())
+    assert calls == ["memcheck", "racecheck"]
+    assert summary["complete"] is False and list(summary["tools"]) == ["memcheck"]
+    assert summary["tools"]["memcheck"]["errors"] == 1 and not summary["tools"]["memcheck"]["ok"]

@@ -5,16 +5,26 @@ Semantics: ``cudnn_attn.compat.cudnn_frontend.attributes``' docstring."""
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal, Union
 
 import torch
 
 from ...model import checks
 from ...packed import calls
-from ._score_attrs import ScoreModBackwardSetters, ScoreModSetters
+from ._score_attrs import CudnnEnum, ScoreModBackwardSetters, ScoreModSetters
 
 __all__ = ["SdpaAttributes", "SdpaBackwardAttributes"]
 
 _ALIGNMENTS = ("top_left", "bottom_right")
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing's own from Python 3.11
+
+# The argument types of the setters, as cuDNN's frontend takes them.
+Alignment = Literal["top_left", "bottom_right"]
+# Per-batch lengths (or cumulative offsets): an integer tensor ``[B]`` / ``[B, 1, 1, 1]`` or ints.
+Lengths = Union[torch.Tensor, Sequence[int]]
 
 
 def _flag(setter: str, value) -> bool:
@@ -105,7 +115,7 @@ def check_broadcast(what: str, t: torch.Tensor, full: tuple) -> None:
 class _Attributes:
     """Setters shared by the forward and backward attributes (see the module doc)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.name = ""
         self.causal: str | None = None          # None | "top_left" | "bottom_right"
         self.window: tuple | None = None         # (left, right, alignment or None)
@@ -142,14 +152,14 @@ class _Attributes:
             fields["dropout"] = ("mask", f"tensor{list(self.dropout[1].shape)}", self.dropout[2])
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
 
-    def set_name(self, name):
+    def set_name(self, name: str) -> Self:
         """An operation name (kept for ``repr`` and logs)."""
         if not isinstance(name, str):
             raise TypeError(f"set_name: expected a str, got {name!r}")
         self.name = name
         return self
 
-    def set_causal_mask(self, value):
+    def set_causal_mask(self, value: bool) -> Self:
         """Top-left causal: key ``j`` visible from query ``i`` iff ``j <= i``."""
         if _flag("set_causal_mask", value):
             self.causal = "top_left"
@@ -157,7 +167,7 @@ class _Attributes:
             self.causal = None
         return self
 
-    def set_causal_mask_bottom_right(self, value):
+    def set_causal_mask_bottom_right(self, value: bool) -> Self:
         """Bottom-right causal: ``j <= i + S_kv - S_q`` (per batch with padding)."""
         if _flag("set_causal_mask_bottom_right", value):
             self.causal = "bottom_right"
@@ -165,7 +175,7 @@ class _Attributes:
             self.causal = None
         return self
 
-    def set_sliding_window(self, left, right, alignment=None):
+    def set_sliding_window(self, left: int, right: int, alignment: Alignment | None = None) -> Self:
         """FlashAttention's inclusive window ``i' - left <= j <= i' + right``; ``-1`` leaves a
         side unbounded, ``(-1, -1)`` removes the window. ``alignment`` (``"top_left"`` /
         ``"bottom_right"``) defaults to the causal mask's alignment, top-left without one."""
@@ -190,7 +200,7 @@ class _Attributes:
                 bounds[1] = right if bounds[1] is None else min(bounds[1], right)
         return bounds[0], bounds[1]
 
-    def set_diagonal_alignment(self, alignment):
+    def set_diagonal_alignment(self, alignment: str | CudnnEnum) -> Self:
         """cuDNN's diagonal alignment: ``"top_left"`` / ``"bottom_right"`` (or
         ``cudnn.diagonal_alignment.TOP_LEFT`` / ``BOTTOM_RIGHT``). The causal setters override it."""
         name = getattr(alignment, "name", alignment)
@@ -201,21 +211,21 @@ class _Attributes:
         self.alignment = name
         return self
 
-    def set_diagonal_band_left_bound(self, left_bound):
+    def set_diagonal_band_left_bound(self, left_bound: int | torch.Tensor | None) -> Self:
         """cuDNN's left bound ``L`` (exclusive): query ``i`` sees keys ``j > i' - L``; ``None``
         removes it. Overrides ``set_sliding_window_length``."""
         self.left_bound = self._bound("set_diagonal_band_left_bound", left_bound, 1,
                                       "Left bound needs to be greater than zero")
         return self
 
-    def set_diagonal_band_right_bound(self, right_bound):
+    def set_diagonal_band_right_bound(self, right_bound: int | torch.Tensor | None) -> Self:
         """cuDNN's right bound ``R``: query ``i`` sees keys ``j <= i' + R``; ``None`` removes it.
         The causal setters pin it to 0."""
         self.right_bound = self._bound("set_diagonal_band_right_bound", right_bound, 0,
                                        "Right bound needs to be larger than or equal to zero")
         return self
 
-    def set_sliding_window_length(self, window_length):
+    def set_sliding_window_length(self, window_length: int | torch.Tensor | None) -> Self:
         """cuDNN's older spelling of the left bound (``diagonal_band_left_bound`` wins)."""
         self.window_length = self._bound("set_sliding_window_length", window_length, 1,
                                          "Sliding window length needs to be greater than zero")
@@ -239,41 +249,41 @@ class _Attributes:
         left = self.left_bound if self.left_bound is not None else self.window_length
         return alignment, left, right
 
-    def set_seq_len_q(self, seq_len_q):
+    def set_seq_len_q(self, seq_len_q: Lengths) -> Self:
         """Per-batch query lengths (``[B]`` or ``[B, 1, 1, 1]``), with ``set_padding_mask(True)``."""
         self.seq_len_q = _lengths("set_seq_len_q", "seq_len_q", seq_len_q)
         return self
 
-    def set_seq_len_kv(self, seq_len_kv):
+    def set_seq_len_kv(self, seq_len_kv: Lengths) -> Self:
         """Per-batch key lengths (``[B]`` or ``[B, 1, 1, 1]``), with ``set_padding_mask(True)``."""
         self.seq_len_kv = _lengths("set_seq_len_kv", "seq_len_kv", seq_len_kv)
         return self
 
-    def set_cu_seq_len_q(self, cu_seq_len_q):
+    def set_cu_seq_len_q(self, cu_seq_len_q: Lengths) -> Self:
         """Query lengths as cumulative offsets ``[B + 1]`` (cuDNN's alternative to
         ``set_seq_len_q``; not both), with ``set_padding_mask(True)``."""
         self.cu_seq_len_q = _cumulative("set_cu_seq_len_q", cu_seq_len_q)
         return self
 
-    def set_cu_seq_len_kv(self, cu_seq_len_kv):
+    def set_cu_seq_len_kv(self, cu_seq_len_kv: Lengths) -> Self:
         """Key lengths as cumulative offsets ``[B + 1]``, as ``set_cu_seq_len_q``."""
         self.cu_seq_len_kv = _cumulative("set_cu_seq_len_kv", cu_seq_len_kv)
         return self
 
-    def set_max_total_seq_len_q(self, value):
+    def set_max_total_seq_len_q(self, value: int | torch.Tensor) -> Self:
         """cuDNN's bound of a packed (ragged) query axis; this builder's tensors are dense
         ``[B, H, S, D]``, so a call with it is rejected as cuDNN rejects it."""
         self.max_total_seq_len_q = _scalar("set_max_total_seq_len_q", "value", value,
                                            integer=True)
         return self
 
-    def set_max_total_seq_len_kv(self, value):
+    def set_max_total_seq_len_kv(self, value: int | torch.Tensor) -> Self:
         """As ``set_max_total_seq_len_q``, for the keys."""
         self.max_total_seq_len_kv = _scalar("set_max_total_seq_len_kv", "value", value,
                                             integer=True)
         return self
 
-    def set_implementation(self, implementation):
+    def set_implementation(self, implementation: str | CudnnEnum) -> Self:
         """cuDNN's engine family (``AUTO``, ``COMPOSITE``, ``UNIFIED``, or
         ``cudnn.attention_implementation``): a hint; the result is the same."""
         name = getattr(implementation, "name", implementation)
@@ -283,7 +293,7 @@ class _Attributes:
         self.implementation = name.upper()
         return self
 
-    def set_bias(self, bias):
+    def set_bias(self, bias: torch.Tensor | None) -> Self:
         """Additive bias broadcastable to ``[B, H_q, S_q, S_kv]`` (``None`` removes it)."""
         if bias is not None and not isinstance(bias, torch.Tensor):
             raise TypeError(f"set_bias: expected a tensor or None, got {type(bias).__name__}")
@@ -292,12 +302,12 @@ class _Attributes:
         self.bias = bias
         return self
 
-    def set_attn_scale(self, scale):
+    def set_attn_scale(self, scale: float | torch.Tensor) -> Self:
         """Scores are ``scale * q . k`` (a float or a 1-element tensor; unset: 1.0)."""
         self.attn_scale = _scalar("set_attn_scale", "attn_scale", scale)
         return self
 
-    def set_dropout(self, *args):
+    def set_dropout(self, *args: float | torch.Tensor | None) -> Self:
         """``set_dropout(p, seed, offset)`` (random mask, kept weights scaled by ``1 / (1 - p)``)
         or ``set_dropout(mask, scale[, scale_inv])`` (``P * mask * scale``); ``None`` removes it."""
         if len(args) == 1 and args[0] is None:
@@ -333,7 +343,7 @@ class _Attributes:
                                  f"scale_inv={inv!r}")
         return ("mask", mask, scale)
 
-    def set_compute_data_type(self, dtype):
+    def set_compute_data_type(self, dtype: torch.dtype | CudnnEnum) -> Self:
         """The compute type: ``torch.float32`` or ``cudnn.data_type.FLOAT`` only."""
         if isinstance(dtype, torch.dtype):
             if dtype != torch.float32:
@@ -351,7 +361,8 @@ class _Attributes:
         self.compute_data_type = torch.float32
         return self
 
-    def set_padding_mask(self, seq_len_q, seq_len_kv=None):
+    def set_padding_mask(self, seq_len_q: bool | Lengths | None,
+                         seq_len_kv: Lengths | None = None) -> Self:
         """Per-batch valid lengths (``[B]`` or ``[B, 1, 1, 1]`` integer tensors, or int
         sequences); rows ``i >= seq_len_q[b]`` see nothing, keys ``j >= seq_len_kv[b]`` are
         hidden. ``set_padding_mask(True)`` is cuDNN's form, the lengths then come from
@@ -377,13 +388,13 @@ class _Attributes:
         self.padding = (lens_q, lens_kv)
         return self
 
-    def set_alibi_mask(self, value):
+    def set_alibi_mask(self, value: bool) -> Self:
         """cuDNN's ALiBi: adds ``slope_h * (j - i)`` (the paper's slopes for ``H_q`` heads); cuDNN
         needs right bound 0 and top-left alignment with it, and so does this builder."""
         self.alibi = _flag("set_alibi_mask", value)
         return self
 
-    def set_sink_token(self, sink_token):
+    def set_sink_token(self, sink_token: torch.Tensor) -> Self:
         """Attention sinks: one float logit per query head, ``[1, H_q, 1, 1]`` (or ``[H_q]``),
         joining every row's softmax with no value (``cudnn_attn.rewrites.sinks``)."""
         self.sink_token = checks.tensor("sink_token", sink_token, floating=True,
@@ -394,34 +405,34 @@ class _Attributes:
 class SdpaAttributes(ScoreModSetters, _Attributes):
     """Forward attributes (cuDNN ``SDPA_attributes``); every setter returns ``self``."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self._init_score_mod()
         self.generate_stats = True
 
-    def set_is_inference(self, value: torch.Tensor) -> "SdpaAttributes":
+    def set_is_inference(self, value: bool) -> Self:
         """``True``: no stats (``stats`` is returned as ``None``)."""
         self.generate_stats = not _flag("set_is_inference", value)
         return self
 
-    def set_generate_stats(self, value: torch.Tensor) -> "SdpaAttributes":
+    def set_generate_stats(self, value: bool) -> Self:
         """cuDNN's newer spelling: the opposite of ``set_is_inference``."""
         self.generate_stats = _flag("set_generate_stats", value)
         return self
 
-    def set_paged_attention_k_table(self, table: torch.Tensor) -> "SdpaAttributes":
+    def set_paged_attention_k_table(self, table: torch.Tensor) -> Self:
         """Paged K: ``k`` is then a container ``[num_blocks, H_k, page_size, D]`` and this
         int32/int64 ``[B, 1, pages, 1]`` (or ``[B, pages]``) table says which block holds each
         page of each sequence (forward only, as cuDNN; needs padding with ``seq_len_kv``)."""
         self.k_table = _page_table("set_paged_attention_k_table", table)
         return self
 
-    def set_paged_attention_v_table(self, table: torch.Tensor) -> "SdpaAttributes":
+    def set_paged_attention_v_table(self, table: torch.Tensor) -> Self:
         """Paged V: as ``set_paged_attention_k_table``, for ``v``."""
         self.v_table = _page_table("set_paged_attention_v_table", table)
         return self
 
-    def set_paged_attention_max_seq_len_kv(self, max_seq_len_kv: int) -> "SdpaAttributes":
+    def set_paged_attention_max_seq_len_kv(self, max_seq_len_kv: int | torch.Tensor) -> Self:
         """The logical key length of a paged call (default: pages x page size)."""
         self.max_seq_len_kv = _scalar("set_paged_attention_max_seq_len_kv", "max_seq_len_kv",
                                       max_seq_len_kv, integer=True)
@@ -431,25 +442,25 @@ class SdpaAttributes(ScoreModSetters, _Attributes):
 class SdpaBackwardAttributes(ScoreModBackwardSetters, _Attributes):
     """Backward attributes (cuDNN ``SDPA_backward_attributes``); must describe the forward call."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self._init_score_mod()
         self.deterministic = False
         self.dsink_token: torch.Tensor | None = None
         self.dbias: torch.Tensor | None = None
 
-    def set_deterministic_algorithm(self, value: torch.Tensor) -> "SdpaBackwardAttributes":
+    def set_deterministic_algorithm(self, value: bool) -> Self:
         """Ask for a bitwise-repeatable backward (the torch engine always is)."""
         self.deterministic = _flag("set_deterministic_algorithm", value)
         return self
 
-    def set_dbias(self, dbias: torch.Tensor) -> "SdpaBackwardAttributes":
+    def set_dbias(self, dbias: torch.Tensor) -> Self:
         """The bias's gradient is written into this tensor (the bias's shape; cuDNN's dBias
         output); needs ``set_bias``."""
         self.dbias = checks.tensor("dbias", dbias, floating=True, prefix="set_dbias: ")
         return self
 
-    def set_dSink_token(self, dsink_token: torch.Tensor) -> "SdpaBackwardAttributes":
+    def set_dSink_token(self, dsink_token: torch.Tensor) -> Self:
         """The sinks' gradient is written into this float32 ``[1, H_q, 1, 1]`` tensor (cuDNN's
         output); needs ``set_sink_token``."""
         self.dsink_token = checks.tensor("dSink_token", dsink_token,

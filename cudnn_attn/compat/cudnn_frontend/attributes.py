@@ -58,8 +58,6 @@ Conventions (where cuDNN leaves a choice or this library differs):
 
 from __future__ import annotations
 
-from typing import Any
-
 import dataclasses
 import math
 
@@ -185,7 +183,8 @@ def _check_attrs(attrs, cls, fn):
 
 
 def scaled_dot_product_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                       attrs: SdpaAttributes) -> Any:
+                                       attrs: SdpaAttributes,
+                                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(o, stats)`` of SDPA with the attributes ``attrs`` (cuDNN's forward).
 
     ``q`` ``[B, H_q, S_q, D_qk]``, ``k`` ``[B, H_kv, S_kv, D_qk]``, ``v`` ``[B, H_kv, S_kv, D_v]``
@@ -232,7 +231,8 @@ def scaled_dot_product_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torc
 
 def scaled_dot_product_flash_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                                 o: torch.Tensor, dO: torch.Tensor, stats: torch.Tensor,
-                                                attrs: SdpaBackwardAttributes) -> Any:
+                                                attrs: SdpaBackwardAttributes,
+                                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dQ, dK, dV)`` from the forward's ``o`` and ``stats`` (cuDNN's backward).
 
     ``attrs`` must describe the forward call (same masks, bias, scale and dropout); the gradients

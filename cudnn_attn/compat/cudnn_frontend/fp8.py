@@ -30,7 +30,6 @@ Equivalent PyTorch of the forward (``cast`` = round to nearest even, saturating;
 """
 
 from __future__ import annotations
-from typing import Any
 
 import torch
 
@@ -40,6 +39,7 @@ from ...core.fp8 import (BACKWARD_SCALES,
     FORWARD_SCALES,
     FP8_DTYPES,
     Fp8Tensors,
+    Scale,
     as_scale,
     fp8_problem,
     run_backward,
@@ -118,9 +118,11 @@ def _dense_kv(attrs, q, k, v):
     return dk.view(k.dtype), dv.view(v.dtype)
 
 
-def sdpa_fp8(q: Any, k: Any, v: Any, descale_q: Any, descale_k: Any, descale_v: Any, descale_s: Any, scale_s: Any, scale_o: Any,
+def sdpa_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale_q: Scale,
+             descale_k: Scale, descale_v: Scale, descale_s: Scale, scale_s: Scale, scale_o: Scale,
              attrs: SdpaAttributes, *, o_dtype: torch.dtype | None = None,
-             backend: str = "auto") -> Any:
+             backend: str = "auto",
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """``(o, stats, amax_s, amax_o)`` of cuDNN's FP8 forward (module doc)."""
     _check_attrs(attrs, SdpaAttributes, "sdpa_fp8")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -162,10 +164,13 @@ def _check_backward(q, v, o, dO, stats):
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
 
 
-def sdpa_fp8_backward(q: Any, k: Any, v: Any, o: Any, dO: Any, stats: Any, descale_q: Any, descale_k: Any, descale_v: Any, descale_o: Any,
-                      descale_dO: Any, descale_s: Any, descale_dP: Any, scale_s: Any, scale_dQ: Any, scale_dK: Any, scale_dV: Any,
-                      scale_dP: Any, attrs: SdpaBackwardAttributes, *,
-                      grad_dtype: torch.dtype | None = None, backend: str = "auto") -> Any:
+def sdpa_fp8_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                      dO: torch.Tensor, stats: torch.Tensor, descale_q: Scale, descale_k: Scale,
+                      descale_v: Scale, descale_o: Scale, descale_dO: Scale, descale_s: Scale,
+                      descale_dP: Scale, scale_s: Scale, scale_dQ: Scale, scale_dK: Scale,
+                      scale_dV: Scale, scale_dP: Scale, attrs: SdpaBackwardAttributes, *,
+                      grad_dtype: torch.dtype | None = None, backend: str = "auto",
+                      ) -> tuple[torch.Tensor, ...]:
     """``(dq, dk, dv, amax_dq, amax_dk, amax_dv, amax_dP)`` of cuDNN's FP8 backward; ``attrs``
     describes the forward call (same masks, scale and sinks). ``amax_dP`` is the amax of
     ``dS = P * (dP - D) * attn_scale`` before ``scale_dP``, as cuDNN's graph takes it."""
@@ -177,9 +182,11 @@ def sdpa_fp8_backward(q: Any, k: Any, v: Any, o: Any, dO: Any, stats: Any, desca
               scale_s, scale_dQ, scale_dK, scale_dV, scale_dP)
     if all(t.dim() == 3 for t in (q, k, v)):  # packed [total, H, D]
         lens_q, lens_kv = _lengths(attrs, "q"), _lengths(attrs, "kv")
-        dense = [_to_dense(t, lens) for t, lens in ((q, lens_q), (k, lens_kv), (v, lens_kv),
-                                                    (o, lens_q), (dO, lens_q), (stats, lens_q))]
-        out = sdpa_fp8_backward(*dense, *values, attrs, grad_dtype=grad_dtype, backend=backend)
+        q_dense, k_dense, v_dense, o_dense, dO_dense, stats_dense = (
+            _to_dense(t, lens) for t, lens in ((q, lens_q), (k, lens_kv), (v, lens_kv),
+                                               (o, lens_q), (dO, lens_q), (stats, lens_q)))
+        out = sdpa_fp8_backward(q_dense, k_dense, v_dense, o_dense, dO_dense, stats_dense, *values,
+                                attrs, grad_dtype=grad_dtype, backend=backend)
         grads = [_to_packed(g, lens) for g, lens in zip(out[:3], (lens_q, lens_kv, lens_kv))]
         return (*grads, *out[3:])
     q, k, v, o, dO, stats = (t.detach() if isinstance(t, torch.Tensor) else t

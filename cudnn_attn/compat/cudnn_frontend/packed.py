@@ -5,7 +5,7 @@ tokens back to back) with ``set_cu_seq_len_q`` / ``set_cu_seq_len_kv`` (or ``set
 cumulative lengths are the ragged offsets cuDNN would get (``cu * H * D`` elements). ``o`` is
 ``[total_q, H_q, D_v]``, ``stats`` ``[total_q, H_q, 1]`` (cuDNN's token-major "TH1" stats).
 
-The cuDNN engine runs the packed tensors as they lie (``stored_calls.varlen_problem``); where no
+The cuDNN engine runs the packed tensors as they lie (``packed.calls.varlen_problem``); where no
 engine addresses packed storage (the CPU) the call runs through ``attention_varlen``, which
 batches the sequences by length. Masks and ALiBi are the builder's, applied inside each sequence.
 """

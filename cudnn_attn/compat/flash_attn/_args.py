@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import torch
 
@@ -33,11 +35,16 @@ class FlashAttnTypeError(TypeError, RuntimeError):
     """A value of the wrong kind: our ``TypeError``, and FlashAttention's ``RuntimeError``."""
 
 
-def runtime_errors(fn):
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def runtime_errors(fn: Callable[P, R]) -> Callable[P, R]:
     """Re-raise ``fn``'s ``ValueError``/``TypeError`` as the subclasses that are also
-    ``RuntimeError`` (same message), so code written for FlashAttention catches them."""
+    ``RuntimeError`` (same message), so code written for FlashAttention catches them. Typed so
+    that the decorated function keeps its signature for type checkers."""
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
         except RuntimeError:

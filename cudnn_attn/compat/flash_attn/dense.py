@@ -3,9 +3,6 @@ conventions are in ``cudnn_attn.compat.flash_attn.mha``'s docstring."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import torch
 
 from . import _core, _probs
@@ -16,10 +13,10 @@ __all__ = ["mha_fwd", "mha_bwd"]
 
 
 @runtime_errors
-def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_: torch.Tensor,
-            alibi_slopes_: torch.Tensor, p_dropout: float, softmax_scale: float,
-            is_causal: bool | Sequence[bool], window_size_left: int, window_size_right: int, softcap: float,
-            return_softmax: bool, gen_: torch.Generator | None) -> Any:
+def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_: torch.Tensor | None,
+            alibi_slopes_: torch.Tensor | None, p_dropout: float, softmax_scale: float | None,
+            is_causal: bool, window_size_left: int, window_size_right: int, softcap: float,
+            return_softmax: bool, gen_: torch.Generator | None) -> tuple[torch.Tensor, ...]:
     """FlashAttention forward on ``[B, S, H, D]`` tensors.
 
     Returns ``(out, q_padded, k_padded, v_padded, softmax_lse, philox_seed, philox_offset, p)``:
@@ -47,11 +44,13 @@ def mha_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_: torch.Tenso
 
 
 @runtime_errors
-def mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            softmax_lse: torch.Tensor, dq_: torch.Tensor, dk_: torch.Tensor, dv_: torch.Tensor,
-            alibi_slopes_: torch.Tensor, p_dropout: float, softmax_scale: float,
-            is_causal: bool | Sequence[bool], window_size_left: int, window_size_right: int, softcap: float,
-            deterministic: bool, philox_seed: Any, philox_offset: Any) -> Any:
+def mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            out: torch.Tensor, softmax_lse: torch.Tensor, dq_: torch.Tensor | None,
+            dk_: torch.Tensor | None, dv_: torch.Tensor | None, alibi_slopes_: torch.Tensor | None,
+            p_dropout: float, softmax_scale: float | None, is_causal: bool, window_size_left: int,
+            window_size_right: int, softcap: float, deterministic: bool,
+            philox_seed: torch.Tensor | int, philox_offset: torch.Tensor | int,
+            ) -> tuple[torch.Tensor, ...]:
     """FlashAttention backward on ``[B, S, H, D]`` tensors: ``(dq, dk, dv, softmax_d)``.
 
     Takes the forward's arguments, its ``out`` and ``softmax_lse``, and its ``philox_seed`` /

@@ -7,7 +7,7 @@ the unpacked function (autograd stacks the gradients back).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import torch
 
@@ -27,7 +27,12 @@ __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_
            "flash_attn_varlen_kvpacked_func", "window_pair"]
 
 
-def window_pair(window_size) -> tuple:
+# FlashAttention's ``window_size``: ``(left, right)`` (ints or 0-d integer tensors, -1 unbounded),
+# as a tuple, a list or one 2-element tensor.
+WindowSize = Union[tuple[int, int], list[int], torch.Tensor]
+
+
+def window_pair(window_size: WindowSize) -> tuple:
     """``(left, right)`` from a 2-sequence or a 2-element tensor (ints or 0-d integer tensors;
     ``mha_*`` validate them)."""
     if isinstance(window_size, torch.Tensor):
@@ -154,7 +159,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
 
 @runtime_errors
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-                    softmax_scale: float | None = None, causal: bool = False, window_size: Any = (-1, -1),
+                    softmax_scale: float | None = None, causal: bool = False, window_size: WindowSize = (-1, -1),
                     softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                     deterministic: bool = False, return_attn_probs: bool = False) -> Any:
     """FlashAttention's ``flash_attn_func`` (differentiable in q, k, v).
@@ -211,7 +216,7 @@ def _unbind(name: str, packed, dim: int, count: int, ndim: int):
 
 @runtime_errors
 def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
-                              causal: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
+                              causal: bool = False, window_size: WindowSize = (-1, -1), softcap: float = 0.0,
                               alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
                               return_attn_probs: bool = False) -> Any:
     """``flash_attn_func`` on ``qkv`` ``[B, S, 3, H, D]`` (differentiable in qkv)."""
@@ -223,7 +228,7 @@ def flash_attn_qkvpacked_func(qkv: torch.Tensor, dropout_p: float = 0.0, softmax
 @runtime_errors
 def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0,
                              softmax_scale: float | None = None, causal: bool = False,
-                             window_size: Any = (-1, -1), softcap: float = 0.0,
+                             window_size: WindowSize = (-1, -1), softcap: float = 0.0,
                              alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
                              return_attn_probs: bool = False) -> Any:
     """``flash_attn_func`` on ``q`` ``[B, S_q, H, D]`` and ``kv`` ``[B, S_k, 2, H_k, D]``."""
@@ -236,7 +241,7 @@ def flash_attn_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, dropout_p: float
 def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                            dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
-                           window_size: Any = (-1, -1), softcap: float = 0.0,
+                           window_size: WindowSize = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
                            return_attn_probs: bool = False, block_table: torch.Tensor | None = None) -> Any:
     """FlashAttention's ``flash_attn_varlen_func`` on packed sequences (differentiable in q, k, v).
@@ -279,7 +284,7 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 @runtime_errors
 def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                                      dropout_p: float = 0.0, softmax_scale: float | None = None,
-                                     causal: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
+                                     causal: bool = False, window_size: WindowSize = (-1, -1), softcap: float = 0.0,
                                      alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
                                      return_attn_probs: bool = False) -> Any:
     """``flash_attn_varlen_func`` on ``qkv`` ``[total, 3, H, D]`` with one ``cu_seqlens``."""
@@ -293,7 +298,7 @@ def flash_attn_varlen_qkvpacked_func(qkv: torch.Tensor, cu_seqlens: torch.Tensor
 def flash_attn_varlen_kvpacked_func(q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                                     dropout_p: float = 0.0, softmax_scale: float | None = None,
-                                    causal: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
+                                    causal: bool = False, window_size: WindowSize = (-1, -1), softcap: float = 0.0,
                                     alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
                                     return_attn_probs: bool = False) -> Any:
     """``flash_attn_varlen_func`` on ``q`` ``[total_q, H, D]`` and ``kv`` ``[total_k, 2, H_k, D]``."""

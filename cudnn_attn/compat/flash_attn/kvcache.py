@@ -26,7 +26,7 @@ from ...model import checks
 from ...varlen import gather_pages, index_tensor, with_padding
 from . import _core, native
 from ._args import Options, alibi_arg, runtime_errors
-from .functions import window_pair
+from .functions import WindowSize, window_pair
 from .rotary import apply_rotary
 
 __all__ = ["flash_attn_with_kvcache"]
@@ -190,7 +190,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             cache_batch_idx: torch.Tensor | None = None,
                             cache_leftpad: torch.Tensor | None = None,
                             block_table: torch.Tensor | None = None, softmax_scale: float | None = None,
-                            causal: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
+                            causal: bool = False, window_size: WindowSize = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes: torch.Tensor | None = None,
                             num_splits: int = 0, return_softmax_lse: bool = False) -> Any:
     """FlashAttention's ``flash_attn_with_kvcache`` (inference: no autograd).

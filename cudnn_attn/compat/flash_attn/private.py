@@ -31,7 +31,6 @@ Equivalent PyTorch (no dropout)::
 """
 
 from __future__ import annotations
-from typing import Any
 
 from typing import Optional
 
@@ -66,58 +65,11 @@ def _philox_pair(rng_state: Optional[torch.Tensor]):
     return seed, offset
 
 
-@runtime_errors
-def _keys_after_leftpad(k, v, leftpad_k, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table):
-    """FlashAttention's ``leftpad_k`` as the packed keys, offsets and lengths ``mha_varlen_fwd``
-    takes: ``(k', v', cu_seqlens_k', seqused_k')``.
-
-    FlashAttention (``block_info.h``): sequence ``b``'s keys start at row ``cu_seqlens_k[b] +
-    leftpad_k[b]`` and number ``used[b] - leftpad_k[b]``, ``used`` being ``seqused_k`` or the
-    ``cu_seqlens_k`` lengths. Here sequence ``b``'s span starts at its first kept key and runs on
-    to the next sequence's first kept key (``cu'[b] = cu_seqlens_k[b] + leftpad_k[b]``, less the
-    rows before sequence 0's first key, which ``k'``/``v'`` drop as views), and ``seqused_k' =
-    used - leftpad_k`` keeps only the sequence's own keys. The values are read on the host (to
-    check them, and for sequence 0's start).
-    """
-    if block_table is not None:  # FlashAttention's TORCH_CHECK, word for word
-        raise ValueError("We don't support Paged KV and leftpad_k running at the same time yet "
-                         "(leftpad_k must be None with block_table)")
-    device = k.device
-    lefts = index_tensor("leftpad_k", leftpad_k, 1, device)
-    batch = index_tensor("cu_seqlens_q", cu_seqlens_q, 1, device).numel() - 1
-    if lefts.shape[0] != batch:
-        raise ValueError(f"leftpad_k must have shape (batch_size) = ({batch},) (one entry per "
-                         f"sequence of cu_seqlens_q), got {tuple(lefts.shape)}")
-    cu = index_tensor("cu_seqlens_k", cu_seqlens_k, 1, device)
-    if cu.shape[0] != batch + 1:
-        raise ValueError(f"cu_seqlens_k must have shape (batch_size + 1) = ({batch + 1},), got "
-                         f"{tuple(cu.shape)}")
-    starts, full = cu[:-1].tolist(), (cu[1:] - cu[:-1]).tolist()
-    used = full
-    if seqused_k is not None:
-        used = index_tensor("seqused_k", seqused_k, 1, device).tolist()
-        if len(used) != batch:
-            raise ValueError(f"seqused_k must have shape (batch_size) = ({batch},), got "
-                             f"({len(used)},)")
-    pads = lefts.tolist()
-    what = "cu_seqlens_k" if seqused_k is None else "seqused_k"
-    for b, (pad, n, cap) in enumerate(zip(pads, used, full)):
-        if not 0 <= n <= cap:
-            raise ValueError(f"seqused_k[{b}] = {n} must be in [0, {cap}] (the keys of "
-                             f"sequence {b} in cu_seqlens_k)")
-        if not 0 <= pad <= n:
-            raise ValueError(f"leftpad_k[{b}] = {pad} must be in [0, {n}] (sequence {b} has {n} "
-                             f"keys in {what})")
-    first = starts[0] + pads[0]
-    offsets = [s + pad - first for s, pad in zip(starts, pads)] + [k.shape[0] - first]
-    lengths = [n - pad for n, pad in zip(used, pads)]
-    as_index = dict(dtype=cu.dtype, device=cu.device)
-    return (k[first:], v[first:], torch.tensor(offsets, **as_index),
-            torch.tensor(lengths, **as_index))
-
-
-def _flash_attn_forward(q: Any, k: Any, v: Any, dropout_p: Any, softmax_scale: Any, causal: Any, window_size_left: Any,
-                        window_size_right: Any, softcap: Any, alibi_slopes: Any, return_softmax: Any) -> Any:
+def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                        softmax_scale: float, causal: bool, window_size_left: int,
+                        window_size_right: int, softcap: float,
+                        alibi_slopes: Optional[torch.Tensor], return_softmax: bool,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashAttention 2.8.3's ``_flash_attn_forward``: ``(out, softmax_lse, S_dmask,
     rng_state)`` on ``[B, S, H, D]`` tensors (module docstring)."""
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
@@ -127,11 +79,18 @@ def _flash_attn_forward(q: Any, k: Any, v: Any, dropout_p: Any, softmax_scale: A
     return out, lse, s_dmask, _rng_state(seed, offset, q.device)
 
 
-def _flash_attn_varlen_forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
-                               dropout_p: Any, softmax_scale: Any, causal: Any, window_size_left: Any = -1,
-                               window_size_right: Any = -1, softcap: Any = 0.0, alibi_slopes: Any = None,
-                               return_softmax: Any = False, block_table: Any = None, leftpad_k: Any = None,
-                               seqused_k: Any = None, zero_tensors: Any = False) -> Any:
+def _flash_attn_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                               max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                               softmax_scale: float, causal: bool, window_size_left: int = -1,
+                               window_size_right: int = -1, softcap: float = 0.0,
+                               alibi_slopes: Optional[torch.Tensor] = None,
+                               return_softmax: bool = False,
+                               block_table: Optional[torch.Tensor] = None,
+                               leftpad_k: Optional[torch.Tensor] = None,
+                               seqused_k: Optional[torch.Tensor] = None,
+                               zero_tensors: bool = False,
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashAttention 2.8.3's ``_flash_attn_varlen_forward``: ``(out [total_q, H, D_v],
     softmax_lse [H, total_q], S_dmask, rng_state)`` on packed ``[total, H, D]`` tensors.
 
@@ -150,9 +109,13 @@ def _flash_attn_varlen_forward(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seq
     return out, lse, s_dmask, _rng_state(seed, offset, q.device)
 
 
-def _flash_attn_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, softmax_lse: Any, dq: Any, dk: Any, dv: Any, dropout_p: Any, softmax_scale: Any,
-                         causal: Any, window_size_left: Any, window_size_right: Any, softcap: Any, alibi_slopes: Any,
-                         deterministic: Any, rng_state: Any = None) -> Any:
+def _flash_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         out: torch.Tensor, softmax_lse: torch.Tensor, dq: Optional[torch.Tensor],
+                         dk: Optional[torch.Tensor], dv: Optional[torch.Tensor], dropout_p: float,
+                         softmax_scale: float, causal: bool, window_size_left: int,
+                         window_size_right: int, softcap: float,
+                         alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+                         rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
     """FlashAttention 2.8.3's ``_flash_attn_backward``: writes ``dq``/``dk``/``dv`` (when given)
     and returns ``softmax_d [B, H, S_q]``."""
     dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))
@@ -163,11 +126,16 @@ def _flash_attn_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, softmax_ls
     return softmax_d
 
 
-def _flash_attn_varlen_backward(dout: Any, q: Any, k: Any, v: Any, out: Any, softmax_lse: Any, dq: Any, dk: Any, dv: Any, cu_seqlens_q: Any,
-                                cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any, dropout_p: Any,
-                                softmax_scale: Any, causal: Any, window_size_left: Any, window_size_right: Any,
-                                softcap: Any, alibi_slopes: Any, deterministic: Any, rng_state: Any = None,
-                                zero_tensors: Any = False) -> Any:
+def _flash_attn_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                v: torch.Tensor, out: torch.Tensor, softmax_lse: torch.Tensor,
+                                dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
+                                dv: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor,
+                                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                dropout_p: float, softmax_scale: float, causal: bool,
+                                window_size_left: int, window_size_right: int, softcap: float,
+                                alibi_slopes: Optional[torch.Tensor], deterministic: bool,
+                                rng_state: Optional[torch.Tensor] = None,
+                                zero_tensors: bool = False) -> torch.Tensor:
     """FlashAttention 2.8.3's ``_flash_attn_varlen_backward``: writes ``dq``/``dk``/``dv`` (when
     given) and returns ``softmax_d [H, total_q]``."""
     dout, q, k, v, out = (_last_dim_contiguous(x) for x in (dout, q, k, v, out))

@@ -1,16 +1,13 @@
 """FlashAttention's packed (varlen) entry points ``mha_varlen_fwd`` / ``mha_varlen_bwd``
 (``[total, H, D]`` with ``cu_seqlens``, optional paged K/V). On the torch engine (the rule of
 ``cudnn_attn.packed.groups.by_length_groups``) and without dropout, weights or paging, the sequences run
-as one dense batch per distinct ``(len_q, len_k)`` (``varlen_groups.grouped_varlen``), so each costs
+as one dense batch per distinct ``(len_q, len_k)`` (``packed.groups.grouped_varlen``), so each costs
 its own length; otherwise as one batch padded to ``max_seqlen`` with a ``Padding`` mask
 (``varlen.PaddedBatch``): the fallback every surface shares when no engine runs the packed tensors
 as they lie (``native``). Conventions:
 ``cudnn_attn.compat.flash_attn.mha``'s docstring."""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-from typing import Any
 
 import math
 
@@ -37,7 +34,7 @@ def _packing(lens_q, lens_k, max_seqlen_q, max_seqlen_k, device):
 
 
 def _grouped(q, k, v, lens_q, lens_k, max_k: int, opts: Options, alibi):
-    """``(out [total_q, H, D_v], lse [H, total_q])`` through ``varlen_groups.grouped_varlen``
+    """``(out [total_q, H, D_v], lse [H, total_q])`` through ``packed.groups.grouped_varlen``
     (one dense batch per length group, the torch engine's route). FlashAttention normalizes its
     window against ``max_seqlen_k``, not the sequence's length: so does the mask here."""
     return grouped_varlen(q, k, v, lens_q, lens_k, _core.fa_mask(opts, max_k, False, alibi is not None),
@@ -135,12 +132,14 @@ def _batch_lengths(q, k, cu_seqlens_q, cu_seqlens_k, paged: bool):
 
 
 @runtime_errors
-def mha_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_: torch.Tensor,
-                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor,
-                   block_table_: torch.Tensor, alibi_slopes_: torch.Tensor, max_seqlen_q: int,
-                   max_seqlen_k: int, p_dropout: float, softmax_scale: float, zero_tensors: bool,
-                   is_causal: bool | Sequence[bool], window_size_left: int, window_size_right: int,
-                   softcap: float, return_softmax: bool, gen_: torch.Generator | None) -> Any:
+def mha_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_: torch.Tensor | None,
+                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                   seqused_k: torch.Tensor | None, block_table_: torch.Tensor | None,
+                   alibi_slopes_: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+                   p_dropout: float, softmax_scale: float | None, zero_tensors: bool,
+                   is_causal: bool, window_size_left: int, window_size_right: int,
+                   softcap: float, return_softmax: bool, gen_: torch.Generator | None,
+                   ) -> tuple[torch.Tensor, ...]:
     """FlashAttention forward on packed sequences (``[total, H, D]`` with ``cu_seqlens``).
 
     ``seqused_k`` (int ``[B]``) limits each sequence's keys to its first ``seqused_k[b]``.
@@ -194,13 +193,16 @@ def mha_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_: torc
 
 
 @runtime_errors
-def mha_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   softmax_lse: torch.Tensor, dq_: torch.Tensor, dk_: torch.Tensor, dv_: torch.Tensor,
-                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, alibi_slopes_: torch.Tensor,
-                   max_seqlen_q: int, max_seqlen_k: int, p_dropout: float, softmax_scale: float,
-                   zero_tensors: bool, is_causal: bool | Sequence[bool], window_size_left: int,
-                   window_size_right: int, softcap: float, deterministic: bool, philox_seed: Any,
-                   philox_offset: Any) -> Any:
+def mha_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, softmax_lse: torch.Tensor, dq_: torch.Tensor | None,
+                   dk_: torch.Tensor | None, dv_: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
+                   cu_seqlens_k: torch.Tensor, alibi_slopes_: torch.Tensor | None,
+                   max_seqlen_q: int, max_seqlen_k: int, p_dropout: float,
+                   softmax_scale: float | None, zero_tensors: bool, is_causal: bool,
+                   window_size_left: int, window_size_right: int, softcap: float,
+                   deterministic: bool, philox_seed: torch.Tensor | int,
+                   philox_offset: torch.Tensor | int,
+                   ) -> tuple[torch.Tensor, ...]:
     """FlashAttention backward on packed sequences: ``(dq, dk, dv, softmax_d)``.
 
     The arguments of ``mha_varlen_fwd`` (without ``seqused_k`` and paging, as FlashAttention),

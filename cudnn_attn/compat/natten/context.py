@@ -16,7 +16,7 @@ Same names, defaults, accepted values and errors as NATTEN. What they mean here:
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import AbstractContextManager
 
 import logging
 from enum import Enum
@@ -95,7 +95,7 @@ def are_deterministic_algorithms_enabled() -> bool:
     return _state["deterministic"]  # type: ignore[return-value]
 
 
-def deterministic_scope() -> Any:
+def deterministic_scope() -> AbstractContextManager[None]:
     """Within it, the calls of this surface carry NATTEN's deterministic mode in their problems
     (``problem.deterministic_calls``: a per-call field, torch's global flag untouched)."""
     return deterministic_calls(bool(_state["deterministic"]))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -52,7 +51,8 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 
 def merge_attentions(outputs: Sequence[torch.Tensor], lse_tensors: Sequence[torch.Tensor],
-                     torch_compile: bool = True, use_autograd_fix: bool = True) -> Any:
+                     torch_compile: bool = True, use_autograd_fix: bool = True,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge attention results over disjoint key sets through their log-sum-exps (NATTEN 0.21).
 
     ``outputs[i]`` is ``[B, *S, H, D]`` (heads-last) and ``lse_tensors[i]`` ``[B, *S, H]`` (natural
@@ -221,11 +221,14 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
          stride: int | Sequence[int] = 1, dilation: int | Sequence[int] = 1,
          is_causal: bool | Sequence[bool] = False, scale: float | None = None,
          additional_keys: torch.Tensor | None = None, additional_values: torch.Tensor | None = None,
-         attention_kwargs: dict | None = None, backend: str | None = None, q_tile_shape: Any = None,
-         kv_tile_shape: Any = None, backward_q_tile_shape: Any = None, backward_kv_tile_shape: Any = None,
-         backward_kv_splits: Any = None, backward_use_pt_reduction: bool = False,
+         attention_kwargs: dict | None = None, backend: str | None = None, q_tile_shape: Sequence[int] | None = None,
+         kv_tile_shape: Sequence[int] | None = None,
+         backward_q_tile_shape: Sequence[int] | None = None,
+         backward_kv_tile_shape: Sequence[int] | None = None,
+         backward_kv_splits: Sequence[int] | None = None, backward_use_pt_reduction: bool = False,
          run_persistent_kernel: bool = True, kernel_schedule: str | None = None, torch_compile: bool = False,
-         return_lse: bool = False, *, rpb: torch.Tensor | None = None) -> Any:
+         return_lse: bool = False, *, rpb: torch.Tensor | None = None,
+         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     return _call(1, query, key, value, kernel_size, stride, dilation, is_causal, scale,
                  additional_keys, additional_values, attention_kwargs, backend, q_tile_shape,
                  kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
@@ -237,11 +240,14 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
          stride: int | Sequence[int] = 1, dilation: int | Sequence[int] = 1,
          is_causal: bool | Sequence[bool] = False, scale: float | None = None,
          additional_keys: torch.Tensor | None = None, additional_values: torch.Tensor | None = None,
-         attention_kwargs: dict | None = None, backend: str | None = None, q_tile_shape: Any = None,
-         kv_tile_shape: Any = None, backward_q_tile_shape: Any = None, backward_kv_tile_shape: Any = None,
-         backward_kv_splits: Any = None, backward_use_pt_reduction: bool = False,
+         attention_kwargs: dict | None = None, backend: str | None = None, q_tile_shape: Sequence[int] | None = None,
+         kv_tile_shape: Sequence[int] | None = None,
+         backward_q_tile_shape: Sequence[int] | None = None,
+         backward_kv_tile_shape: Sequence[int] | None = None,
+         backward_kv_splits: Sequence[int] | None = None, backward_use_pt_reduction: bool = False,
          run_persistent_kernel: bool = True, kernel_schedule: str | None = None, torch_compile: bool = False,
-         return_lse: bool = False, *, rpb: torch.Tensor | None = None) -> Any:
+         return_lse: bool = False, *, rpb: torch.Tensor | None = None,
+         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     return _call(2, query, key, value, kernel_size, stride, dilation, is_causal, scale,
                  additional_keys, additional_values, attention_kwargs, backend, q_tile_shape,
                  kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
@@ -253,11 +259,14 @@ def na3d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
          stride: int | Sequence[int] = 1, dilation: int | Sequence[int] = 1,
          is_causal: bool | Sequence[bool] = False, scale: float | None = None,
          additional_keys: torch.Tensor | None = None, additional_values: torch.Tensor | None = None,
-         attention_kwargs: dict | None = None, backend: str | None = None, q_tile_shape: Any = None,
-         kv_tile_shape: Any = None, backward_q_tile_shape: Any = None, backward_kv_tile_shape: Any = None,
-         backward_kv_splits: Any = None, backward_use_pt_reduction: bool = False,
+         attention_kwargs: dict | None = None, backend: str | None = None, q_tile_shape: Sequence[int] | None = None,
+         kv_tile_shape: Sequence[int] | None = None,
+         backward_q_tile_shape: Sequence[int] | None = None,
+         backward_kv_tile_shape: Sequence[int] | None = None,
+         backward_kv_splits: Sequence[int] | None = None, backward_use_pt_reduction: bool = False,
          run_persistent_kernel: bool = True, kernel_schedule: str | None = None, torch_compile: bool = False,
-         return_lse: bool = False, *, rpb: torch.Tensor | None = None) -> Any:
+         return_lse: bool = False, *, rpb: torch.Tensor | None = None,
+         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     return _call(3, query, key, value, kernel_size, stride, dilation, is_causal, scale,
                  additional_keys, additional_values, attention_kwargs, backend, q_tile_shape,
                  kv_tile_shape, backward_q_tile_shape, backward_kv_tile_shape, backward_kv_splits,
@@ -272,12 +281,16 @@ def neighborhood_attention_generic(query: torch.Tensor, key: torch.Tensor, value
                                    additional_keys: torch.Tensor | None = None,
                                    additional_values: torch.Tensor | None = None,
                                    attention_kwargs: dict | None = None, backend: str | None = None,
-                                   q_tile_shape: Any = None, kv_tile_shape: Any = None,
-                                   backward_q_tile_shape: Any = None, backward_kv_tile_shape: Any = None,
-                                   backward_kv_splits: Any = None, backward_use_pt_reduction: bool = False,
+                                   q_tile_shape: Sequence[int] | None = None,
+                                   kv_tile_shape: Sequence[int] | None = None,
+                                   backward_q_tile_shape: Sequence[int] | None = None,
+                                   backward_kv_tile_shape: Sequence[int] | None = None,
+                                   backward_kv_splits: Sequence[int] | None = None,
+                                   backward_use_pt_reduction: bool = False,
                                    run_persistent_kernel: bool = True, kernel_schedule: str | None = None,
                                    torch_compile: bool = False, return_lse: bool = False, *,
-                                   rpb: torch.Tensor | None = None) -> Any:
+                                   rpb: torch.Tensor | None = None,
+                                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``na1d``/``na2d``/``na3d`` by the query's rank (NATTEN 0.21's ``natten.functional`` name)."""
     checks.tensor("query", query)
     if not 4 <= query.dim() <= 6:
@@ -299,11 +312,13 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               seqlens_Q: torch.Tensor | None = None, seqlens_KV: torch.Tensor | None = None,
               cumulative_seqlen_Q: torch.Tensor | None = None,
               cumulative_seqlen_KV: torch.Tensor | None = None, max_seqlen_Q: int | None = None,
-              max_seqlen_KV: int | None = None, backend: str | None = None, q_tile_size: Any = None,
-              kv_tile_size: Any = None, backward_q_tile_size: Any = None, backward_kv_tile_size: Any = None,
-              backward_kv_splits: Any = None, backward_use_pt_reduction: bool = False,
+              max_seqlen_KV: int | None = None, backend: str | None = None, q_tile_size: int | None = None,
+              kv_tile_size: int | None = None, backward_q_tile_size: int | None = None,
+              backward_kv_tile_size: int | None = None, backward_kv_splits: int | None = None,
+              backward_use_pt_reduction: bool = False,
               run_persistent_kernel: bool = True, kernel_schedule: str | None = None,
-              torch_compile: bool = False, return_lse: bool = False) -> Any:
+              torch_compile: bool = False, return_lse: bool = False,
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain attention with NATTEN 0.21's ``natten.attention`` signature, heads-last.
 
     Args:

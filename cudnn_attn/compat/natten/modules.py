@@ -9,6 +9,8 @@ other way round).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -99,10 +101,16 @@ class _NeighborhoodAttention(nn.Module):
 
     rank = 0
 
-    def __init__(self, embed_dim=None, num_heads=None, kernel_size=None, stride=1, dilation=1,
-                 is_causal=False, qkv_bias=True, qk_scale=None, proj_drop=0.0, *,
-                 rel_pos_bias=False, attn_drop=0.0, use_fused: bool | None = None, dim=None,
-                 use_experimental_ops=False):
+    def __init__(self, embed_dim: int | None = None, num_heads: int | None = None,
+                 kernel_size: int | Sequence[int] | None = None,
+                 stride: int | Sequence[int] | None = 1, dilation: int | Sequence[int] | None = 1,
+                 is_causal: bool | Sequence[bool] | None = False, qkv_bias: bool = True,
+                 qk_scale: float | None = None, proj_drop: float = 0.0, *,
+                 rel_pos_bias: bool = False, attn_drop: float = 0.0,
+                 use_fused: bool | None = None, dim: int | None = None,
+                 use_experimental_ops: bool = False) -> None:
+        # None is accepted for embed_dim/num_heads/kernel_size only so that NATTEN 0.17's
+        # ``dim=`` can stand in for embed_dim; a missing one raises NATTEN's TypeError.
         super().__init__()
         # NATTEN 0.21's positional order; NATTEN 0.17's keywords: dim (= embed_dim),
         # rel_pos_bias, attn_drop, use_experimental_ops (its kernels' switch: no effect here).
@@ -161,7 +169,8 @@ class _NeighborhoodAttention(nn.Module):
             return False
         return is_fna_enabled() if self.use_fused is None else self.use_fused
 
-    def forward(self, x: torch.Tensor, return_attn_weights: bool = False):
+    def forward(self, x: torch.Tensor, return_attn_weights: bool = False,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         checks.tensor("x", x)
         if x.dim() != self.rank + 2 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"x must be [B, *spatial ({self.rank} axes), {self.embed_dim}], got "
@@ -184,6 +193,7 @@ class _NeighborhoodAttention(nn.Module):
             out = unfused_ops.av(self.attn_drop(weights), v, geom).transpose(1, 2)
         out = self.proj_drop(self.proj(out.reshape(B, *spatial, self.embed_dim)))
         if return_attn_weights:
+            assert weights is not None  # return_attn_weights takes the unfused path
             return out, weights.unflatten(2, spatial)
         return out
 
@@ -195,16 +205,16 @@ class _NeighborhoodAttention(nn.Module):
 
 
 class NeighborhoodAttention1D(_NeighborhoodAttention):
-    __doc__ = "1-D " + _NeighborhoodAttention.__doc__
+    __doc__ = "1-D " + (_NeighborhoodAttention.__doc__ or "")
     rank = 1
 
 
 class NeighborhoodAttention2D(_NeighborhoodAttention):
-    __doc__ = "2-D " + _NeighborhoodAttention.__doc__
+    __doc__ = "2-D " + (_NeighborhoodAttention.__doc__ or "")
     rank = 2
 
 
 class NeighborhoodAttention3D(_NeighborhoodAttention):
-    __doc__ = "3-D " + _NeighborhoodAttention.__doc__
+    __doc__ = "3-D " + (_NeighborhoodAttention.__doc__ or "")
     rank = 3
 

@@ -32,8 +32,8 @@ Equivalent PyTorch of ``na1d_qk_forward`` then ``na1d_av_forward`` (non-causal, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Concatenate, ParamSpec
 
 import inspect
 import math
@@ -46,8 +46,17 @@ from ...fallback_kernels import FUSED_DTYPES, check_tile_sizes, valid_tile_sizes
 from ...model.masks import Neighborhood
 from .common import check_rpb, neighborhood_attention
 
-__all__ = [f"na{n}d_{op}" for op in ("forward", "qk_forward", "qk_backward", "av_forward",
-                                     "av_backward") for n in (1, 2, 3)] + ["valid_tile_sizes"]
+# Written out (not computed) so that static readers (mypy, griffe) see the names.
+__all__ = [
+    "na1d_forward", "na2d_forward", "na3d_forward",
+    "na1d_qk_forward", "na2d_qk_forward", "na3d_qk_forward",
+    "na1d_qk_backward", "na2d_qk_backward", "na3d_qk_backward",
+    "na1d_av_forward", "na2d_av_forward", "na3d_av_forward",
+    "na1d_av_backward", "na2d_av_backward", "na3d_av_backward",
+    "valid_tile_sizes",
+]
+
+P = ParamSpec("P")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -87,10 +96,11 @@ def _write(out: torch.Tensor, result: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _forward(output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _forward(rank: int, output: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              rpb: torch.Tensor | None, kernel_size: int | Sequence[int], dilation: int | Sequence[int],
-             is_causal: bool | Sequence[bool], attn_scale: float, query_tile_size: Any, key_tile_size: Any, *,
-             rank: int) -> None:
+             is_causal: bool | Sequence[bool], attn_scale: float | None,
+             query_tile_size: int | Sequence[int] | None,
+             key_tile_size: int | Sequence[int] | None) -> None:
     """Fused {rank}-D neighborhood attention, written into ``output``; returns None.
 
     ``query`` ``[B, *spatial, H, D]``, ``key`` ``[B, *spatial, H_kv, D]``, ``value``
@@ -154,9 +164,9 @@ def _attn_value(op, rank, attn, value, kernel_size, dilation, is_causal):
     return nb
 
 
-def _qk_forward(attn: torch.Tensor, query: torch.Tensor, key: torch.Tensor, rpb: torch.Tensor | None,
-                kernel_size: int | Sequence[int], dilation: int | Sequence[int],
-                is_causal: bool | Sequence[bool], *, rank: int) -> None:
+def _qk_forward(rank: int, attn: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                rpb: torch.Tensor | None, kernel_size: int | Sequence[int],
+                dilation: int | Sequence[int], is_causal: bool | Sequence[bool]) -> None:
     """Unfused {rank}-D QK: ``attn[b, h, *i, slot] = <query[b, h, *i], key[b, h, *j(slot)]>
     (+ rpb)``, unscaled, invalid causal slots ``-inf``; written into ``attn``, returns None.
 
@@ -176,9 +186,10 @@ def _qk_forward(attn: torch.Tensor, query: torch.Tensor, key: torch.Tensor, rpb:
     _write(attn, result)
 
 
-def _qk_backward(d_query: torch.Tensor, d_key: torch.Tensor, d_rpb: torch.Tensor | None, d_attn: torch.Tensor,
-                 query: torch.Tensor, key: torch.Tensor, kernel_size: int | Sequence[int],
-                 dilation: int | Sequence[int], is_causal: bool | Sequence[bool], *, rank: int) -> None:
+def _qk_backward(rank: int, d_query: torch.Tensor, d_key: torch.Tensor,
+                 d_rpb: torch.Tensor | None, d_attn: torch.Tensor, query: torch.Tensor,
+                 key: torch.Tensor, kernel_size: int | Sequence[int],
+                 dilation: int | Sequence[int], is_causal: bool | Sequence[bool]) -> None:
     """Gradients of {rank}-D QK: writes ``d_query``, ``d_key`` and, unless it is None, ``d_rpb``
     (``[H, 2*k-1, ...]``) from ``d_attn``; returns None. Invalid causal slots get no gradient.
 
@@ -205,9 +216,9 @@ def _zeros_if_none(grad, like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like) if grad is None else grad
 
 
-def _av_forward(output: torch.Tensor, attn: torch.Tensor, value: torch.Tensor,
+def _av_forward(rank: int, output: torch.Tensor, attn: torch.Tensor, value: torch.Tensor,
                 kernel_size: int | Sequence[int], dilation: int | Sequence[int],
-                is_causal: bool | Sequence[bool], *, rank: int) -> None:
+                is_causal: bool | Sequence[bool]) -> None:
     """Unfused {rank}-D AV: ``output[b, h, *i] = sum_slot attn[b, h, *i, slot] * value[b, h, *j(slot)]``
     over the valid slots; written into ``output``, returns None.
 
@@ -222,9 +233,9 @@ def _av_forward(output: torch.Tensor, attn: torch.Tensor, value: torch.Tensor,
     _write(output, result)
 
 
-def _av_backward(d_attn: torch.Tensor, d_value: torch.Tensor, d_out: torch.Tensor, attn: torch.Tensor,
-                 value: torch.Tensor, kernel_size: int | Sequence[int], dilation: int | Sequence[int],
-                 is_causal: bool | Sequence[bool], *, rank: int) -> None:
+def _av_backward(rank: int, d_attn: torch.Tensor, d_value: torch.Tensor, d_out: torch.Tensor,
+                 attn: torch.Tensor, value: torch.Tensor, kernel_size: int | Sequence[int],
+                 dilation: int | Sequence[int], is_causal: bool | Sequence[bool]) -> None:
     """Gradients of {rank}-D AV: writes ``d_attn`` (zero in invalid causal slots) and ``d_value``
     from ``d_out``; returns None.
 
@@ -241,17 +252,23 @@ def _av_backward(d_attn: torch.Tensor, d_value: torch.Tensor, d_out: torch.Tenso
     _write(d_value, _zeros_if_none(dv, d_value))
 
 
-def _ranked(impl, rank: int):
-    """``impl`` with ``rank`` fixed: the public op ``na{rank}d_<op>`` with impl's other arguments."""
-    def op(*args, **kwargs):
-        return impl(*args, **kwargs, rank=rank)
-
+def _ranked(impl: Callable[Concatenate[int, P], None], rank: int) -> Callable[P, None]:
+    """``impl`` with its first argument, ``rank``, fixed: the public op ``na{rank}d_<op>`` with
+    impl's other arguments (for type checkers too: ``Concatenate`` drops ``rank``)."""
     signature = inspect.signature(impl)
-    op.__signature__ = signature.replace(  # type: ignore[attr-defined]
-        parameters=[p for p in signature.parameters.values() if p.name != "rank"])
+    public = signature.replace(parameters=list(signature.parameters.values())[1:])
+
+    def op(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:  # a wrong argument count is reported against the public op, not impl
+            public.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{op.__name__}(): {exc}") from None
+        return impl(rank, *args, **kwargs)
+
+    op.__signature__ = public  # type: ignore[attr-defined]
     op.__name__ = op.__qualname__ = f"na{rank}d{impl.__name__}"
     op.__module__ = __name__
-    op.__doc__ = impl.__doc__.replace("{rank}", str(rank))
+    op.__doc__ = (impl.__doc__ or "").replace("{rank}", str(rank))
     return op
 
 

@@ -20,16 +20,23 @@ result. ``HAS_LIBNATTEN`` is True: it tells callers that the fused neighborhood 
 """
 
 from __future__ import annotations
-from typing import Any
 
 from enum import Enum
+from typing import Union
 
 import torch
 
-__all__ = ["__version__", "HAS_LIBNATTEN", "KernelSchedule"] + [
-    f"get_{kind}configs_for_{family}_{op}"
-    for kind in ("", "bwd_") for family in ("cutlass", "cutlass_hopper", "cutlass_blackwell")
-    for op in ("fna", "fmha")] + ["get_configs_for_flex_fna", "get_configs_for_flex_fmha"]
+# Written out (not computed) so that static readers (mypy, griffe) see the names.
+__all__ = [
+    "__version__", "HAS_LIBNATTEN", "KernelSchedule", "get_configs_for_cutlass_fna",
+    "get_configs_for_cutlass_fmha", "get_configs_for_cutlass_hopper_fna",
+    "get_configs_for_cutlass_hopper_fmha", "get_configs_for_cutlass_blackwell_fna",
+    "get_configs_for_cutlass_blackwell_fmha", "get_bwd_configs_for_cutlass_fna",
+    "get_bwd_configs_for_cutlass_fmha", "get_bwd_configs_for_cutlass_hopper_fna",
+    "get_bwd_configs_for_cutlass_hopper_fmha", "get_bwd_configs_for_cutlass_blackwell_fna",
+    "get_bwd_configs_for_cutlass_blackwell_fmha", "get_configs_for_flex_fna",
+    "get_configs_for_flex_fmha",
+]
 
 __version__ = "0.21.7"  # the NATTEN release whose API this namespace follows
 HAS_LIBNATTEN = True
@@ -43,13 +50,19 @@ class KernelSchedule(Enum):
     WarpSpecializedPingpong = 2
 
 
+# NATTEN's names for what the probes return: an FMHA tile is ``(q_tile_size, kv_tile_size)``, an
+# FNA tile one shape per spatial axis for q and for kv.
+FmhaTiles = tuple[int, int]
+FnaTiles = Union[tuple[tuple[int], tuple[int]], tuple[tuple[int, int], tuple[int, int]],
+                 tuple[tuple[int, int, int], tuple[int, int, int]]]
+
 # Defaults per spatial rank (NATTEN 0.21.7's default tiles of each family).
-_AMPERE = {1: ((64,), (64,)), 2: ((8, 8), (8, 8)), 3: ((4, 4, 4), (4, 4, 4))}
-_HOPPER_FWD = {1: ((64,), (128,)), 2: ((8, 8), (16, 8)), 3: ((4, 4, 4), (4, 4, 8))}
-_HOPPER_BWD = {1: ((64,), (128,)), 2: ((8, 8), (16, 8)), 3: ((4, 4, 4), (4, 4, 8))}
-_BLACKWELL_FWD = {1: ((256,), (128,)), 2: ((16, 16), (16, 8)), 3: ((8, 4, 8), (4, 4, 8))}
-_BLACKWELL_BWD = {1: ((128,), (128,)), 2: ((16, 8), (16, 8)), 3: ((4, 4, 8), (4, 4, 8))}
-_FLEX = {1: [((64,), (64,))],
+_AMPERE: dict[int, FnaTiles] = {1: ((64,), (64,)), 2: ((8, 8), (8, 8)), 3: ((4, 4, 4), (4, 4, 4))}
+_HOPPER_FWD: dict[int, FnaTiles] = {1: ((64,), (128,)), 2: ((8, 8), (16, 8)), 3: ((4, 4, 4), (4, 4, 8))}
+_HOPPER_BWD: dict[int, FnaTiles] = {1: ((64,), (128,)), 2: ((8, 8), (16, 8)), 3: ((4, 4, 4), (4, 4, 8))}
+_BLACKWELL_FWD: dict[int, FnaTiles] = {1: ((256,), (128,)), 2: ((16, 16), (16, 8)), 3: ((8, 4, 8), (4, 4, 8))}
+_BLACKWELL_BWD: dict[int, FnaTiles] = {1: ((128,), (128,)), 2: ((16, 8), (16, 8)), 3: ((4, 4, 8), (4, 4, 8))}
+_FLEX: dict[int, list[FnaTiles]] = {1: [((64,), (64,))],
          2: [((8, 8), (8, 8)), ((4, 16), (4, 16)), ((4, 16), (8, 8))],
          3: [((4, 4, 4), (4, 4, 4)), ((2, 4, 8), (2, 4, 8)), ((2, 4, 8), (4, 4, 4))]}
 
@@ -99,33 +112,39 @@ def _blackwell(query, fmha: bool, table: dict):
     return _sizes(configs) if fmha else configs
 
 
-def get_configs_for_cutlass_fna(query: Any, key: Any, value: Any) -> Any:
+def get_configs_for_cutlass_fna(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                ) -> list[FnaTiles]:
     """NATTEN's CUTLASS (sm50+) FNA forward tile configurations for these tensors."""
     return _ampere(query, False)
 
 
-def get_configs_for_cutlass_fmha(query: Any, key: Any, value: Any) -> Any:
+def get_configs_for_cutlass_fmha(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 ) -> list[FmhaTiles]:
     """NATTEN's CUTLASS (sm50+) FMHA forward tile sizes for these tensors."""
     return _ampere(query, True)
 
 
-def get_bwd_configs_for_cutlass_fna(query: Any, key: Any, value: Any) -> Any:
+def get_bwd_configs_for_cutlass_fna(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                    ) -> list[FnaTiles]:
     """NATTEN's CUTLASS (sm50+) FNA backward tile configurations for these tensors."""
     return _ampere(query, False)
 
 
-def get_bwd_configs_for_cutlass_fmha(query: Any, key: Any, value: Any) -> Any:
+def get_bwd_configs_for_cutlass_fmha(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                     ) -> list[FmhaTiles]:
     """NATTEN's CUTLASS (sm50+) FMHA backward tile sizes for these tensors."""
     return _ampere(query, True)
 
 
-def get_configs_for_cutlass_hopper_fna(query: Any, key: Any, value: Any) -> Any:
+def get_configs_for_cutlass_hopper_fna(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                       ) -> list[tuple[FnaTiles, KernelSchedule]]:
     """NATTEN's Hopper FNA forward configurations: ``[((q_tile, kv_tile), KernelSchedule)]``."""
     rank = _rank(query, False)
     return [(_HOPPER_FWD[rank], KernelSchedule.NonPersistent)] if _hopper_ok(query) else []
 
 
-def get_configs_for_cutlass_hopper_fmha(query: Any, key: Any, value: Any) -> Any:
+def get_configs_for_cutlass_hopper_fmha(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                        ) -> list[tuple[FmhaTiles, KernelSchedule]]:
     """NATTEN's Hopper FMHA forward configurations: ``[((q_tile, kv_tile), KernelSchedule)]``."""
     _rank(query, True)
     if not _hopper_ok(query):
@@ -134,44 +153,52 @@ def get_configs_for_cutlass_hopper_fmha(query: Any, key: Any, value: Any) -> Any
     return [((q, kv), KernelSchedule.NonPersistent)]
 
 
-def get_bwd_configs_for_cutlass_hopper_fna(query: Any, key: Any, value: Any) -> Any:
+def get_bwd_configs_for_cutlass_hopper_fna(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                           ) -> list[FnaTiles]:
     """NATTEN's Hopper FNA backward tile configurations."""
     rank = _rank(query, False)
     return [_HOPPER_BWD[rank]] if _hopper_ok(query, backward=True) else []
 
 
-def get_bwd_configs_for_cutlass_hopper_fmha(query: Any, key: Any, value: Any) -> Any:
+def get_bwd_configs_for_cutlass_hopper_fmha(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                            ) -> list[FmhaTiles]:
     """NATTEN's Hopper FMHA backward tile sizes."""
     _rank(query, True)
     return _sizes([_HOPPER_BWD[1]]) if _hopper_ok(query, backward=True) else []
 
 
-def get_configs_for_cutlass_blackwell_fna(query: Any, key: Any, value: Any) -> Any:
+def get_configs_for_cutlass_blackwell_fna(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                          ) -> list[FnaTiles]:
     """NATTEN's Blackwell FNA forward tile configurations."""
     return _blackwell(query, False, _BLACKWELL_FWD)
 
 
-def get_configs_for_cutlass_blackwell_fmha(query: Any, key: Any, value: Any) -> Any:
+def get_configs_for_cutlass_blackwell_fmha(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                           ) -> list[FmhaTiles]:
     """NATTEN's Blackwell FMHA forward tile sizes."""
     return _blackwell(query, True, _BLACKWELL_FWD)
 
 
-def get_bwd_configs_for_cutlass_blackwell_fna(query: Any, key: Any, value: Any) -> Any:
+def get_bwd_configs_for_cutlass_blackwell_fna(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                              ) -> list[FnaTiles]:
     """NATTEN's Blackwell FNA backward tile configurations."""
     return _blackwell(query, False, _BLACKWELL_BWD)
 
 
-def get_bwd_configs_for_cutlass_blackwell_fmha(query: Any, key: Any, value: Any) -> Any:
+def get_bwd_configs_for_cutlass_blackwell_fmha(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                               ) -> list[FmhaTiles]:
     """NATTEN's Blackwell FMHA backward tile sizes."""
     return _blackwell(query, True, _BLACKWELL_BWD)
 
 
-def get_configs_for_flex_fna(query: Any, key: Any, value: Any, torch_compile: bool = False) -> Any:
+def get_configs_for_flex_fna(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             torch_compile: bool = False) -> list[FnaTiles]:
     """NATTEN's Flex FNA tile configurations (any device)."""
     return list(_FLEX[_rank(query, False)])
 
 
-def get_configs_for_flex_fmha(query: Any, key: Any, value: Any, torch_compile: bool = False) -> Any:
+def get_configs_for_flex_fmha(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              torch_compile: bool = False) -> list[FmhaTiles]:
     """NATTEN's Flex FMHA tile sizes (any device)."""
     _rank(query, True)
     return _sizes(_FLEX[1])

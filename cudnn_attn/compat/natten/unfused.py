@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -18,7 +17,7 @@ from ...model import checks
 from ...core import unfused_ops
 from .common import check_rpb, doc_fields, unfused_geometry
 
-__all__ = [f"na{n}d_{op}" for op in ("qk", "av") for n in (1, 2, 3)]
+__all__ = ["na1d_qk", "na2d_qk", "na3d_qk", "na1d_av", "na2d_av", "na3d_av"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,37 +132,37 @@ _AV_DOC = """Unfused {rank}-D neighborhood weighting (NATTEN 0.17 ``na{rank}d_av
 
 def na1d_qk(query: torch.Tensor, key: torch.Tensor, kernel_size: int | Sequence[int],
             dilation: int | Sequence[int] = 1, additional_keys: torch.Tensor | None = None,
-            is_causal: bool | Sequence[bool] = False, rpb: torch.Tensor | None = None) -> Any:
+            is_causal: bool | Sequence[bool] = False, rpb: torch.Tensor | None = None) -> torch.Tensor:
     return _na_qk(1, query, key, kernel_size, dilation, additional_keys, is_causal, rpb)
 
 
 def na2d_qk(query: torch.Tensor, key: torch.Tensor, kernel_size: int | Sequence[int],
             dilation: int | Sequence[int] = 1, additional_keys: torch.Tensor | None = None,
-            is_causal: bool | Sequence[bool] = False, rpb: torch.Tensor | None = None) -> Any:
+            is_causal: bool | Sequence[bool] = False, rpb: torch.Tensor | None = None) -> torch.Tensor:
     return _na_qk(2, query, key, kernel_size, dilation, additional_keys, is_causal, rpb)
 
 
 def na3d_qk(query: torch.Tensor, key: torch.Tensor, kernel_size: int | Sequence[int],
             dilation: int | Sequence[int] = 1, additional_keys: torch.Tensor | None = None,
-            is_causal: bool | Sequence[bool] = False, rpb: torch.Tensor | None = None) -> Any:
+            is_causal: bool | Sequence[bool] = False, rpb: torch.Tensor | None = None) -> torch.Tensor:
     return _na_qk(3, query, key, kernel_size, dilation, additional_keys, is_causal, rpb)
 
 
 def na1d_av(attn: torch.Tensor, value: torch.Tensor, kernel_size: int | Sequence[int],
             dilation: int | Sequence[int] = 1, additional_values: torch.Tensor | None = None,
-            is_causal: bool | Sequence[bool] = False) -> Any:
+            is_causal: bool | Sequence[bool] = False) -> torch.Tensor:
     return _na_av(1, attn, value, kernel_size, dilation, additional_values, is_causal)
 
 
 def na2d_av(attn: torch.Tensor, value: torch.Tensor, kernel_size: int | Sequence[int],
             dilation: int | Sequence[int] = 1, additional_values: torch.Tensor | None = None,
-            is_causal: bool | Sequence[bool] = False) -> Any:
+            is_causal: bool | Sequence[bool] = False) -> torch.Tensor:
     return _na_av(2, attn, value, kernel_size, dilation, additional_values, is_causal)
 
 
 def na3d_av(attn: torch.Tensor, value: torch.Tensor, kernel_size: int | Sequence[int],
             dilation: int | Sequence[int] = 1, additional_values: torch.Tensor | None = None,
-            is_causal: bool | Sequence[bool] = False) -> Any:
+            is_causal: bool | Sequence[bool] = False) -> torch.Tensor:
     return _na_av(3, attn, value, kernel_size, dilation, additional_values, is_causal)
 
 
