@@ -65,6 +65,59 @@ def _philox_pair(rng_state: Optional[torch.Tensor]):
     return seed, offset
 
 
+@runtime_errors
+def _keys_after_leftpad(k: torch.Tensor, v: torch.Tensor, leftpad_k: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                        seqused_k: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashAttention's ``leftpad_k`` as the packed keys, offsets and lengths ``mha_varlen_fwd``
+    takes: ``(k', v', cu_seqlens_k', seqused_k')``.
+
+    FlashAttention (``block_info.h``): sequence ``b``'s keys start at row ``cu_seqlens_k[b] +
+    leftpad_k[b]`` and number ``used[b] - leftpad_k[b]``, ``used`` being ``seqused_k`` or the
+    ``cu_seqlens_k`` lengths. Here sequence ``b``'s span starts at its first kept key and runs on
+    to the next sequence's first kept key (``cu'[b] = cu_seqlens_k[b] + leftpad_k[b]``, less the
+    rows before sequence 0's first key, which ``k'``/``v'`` drop as views), and ``seqused_k' =
+    used - leftpad_k`` keeps only the sequence's own keys. The values are read on the host (to
+    check them, and for sequence 0's start).
+    """
+    if block_table is not None:  # FlashAttention's TORCH_CHECK, word for word
+        raise ValueError("We don't support Paged KV and leftpad_k running at the same time yet "
+                         "(leftpad_k must be None with block_table)")
+    device = k.device
+    lefts = index_tensor("leftpad_k", leftpad_k, 1, device)
+    batch = index_tensor("cu_seqlens_q", cu_seqlens_q, 1, device).numel() - 1
+    if lefts.shape[0] != batch:
+        raise ValueError(f"leftpad_k must have shape (batch_size) = ({batch},) (one entry per "
+                         f"sequence of cu_seqlens_q), got {tuple(lefts.shape)}")
+    cu = index_tensor("cu_seqlens_k", cu_seqlens_k, 1, device)
+    if cu.shape[0] != batch + 1:
+        raise ValueError(f"cu_seqlens_k must have shape (batch_size + 1) = ({batch + 1},), got "
+                         f"{tuple(cu.shape)}")
+    starts, full = cu[:-1].tolist(), (cu[1:] - cu[:-1]).tolist()
+    used = full
+    if seqused_k is not None:
+        used = index_tensor("seqused_k", seqused_k, 1, device).tolist()
+        if len(used) != batch:
+            raise ValueError(f"seqused_k must have shape (batch_size) = ({batch},), got "
+                             f"({len(used)},)")
+    pads = lefts.tolist()
+    what = "cu_seqlens_k" if seqused_k is None else "seqused_k"
+    for b, (pad, n, cap) in enumerate(zip(pads, used, full)):
+        if not 0 <= n <= cap:
+            raise ValueError(f"seqused_k[{b}] = {n} must be in [0, {cap}] (the keys of "
+                             f"sequence {b} in cu_seqlens_k)")
+        if not 0 <= pad <= n:
+            raise ValueError(f"leftpad_k[{b}] = {pad} must be in [0, {n}] (sequence {b} has {n} "
+                             f"keys in {what})")
+    first = starts[0] + pads[0]
+    offsets = [s + pad - first for s, pad in zip(starts, pads)] + [k.shape[0] - first]
+    lengths = [n - pad for n, pad in zip(used, pads)]
+    as_index = dict(dtype=cu.dtype, device=cu.device)
+    return (k[first:], v[first:], torch.tensor(offsets, **as_index),
+            torch.tensor(lengths, **as_index))
+
+
 def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                         softmax_scale: float, causal: bool, window_size_left: int,
                         window_size_right: int, softcap: float,
