@@ -113,9 +113,8 @@ def _keys_after_leftpad(k: torch.Tensor, v: torch.Tensor, leftpad_k: torch.Tenso
     first = starts[0] + pads[0]
     offsets = [s + pad - first for s, pad in zip(starts, pads)] + [k.shape[0] - first]
     lengths = [n - pad for n, pad in zip(used, pads)]
-    as_index = dict(dtype=cu.dtype, device=cu.device)
-    return (k[first:], v[first:], torch.tensor(offsets, **as_index),
-            torch.tensor(lengths, **as_index))
+    return (k[first:], v[first:], torch.tensor(offsets, dtype=cu.dtype, device=cu.device),
+            torch.tensor(lengths, dtype=cu.dtype, device=cu.device))
 
 
 def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
