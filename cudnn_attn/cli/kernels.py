@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Any
 
+from .specs import positive_int
+
 _ARCH = re.compile(r"sm_(\d+)(\d)a?")
 
 
@@ -77,7 +79,7 @@ def add_parser(sub: Any) -> None:
     kernels.add_argument("--arch", action="append", default=None, type=arch_arg,
                          help="target, e.g. sm_90 (repeatable; default: sm_80 and sm_90)")
     kernels.add_argument("--json", action="store_true", help="print JSON records")
-    kernels.add_argument("--jobs", type=_positive_int, default=None, metavar="N",
+    kernels.add_argument("--jobs", type=positive_int, default=None, metavar="N",
                          help="kernels compiled at once (default: the CPUs this process may use, "
                               "at most 8)")
     kernels.set_defaults(func=lambda a: cmd_kernels(_with_default_arch(a)))
@@ -87,14 +89,3 @@ def _with_default_arch(args: argparse.Namespace) -> argparse.Namespace:
     if not args.arch:
         args.arch = ["sm_80", "sm_90"]
     return args
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value

@@ -12,37 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import cudnn_attn.integrations.transformers as ca_hf  # noqa: E402
-
-NAME = ca_hf.register()
-TOL = dict(atol=2e-5, rtol=2e-5)
-SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-
-
-def llama():
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
-
-
-def mistral():
-    return transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=5))
-
-
-def gemma2():
-    cfg = transformers.Gemma2Config(**SMALL, head_dim=8, sliding_window=4,
-                                    attn_logit_softcapping=3.0, final_logit_softcapping=None)
-    return transformers.Gemma2ForCausalLM(cfg)
-
-
-def gpt_oss():
-    cfg = transformers.GptOssConfig(**SMALL, head_dim=8, sliding_window=4, num_local_experts=4,
-                                    num_experts_per_tok=2,
-                                    layer_types=["sliding_attention", "full_attention"])
-    model = transformers.GptOssForCausalLM(cfg)
-    with torch.no_grad():  # sinks large enough to move the logits well past the tolerance
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_(0.0, 1.0)
-    return model
-
+from hf_tiny import NAME, TOL, gemma2, gpt_oss, llama, mistral  # noqa: E402
 
 MODELS = {"llama_gqa": (llama, "sdpa"), "mistral_sliding_window": (mistral, "sdpa"),
           "gemma2_softcap_sliding": (gemma2, "eager"), "gpt_oss_sinks": (gpt_oss, "eager")}

@@ -13,40 +13,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import cudnn_attn as ca  # noqa: E402
-import cudnn_attn.integrations.transformers as ca_hf  # noqa: E402
-from cudnn_attn.core import dispatch  # noqa: E402
 from cudnn_attn.integrations import hf_calls, hf_masks  # noqa: E402
-
-NAME = ca_hf.register()
-TOL = dict(atol=2e-5, rtol=2e-5)
-SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-             num_attention_heads=4, max_position_embeddings=64)
-
-
-def llama():
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, num_key_value_heads=2))
+from hf_tiny import NAME, TOL, bert, gemma2, gpt_oss, llama, problems  # noqa: E402,F401
+from hf_tiny import mistral as mistral_with_window  # noqa: E402
 
 
 def mistral(window=3):
-    return transformers.MistralForCausalLM(
-        transformers.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=window))
-
-
-def gemma2():
-    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-        **SMALL, num_key_value_heads=2, head_dim=8, sliding_window=4, attn_logit_softcapping=3.0,
-        final_logit_softcapping=None))
-
-
-def gpt_oss():
-    cfg = transformers.GptOssConfig(**SMALL, num_key_value_heads=2, head_dim=8, sliding_window=4,
-                                    num_local_experts=4, num_experts_per_tok=2,
-                                    layer_types=["sliding_attention", "full_attention"])
-    model = transformers.GptOssForCausalLM(cfg)
-    with torch.no_grad():  # sinks large enough to move the logits well past the tolerance
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_(0.0, 1.0)
-    return model
+    return mistral_with_window(window)
 
 
 def modernbert():
@@ -65,22 +38,6 @@ def build(factory):
 
 def token_ids(batch, seq, seed=1):
     return torch.randint(1, 97, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.fixture
-def problems(monkeypatch):
-    """Every AttnProblem the dispatcher plans while the test runs (planning happens when a call
-    runs, also inside a compiled graph)."""
-    seen = []
-    plan_for = dispatch.plan_for
-
-    def spy(problem, backend="auto"):
-        seen.append(problem)
-        return plan_for(problem, backend)
-
-    monkeypatch.setattr(dispatch, "plan_for", spy)
-    ca.clear_caches()
-    return seen
 
 
 def structured(problems, *parts):
@@ -290,10 +247,6 @@ def test_a_window_with_holes_stays_dense(problems):
 
 
 # --- compiled forwards: structured where nothing must be read on the host --------------------
-
-def bert():
-    return transformers.BertModel(transformers.BertConfig(**SMALL))
-
 
 def compiled_logits(model, impl, ids, mask, use_cache):
     model.set_attn_implementation(impl)

@@ -16,33 +16,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import cudnn_attn as ca  # noqa: E402
-import cudnn_attn.integrations.transformers as ca_hf  # noqa: E402
-from cudnn_attn.core import dispatch# noqa: E402
 from cudnn_attn.integrations import hf_calls, hf_masks  # noqa: E402
-
-NAME = ca_hf.register()
-TOL = dict(atol=2e-5, rtol=2e-5)
-SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-             num_attention_heads=4, max_position_embeddings=64)
-
-
-def llama():
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, num_key_value_heads=2))
-
-
-def mistral():
-    return transformers.MistralForCausalLM(
-        transformers.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=5))
-
-
-def gemma2():
-    return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-        **SMALL, num_key_value_heads=2, head_dim=8, sliding_window=4, attn_logit_softcapping=3.0,
-        final_logit_softcapping=None))
-
-
-def bert():
-    return transformers.BertModel(transformers.BertConfig(**SMALL))
+import cudnn_attn.integrations.transformers as ca_hf  # noqa: E402
+from hf_tiny import NAME, TOL, bert, gemma2, llama, mistral, problems  # noqa: E402,F401
 
 
 # name -> (factory, peer implementation, mask parts that must reach the engines)
@@ -71,21 +47,6 @@ def output(model, ids, mask, **kw):
     with torch.no_grad():
         out = model(ids, attention_mask=mask, **kw)
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
-
-
-@pytest.fixture
-def problems(monkeypatch):
-    """Every AttnProblem the dispatcher plans while the test runs."""
-    seen = []
-    plan_for = dispatch.plan_for
-
-    def spy(problem, backend="auto"):
-        seen.append(problem)
-        return plan_for(problem, backend)
-
-    monkeypatch.setattr(dispatch, "plan_for", spy)
-    ca.clear_caches()  # a call remembered by an earlier test would skip planning (and the spy)
-    return seen
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
