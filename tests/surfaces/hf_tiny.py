@@ -63,3 +63,20 @@ def problems(monkeypatch):
     monkeypatch.setattr(dispatch, "plan_for", spy)
     ca.clear_caches()  # a call remembered by an earlier test would skip planning (and the spy)
     return seen
+
+
+@pytest.fixture
+def attention_calls(monkeypatch):
+    """``(args, kwargs)`` of every ``attention()`` call the HF integration makes while the test
+    runs (what ``explain()`` is then asked about)."""
+    from cudnn_attn.integrations import hf_calls
+
+    calls = []
+    real_attention = hf_calls.attention
+
+    def recorder(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real_attention(*args, **kwargs)
+
+    monkeypatch.setattr(hf_calls, "attention", recorder)
+    return calls

@@ -14,7 +14,8 @@ transformers = pytest.importorskip("transformers")
 
 import cudnn_attn as ca  # noqa: E402
 from cudnn_attn.integrations import hf_calls, hf_masks  # noqa: E402
-from hf_tiny import NAME, TOL, bert, gemma2, gpt_oss, llama, problems  # noqa: E402,F401
+from hf_tiny import NAME, TOL, bert, gemma2, gpt_oss, llama  # noqa: E402
+from hf_tiny import attention_calls, problems  # noqa: E402,F401  (fixtures)
 from hf_tiny import mistral as mistral_with_window  # noqa: E402
 
 
@@ -119,15 +120,8 @@ def test_a_compiled_static_decode_step_reads_nothing_on_the_host(monkeypatch):
     (lambda: mistral(window=6), "SlidingWindow(left=5, right=0, alignment='bottom_right')")],
     ids=["llama", "mistral"])
 def test_static_cache_without_a_2d_mask_is_a_band_with_padding(factory, band, problems,
-                                                                monkeypatch):
-    calls = []
-    real_attention = hf_calls.attention
-
-    def recorder(*args, **kwargs):
-        calls.append((args, kwargs))
-        return real_attention(*args, **kwargs)
-
-    monkeypatch.setattr(hf_calls, "attention", recorder)
+                                                                attention_calls):
+    calls = attention_calls
     model = build(factory)
     ids = token_ids(2, 3)
     step = token_ids(2, 1, seed=2)

@@ -16,9 +16,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import cudnn_attn as ca  # noqa: E402
-from cudnn_attn.integrations import hf_calls, hf_masks  # noqa: E402
+from cudnn_attn.integrations import hf_masks  # noqa: E402
 import cudnn_attn.integrations.transformers as ca_hf  # noqa: E402
-from hf_tiny import NAME, TOL, bert, gemma2, llama, mistral, problems  # noqa: E402,F401
+from hf_tiny import NAME, TOL, bert, gemma2, llama, mistral  # noqa: E402
+from hf_tiny import attention_calls, problems  # noqa: E402,F401  (fixtures)
 
 
 # name -> (factory, peer implementation, mask parts that must reach the engines)
@@ -90,15 +91,8 @@ def test_generation_with_left_padding_stays_structured(name, problems):
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
-def test_explain_of_the_captured_calls_names_a_structured_mask(name, monkeypatch):
-    calls = []
-    real_attention = hf_calls.attention
-
-    def recorder(*args, **kwargs):
-        calls.append((args, kwargs))
-        return real_attention(*args, **kwargs)
-
-    monkeypatch.setattr(hf_calls, "attention", recorder)
+def test_explain_of_the_captured_calls_names_a_structured_mask(name, attention_calls):
+    calls = attention_calls
     model = build(name)
     model.set_attn_implementation(NAME)
     ids, _ = padded_batch()
