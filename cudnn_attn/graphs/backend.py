@@ -179,8 +179,11 @@ class CudnnPlan:
         if problem.dropout_p != self.dropout_p:
             raise ValueError(f"this plan was built for dropout_p={self.dropout_p}, got "
                              f"{problem.dropout_p}")
+        q_factor, scale = _runtime.positive_scale(problem.scale)
+        if q_factor != 1.0:  # cuDNN takes positive scales only; the sign rides on q
+            q = _runtime.scaled_same_strides(q, q_factor)
         buffers = {UID.Q: _runtime.aligned(q), UID.K: _runtime.aligned(k),
-                   UID.V: _runtime.aligned(v), UID.SCALE: self._scales.get(problem.scale)}
+                   UID.V: _runtime.aligned(v), UID.SCALE: self._scales.get(scale)}
         if self.spec.bias_dim is not None:
             buffers[UID.BIAS] = _runtime.bias_operand(self.spec, bias)
         empty = None
@@ -308,6 +311,11 @@ class CudnnPlan:
             dbias = torch.empty(s.bias_dim, dtype=bias.dtype, device=device)
             buffers[UID.DBIAS] = dbias
         built.execute(buffers, _runtime.workspace(built.workspace_size, device), handle)
+        q_factor = _runtime.positive_scale(problem.scale)[0]
+        if q_factor == 0.0:  # the graph differentiated w.r.t. q * q_factor
+            dq.zero_()
+        elif q_factor != 1.0:
+            dq.mul_(q_factor)
         if dbias is not None:
             dbias = dbias.view(problem.bias.shape)
         return dq, dk, dv, dbias
