@@ -263,4 +263,8 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | N
     engines = {}
     if isinstance(verdicts.get("cudnn"), str):  # cuDNN can run it: its graphs may be cached
         engines = dispatch.get_backend("cudnn").known_engines(problem)
-    return Explanation(problem, verdicts, engines)
+    explanation = Explanation(problem, verdicts, engines)
+    notes = getattr(dispatch.get_backend(explanation.selected), "notes", None) \
+        if explanation.selected else None
+    explanation.notes = notes(problem) if notes else []
+    return explanation

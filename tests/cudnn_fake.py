@@ -12,7 +12,8 @@ Tensors are read through their graph strides (``as_strided``): dense layouts, pa
 tensors through their ragged offsets (element offsets of each sequence's first token), paged K/V
 through the page tables (``[B, 1, pages, 1]`` over the graph's ``[num_blocks, H, page, D]``
 containers). Rows that see no key come out NaN (out and stats): the engine must not rely on what
-cuDNN writes there. Positions past a sequence's length are never read and never written.
+cuDNN writes there. Hidden pairs are hidden before the scale multiplies, as cuDNN's kernels
+do. Positions past a sequence's length are never read and never written.
 
 ``install(monkeypatch)`` makes ``backend="cudnn"`` run through it on this machine.
 """
@@ -202,7 +203,10 @@ class FakeGraph:
             j = torch.arange(skv).view(1, -1)
             sc = sc + cudnn_alibi_slopes(hq).view(1, -1, 1, 1) * (j - i)
         vis = self.visibility(B, sq, skv, lens_q, lens_kv)[:, None]
-        sc = sc.masked_fill(~vis, -math.inf)
+        # cuDNN's kernels write -inf into the unscaled Q K^T and scale afterwards (an H200 with
+        # cuDNN 9.19 gave NaN for scale <= 0 with a causal band, issue 36): a hidden pair then
+        # scores -inf * scale (NaN at 0, +inf below), so the engine must bind a positive scale.
+        sc = sc.masked_fill(~vis, -math.inf * scale)
         vis = vis & (sc > -math.inf)  # a score_mod may hide pairs too
         keep = 1.0
         if n["dropout_probability"] is not None:

@@ -1,5 +1,9 @@
 """An independent float64 reference of cuDNN's FP8 attention (the frontend's ``sdpa_fp8`` /
-``sdpa_fp8_backward`` graphs), written from the graphs' node order, not from the engine's code.
+``sdpa_fp8_backward``), written from the semantics the cuDNN frontend publishes in its own FP8
+test reference (``test/python/sdpa/fp8_ref.py``: the forward's online softmax over blocks of 128
+keys quantizes the unnormalized probabilities against the running row maximum, moved only past
+a factor 2**4; the backward quantizes the normalized P recomputed from the stats), one query row
+at a time, not from the engine's code.
 
 FP8 rounding is done here by arithmetic (round half to even on the format's grid, saturating at
 its largest finite value), not by torch's casts; masks are spelled out per (batch, row, key) in
@@ -52,35 +56,59 @@ def _group(h, heads_q, heads_kv):
     return h // (heads_q // heads_kv)
 
 
+# The cuDNN frontend's FP8 reference (test/python/sdpa/fp8_ref.py, fp16_ref.py): keys in blocks
+# of 128, a running max that moves only past a factor 2**4 (its tests' rescale threshold).
+KEY_BLOCK, RESCALE_LOG2 = 128, 4.0
+
+
+def _row_output(s_row, v_rows, sink, sc, p_dtype):
+    """One query row as the frontend's blocked FP8 forward computes it: ``(O row, amax-free)``.
+    ``s_row`` float64 scores (``-inf`` where hidden), ``v_rows`` ``[S_kv, D_v]``."""
+    threshold = RESCALE_LOG2 * math.log(2.0)
+    m = -math.inf if sink is None else float(sink)
+    total = 0.0 if sink is None else 1.0
+    acc = torch.zeros(v_rows.shape[1], dtype=torch.float64)
+    for start in range(0, s_row.shape[0], KEY_BLOCK):
+        block = s_row[start:start + KEY_BLOCK]
+        block_max = float(block.max())
+        if m == -math.inf or block_max - m > threshold:
+            if m != -math.inf:  # rescale what was accumulated against the old maximum
+                acc, total = acc * math.exp(m - block_max), total * math.exp(m - block_max)
+            m = block_max
+        if m == -math.inf:
+            continue  # nothing visible yet
+        p = torch.exp(block - m)  # unnormalized; hidden keys give exp(-inf) = 0
+        total += float(p.sum())
+        codes = quantize(p * sc["scale_s"] * 2.0 ** -RESCALE_LOG2, p_dtype)
+        acc = acc + codes @ v_rows[start:start + KEY_BLOCK] * sc["descale_s"] \
+            * 2.0 ** RESCALE_LOG2 * sc["descale_v"]
+    return acc / max(total, 1.0)
+
+
 def reference_forward(q8, k8, v8, sc, attn_scale, visible, lens_q, sinks=None, o_dtype=None):
     """``(o as float64 codes (quantized values), stats, amax_s, amax_o)``; ``sc`` maps cuDNN's
-    scale names to floats."""
+    scale names to floats. P is quantized unnormalized, block by block, against the running row
+    maximum (the frontend's ``compute_ref``); ``amax_s`` is the normalized softmax's maximum."""
     B, Hq, Sq, _ = q8.shape
     Hk, Hv, Dv = k8.shape[1], v8.shape[1], v8.shape[3]
     q, k, v = (t.double() for t in (q8, k8, v8))
-    p_all = torch.zeros(B, Hq, Sq, k8.shape[2], dtype=torch.float64)
+    o = torch.zeros(B, Hq, Sq, Dv, dtype=torch.float64)
     stats = torch.full((B, Hq, Sq, 1), -math.inf, dtype=torch.float64)
+    amax_s = torch.zeros((), dtype=torch.float64)
     for b in range(B):
         for h in range(Hq):
             s = q[b, h] @ k[b, _group(h, Hq, Hk)].T * attn_scale * sc["descale_q"] \
                 * sc["descale_k"]
             s = s.masked_fill(~visible[b, 0], -math.inf)
+            sink = None if sinks is None else sinks[h].double()
             for i in range(lens_q[b]):
-                row = s[i]
-                if sinks is not None:
-                    row = torch.cat([row, sinks[h].double().view(1)])
-                m = row.max()
-                if m == -math.inf:
+                row = s[i] if sink is None else torch.cat([s[i], sink.view(1)])
+                if row.max() == -math.inf:
                     continue
-                lse = m + torch.log(torch.exp(row - m).sum())
+                lse = torch.logsumexp(row, 0)
                 stats[b, h, i, 0] = lse
-                p_all[b, h, i] = torch.exp(s[i] - lse)
-    amax_s = p_all.abs().max()
-    p8 = quantize(p_all * sc["scale_s"], q8.dtype)
-    o = torch.zeros(B, Hq, Sq, Dv, dtype=torch.float64)
-    for b in range(B):
-        for h in range(Hq):
-            o[b, h] = p8[b, h] @ v[b, _group(h, Hq, Hv)] * sc["descale_s"] * sc["descale_v"]
+                amax_s = torch.maximum(amax_s, torch.exp(s[i] - lse).max())
+                o[b, h, i] = _row_output(s[i], v[b, _group(h, Hq, Hv)], sink, sc, q8.dtype)
     amax_o = o.abs().max()
     o_dtype = o_dtype or q8.dtype
     if o_dtype not in FORMATS:  # a 16-bit O: one rounding of O * scale_o, no FP8 cast

@@ -16,12 +16,16 @@ class Explanation(Mapping):
 
     ``engines``: for a call cuDNN can run whose graphs ``graph_cache`` already holds (an earlier
     call, or a loaded warm cache), the engine cuDNN picked per graph (``"sdpa_forward"``,
-    ``"sdpa_backward"`` -> ``EngineChoice``: engine id, knobs, kernels)."""
+    ``"sdpa_backward"`` -> ``EngineChoice``: engine id, knobs, kernels). ``notes``: how the
+    selected engine runs the call when that is not plain (e.g. cuDNN's two-row graph for a
+    repeatable single-query call)."""
 
-    def __init__(self, problem: AttnProblem, verdicts: dict, engines: Optional[dict] = None):
+    def __init__(self, problem: AttnProblem, verdicts: dict, engines: Optional[dict] = None,
+                 notes: Optional[list] = None):
         self.problem = problem
         self._verdicts = verdicts
         self.engines = dict(engines or {})
+        self.notes = list(notes or [])
 
     def __getitem__(self, name: str):
         return self._verdicts[name]
@@ -40,6 +44,8 @@ class Explanation(Mapping):
         text = f"{self.problem.describe()}\n{dispatch.format_reasons(self._verdicts)}"
         for tag, engine in self.engines.items():
             text += f"\ncuDNN {tag}: " + str(engine).replace("\n", "\n  ")
+        for note in self.notes:
+            text += f"\n{self.selected}: {note}"
         return text
 
     def __repr__(self) -> str:

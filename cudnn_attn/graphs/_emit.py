@@ -78,6 +78,9 @@ BACKWARD_KWARGS = frozenset({
 def cudnn_module():
     import cudnn  # deferred: importing cudnn_attn must not need it
 
+    from .exit_release import register
+
+    register()  # after the frontend's import: our exit hook runs before its own
     return cudnn
 
 

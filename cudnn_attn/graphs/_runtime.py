@@ -22,7 +22,8 @@ import torch
 from ..core.caches import LRU
 
 __all__ = ["handle_for", "workspace", "ScalarCache", "LengthCache", "device_lengths",
-           "ragged_offsets", "token_rows", "page_tables", "aligned", "philox_tensors"]
+           "ragged_offsets", "token_rows", "page_tables", "aligned", "philox_tensors",
+           "positive_scale", "scaled_same_strides"]
 
 # (thread id, device index) -> (handle, cudnn.set_stream). A handle is only ever used by the
 # thread that created it; a dead thread's id reused by a new thread reuses its handle safely.
@@ -81,6 +82,30 @@ def bias_operand(spec, bias: torch.Tensor) -> torch.Tensor:
         if not spans[axis]:
             source = source.narrow(axis, 0, 1)
     return torch.empty(spec.bias_dim, dtype=bias.dtype, device=bias.device).copy_(source)
+
+
+def positive_scale(scale: float) -> tuple[float, float]:
+    """``(q_factor, graph_scale)`` with ``graph_scale > 0`` and ``q_factor * graph_scale ==
+    scale``: the scale cuDNN is given and the factor q is multiplied by first.
+
+    cuDNN's kernels hide pairs by writing ``-inf`` into the unscaled ``Q K^T`` and scale
+    afterwards, so a scale <= 0 turns hidden pairs into NaN or ``+inf`` (an H200 with cuDNN
+    9.19, causal band, issue 36). ``softmax(s * q.k) == softmax(|s| * (-q).k)`` and, at
+    ``s == 0``, ``softmax(1 * 0.k)``: negating q is exact; zeroing it is the uniform softmax."""
+    if scale > 0:
+        return 1.0, scale
+    if scale < 0:
+        return -1.0, -scale
+    return 0.0, 1.0
+
+
+def scaled_same_strides(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """``t * factor`` in a fresh, aligned buffer with ``t``'s exact strides (the graph was built
+    for them; packed, strided or broadcast views included): the whole memory span ``t``
+    covers is multiplied and viewed again."""
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+    flat = t.as_strided((span,), (1,), t.storage_offset()) * factor
+    return flat.as_strided(t.shape, t.stride(), 0)
 
 
 class ScalarCache:

@@ -22,6 +22,7 @@ from ..model.masks import alibi_slopes, band_of
 from ..model.score_mods import ScoreMod
 from ..model.problem import AttnProblem
 from ..model.storage import Paged, Ragged
+from . import decode_rows
 from .limits import BACKWARD_HEAD_DIM, LIMITS, MAX_HEAD_DIM
 from .score_mod_masks import mask_program, neighborhood_as_band
 
@@ -212,6 +213,14 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
     ``backward`` (default: ``problem.requires_grad``) adds the backward graph's rules;
     ``target_sm`` (default: the problem's CUDA device, if any) adds the architecture's.
     """
+    if decode_rows.needed(problem):  # a repeatable S_q = 1 call runs as a two-row graph
+        declined = decode_rows.reasons(problem)
+        if declined:
+            return None, declined + analyze(dataclasses.replace(problem, repeatable=False,
+                                                                deterministic=False),
+                                            target_sm=target_sm, options=options,
+                                            backward=backward)[1]
+        problem = decode_rows.padded_problem(problem)
     options = with_storage(options or GraphOptions(), problem.storage)
     backward = problem.requires_grad if backward is None else backward
     if target_sm is None:

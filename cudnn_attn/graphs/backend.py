@@ -14,6 +14,7 @@ on (read when a call's plan is made). Dropout runs cuDNN's Philox stream at the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -24,13 +25,13 @@ from ..core.caches import LRU, memoize
 from ..errors import NotSupportedError
 from ..model.problem import AttnProblem
 from ..model.storage import Paged, Ragged
-from . import _runtime
+from . import _runtime, decode_rows
 from .limits import LIMITS
 from .score_mod_masks import density, neighborhood_as_band, tile_bitmask
 from ._spec import GraphSpec, analyze, problem_lengths
 from .sdpa import UID, BuiltGraph, build_graph
 
-__all__ = ["CudnnBackend", "CudnnPlan", "graph_specs"]
+__all__ = ["CudnnBackend", "CudnnPlan", "TwoRowPlan", "graph_specs"]
 
 PLAN_CACHE_SIZE = 128
 
@@ -87,10 +88,26 @@ class CudnnBackend:
         spec, reasons = analyze(problem)
         if reasons:
             raise NotSupportedError(problem, {self.name: reasons}, forced=self.name)
-        plan = self._plans.get_or_create(_plan_key(problem, spec),
-                                          lambda: CudnnPlan(problem, spec))
+        plan: CudnnPlan
+        if decode_rows.needed(problem):  # spec is the two-row graph's (decode_rows)
+            where = decode_rows.side(problem)
+            plan = self._plans.get_or_create(
+                _plan_key(problem, spec) + (where,),
+                lambda: TwoRowPlan(decode_rows.padded_problem(problem), spec, where))
+        else:
+            plan = self._plans.get_or_create(_plan_key(problem, spec),
+                                              lambda: CudnnPlan(problem, spec))
         plan.prepare(problem)
         return plan
+
+    def notes(self, problem: AttnProblem) -> list[str]:
+        """How the plan runs ``problem`` when that is not plain (for ``explain()``)."""
+        if decode_rows.needed(problem) and not decode_rows.reasons(problem):
+            where = "in front of" if decode_rows.side(problem) == "front" else "behind"
+            return [f"S_q = 1 runs as a two-row graph (an extra query row {where} the real one, "
+                    f"dropped from the results): cuDNN's decode path is not bitwise repeatable "
+                    f"and this call must be (deterministic, or a FlashAttention surface)"]
+        return []
 
     def clear(self) -> None:
         """Forget plans (graphs stay in ``graph_cache``)."""
@@ -179,8 +196,11 @@ class CudnnPlan:
         if problem.dropout_p != self.dropout_p:
             raise ValueError(f"this plan was built for dropout_p={self.dropout_p}, got "
                              f"{problem.dropout_p}")
+        q_factor, scale = _runtime.positive_scale(problem.scale)
+        if q_factor != 1.0:  # cuDNN takes positive scales only; the sign rides on q
+            q = _runtime.scaled_same_strides(q, q_factor)
         buffers = {UID.Q: _runtime.aligned(q), UID.K: _runtime.aligned(k),
-                   UID.V: _runtime.aligned(v), UID.SCALE: self._scales.get(problem.scale)}
+                   UID.V: _runtime.aligned(v), UID.SCALE: self._scales.get(scale)}
         if self.spec.bias_dim is not None:
             buffers[UID.BIAS] = _runtime.bias_operand(self.spec, bias)
         empty = None
@@ -308,9 +328,47 @@ class CudnnPlan:
             dbias = torch.empty(s.bias_dim, dtype=bias.dtype, device=device)
             buffers[UID.DBIAS] = dbias
         built.execute(buffers, _runtime.workspace(built.workspace_size, device), handle)
+        q_factor = _runtime.positive_scale(problem.scale)[0]
+        if q_factor == 0.0:  # the graph differentiated w.r.t. q * q_factor
+            dq.zero_()
+        elif q_factor != 1.0:
+            dq.mul_(q_factor)
         if dbias is not None:
             dbias = dbias.view(problem.bias.shape)
         return dq, dk, dv, dbias
+
+
+class TwoRowPlan(CudnnPlan):
+    """The plan of a repeatable single-query call (``decode_rows``): graphs built for two query
+    rows; the extra row (``where``: ``"front"`` / ``"back"``) is added to the inputs and dropped
+    from the results."""
+
+    def __init__(self, padded: AttnProblem, spec: GraphSpec, where: str):
+        super().__init__(padded, spec)
+        self.where = where
+
+    def prepare(self, problem: AttnProblem) -> None:
+        super().prepare(decode_rows.padded_problem(problem))
+
+    def _two_rows(self, problem, inputs):
+        return decode_rows.padded_problem(problem), dataclasses.replace(
+            inputs, q=decode_rows.add_row(inputs.q, problem.layout, self.where))
+
+    def forward(self, problem, inputs, need_lse=True):
+        out, lse = super().forward(*self._two_rows(problem, inputs), need_lse)
+        out = decode_rows.real_row(out, problem.layout, self.where).contiguous()
+        return out, None if lse is None else \
+            decode_rows.real_row(lse, "", self.where, rows=2).contiguous()
+
+    def backward(self, problem, inputs, out, lse, dout, dlse=None):
+        """The extra row: ``O = dO = 0`` and ``lse = +inf`` (its weights are 0): it adds
+        nothing to dK, dV (or dBias); its dQ row is dropped."""
+        layout, where, add = problem.layout, self.where, decode_rows.add_row
+        dq, dk, dv, dbias = super().backward(
+            *self._two_rows(problem, inputs), add(out, layout, where, 0.0),
+            add(lse, "", where, math.inf, rows=2), add(dout, layout, where, 0.0),
+            None if dlse is None else add(dlse, "", where, 0.0, rows=2))
+        return decode_rows.real_row(dq, layout, where).contiguous(), dk, dv, dbias
 
 
 def _like_layout(t: torch.Tensor, shape: tuple) -> torch.Tensor:

@@ -146,6 +146,9 @@ class AttnProblem:
     bias_requires_grad: bool = False
     # torch.use_deterministic_algorithms at call time: engines pick deterministic backwards.
     deterministic: bool = False
+    # A surface whose forward promises bitwise repeatable results (FlashAttention's): engines
+    # avoid kernels that are not (cuDNN's S_q = 1 decode path), whatever ``deterministic`` says.
+    repeatable: bool = False
     # Packed (ragged) or paged tensors (cudnn_attn.model.storage); None: dense [B, S, H, D] batches.
     storage: Optional[Storage] = None
     plan_key: tuple = field(default=(), compare=False, repr=False)
@@ -158,7 +161,7 @@ class AttnProblem:
                self.dim_v, self.dtype, self.device, self.layout, self.q, self.k, self.v, parts,
                self.bias, self.alibi is not None, self.rpb, self.dropout_mask,
                self.softcap is not None, self.dropout_p > 0, self.deterministic, self.storage,
-               self.score_mod)
+               self.score_mod, self.repeatable)
         object.__setattr__(self, "plan_key", key)
 
     # -- convenience views used by every backend ----------------------------------------------

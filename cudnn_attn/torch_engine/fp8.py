@@ -7,15 +7,23 @@ compute (cuDNN's compute type) and every FP8 cast rounding to nearest even and *
 torch's own cast gives inf for E5M2). Every amax is taken **before** the scale it precedes.
 Tensors are ``[B, H, S, D]``; scales and descales float32 ``[1, 1, 1, 1]`` tensors.
 
-Forward::
+Forward (the cuDNN frontend's own FP8 reference, ``test/python/sdpa/fp8_ref.py``: an online
+softmax over blocks of ``KV_BLOCK`` keys, as the fused kernels run it)::
 
     S    = Q K^T * attn_scale * descale_q * descale_k, masked         (float32)
-    P    = softmax(S) (sink logits join the denominator), Stats = logsumexp(S)
-    amax_s = amax(P);             P8 = cast_q(P * scale_s)
-    O    = (P8 V) * descale_s * descale_v
-    amax_o = amax(O);             O8 = cast_o(O * scale_o)
+    per key block: m = the running row max, moved only when the block's max exceeds it by more
+                   than a factor 2^RESCALE_LOG2 (seeded with the sink logit; o, l rescaled then)
+        P~   = exp(S - m)                      (unnormalized, at most 2^RESCALE_LOG2)
+        l   += rowsum(P~)                      (unquantized)
+        o   += cast_q(P~ * scale_s * 2^-RESCALE_LOG2) V * descale_s * 2^RESCALE_LOG2 * descale_v
+    O    = o / max(l, 1);   Stats = logsumexp(S) (sink logits join it)
+    amax_s = amax(softmax(S));  amax_o = amax(O);   O8 = cast_o(O * scale_o)
 
-Backward (``P`` recomputed from ``Stats``)::
+P is quantized **before** normalization, relative to the running max: an FP8 code's rounding
+depends on where a value sits between two powers of two, so quantizing the normalized P instead
+moves O by up to a step of the format (E5M2: ``amax_o`` 3 % off cuDNN's on an H200, issue 36).
+
+Backward (``P`` recomputed from ``Stats``, normalized, as the frontend's reference does)::
 
     D    = rowsum(dO * O) * descale_dO * descale_o
     dV   = (cast_q(P * scale_s)^T dO) * descale_s * descale_dO
@@ -24,22 +32,29 @@ Backward (``P`` recomputed from ``Stats``)::
     dQ   = (dS8 K) * descale_dP * descale_k;   dK = (dS8^T Q) * descale_dP * descale_q
     amax_dX = amax(dX);           dX8 = cast_grad(dX * scale_dX)
 
-cuDNN's fused kernels quantize the online softmax's unnormalized blocks instead of the normalized
-``P`` (NVIDIA's own ``fp8_ref.py``); both agree within NVIDIA's FP8 tolerances (O: atol 0.08,
-rtol 0.2 after dequantization), which is what the tests check against the GPU.
+The frontend's reference casts dS to the inputs' type; its tests give dO that type too, so
+``cast_dO`` is that cast there (the hybrid form, E5M2 dO with E4M3 inputs, is not among them).
+The tests compare this module with an independent float64 transcription of the same published
+semantics (``tests/fp8_reference.py``) and, on a GPU, with cuDNN within NVIDIA's tolerances.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from ..model.masks import Padding, mask_parts
 from .tiles import Visibility
 
-__all__ = ["FP8_DTYPES", "fp8_max", "saturating_cast", "visibility", "fp8_forward",
-           "fp8_backward"]
+__all__ = ["FP8_DTYPES", "KV_BLOCK", "RESCALE_LOG2", "fp8_max", "saturating_cast", "visibility",
+           "fp8_forward", "fp8_backward"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# The key block of the online softmax and its lazy-rescale threshold (log2 units): the values of
+# the cuDNN frontend's FP8 reference and of its tests.
+KV_BLOCK = 128
+RESCALE_LOG2 = 4.0
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -113,6 +128,36 @@ def _lse(s, sinks, live):
     return lse
 
 
+def _blocked_pv(s, v, scale_s, descale_s, p_dtype, sinks, live):
+    """``softmax(S) V`` as the fused kernels compute it (module doc): per block of ``KV_BLOCK``
+    keys, the unnormalized ``exp(S - m)`` is cast to ``p_dtype`` at ``scale_s * 2^-RESCALE_LOG2``
+    and accumulated; the sum of the unquantized values normalizes at the end."""
+    threshold = RESCALE_LOG2 * math.log(2.0)
+    shape = s.shape[:3] + (1,)
+    if sinks is None:
+        m = s.new_full(shape, -math.inf)
+        l = s.new_zeros(shape)
+    else:  # the sink seeds the running max and the sum (exp(sink - sink) = 1)
+        m = sinks.float().view(1, -1, 1, 1).expand(shape).clone()
+        l = s.new_ones(shape)
+    o = s.new_zeros(s.shape[:3] + (v.shape[-1],))
+    for start in range(0, s.shape[-1], KV_BLOCK):
+        block = s[..., start:start + KV_BLOCK]
+        block_max = block.amax(dim=-1, keepdim=True)
+        m_new = torch.where(torch.isneginf(m) | (block_max - m > threshold), block_max, m)
+        step = m - m_new  # NaN while both are -inf: nothing to rescale yet
+        rescale = torch.where(step < -threshold, torch.exp(step), torch.ones_like(step))
+        o, l = o * rescale, l * rescale
+        p = torch.exp(block - m_new).nan_to_num(nan=0.0)
+        if live is not None:
+            p = p.masked_fill(~live, 0.0)
+        l = l + p.sum(dim=-1, keepdim=True)
+        codes = saturating_cast(p * (scale_s * 2.0 ** -RESCALE_LOG2), p_dtype).float()
+        o = o + (codes @ v[:, :, start:start + KV_BLOCK]) * (descale_s * 2.0 ** RESCALE_LOG2)
+        m = m_new
+    return o / l.clamp(min=1.0)
+
+
 def fp8_forward(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o, *,
                 attn_scale: float, visible=None, live=None, sinks=None,
                 o_dtype: torch.dtype | None = None):
@@ -120,10 +165,9 @@ def fp8_forward(q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, sc
     ``o`` is in ``o_dtype`` (default q's FP8 type); the amaxes are float32 ``[1, 1, 1, 1]``."""
     s = _scores(q, k, attn_scale, descale_q, descale_k, visible)
     lse = _lse(s, sinks, live)
-    p = _probabilities(s, lse)
-    amax_s = _amax(p)
-    p8 = saturating_cast(p * scale_s, q.dtype).float()
-    o = (p8 @ _repeat_heads(v, q.shape[1]).float()) * descale_s * descale_v
+    amax_s = _amax(_probabilities(s, lse))
+    o = _blocked_pv(s, _repeat_heads(v, q.shape[1]).float(), scale_s, descale_s, q.dtype, sinks,
+                    live) * descale_v
     amax_o = _amax(o)
     o_out = saturating_cast(o * scale_o, o_dtype or q.dtype)
     return o_out, lse, amax_s, amax_o

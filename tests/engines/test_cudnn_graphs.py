@@ -471,9 +471,14 @@ PLAN_CASES = [
     Problem(id="alibi-h3-causal-padding", B=2, Hq=3, Sq=11, D=8, causal="top_left", alibi="default",
             seq_lens_q=(11, 6), seq_lens_kv=(11, 8)),
     Problem(id="window-dv8", B=1, Hq=2, Sq=14, Skv=16, D=16, Dv=8, window=(2, 1)),
-    # Any sign of the scale: a runtime value the graph multiplies before it masks.
+    # Any sign of the scale: cuDNN hides pairs before it scales (the stand-in does too), so
+    # the plan binds a positive scale and carries the sign on q (issue 36).
     Problem(id="causal-negative-scale", B=1, Hq=2, Sq=10, D=16, causal="top_left", scale=-0.7),
+    Problem(id="causal-zero-scale", B=1, Hq=2, Sq=10, D=16, causal="top_left", scale=0.0),
     Problem(id="window-zero-scale", B=1, Hq=2, Sq=10, D=16, window=(2, 1), scale=0.0),
+    Problem(id="padding-br-gqa-bshd-negative-scale", B=2, Hq=4, Hkv=2, Sq=9, Skv=12, D=16,
+            layout="bshd", causal="bottom_right", seq_lens_q=(9, 3), seq_lens_kv=(12, 5),
+            scale=-0.01),
 ]
 
 
@@ -501,6 +506,29 @@ def test_plan_forward_backward_match_the_oracle(problem, fake_cudnn):
     for n, a, e in zip(names, got, expected):
         assert not a.isnan().any(), f"NaN in d{n}"
         torch.testing.assert_close(a.double(), e, atol=2e-2, rtol=2e-2, msg=lambda m, n=n: f"d{n}: {m}")
+
+
+@pytest.mark.parametrize("scale, factor, graph_scale", [(0.3, 1.0, 0.3), (-0.3, -1.0, 0.3),
+                                                        (0.0, 0.0, 1.0), (-0.0, 0.0, 1.0)])
+def test_the_graph_always_gets_a_positive_scale(scale, factor, graph_scale):
+    """cuDNN hides pairs before it scales (issue 36): the sign goes onto q, exactly."""
+    assert _runtime.positive_scale(scale) == (factor, graph_scale)
+
+
+@pytest.mark.parametrize("view", ["qkv-packed", "broadcast", "offset"])
+def test_q_times_its_factor_keeps_the_strides_the_graph_was_built_for(view):
+    g = torch.Generator().manual_seed(0)
+    if view == "qkv-packed":  # [B, S, 3, H, D] -> q: gapped strides
+        t = torch.randn(2, 5, 3, 4, 8, generator=g).to(torch.float16)[:, :, 0]
+    elif view == "broadcast":  # stride 0 along H
+        t = torch.randn(2, 1, 5, 8, generator=g).to(torch.float16).expand(2, 4, 5, 8)
+    else:
+        t = torch.randn(100, generator=g).to(torch.float16)[3:83].view(2, 5, 8)
+    for factor in (-1.0, 0.0):
+        got = _runtime.scaled_same_strides(t, factor)
+        assert got.stride() == t.stride() and got.shape == t.shape
+        assert got.data_ptr() != t.data_ptr() and got.data_ptr() % 16 == 0
+        assert torch.equal(got, t * factor)
 
 
 @needs_fe

@@ -81,6 +81,7 @@ VARLEN_CASES = [
     dict(id="causal-br", mask=dict(causal="bottom_right")),
     dict(id="window-br", mask=dict(window=(4, 0, "bottom_right"))),
     dict(id="alibi-causal", alibi=True, mask=dict(causal="top_left")),
+    dict(id="causal-negative-scale", mask=dict(causal="top_left"), scale=-0.3),  # issue 36
 ]
 LENS = [((1, 2, 37), (1, 2, 37)), ((5, 0, 9, 3), (7, 4, 0, 12)), ((1, 1, 1), (20, 3, 9))]
 
@@ -113,7 +114,7 @@ def test_varlen_runs_the_ragged_graph_and_matches_the_oracle(case, lens, fake):
     cu_q, cu_k = device_only(cu(lens_q)), device_only(cu(lens_k))
     out, lse = attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
                                 mask=_lib_mask(mask_kw), bias=bias, return_lse=True,
-                                backend="cudnn")
+                                scale=case.get("scale"), backend="cudnn")
     out, lse = cudnn_fake.host(out), cudnn_fake.host(lse)  # results may carry the length type
     specs = [spec for spec, _ in fake[1]]
     assert specs and all(spec.ragged for spec in specs), "the ragged graph did not run"
@@ -122,7 +123,9 @@ def test_varlen_runs_the_ragged_graph_and_matches_the_oracle(case, lens, fake):
         import oracle
         slopes = oracle.default_alibi_slopes(Hq)
     ref_inputs = [t.detach().to(F64).requires_grad_(True) for t in (q, k, v)]
-    ref_out, ref_lse = oracle_varlen(*ref_inputs, lens_q, lens_k, slopes=slopes, **mask_kw)
+    scale_kw = {"scale": case["scale"]} if "scale" in case else {}
+    ref_out, ref_lse = oracle_varlen(*ref_inputs, lens_q, lens_k, slopes=slopes, **mask_kw,
+                                     **scale_kw)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
     assert not out.isnan().any() and not lse.isnan().any()
     torch.testing.assert_close(out.to(F64), ref_out, atol=2e-3, rtol=2e-3)

@@ -41,6 +41,8 @@ CASES = {
     "sink": (1, 2, 1, 16, 16, 16, "top_left", None, None, True),
     "bottom_right": (1, 2, 2, 12, 30, 16, "bottom_right", None, None, False),
     "band": (1, 2, 2, 30, 30, 16, "top_left", None, None, False),   # + left bound 6
+    # three key blocks of the online softmax (128, 128, 44), with padding and a sink
+    "blocks": (2, 2, 1, 9, 300, 16, None, (9, 4), (300, 200), True),
 }
 LEFT_BOUND = {"band": 6}
 
@@ -152,6 +154,39 @@ def test_backward_matches_the_float64_reference(name, io, grad_io):
         torch.testing.assert_close(g.double().reshape(()), w, rtol=2e-2, atol=1e-6)
     if sinks is not None:
         torch.testing.assert_close(dsink.double(), want[7], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("io", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_p_is_quantized_unnormalized_against_the_running_maximum(io):
+    """Issue 36: cuDNN quantizes exp(S - m) block by block (the frontend's reference), not the
+    normalized P. A key in the third block scoring far above the first two moves the running
+    maximum (a rescale); O's dequantized values stay within NVIDIA's tolerance of float64
+    attention, and the codes are the reference's, which the normalized form's are not."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, Sq, Skv, D = 1, 2, 6, 300, 16
+    (q, dq_), (k, dk_), (v, dv_) = (fp8_input(s, io, gen) for s in
+                                    ((B, H, Sq, D), (B, H, Skv, D), (B, H, Skv, D)))
+    k = k.float()
+    k[:, :, 270] = q.float()[:, :, 0] * 6  # query 0 meets a far larger score in block 3
+    k = quantize(k, io).to(io)
+    sc = dict(descale_q=dq_, descale_k=dk_, descale_v=dv_,
+              scale_s=448.0 if io == E4M3 else 32768.0)
+    sc["descale_s"] = 1.0 / sc["scale_s"]
+    scale = D ** -0.5
+    visible, lens = band_visible((Sq,), (Skv,), Sq, Skv), (Sq,)
+    amax_o = reference_forward(q, k, v, dict(sc, scale_o=1.0), scale, visible, lens)[3]
+    sc["scale_o"] = po2_scale(amax_o, io)
+    want_o, _, _, want_amax_o = reference_forward(q, k, v, sc, scale, visible, lens)
+    attrs = ca.SdpaAttributes().set_attn_scale(scale)
+    o, _, _, got_amax_o = ca.sdpa_fp8(q, k, v, sc["descale_q"], sc["descale_k"], sc["descale_v"],
+                                      sc["descale_s"], sc["scale_s"], sc["scale_o"], attrs)
+    assert (o.double() == want_o).double().mean() > 0.97
+    torch.testing.assert_close(got_amax_o.double().reshape(()), want_amax_o, rtol=2e-3, atol=0)
+    # the semantics is attention's: float64 softmax over the dequantized inputs
+    qd, kd, vd = (t.double() * d for t, d in ((q, dq_), (k, dk_), (v, dv_)))
+    exact = torch.softmax(qd @ kd.transpose(-1, -2) * scale, dim=-1) @ vd
+    tol = dict(atol=0.125 if io == E5M2 else 0.08, rtol=0.2)  # the frontend's, per format
+    torch.testing.assert_close(o.double() / sc["scale_o"], exact, **tol)
 
 
 def test_casts_saturate_instead_of_overflowing():

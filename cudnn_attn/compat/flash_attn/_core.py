@@ -53,9 +53,11 @@ def fa_positions_per_token(opts: Options, seq_k: int) -> bool:
 
 
 def _problem(q, k, v, mask, alibi, opts: Options) -> AttnProblem:
-    return AttnProblem.from_tensors(q, k, v, mask=mask, bias=alibi, scale=opts.scale,
-                                    dropout_p=opts.p_dropout, softcap=opts.softcap,
-                                    layout="bshd", return_lse=True)
+    # repeatable: FlashAttention's forward is bitwise repeatable, so every call here must be
+    problem = AttnProblem.from_tensors(q, k, v, mask=mask, bias=alibi, scale=opts.scale,
+                                       dropout_p=opts.p_dropout, softcap=opts.softcap,
+                                       layout="bshd", return_lse=True)
+    return dataclasses.replace(problem, repeatable=True)
 
 
 def forward(q, k, v, mask, alibi, opts: Options, return_softmax, gen_):

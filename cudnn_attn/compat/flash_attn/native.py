@@ -44,7 +44,8 @@ def _problem(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts: Options, grad: 
     problem = varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, mask=fa_mask(opts, max_k, same),
                              read=False, seqused_k=seqused_k, scale=opts.scale,
                              dropout_p=opts.p_dropout, softcap=opts.softcap, return_lse=True)
-    return dataclasses.replace(problem, requires_grad=grad, deterministic=deterministic)
+    return dataclasses.replace(problem, requires_grad=grad, deterministic=deterministic,
+                               repeatable=True)  # FlashAttention's forward is repeatable
 
 
 def forward(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts: Options, gen_):
@@ -127,6 +128,7 @@ def kvcache(q, cache, k, v, cache_seqlens, block_table, rotary, interleaved: boo
                                   scale=opts.scale, softcap=opts.softcap, return_lse=True)
     except NotSupportedError:
         return None
+    problem = dataclasses.replace(problem, repeatable=True)  # FlashAttention's: repeatable
     found = execution.plan_stored(problem)
     if found is None:
         return None

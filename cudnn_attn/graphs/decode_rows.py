@@ -1,0 +1,99 @@
+"""Repeatable single-query calls on cuDNN: ``S_q = 1`` runs as a two-row graph.
+
+cuDNN's decode path (a graph with ``S_q = 1``) is not bitwise repeatable: on an H200 (cuDNN
+9.19), 200 repeats of one ``(S_q, S_kv) = (1, 239)``, D = 160, causal call gave 105-157 distinct
+outputs (max difference 1.2e-4), while ``S_q = 2`` and ``S_q = 64`` gave one (issue 36). A call
+that must be repeatable (``problem.deterministic``: torch's deterministic mode or FlashAttention's
+``deterministic=True``; ``problem.repeatable``: every FlashAttention surface, whose forward is
+bitwise repeatable) therefore runs a graph with one extra query row, and the row is discarded:
+
+* The extra row is a copy of the query. It goes **in front** when the mask is aligned
+  bottom-right by the graph's own sizes (no padding mask: query ``i`` sits at
+  ``i + S_kv - S_q``, so the real row, now row 1 of 2, keeps its place), else **behind**
+  (top-left alignment or no band; with a padding mask the extra row lies past every
+  ``seq_lens_q`` and sees nothing).
+* Backward: the extra row gets ``dO = 0``, ``O = 0`` and ``lse = +inf`` (its weights are 0), so
+  it adds nothing to dK, dV; its dQ row is dropped.
+
+What a row index means beyond the alignment (a bias tensor or an explicit dropout mask with
+``S_q`` rows, a builder's score_mod, a neighborhood, packed queries) cannot take the extra row
+(ALiBi, whose ``j - i`` would move with a row in front, only combines with top-left bands on
+cuDNN, where the row goes behind): ``reasons`` declines those calls, and a repeatable
+engine runs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from ..model.masks import Causal, SlidingWindow
+from ..model.problem import AttnProblem, TensorSpec
+from ..model.storage import Ragged
+
+__all__ = ["needed", "side", "reasons", "padded_problem", "add_row", "real_row"]
+
+
+def needed(problem: AttnProblem) -> bool:
+    """Whether ``problem`` must be repeatable and would hit cuDNN's decode path."""
+    return problem.seq_q == 1 and (problem.deterministic or problem.repeatable)
+
+
+def side(problem: AttnProblem) -> str:
+    """``"front"`` or ``"back"``: where the extra query row goes (module docstring)."""
+    aligned_br = any(m.alignment == "bottom_right"
+                     for m in problem.masks_of(Causal) + problem.masks_of(SlidingWindow))
+    return "front" if aligned_br and problem.padding is None else "back"
+
+
+def reasons(problem: AttnProblem) -> list[str]:
+    """Why a repeatable ``S_q = 1`` call cannot run as a two-row graph (empty: it can)."""
+    if not needed(problem):
+        return []
+    why = []
+    if isinstance(problem.storage, Ragged):  # paged K/V keep a dense q: they can
+        why.append("packed (ragged) queries")
+    if problem.bias is not None or problem.dropout_mask is not None:
+        why.append("a bias tensor or dropout mask with S_q rows")
+    if problem.score_mod is not None:
+        why.append("a score_mod program (it may read the row index)")
+    if problem.neighborhood is not None:
+        why.append("a neighborhood (S_q = S_kv)")
+    if not why:
+        return []
+    return ["a repeatable single-query call (deterministic, or a FlashAttention surface) runs "
+            "as a two-row graph, since cuDNN's S_q = 1 decode path is not bitwise repeatable "
+            "(issue 36); that cannot carry " + ", ".join(why)]
+
+
+def _row_dim(layout: str) -> int:
+    return 2 if layout == "bhsd" else 1
+
+
+def padded_problem(problem: AttnProblem) -> AttnProblem:
+    """``problem`` with two query rows (q contiguous in the call's layout)."""
+    shape = list(problem.q.shape)
+    shape[_row_dim(problem.layout)] = 2
+    stride = torch.empty(shape, dtype=problem.dtype, device="meta").stride()
+    return dataclasses.replace(problem, seq_q=2,
+                               q=TensorSpec(tuple(shape), tuple(stride), problem.dtype))
+
+
+def add_row(t: torch.Tensor, layout: str, where: str, fill: Optional[float] = None,
+            rows: Optional[int] = None) -> torch.Tensor:
+    """``t`` with the extra row at ``where``: a copy of the real row, or ``fill``. ``rows``: the
+    axis of the rows when it is not the layout's (lse ``[B, H, S_q]``: 2)."""
+    axis = _row_dim(layout) if rows is None else rows
+    extra = t if fill is None else torch.full_like(t, fill)
+    parts = (extra, t) if where == "front" else (t, extra)
+    return torch.cat(parts, dim=axis).contiguous()
+
+
+def real_row(t: torch.Tensor, layout: str, where: str, rows: Optional[int] = None
+             ) -> torch.Tensor:
+    """The real row of a two-row result."""
+    axis = _row_dim(layout) if rows is None else rows
+    return t.narrow(axis, 1 if where == "front" else 0, 1)
+

@@ -1,0 +1,186 @@
+"""Issue 36 item 3: a single-query call that must be bitwise repeatable never reaches cuDNN's
+``S_q = 1`` decode path (200 repeats on an H200 gave 105-157 distinct outputs there).
+
+FlashAttention surfaces (whose forward is repeatable) and calls under torch's deterministic mode
+run a two-row graph: an extra query row in front (bottom-right alignment by the graph's sizes) or
+behind (top-left, no band, or a padding mask that hides it), discarded from the results. On this
+CPU the stand-in executor (``cudnn_fake``) shows which graph cuDNN receives and that the results
+and gradients are the call's (float64 oracle); the GPU test repeats the call 200 times.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import build_visibility, reference_attention
+from test_native_storage import _paged_cache, device_only, fake  # noqa: F401  (fixture)
+
+import cudnn_attn as ca
+import cudnn_fake
+from cudnn_attn.graphs import decode_rows
+from cudnn_attn.model.problem import AttnProblem
+
+F16, F64 = torch.float16, torch.float64
+pytestmark = pytest.mark.skipif(not cudnn_fake.frontend_present(),
+                                reason="nvidia-cudnn-frontend is not installed")
+
+
+def _bshd(B, S, H, D, seed, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, S, H, D, generator=g).to(F16).requires_grad_(grad)
+
+
+def _seq_q_of_graphs(fake_state, since=0):
+    return [(spec.seq_q, backward) for spec, backward in fake_state[1][since:]]
+
+
+def _oracle(q, k, v, causal: bool, window=None):
+    """float64 attention on bshd tensors, FlashAttention's bottom-right alignment."""
+    B, Sq, H, _ = q.shape
+    Sk = k.shape[1]
+    kw = {}
+    if causal:
+        kw["causal"] = "bottom_right"
+    if window is not None:
+        kw["window"] = (*window, "bottom_right")
+    vis = build_visibility(1, Sq, Sk, **kw) if kw else torch.ones(1, Sq, Sk, dtype=torch.bool)
+    leaves = [t.detach().to(F64).transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    out, _ = reference_attention(*leaves, vis, scale=q.shape[-1] ** -0.5)
+    return out.transpose(1, 2), leaves
+
+
+@pytest.mark.parametrize("causal, window, where", [(True, None, "front"), (False, None, "back"),
+                                                   (False, (7, 0), "front")],
+                         ids=["causal", "no-mask", "window"])
+def test_flash_attn_func_runs_a_two_row_graph_with_the_calls_results(causal, window, where,
+                                                                      fake):
+    from cudnn_attn.flash_attn_interface import flash_attn_func
+
+    q, k, v = _bshd(2, 1, 4, 16, 1), _bshd(2, 23, 4, 16, 2), _bshd(2, 23, 4, 16, 3)
+    out = flash_attn_func(q, k, v, causal=causal,
+                          window_size=(-1, -1) if window is None else window)
+    out = cudnn_fake.host(out)
+    assert _seq_q_of_graphs(fake) == [(2, False), (2, True)], "cuDNN got an S_q = 1 graph"
+    problem = AttnProblem.from_tensors(q, k, v, layout="bshd",
+                                       mask=ca.Causal("bottom_right") if causal else None)
+    assert decode_rows.side(problem) == ("front" if causal else "back") or window
+    ref, leaves = _oracle(q, k, v, causal, window)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
+    d_out = torch.randn(ref.shape, generator=torch.Generator().manual_seed(4), dtype=F64)
+    got = torch.autograd.grad(out, (q, k, v), d_out.to(F16))
+    want = torch.autograd.grad(ref, leaves, d_out)
+    for name, a, e in zip("qkv", got, want):
+        torch.testing.assert_close(a.to(F64), e.transpose(1, 2), atol=1e-2, rtol=1e-2,
+                                   msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_attention_is_two_row_only_when_it_must_be_repeatable(fake):
+    q, k, v = (torch.randn(1, 2, s, 16).to(F16) for s in (1, 9, 9))
+    ca.attention(q, k, v, mask=ca.Causal("bottom_right"), backend="cudnn")
+    assert _seq_q_of_graphs(fake) == [(1, False)], "a plain call keeps cuDNN's decode graph"
+    torch.use_deterministic_algorithms(True)
+    try:
+        out = ca.attention(q, k, v, mask=ca.Causal("bottom_right"), backend="cudnn")
+        explanation = ca.explain(q, k, v, mask=ca.Causal("bottom_right"))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert _seq_q_of_graphs(fake)[1:] == [(2, False)]
+    ref = ca.attention(q.double(), k.double(), v.double(), mask=ca.Causal("bottom_right"),
+                       backend="torch")
+    torch.testing.assert_close(cudnn_fake.host(out).double(), ref, atol=2e-3, rtol=2e-3)
+    assert explanation.selected == "cudnn"
+    assert any("two-row graph" in note and "in front" in note for note in explanation.notes)
+    assert "two-row graph" in str(explanation)
+
+
+def test_dropout_forward_and_backward_run_the_same_two_row_graph(fake):
+    from cudnn_attn.flash_attn_interface import flash_attn_func
+
+    q, k, v = _bshd(1, 1, 2, 16, 5), _bshd(1, 17, 2, 16, 6), _bshd(1, 17, 2, 16, 7)
+    out = flash_attn_func(q, k, v, dropout_p=0.3)  # cuDNN takes dropout with top-left bands
+    cudnn_fake.host(out).sum().backward()
+    assert _seq_q_of_graphs(fake) == [(2, False), (2, True)]  # one mask shape: replayable
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "dense"])
+def test_kvcache_decode_step_is_two_row_with_the_extra_row_hidden_by_padding(paged, fake,
+                                                                              monkeypatch):
+    from cudnn_attn.compat.flash_attn import native
+    from cudnn_attn.flash_attn_interface import flash_attn_with_kvcache
+
+    B, H, D, page, pages = 3, 2, 16, 16, 3
+    lens = [5, 1, 30]
+    if paged:
+        k_pool, v_pool, table, dense_k, dense_v = _paged_cache(lens, page, H, D, seed=3,
+                                                               poison=False, pages=pages)
+        table[table < 0] = 0
+    else:
+        g = torch.Generator().manual_seed(2)
+        k_pool = torch.randn(B, pages * page, H, D, generator=g).to(F16)
+        v_pool = torch.randn(B, pages * page, H, D, generator=g).to(F16)
+        dense_k, dense_v, table = k_pool, v_pool, None
+    q = _bshd(B, 1, H, D, 9, grad=False)
+    monkeypatch.setattr(native, "takes_kvcache",
+                        lambda *args: args[2] is None and args[3] is None)
+    lens_t = device_only(torch.tensor(lens, dtype=torch.int32))
+    out, lse = flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lens_t, causal=True,
+                                       block_table=None if table is None else device_only(table),
+                                       return_softmax_lse=True)
+    spec = fake[1][-1][0]
+    assert spec.seq_q == 2 and spec.padding and (spec.paged is not None) == paged
+    out = cudnn_fake.host(out)
+    for b, n in enumerate(lens):
+        keys, values = dense_k[b, :n].to(F64), dense_v[b, :n].to(F64)
+        w = torch.softmax(q[b, 0, :, None].to(F64) @ keys.permute(1, 2, 0) * D ** -0.5, dim=-1)
+        torch.testing.assert_close(out[b, 0].to(F64), (w @ values.transpose(0, 1))[:, 0],
+                                   atol=3e-3, rtol=3e-3)
+
+
+@pytest.mark.parametrize("kind", ["ragged", "bias"])
+def test_calls_that_cannot_take_the_extra_row_leave_cudnn_with_the_reason(kind):
+    from cudnn_attn.graphs._spec import analyze
+
+    q = torch.empty(2, 1, 4, 16, dtype=F16, device="meta")
+    k = torch.empty(2, 9, 4, 16, dtype=F16, device="meta")
+    kw = dict(layout="bshd")
+    if kind == "bias":
+        kw["bias"] = torch.empty(1, 4, 1, 9, dtype=F16, device="meta")
+    problem = AttnProblem.from_tensors(q, k, k, **kw)
+    import dataclasses
+
+    if kind == "ragged":
+        from cudnn_attn.model.storage import Ragged
+
+        problem = dataclasses.replace(problem, storage=Ragged())
+    assert analyze(dataclasses.replace(problem, repeatable=False))[1] == [] or kind == "ragged"
+    spec, reasons = analyze(dataclasses.replace(problem, repeatable=True))
+    assert spec is None and any("two-row graph" in r for r in reasons), reasons
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("surface", ["flash_attn_func", "deterministic-attention"])
+def test_single_query_calls_are_bitwise_repeatable_on_the_gpu(surface):
+    """FlashAttention's test_flash_attn_race_condition case that failed on an H200:
+    (S_q, S_k) = (1, 239), d = 160, causal; 200 repeats, one result."""
+    from cudnn_attn.flash_attn_interface import flash_attn_func
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, s, 4, 160, generator=g).to("cuda", F16) for s in (1, 239, 239))
+
+    def call():
+        if surface == "flash_attn_func":
+            return flash_attn_func(q, k, v, causal=True)
+        return ca.attention(q, k, v, mask=ca.Causal("bottom_right"), layout="bshd")
+
+    torch.use_deterministic_algorithms(surface != "flash_attn_func")
+    try:
+        if surface != "flash_attn_func":
+            assert ca.explain(q, k, v, mask=ca.Causal("bottom_right"), layout="bshd")\
+                .selected is not None
+        first = call()
+        distinct = sum(not torch.equal(call(), first) for _ in range(199))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert distinct == 0, f"{distinct} of 199 repeats differ from the first"
