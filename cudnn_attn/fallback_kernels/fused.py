@@ -49,7 +49,7 @@ _SMEM_LIMIT = 99 * 1024
 PIPELINED_DEFINES = {**DEFINES, "NA_PIPELINED": 1}
 PIPELINED_MIN_ARCH = 80
 PIPELINED_DTYPES = (torch.float16, torch.bfloat16)
-_PIPELINED_META_BYTES = {**_META_BYTES, "na_fused_forward": (896 + 2 * 64 + 2 * 64 * 3 + 4) * 4,
+_PIPELINED_META_BYTES = {**_META_BYTES, "na_fused_forward": 0,
                          "na_fused_backward_dq": (704 + 64 + 64 * 3 + 4) * 4,
                          "na_fused_backward_dkdv": (832 + 2 * 64) * 4}
 
@@ -92,11 +92,22 @@ def head_dim_bucket(dim_qk: int, dim_v: int) -> int:
                      f"dim_v={dim_v}")
 
 
+def forward_stages(head_dim: int) -> int:
+    """K/V stages of the pipelined forward's cp.async ring (``NaForwardStages`` in the .cu):
+    three where they fit in the 99 KB every sm_80+ device gives a block, two at head dim 128."""
+    return 2 if head_dim >= 128 else 3
+
+
 def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool = False) -> int:
     """Dynamic shared memory of one variant (mirrors the carve-up in the .cu); ``pipelined``:
-    the sm_80+ build, whose forward holds two K/V buffers."""
+    the sm_80+ build, whose forward holds a ring of K/V stages."""
     elem = 2 if dtype in (torch.float16, torch.bfloat16) else 4
     ld = head_dim + 8 if elem == 2 else head_dim
+    if pipelined and kernel == "na_fused_forward":
+        # The Q tile, then the ring; the geometry lives in registers.
+        total = (FUSED_QUERY_TILE + 2 * forward_stages(head_dim) * FUSED_KEY_TILE) * ld * elem
+        assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
+        return total
     chunk = _CHUNK[kernel][0 if elem == 2 else 1]
     # The pipelined forward and dK/dV double-buffer the other side; dQ where that fits (head
     # dims <= 64).
@@ -250,7 +261,7 @@ def run_forward(q, k, v, out, lse, table, boxes, scale, softcap=0.0, rpb=None) -
                 np.int32(Hq), np.int32(Hkv), np.int32(Dqk), np.int32(Dv),
                 *(np.int32(x) for x in qb), *(np.int32(x) for x in kb),
                 np.float32(scale), np.float32(softcap or 0.0),
-                np.int32(_aligned((q, k, v), q.dtype))]
+                np.int32(_aligned((q, k, v, out), q.dtype))]
         _launch("na_fused_forward", q.dtype, hd, grid, tensors, scalars, ctx)
 
 

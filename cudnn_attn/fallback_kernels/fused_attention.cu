@@ -20,6 +20,7 @@
 #define NA_THREADS (NA_WARPS * 32)
 #define NA_FULL 0xffffffffu
 #define NA_LOG2E 1.4426950408889634f
+#define NA_LN2 0.6931471805599453f
 #define NA_NO_KEY (-(1 << 30))
 #define NA_INF __int_as_float(0x7f800000)
 
@@ -538,6 +539,420 @@ __device__ __forceinline__ void na_store_rows(T* __restrict__ dst, const float (
     const int warp = threadIdx.x >> 5, row0 = warp * 16;                                       \
     const int b = blockIdx.z;
 
+#if NA_PIPELINED
+// ---------------------------------------------------------------------------------------------
+// Forward, sm_80+ build (fp16/bf16). Every thread derives the block's geometry and each key
+// tile's place in registers (power-of-two box sides: shifts and masks, an odometer over the
+// tiles), so no thread waits on another for it; Q lives in registers as mma A fragments; K and V
+// stream through a ring of cp.async stages with one barrier per tile; tiles every query sees
+// whole skip the mask; logits are in log2 units from one multiply, exponentials `ex2.approx.ftz`.
+// ---------------------------------------------------------------------------------------------
+
+// K/V stages of the ring: three where they fit in the 99 KB a block may have on every sm_80+
+// device, two at head dim 128.
+template <int HD> struct NaForwardStages { static constexpr int N = HD >= 128 ? 2 : 3; };
+
+__device__ __forceinline__ float na_ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+template <int N> __device__ __forceinline__ void na_cp_async_wait_n() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(N));
+}
+
+// A box of power-of-two sides: slot j sits at offset (j >> shift[a]) & mask[a] on axis a.
+struct NaBox {
+    int shift[3], mask[3];
+};
+
+__device__ __forceinline__ int na_log2(int x) {
+    int s = 0;
+    while ((1 << s) < x) ++s;
+    return s;
+}
+
+__device__ __forceinline__ NaBox na_make_box(const int* side) {
+    NaBox box;
+    int shift = 0;
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+        box.shift[a] = shift;
+        box.mask[a] = side[a] - 1;
+        shift += na_log2(side[a]);
+    }
+    return box;
+}
+
+// Per axis: the dilation group, global lengths, the block's own query box (group coordinates,
+// clipped), the key range it must visit, that range's tiles, and the two window bounds that
+// decide whether a key tile is seen whole by every query of the box.
+struct NaForwardGeo {
+    int g[3], d[3], len_q[3], len_kv[3], glen_q[3], kern[3];
+    int own_lo[3], own_hi[3];
+    int lo[3], hi[3], tiles[3];
+    int last_lo[3], first_hi[3];
+};
+
+__device__ __forceinline__ void na_forward_geometry(const NaAxis* ax, const int* qside,
+                                                    const int* kside, NaForwardGeo& geo) {
+    int t = blockIdx.x, idx[3];
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+        const int n = na_axis_tiles(ax[a].len_q, na_axis_dilation(ax[a]), qside[a]);
+        idx[a] = t % n;
+        t /= n;
+    }
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+        const int d = na_axis_dilation(ax[a]);
+        int g, start;
+        na_axis_tile(ax[a].len_q, d, qside[a], idx[a], &g, &start);
+        geo.g[a] = g;
+        geo.d[a] = d;
+        geo.len_q[a] = ax[a].len_q;
+        geo.len_kv[a] = ax[a].len_kv;
+        geo.kern[a] = ax[a].kernel;
+        geo.glen_q[a] = na_group_len(ax[a].len_q, d, g);
+        geo.own_lo[a] = start;
+        geo.own_hi[a] = min(start + qside[a], geo.glen_q[a]);
+        int lo, hi, unused;
+        na_group_key_range(ax[a], geo.glen_q[a], geo.own_lo[a], geo.own_hi[a], &lo, &hi);
+        geo.lo[a] = lo;
+        geo.hi[a] = max(hi, lo);
+        geo.tiles[a] = (geo.hi[a] - lo + kside[a] - 1) / kside[a];
+        // Windows are monotone in the query: the last query's start and the first one's end
+        // bound what every query of the box sees.
+        na_group_window(ax[a], geo.own_hi[a] - 1, geo.glen_q[a], &geo.last_lo[a], &unused);
+        na_group_window(ax[a], geo.own_lo[a], geo.glen_q[a], &unused, &geo.first_hi[a]);
+    }
+}
+
+// The next tile of a row-major walk over per-axis tile counts (last axis fastest).
+__device__ __forceinline__ void na_odometer_step(int* idx, const int* tiles) {
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+        if (++idx[a] < tiles[a]) return;
+        idx[a] = 0;
+    }
+}
+
+// Token of the box slot at group coordinates `c` (-1 when a coordinate is clipped).
+__device__ __forceinline__ int na_slot_token(const NaForwardGeo& geo, const int* c, const int* end,
+                                             const int* len) {
+    int tok = 0;
+    bool ok = true;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+        ok &= c[a] < end[a];
+        tok = tok * len[a] + c[a] * geo.d[a] + geo.g[a];
+    }
+    return ok ? tok : -1;
+}
+
+// Copy `ROWS` box slots (first slot at group coordinates `lo`, clipped at `end`) of one or two
+// operands into shared rows of LD elements: 16-byte pieces by cp.async, zeros for clipped rows and
+// for columns past d (so that every mma may run over the whole compiled head dim).
+template <typename T, int HD, int ROWS, int THREADS>
+__device__ __forceinline__ void na_copy_box(T* dst0, const T* src0, long long st0, int d0,
+                                            T* dst1, const T* src1, long long st1, int d1,
+                                            const NaForwardGeo& geo, const NaBox& box,
+                                            const int* lo, const int* end, const int* len, int vec) {
+    constexpr int LD = HD + 8, V = 8, PER_ROW = HD / V;
+    static_assert((ROWS * PER_ROW) % THREADS == 0, "every thread copies the same count");
+    const T zero = NaConvert<T>::from(0.f);
+#pragma unroll
+    for (int i = threadIdx.x; i < ROWS * PER_ROW; i += THREADS) {
+        const int r = i / PER_ROW, c = (i % PER_ROW) * V;
+        int coord[3];
+#pragma unroll
+        for (int a = 0; a < 3; ++a) coord[a] = lo[a] + ((r >> box.shift[a]) & box.mask[a]);
+        const int tok = na_slot_token(geo, coord, end, len);
+#pragma unroll
+        for (int o = 0; o < 2; ++o) {
+            T* dst = o ? dst1 : dst0;
+            if (dst == nullptr) continue;
+            const T* src = o ? src1 : src0;
+            const long long st = o ? st1 : st0;
+            const int d = o ? d1 : d0;
+            T* out = dst + r * LD + c;
+            if (vec && tok >= 0 && c + V <= d) {
+                na_cp_async16(out, src + tok * st + c);
+            } else if (tok < 0 || c >= d) {
+                *reinterpret_cast<uint4*>(out) = uint4{0u, 0u, 0u, 0u};
+            } else {
+#pragma unroll
+                for (int e = 0; e < V; ++e) out[e] = c + e < d ? src[tok * st + c + e] : zero;
+            }
+        }
+    }
+}
+
+// s[16 x NT*8] = Q K^T for the warp's 16 rows: Q as A fragments in registers (qf[k-step]), K rows
+// in shared memory (ldmatrix, two n-tiles per load).
+template <typename T, int HD, int NT>
+__device__ __forceinline__ void na_qk(float (&s)[NT][4], const unsigned int (&qf)[HD / 16][4],
+                                      const T* K) {
+    constexpr int LD = HD + 8;
+    const int lane = threadIdx.x & 31;
+    na_zero(s);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            unsigned int b[4];
+            na_ldsm_x4(b, K + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 +
+                              ((lane / 8) % 2) * 8);
+            na_mma16816(s[n], qf[kk], b, T());
+            na_mma16816(s[n + 1], qf[kk], b + 2, T());
+        }
+    }
+}
+
+// o[16 x HD] += P[16 x NT*8] V[NT*8 x HD]: P from the thread's fragments, V rows in shared memory
+// (ldmatrix .trans, two n-tiles per load).
+template <typename T, int HD, int NT>
+__device__ __forceinline__ void na_pv(float (&o)[HD / 8][4], const float (&p)[NT][4], const T* V) {
+    constexpr int LD = HD + 8;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < NT / 2; ++j) {
+        const unsigned int a[4] = {na_pack2(p[2 * j][0], p[2 * j][1], T()),
+                                   na_pack2(p[2 * j][2], p[2 * j][3], T()),
+                                   na_pack2(p[2 * j + 1][0], p[2 * j + 1][1], T()),
+                                   na_pack2(p[2 * j + 1][2], p[2 * j + 1][3], T())};
+#pragma unroll
+        for (int n = 0; n < HD / 8; n += 2) {
+            unsigned int b[4];
+            na_ldsm_x4_trans(b, V + (16 * j + ((lane / 8) % 2) * 8 + lane % 8) * LD +
+                                    (n + lane / 16) * 8);
+            na_mma16816(o[n], a, b, T());
+            na_mma16816(o[n + 1], a, b + 2, T());
+        }
+    }
+}
+
+// The thread's two query rows: their key windows per axis (empty for a clipped row), group
+// coordinates (for the positional bias) and tokens.
+struct NaRows2 {
+    int win_lo[2][3], win_hi[2][3], qc[2][3], tok[2];
+};
+
+// Logits in log2 units: x = s * scale * log2(e) (softcap: cap * tanh(s * scale / cap) * log2(e)),
+// plus the positional bias, -inf where the mask hides the key (MASKED tiles only). Columns are the
+// key tile's slots, whose group coordinates are (j >> shift) & mask past `klo`.
+template <int NT, bool MASKED>
+__device__ __forceinline__ void na_forward_logits(float (&s)[NT][4], const NaRows2& rows,
+                                                  const NaBox& kbox, const int* klo,
+                                                  float scale, float cap, float inv_cap,
+                                                  const float* rpb, const int* kern) {
+    const float scale_log2 = scale * NA_LOG2E;
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1, j = n * 8 + 2 * t + (e & 1);
+            float x = cap > 0.f ? cap * NA_LOG2E * tanhf(s[n][e] * scale * inv_cap)
+                                : s[n][e] * scale_log2;
+            int kc[3];
+#pragma unroll
+            for (int a = 0; a < 3; ++a) kc[a] = klo[a] + ((j >> kbox.shift[a]) & kbox.mask[a]);
+            bool seen = true;
+            if (MASKED) {
+#pragma unroll
+                for (int a = 0; a < 3; ++a)
+                    seen &= kc[a] >= rows.win_lo[r][a] && kc[a] < rows.win_hi[r][a];
+            }
+            if (!seen) {
+                x = -NA_INF;
+            } else if (rpb != nullptr && rows.tok[r] >= 0) {  // a clipped row has no bias entry
+                int idx = 0;
+#pragma unroll
+                for (int a = 0; a < 3; ++a)
+                    idx = idx * (2 * kern[a] - 1) + kc[a] - rows.qc[r][a] + kern[a] - 1;
+                x += rpb[idx] * NA_LOG2E;
+            }
+            s[n][e] = x;
+        }
+    }
+}
+
+// Online softmax over one key tile, in log2 units: s becomes P (unnormalised), the running max m,
+// the thread's partial row sums l and the output accumulator o are rescaled.
+template <int NT, int HD>
+__device__ __forceinline__ void na_online_softmax_log2(float (&s)[NT][4], float (&m)[2],
+                                                       float (&l)[2], float (&o)[HD / 8][4]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = m[r];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(NA_FULL, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(NA_FULL, mx, 2));
+        // A row that has seen nothing yet keeps shift 0: ex2(-inf - 0) = 0, never NaN.
+        const float shift = mx == -NA_INF ? 0.f : mx;
+        const float alpha = na_ex2(m[r] - shift);
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            s[n][2 * r] = na_ex2(s[n][2 * r] - shift);
+            s[n][2 * r + 1] = na_ex2(s[n][2 * r + 1] - shift);
+            sum += s[n][2 * r] + s[n][2 * r + 1];
+        }
+        l[r] = l[r] * alpha + sum;
+        m[r] = mx;
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            o[n][2 * r] *= alpha;
+            o[n][2 * r + 1] *= alpha;
+        }
+    }
+}
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(NA_THREADS)
+na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                 T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ table,
+                 const float* __restrict__ rpb,
+                 long long q_sb, long long q_st, long long q_sh,
+                 long long k_sb, long long k_st, long long k_sh,
+                 long long v_sb, long long v_st, long long v_sh,
+                 long long o_sb, long long o_st, long long o_sh,
+                 long long l_sb, long long l_st, long long l_sh,
+                 int heads_q, int heads_kv, int d_qk, int d_v,
+                 int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
+                 float scale, float softcap, int vec) {
+    constexpr int LD = HD + 8, NT = NA_TILE / 8, STAGES = NaForwardStages<HD>::N;
+    constexpr int STAGE = 2 * NA_TILE * LD;  // K rows, then V rows
+    const int qside[3] = {qt0, qt1, qt2}, kside[3] = {kt0, kt1, kt2};
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = warp * 16;
+    const int b = blockIdx.z, h = blockIdx.y, hk = h / (heads_q / heads_kv);
+    extern __shared__ __align__(16) unsigned char na_smem[];
+    T* sQ = reinterpret_cast<T*>(na_smem);
+    T* sKV = sQ + NA_TILE * LD;  // [STAGES][K | V]
+
+    NaAxis ax[3];
+    na_load_axes(table, ax);
+    NaForwardGeo geo;
+    na_forward_geometry(ax, qside, kside, geo);
+    const NaBox qbox = na_make_box(qside), kbox = na_make_box(kside);
+    const T* kbase = k + b * k_sb + hk * k_sh;
+    const T* vbase = v + b * v_sb + hk * v_sh;
+
+    // Key tiles go row-major over the per-axis tile counts (last axis fastest), tracked by two
+    // odometers: the tile being copied and the tile being computed.
+    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
+    int copy_idx[3] = {0, 0, 0}, kidx[3] = {0, 0, 0};
+    auto issue = [&](int it) {
+        if (it < ntiles) {
+            int klo[3];
+#pragma unroll
+            for (int a = 0; a < 3; ++a) klo[a] = geo.lo[a] + copy_idx[a] * kside[a];
+            T* stage = sKV + (it % STAGES) * STAGE;
+            na_copy_box<T, HD, NA_TILE, NA_THREADS>(stage, kbase, k_st, d_qk, stage + NA_TILE * LD,
+                                                    vbase, v_st, d_v, geo, kbox, klo, geo.hi,
+                                                    geo.len_kv, vec);
+            na_odometer_step(copy_idx, geo.tiles);
+        }
+        na_cp_async_commit();
+    };
+
+    // Q joins the first stage's group; the ring is primed with STAGES - 1 tiles.
+    na_copy_box<T, HD, NA_TILE, NA_THREADS>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk, nullptr,
+                                            nullptr, 0, 0, geo, qbox, geo.own_lo, geo.own_hi,
+                                            geo.len_q, vec);
+#pragma unroll
+    for (int it = 0; it < STAGES - 1; ++it) issue(it);
+
+    NaRows2 rows;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int slot = row0 + (lane >> 2) + 8 * r;
+        int c[3];
+#pragma unroll
+        for (int a = 0; a < 3; ++a) c[a] = geo.own_lo[a] + ((slot >> qbox.shift[a]) & qbox.mask[a]);
+        rows.tok[r] = na_slot_token(geo, c, geo.own_hi, geo.len_q);
+#pragma unroll
+        for (int a = 0; a < 3; ++a) {
+            int wl = 0, wh = 0;
+            if (rows.tok[r] >= 0) na_group_window(ax[a], c[a], geo.glen_q[a], &wl, &wh);
+            rows.win_lo[r][a] = wl;
+            rows.win_hi[r][a] = wh;
+            rows.qc[r][a] = c[a];
+        }
+    }
+    const float* bias = rpb ? rpb + (long long)h * ((2 * geo.kern[0] - 1) *
+                                                    (2 * geo.kern[1] - 1) * (2 * geo.kern[2] - 1))
+                            : nullptr;
+    const float inv_cap = softcap > 0.f ? __frcp_rn(softcap) : 0.f;
+
+    unsigned int qf[HD / 16][4];
+    float acc[HD / 8][4], m[2] = {-NA_INF, -NA_INF}, l[2] = {0.f, 0.f};
+    na_zero(acc);
+    for (int it = 0; it < ntiles; ++it) {
+        na_cp_async_wait_n<STAGES - 2>();  // this thread's copies of tile it (and Q) landed
+        __syncthreads();  // everyone's; and everyone is done with tile it - 1, whose stage we refill
+        issue(it + STAGES - 1);
+        if (it == 0) {
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; ++kk)
+                na_ldsm_x4(qf[kk], sQ + (row0 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+        }
+        int klo[3];
+        bool whole = true;
+#pragma unroll
+        for (int a = 0; a < 3; ++a) {
+            klo[a] = geo.lo[a] + kidx[a] * kside[a];
+            whole &= klo[a] + kside[a] <= geo.hi[a] && geo.last_lo[a] <= klo[a] &&
+                     klo[a] + kside[a] <= geo.first_hi[a];
+        }
+        const T* stage = sKV + (it % STAGES) * STAGE;
+        float s[NT][4];
+        na_qk<T, HD, NT>(s, qf, stage);
+        if (whole)
+            na_forward_logits<NT, false>(s, rows, kbox, klo, scale, softcap, inv_cap, bias,
+                                         geo.kern);
+        else
+            na_forward_logits<NT, true>(s, rows, kbox, klo, scale, softcap, inv_cap, bias,
+                                        geo.kern);
+        na_online_softmax_log2<NT, HD>(s, m, l, acc);
+        na_pv<T, HD, NT>(acc, s, stage + NA_TILE * LD);
+        na_odometer_step(kidx, geo.tiles);
+    }
+    na_cp_async_wait_all();
+
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(NA_FULL, l[r], 1);
+        l[r] += __shfl_xor_sync(NA_FULL, l[r], 2);
+        inv[r] = l[r] > 0.f ? __frcp_rn(l[r]) : 0.f;
+        if ((lane & 3) == 0 && rows.tok[r] >= 0)
+            lse[b * l_sb + rows.tok[r] * l_st + h * l_sh] =
+                l[r] > 0.f ? (m[r] + log2f(l[r])) * NA_LN2 : -NA_INF;
+    }
+    T* obase = o + b * o_sb + h * o_sh;
+    const int t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (rows.tok[r] < 0) continue;
+        T* out = obase + rows.tok[r] * o_st;
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            const int c = n * 8 + 2 * t;
+            const float x0 = acc[n][2 * r] * inv[r], x1 = acc[n][2 * r + 1] * inv[r];
+            if (vec && c + 1 < d_v) {
+                *reinterpret_cast<unsigned int*>(out + c) = na_pack2(x0, x1, T());
+            } else {
+                if (c < d_v) out[c] = NaConvert<T>::from(x0);
+                if (c + 1 < d_v) out[c + 1] = NaConvert<T>::from(x1);
+            }
+        }
+    }
+}
+#else
 // ---------------------------------------------------------------------------------------------
 // Forward: O and LSE (natural log; -inf and O = 0 for a row that sees nothing).
 // ---------------------------------------------------------------------------------------------
@@ -561,72 +976,6 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     __shared__ NaAxis s_ax[NA_MAX_AXES];
     __shared__ NaGeo geo;
     extern __shared__ __align__(16) unsigned char na_smem[];
-#if NA_PIPELINED
-    // Two K/V buffers (and their slot lists): tile it + 1 is copied while tile it is computed.
-    static_assert(CH == NA_TILE, "the pipelined forward stages a whole key tile per step");
-    T* sQ = reinterpret_cast<T*>(na_smem);
-    T* sK = sQ + NA_TILE * LD;                  // [2][CH * LD]
-    T* sV = sK + 2 * CH * LD;                   // [2][CH * LD]
-    int* s_qtok = reinterpret_cast<int*>(sV + 2 * CH * LD);
-    int* s_qwin = s_qtok + NA_TILE;
-    int* s_qc = s_qwin + NA_TILE * 6;
-    int* s_ktok = s_qc + NA_TILE * 3;           // [2][NA_TILE]
-    int* s_kc = s_ktok + 2 * NA_TILE;           // [2][NA_TILE * 3]
-    int* s_full = s_kc + 2 * NA_TILE * 3;       // [2]
-
-    if (threadIdx.x == 0) na_setup_block(table, s_ax, geo, qbox, kbox, true);
-    __syncthreads();
-    if (threadIdx.x < NA_TILE)
-        na_query_slot(s_ax, geo, qbox, geo.own_lo, geo.own_hi, threadIdx.x, s_qtok + threadIdx.x,
-                      s_qwin + threadIdx.x * 6, s_qc + threadIdx.x * 3);
-    __syncthreads();
-    na_stage_rows_async<T, HD>(sQ, q + b * q_sb + h * q_sh, s_qtok, NA_TILE, q_st, d_qk, vec);
-
-    const T* kbase = k + b * k_sb + hk * k_sh;
-    const T* vbase = v + b * v_sb + hk * v_sh;
-    const NaRpb bias = {rpb ? rpb + (long long)h * ((2 * geo.kern[0] - 1) * (2 * geo.kern[1] - 1) *
-                                                    (2 * geo.kern[2] - 1))
-                            : nullptr,
-                        s_qc};
-    float acc[HD / 8][4], m[2] = {-NA_INF, -NA_INF}, l[2] = {0.f, 0.f};
-    na_zero(acc);
-    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
-    // Step it (from -1): place and start copying tile it + 1 into buffer (it + 1) & 1, then
-    // compute tile it from buffer it & 1 once its copies (the older group) have landed.
-    for (int it = -1; it < ntiles; ++it) {
-        const int nb = (it + 1) & 1, cb = it & 1;
-        __syncthreads();  // tile it - 1 is done: buffer nb and geo are free
-        if (it + 1 < ntiles) {
-            if (threadIdx.x == 0) {
-                na_place_other_tile(s_ax, geo, kbox, it + 1, true);
-                s_full[nb] = geo.full;
-            }
-            __syncthreads();
-            if (threadIdx.x < NA_TILE)
-                na_key_slot(geo, kbox, geo.cur_lo, geo.cur_hi, threadIdx.x,
-                            s_ktok + nb * NA_TILE + threadIdx.x,
-                            s_kc + nb * NA_TILE * 3 + threadIdx.x * 3);
-            __syncthreads();
-            na_stage_rows_async<T, HD>(sK + nb * CH * LD, kbase, s_ktok + nb * NA_TILE, CH, k_st,
-                                       d_qk, vec);
-            na_stage_rows_async<T, HD>(sV + nb * CH * LD, vbase, s_ktok + nb * NA_TILE, CH, v_st,
-                                       d_v, vec);
-        }
-        na_cp_async_commit();
-        if (it < 0) continue;
-        na_cp_async_wait_prev();  // this thread's copies of tile it (and Q) have landed
-        __syncthreads();          // ... and everyone's
-        const int* kc = s_kc + cb * NA_TILE * 3;
-        float s[NT][4];
-        na_zero(s);
-        na_mma_abt<T, HD, NT>(s, sQ + row0 * LD, sK + cb * CH * LD, d_qk);
-        na_logits<NT, true>(s, scale, softcap, inv_cap, s_full[cb], s_qwin, kc, row0, 0, geo,
-                            bias);
-        na_online_softmax<NT, HD>(s, m, l, acc);
-        na_mma_pb<T, HD, NT>(acc, s, sV + cb * CH * LD, d_v);
-    }
-    na_cp_async_wait_all();
-#else
     T* sQ = reinterpret_cast<T*>(na_smem);
     T* sK = sQ + NA_TILE * LD;
     T* sV = sK + CH * LD;
@@ -675,7 +1024,6 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         }
     }
 
-#endif
 
     const int lane = threadIdx.x & 31, g = lane >> 2;
     float inv[2];
@@ -690,6 +1038,8 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     }
     na_store_rows<T, HD>(o + b * o_sb + h * o_sh, acc, s_qtok, row0, o_st, d_v, inv[0], inv[1]);
 }
+
+#endif  // NA_PIPELINED (forward)
 
 // ---------------------------------------------------------------------------------------------
 // Backward dQ: query-tile-major, like the forward. delta = rowsum(dO * O) - dlse (fp32), laid
