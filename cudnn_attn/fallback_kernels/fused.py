@@ -104,8 +104,9 @@ def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool =
     elem = 2 if dtype in (torch.float16, torch.bfloat16) else 4
     ld = head_dim + 8 if elem == 2 else head_dim
     if pipelined and kernel == "na_fused_forward":
-        # The Q tile, then the ring; the geometry lives in registers.
-        total = (FUSED_QUERY_TILE + 2 * forward_stages(head_dim) * FUSED_KEY_TILE) * ld * elem
+        # The Q tile, the ring, then one 32-byte record per query slot (NaQuerySlot).
+        total = ((FUSED_QUERY_TILE + 2 * forward_stages(head_dim) * FUSED_KEY_TILE) * ld * elem
+                 + 32 * FUSED_QUERY_TILE)
         assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
         return total
     chunk = _CHUNK[kernel][0 if elem == 2 else 1]

@@ -549,8 +549,12 @@ __device__ __forceinline__ void na_store_rows(T* __restrict__ dst, const float (
 // ---------------------------------------------------------------------------------------------
 
 // K/V stages of the ring: three where they fit in the 99 KB a block may have on every sm_80+
-// device, two at head dim 128.
-template <int HD> struct NaForwardStages { static constexpr int N = HD >= 128 ? 2 : 3; };
+// device, two at head dim 128. MIN_BLOCKS: the blocks per SM asked of the register allocator
+// (__launch_bounds__), as many as shared memory admits on sm_80 (164 KB) up to four.
+template <int HD> struct NaForwardStages {
+    static constexpr int N = HD >= 128 ? 2 : 3;
+    static constexpr int MIN_BLOCKS = HD >= 128 ? 1 : 3;
+};
 
 __device__ __forceinline__ float na_ex2(float x) {
     float y;
@@ -585,14 +589,27 @@ __device__ __forceinline__ NaBox na_make_box(const int* side) {
     return box;
 }
 
+// Tokens of one side (queries or keys) of the walk: group coordinates c are token
+// base + sum_a c[a] * step[a] (step: the dilation times the axis' row-major multiplier).
+struct NaTokens {
+    int base, step[3];
+};
+
+__device__ __forceinline__ void na_add_axis(NaTokens& t, int a, int g, int d, int len, int& mult) {
+    t.step[a] = d * mult;
+    t.base += g * mult;
+    mult *= len;
+}
+
 // Per axis: the dilation group, global lengths, the block's own query box (group coordinates,
 // clipped), the key range it must visit, that range's tiles, and the two window bounds that
 // decide whether a key tile is seen whole by every query of the box.
 struct NaForwardGeo {
-    int g[3], d[3], len_q[3], len_kv[3], glen_q[3], kern[3];
+    int glen_q[3], kern[3];
     int own_lo[3], own_hi[3];
     int lo[3], hi[3], tiles[3];
     int last_lo[3], first_hi[3];
+    NaTokens qtok, ktok;
 };
 
 __device__ __forceinline__ void na_forward_geometry(const NaAxis* ax, const int* qside,
@@ -604,15 +621,15 @@ __device__ __forceinline__ void na_forward_geometry(const NaAxis* ax, const int*
         idx[a] = t % n;
         t /= n;
     }
+    int mult_q = 1, mult_kv = 1;
+    geo.qtok.base = geo.ktok.base = 0;
 #pragma unroll
-    for (int a = 0; a < 3; ++a) {
+    for (int a = 2; a >= 0; --a) {
         const int d = na_axis_dilation(ax[a]);
         int g, start;
         na_axis_tile(ax[a].len_q, d, qside[a], idx[a], &g, &start);
-        geo.g[a] = g;
-        geo.d[a] = d;
-        geo.len_q[a] = ax[a].len_q;
-        geo.len_kv[a] = ax[a].len_kv;
+        na_add_axis(geo.qtok, a, g, d, ax[a].len_q, mult_q);
+        na_add_axis(geo.ktok, a, g, d, ax[a].len_kv, mult_kv);
         geo.kern[a] = ax[a].kernel;
         geo.glen_q[a] = na_group_len(ax[a].len_q, d, g);
         geo.own_lo[a] = start;
@@ -638,15 +655,17 @@ __device__ __forceinline__ void na_odometer_step(int* idx, const int* tiles) {
     }
 }
 
-// Token of the box slot at group coordinates `c` (-1 when a coordinate is clipped).
-__device__ __forceinline__ int na_slot_token(const NaForwardGeo& geo, const int* c, const int* end,
-                                             const int* len) {
-    int tok = 0;
+// Token of box slot `r` of the box at group coordinates `lo` (-1 when the slot is clipped at
+// `end`).
+__device__ __forceinline__ int na_slot_token(const NaTokens& tk, const NaBox& box, const int* lo,
+                                             const int* end, int r) {
+    int tok = tk.base;
     bool ok = true;
 #pragma unroll
     for (int a = 0; a < 3; ++a) {
-        ok &= c[a] < end[a];
-        tok = tok * len[a] + c[a] * geo.d[a] + geo.g[a];
+        const int c = lo[a] + ((r >> box.shift[a]) & box.mask[a]);
+        ok &= c < end[a];
+        tok += c * tk.step[a];
     }
     return ok ? tok : -1;
 }
@@ -657,18 +676,15 @@ __device__ __forceinline__ int na_slot_token(const NaForwardGeo& geo, const int*
 template <typename T, int HD, int ROWS, int THREADS>
 __device__ __forceinline__ void na_copy_box(T* dst0, const T* src0, long long st0, int d0,
                                             T* dst1, const T* src1, long long st1, int d1,
-                                            const NaForwardGeo& geo, const NaBox& box,
-                                            const int* lo, const int* end, const int* len, int vec) {
+                                            const NaTokens& tk, const NaBox& box,
+                                            const int* lo, const int* end, int vec) {
     constexpr int LD = HD + 8, V = 8, PER_ROW = HD / V;
     static_assert((ROWS * PER_ROW) % THREADS == 0, "every thread copies the same count");
     const T zero = NaConvert<T>::from(0.f);
 #pragma unroll
     for (int i = threadIdx.x; i < ROWS * PER_ROW; i += THREADS) {
         const int r = i / PER_ROW, c = (i % PER_ROW) * V;
-        int coord[3];
-#pragma unroll
-        for (int a = 0; a < 3; ++a) coord[a] = lo[a] + ((r >> box.shift[a]) & box.mask[a]);
-        const int tok = na_slot_token(geo, coord, end, len);
+        const int tok = na_slot_token(tk, box, lo, end, r);
 #pragma unroll
         for (int o = 0; o < 2; ++o) {
             T* dst = o ? dst1 : dst0;
@@ -733,22 +749,36 @@ __device__ __forceinline__ void na_pv(float (&o)[HD / 8][4], const float (&p)[NT
     }
 }
 
-// The thread's two query rows: their key windows per axis (empty for a clipped row), group
-// coordinates (for the positional bias) and tokens.
-struct NaRows2 {
-    int win_lo[2][3], win_hi[2][3], qc[2][3], tok[2];
+// One query slot of the block, in shared memory (read by masked tiles and the bias only, so no
+// register holds it through the loop): its key window [lo, hi) per axis (empty for a clipped
+// slot), its part of the bias index, sum_a (k_a - 1 - qc_a) * R_a (R: the row-major multipliers
+// of the [2k0-1, 2k1-1, 2k2-1] table; a key adds sum_a kc_a * R_a), and its token (-1: clipped).
+struct __align__(16) NaQuerySlot {
+    int lo[3], hi[3], rpb, tok;
 };
+
+// The bias table's row-major multipliers over its three axes.
+__device__ __forceinline__ void na_rpb_multipliers(const int* kern, int* mul) {
+    mul[2] = 1;
+    mul[1] = 2 * kern[2] - 1;
+    mul[0] = mul[1] * (2 * kern[1] - 1);
+}
 
 // Logits in log2 units: x = s * scale * log2(e) (softcap: cap * tanh(s * scale / cap) * log2(e)),
 // plus the positional bias, -inf where the mask hides the key (MASKED tiles only). Columns are the
 // key tile's slots, whose group coordinates are (j >> shift) & mask past `klo`.
 template <int NT, bool MASKED>
-__device__ __forceinline__ void na_forward_logits(float (&s)[NT][4], const NaRows2& rows,
+__device__ __forceinline__ void na_forward_logits(float (&s)[NT][4], const NaQuerySlot* slots,
                                                   const NaBox& kbox, const int* klo,
                                                   float scale, float cap, float inv_cap,
-                                                  const float* rpb, const int* kern) {
+                                                  const float* rpb, const int* rmul) {
     const float scale_log2 = scale * NA_LOG2E;
     const int t = threadIdx.x & 3;
+    NaQuerySlot rows[2];
+    if (MASKED || rpb != nullptr) {
+        rows[0] = slots[0];
+        rows[1] = slots[8];
+    }
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -763,15 +793,14 @@ __device__ __forceinline__ void na_forward_logits(float (&s)[NT][4], const NaRow
             if (MASKED) {
 #pragma unroll
                 for (int a = 0; a < 3; ++a)
-                    seen &= kc[a] >= rows.win_lo[r][a] && kc[a] < rows.win_hi[r][a];
+                    seen &= kc[a] >= rows[r].lo[a] && kc[a] < rows[r].hi[a];
             }
             if (!seen) {
                 x = -NA_INF;
-            } else if (rpb != nullptr && rows.tok[r] >= 0) {  // a clipped row has no bias entry
-                int idx = 0;
+            } else if (rpb != nullptr && rows[r].tok >= 0) {  // a clipped row has no bias entry
+                int idx = rows[r].rpb;
 #pragma unroll
-                for (int a = 0; a < 3; ++a)
-                    idx = idx * (2 * kern[a] - 1) + kc[a] - rows.qc[r][a] + kern[a] - 1;
+                for (int a = 0; a < 3; ++a) idx += kc[a] * rmul[a];
                 x += rpb[idx] * NA_LOG2E;
             }
             s[n][e] = x;
@@ -812,7 +841,7 @@ __device__ __forceinline__ void na_online_softmax_log2(float (&s)[NT][4], float 
 }
 
 template <typename T, int HD>
-__global__ void __launch_bounds__(NA_THREADS)
+__global__ void __launch_bounds__(NA_THREADS, NaForwardStages<HD>::MIN_BLOCKS)
 na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                  T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ table,
                  const float* __restrict__ rpb,
@@ -832,6 +861,7 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     extern __shared__ __align__(16) unsigned char na_smem[];
     T* sQ = reinterpret_cast<T*>(na_smem);
     T* sKV = sQ + NA_TILE * LD;  // [STAGES][K | V]
+    NaQuerySlot* s_slot = reinterpret_cast<NaQuerySlot*>(sKV + STAGES * STAGE);
 
     NaAxis ax[3];
     na_load_axes(table, ax);
@@ -852,8 +882,8 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
             for (int a = 0; a < 3; ++a) klo[a] = geo.lo[a] + copy_idx[a] * kside[a];
             T* stage = sKV + (it % STAGES) * STAGE;
             na_copy_box<T, HD, NA_TILE, NA_THREADS>(stage, kbase, k_st, d_qk, stage + NA_TILE * LD,
-                                                    vbase, v_st, d_v, geo, kbox, klo, geo.hi,
-                                                    geo.len_kv, vec);
+                                                    vbase, v_st, d_v, geo.ktok, kbox, klo,
+                                                    geo.hi, vec);
             na_odometer_step(copy_idx, geo.tiles);
         }
         na_cp_async_commit();
@@ -861,28 +891,27 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 
     // Q joins the first stage's group; the ring is primed with STAGES - 1 tiles.
     na_copy_box<T, HD, NA_TILE, NA_THREADS>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk, nullptr,
-                                            nullptr, 0, 0, geo, qbox, geo.own_lo, geo.own_hi,
-                                            geo.len_q, vec);
+                                            nullptr, 0, 0, geo.qtok, qbox, geo.own_lo,
+                                            geo.own_hi, vec);
 #pragma unroll
     for (int it = 0; it < STAGES - 1; ++it) issue(it);
 
-    NaRows2 rows;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int slot = row0 + (lane >> 2) + 8 * r;
-        int c[3];
-#pragma unroll
-        for (int a = 0; a < 3; ++a) c[a] = geo.own_lo[a] + ((slot >> qbox.shift[a]) & qbox.mask[a]);
-        rows.tok[r] = na_slot_token(geo, c, geo.own_hi, geo.len_q);
+    int rmul[3];
+    na_rpb_multipliers(geo.kern, rmul);
+    if (threadIdx.x < NA_TILE) {  // published by the loop's first barrier
+        NaQuerySlot slot;
+        slot.tok = na_slot_token(geo.qtok, qbox, geo.own_lo, geo.own_hi, threadIdx.x);
+        slot.rpb = 0;
 #pragma unroll
         for (int a = 0; a < 3; ++a) {
-            int wl = 0, wh = 0;
-            if (rows.tok[r] >= 0) na_group_window(ax[a], c[a], geo.glen_q[a], &wl, &wh);
-            rows.win_lo[r][a] = wl;
-            rows.win_hi[r][a] = wh;
-            rows.qc[r][a] = c[a];
+            const int c = geo.own_lo[a] + ((threadIdx.x >> qbox.shift[a]) & qbox.mask[a]);
+            slot.lo[a] = slot.hi[a] = 0;
+            if (slot.tok >= 0) na_group_window(ax[a], c, geo.glen_q[a], &slot.lo[a], &slot.hi[a]);
+            slot.rpb += (geo.kern[a] - 1 - c) * rmul[a];
         }
+        s_slot[threadIdx.x] = slot;
     }
+    const NaQuerySlot* my_slots = s_slot + row0 + (lane >> 2);  // rows g and g + 8
     const float* bias = rpb ? rpb + (long long)h * ((2 * geo.kern[0] - 1) *
                                                     (2 * geo.kern[1] - 1) * (2 * geo.kern[2] - 1))
                             : nullptr;
@@ -912,33 +941,36 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         float s[NT][4];
         na_qk<T, HD, NT>(s, qf, stage);
         if (whole)
-            na_forward_logits<NT, false>(s, rows, kbox, klo, scale, softcap, inv_cap, bias,
-                                         geo.kern);
+            na_forward_logits<NT, false>(s, my_slots, kbox, klo, scale, softcap, inv_cap, bias,
+                                         rmul);
         else
-            na_forward_logits<NT, true>(s, rows, kbox, klo, scale, softcap, inv_cap, bias,
-                                        geo.kern);
+            na_forward_logits<NT, true>(s, my_slots, kbox, klo, scale, softcap, inv_cap, bias,
+                                        rmul);
         na_online_softmax_log2<NT, HD>(s, m, l, acc);
         na_pv<T, HD, NT>(acc, s, stage + NA_TILE * LD);
         na_odometer_step(kidx, geo.tiles);
     }
     na_cp_async_wait_all();
+    __syncthreads();  // the query slots are published even when no key tile was visited
 
     float inv[2];
+    int tok[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         l[r] += __shfl_xor_sync(NA_FULL, l[r], 1);
         l[r] += __shfl_xor_sync(NA_FULL, l[r], 2);
         inv[r] = l[r] > 0.f ? __frcp_rn(l[r]) : 0.f;
-        if ((lane & 3) == 0 && rows.tok[r] >= 0)
-            lse[b * l_sb + rows.tok[r] * l_st + h * l_sh] =
+        tok[r] = my_slots[8 * r].tok;
+        if ((lane & 3) == 0 && tok[r] >= 0)
+            lse[b * l_sb + tok[r] * l_st + h * l_sh] =
                 l[r] > 0.f ? (m[r] + log2f(l[r])) * NA_LN2 : -NA_INF;
     }
     T* obase = o + b * o_sb + h * o_sh;
     const int t = lane & 3;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        if (rows.tok[r] < 0) continue;
-        T* out = obase + rows.tok[r] * o_st;
+        if (tok[r] < 0) continue;
+        T* out = obase + tok[r] * o_st;
 #pragma unroll
         for (int n = 0; n < HD / 8; ++n) {
             const int c = n * 8 + 2 * t;
