@@ -43,15 +43,16 @@ _META_BYTES = {"na_fused_forward": 896 * 4, "na_fused_backward_dq": 704 * 4,
 _SMEM_LIMIT = 99 * 1024
 
 # The sm_80+ build of the same source (NA_PIPELINED in the .cu): ldmatrix fragment loads in every
-# kernel; the forward and dQ (head dims <= 64) copy key tile i + 1 with cp.async into a second K/V
-# buffer while they compute tile i (dQ at 128: one buffer), dK/dV the next (query head, chunk)
-# step's Q/dO. fp16/bf16 only (fp32 keeps its exact FMA path); chosen by ``pipelined``.
+# kernel. The query-major kernels (forward, dQ) walk key tiles with the geometry in every thread's
+# registers and stream K/V through a ring of cp.async stages (``forward_stages``); dK/dV copies
+# the next (query head, chunk) step's Q/dO while it computes. fp16/bf16 only (fp32 keeps its exact
+# FMA path); chosen by ``pipelined``.
 PIPELINED_DEFINES = {**DEFINES, "NA_PIPELINED": 1}
 PIPELINED_MIN_ARCH = 80
 PIPELINED_DTYPES = (torch.float16, torch.bfloat16)
-_PIPELINED_META_BYTES = {**_META_BYTES, "na_fused_forward": 0,
-                         "na_fused_backward_dq": (704 + 64 + 64 * 3 + 4) * 4,
-                         "na_fused_backward_dkdv": (832 + 2 * 64) * 4}
+_QUERY_MAJOR = ("na_fused_forward", "na_fused_backward_dq")
+_QUERY_SLOT_BYTES = 32  # NaQuerySlot
+_DKDV_PIPELINED_META_BYTES = (832 + 2 * 64) * 4
 
 
 def _expression(kernel: str, dtype: torch.dtype, head_dim: int) -> str:
@@ -93,28 +94,28 @@ def head_dim_bucket(dim_qk: int, dim_v: int) -> int:
 
 
 def forward_stages(head_dim: int) -> int:
-    """K/V stages of the pipelined forward's cp.async ring (``NaForwardStages`` in the .cu):
-    three where they fit in the 99 KB every sm_80+ device gives a block, two at head dim 128."""
+    """K/V stages of the pipelined query-major kernels' cp.async ring (``NaForwardStages`` in
+    the .cu): three where they fit in the 99 KB every sm_80+ device gives a block, two at head
+    dim 128."""
     return 2 if head_dim >= 128 else 3
 
 
 def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool = False) -> int:
     """Dynamic shared memory of one variant (mirrors the carve-up in the .cu); ``pipelined``:
-    the sm_80+ build, whose forward holds a ring of K/V stages."""
+    the sm_80+ build, whose query-major kernels hold a ring of K/V stages."""
     elem = 2 if dtype in (torch.float16, torch.bfloat16) else 4
     ld = head_dim + 8 if elem == 2 else head_dim
-    if pipelined and kernel == "na_fused_forward":
-        # The Q tile, the ring, then one 32-byte record per query slot (NaQuerySlot).
+    if pipelined and kernel in _QUERY_MAJOR:
+        # One own tile (forward: Q; dQ: dO, Q waiting in the last stage), the ring, then one
+        # record per query slot.
         total = ((FUSED_QUERY_TILE + 2 * forward_stages(head_dim) * FUSED_KEY_TILE) * ld * elem
-                 + 32 * FUSED_QUERY_TILE)
+                 + _QUERY_SLOT_BYTES * FUSED_QUERY_TILE)
         assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
         return total
     chunk = _CHUNK[kernel][0 if elem == 2 else 1]
-    # The pipelined forward and dK/dV double-buffer the other side; dQ where that fits (head
-    # dims <= 64).
-    buffers = 2 if pipelined and (kernel != "na_fused_backward_dq" or head_dim <= 64) else 1
+    buffers = 2 if pipelined else 1  # the pipelined dK/dV double-buffers its Q/dO chunks
     rows = _OWN_ROWS[kernel] * FUSED_QUERY_TILE + 2 * chunk * buffers
-    meta = (_PIPELINED_META_BYTES if pipelined else _META_BYTES)[kernel]
+    meta = _DKDV_PIPELINED_META_BYTES if pipelined else _META_BYTES[kernel]
     total = rows * ld * elem + meta
     assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
     return total
@@ -278,7 +279,7 @@ def run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale,
     tail = [np.int32(Hq), np.int32(Hkv), np.int32(Dqk), np.int32(Dv),
             *(np.int32(x) for x in qb), *(np.int32(x) for x in kb),
             np.float32(scale), np.float32(softcap or 0.0),
-            np.int32(_aligned((q, k, v, dout), q.dtype))]
+            np.int32(_aligned((q, k, v, dout, dq, dk, dv), q.dtype))]
     common = [*_strides(q), *_strides(k), *_strides(v), *_strides(dout)]
     table_dev = launch.device_table(table, q.device)
     # Only dimensions longer than 1 are indexed, so only their strides must agree (torch keeps

@@ -554,6 +554,7 @@ __device__ __forceinline__ void na_store_rows(T* __restrict__ dst, const float (
 template <int HD> struct NaForwardStages {
     static constexpr int N = HD >= 128 ? 2 : 3;
     static constexpr int MIN_BLOCKS = HD >= 128 ? 1 : 3;
+    static constexpr int MIN_BLOCKS_DQ = HD >= 128 ? 1 : HD >= 64 ? 2 : 3;  // dP's registers too
 };
 
 __device__ __forceinline__ float na_ex2(float x) {
@@ -840,6 +841,123 @@ __device__ __forceinline__ void na_online_softmax_log2(float (&s)[NT][4], float 
     }
 }
 
+// One key tile's place in the walk: its first slot per axis, and whether every query of the block
+// sees all of it (then the mask is skipped). Windows are monotone in the query, so the box's last
+// query's window start and its first query's window end bound what every query sees.
+__device__ __forceinline__ bool na_key_tile(const NaForwardGeo& geo, const int* kidx,
+                                            const int* kside, int* klo) {
+    bool whole = true;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+        klo[a] = geo.lo[a] + kidx[a] * kside[a];
+        whole &= klo[a] + kside[a] <= geo.hi[a] && geo.last_lo[a] <= klo[a] &&
+                 klo[a] + kside[a] <= geo.first_hi[a];
+    }
+    return whole;
+}
+
+// The ring of K/V stages both query-major kernels stream key tiles through: tile `it` lives in
+// stage it % STAGES (its K rows, then its V rows). Tiles are copied in walk order (an odometer,
+// no division), so `issue` is called once per tile, in order; every call commits one cp.async
+// group, empty past the last tile, which keeps the group count of a wait a constant.
+template <typename T, int HD> struct NaKeyRing {
+    static constexpr int LD = HD + 8, STAGES = NaForwardStages<HD>::N, STAGE = 2 * NA_TILE * LD;
+    T* smem;
+    const T* k;
+    const T* v;
+    long long k_st, v_st;
+    int d_qk, d_v, vec, ntiles;
+    int idx[3];
+
+    __device__ __forceinline__ const T* keys(int it) const { return smem + (it % STAGES) * STAGE; }
+    __device__ __forceinline__ const T* values(int it) const { return keys(it) + NA_TILE * LD; }
+
+    __device__ __forceinline__ void issue(int it, const NaForwardGeo& geo, const NaBox& kbox,
+                                          const int* kside) {
+        if (it < ntiles) {
+            int klo[3];
+            na_key_tile(geo, idx, kside, klo);
+            T* stage = smem + (it % STAGES) * STAGE;
+            na_copy_box<T, HD, NA_TILE, NA_THREADS>(stage, k, k_st, d_qk, stage + NA_TILE * LD, v,
+                                                    v_st, d_v, geo.ktok, kbox, klo, geo.hi, vec);
+            na_odometer_step(idx, geo.tiles);
+        }
+        na_cp_async_commit();
+    }
+};
+
+// Threads 0..63 write the block's query slots (windows, bias index bases, tokens); the caller's
+// next barrier publishes them.
+__device__ __forceinline__ void na_publish_query_slots(NaQuerySlot* s_slot, const NaAxis* ax,
+                                                       const NaForwardGeo& geo, const NaBox& qbox,
+                                                       const int* rmul) {
+    if (threadIdx.x >= NA_TILE) return;
+    NaQuerySlot slot;
+    slot.tok = na_slot_token(geo.qtok, qbox, geo.own_lo, geo.own_hi, threadIdx.x);
+    slot.rpb = 0;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+        const int c = geo.own_lo[a] + ((threadIdx.x >> qbox.shift[a]) & qbox.mask[a]);
+        slot.lo[a] = slot.hi[a] = 0;
+        if (slot.tok >= 0) na_group_window(ax[a], c, geo.glen_q[a], &slot.lo[a], &slot.hi[a]);
+        slot.rpb += (geo.kern[a] - 1 - c) * rmul[a];
+    }
+    s_slot[threadIdx.x] = slot;
+}
+
+// The warp's 16 rows of A fragments (Q or dO) from shared memory, for the whole head dim.
+template <typename T, int HD>
+__device__ __forceinline__ void na_load_a_fragments(unsigned int (&f)[HD / 16][4], const T* rows) {
+    constexpr int LD = HD + 8;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+        na_ldsm_x4(f[kk], rows + (lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+}
+
+// Store the thread's fragment rows (tokens tok[0], tok[1]; < 0 skipped) times mul[r], columns
+// past d dropped; two columns per 32-bit store where `vec` says the rows are aligned.
+template <typename T, int HD>
+__device__ __forceinline__ void na_store_fragment_rows(T* base, long long stride,
+                                                       const float (&acc)[HD / 8][4],
+                                                       const int* tok, const float* mul, int d,
+                                                       int vec) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (tok[r] < 0) continue;
+        T* out = base + tok[r] * stride;
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            const int c = n * 8 + 2 * t;
+            const float x0 = acc[n][2 * r] * mul[r], x1 = acc[n][2 * r + 1] * mul[r];
+            if (vec && c + 1 < d) {
+                *reinterpret_cast<unsigned int*>(out + c) = na_pack2(x0, x1, T());
+            } else {
+                if (c < d) out[c] = NaConvert<T>::from(x0);
+                if (c + 1 < d) out[c + 1] = NaConvert<T>::from(x1);
+            }
+        }
+    }
+}
+
+#define NA_QUERY_MAJOR_SETUP                                                                   \
+    const int qside[3] = {qt0, qt1, qt2}, kside[3] = {kt0, kt1, kt2};                          \
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = warp * 16;              \
+    const int b = blockIdx.z, h = blockIdx.y, hk = h / (heads_q / heads_kv);                   \
+    NaAxis ax[3];                                                                              \
+    na_load_axes(table, ax);                                                                   \
+    NaForwardGeo geo;                                                                          \
+    na_forward_geometry(ax, qside, kside, geo);                                                \
+    const NaBox qbox = na_make_box(qside), kbox = na_make_box(kside);                          \
+    int rmul[3];                                                                               \
+    na_rpb_multipliers(geo.kern, rmul);                                                        \
+    const float inv_cap = softcap > 0.f ? __frcp_rn(softcap) : 0.f;                            \
+    NaKeyRing<T, HD> ring = {nullptr, k + b * k_sb + hk * k_sh, v + b * v_sb + hk * v_sh,      \
+                             k_st, v_st, d_qk, d_v, vec,                                       \
+                             geo.tiles[0] * geo.tiles[1] * geo.tiles[2], {0, 0, 0}};           \
+    int kidx[3] = {0, 0, 0};
+
 template <typename T, int HD>
 __global__ void __launch_bounds__(NA_THREADS, NaForwardStages<HD>::MIN_BLOCKS)
 na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -854,92 +972,37 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
                  float scale, float softcap, int vec) {
     constexpr int LD = HD + 8, NT = NA_TILE / 8, STAGES = NaForwardStages<HD>::N;
-    constexpr int STAGE = 2 * NA_TILE * LD;  // K rows, then V rows
-    const int qside[3] = {qt0, qt1, qt2}, kside[3] = {kt0, kt1, kt2};
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = warp * 16;
-    const int b = blockIdx.z, h = blockIdx.y, hk = h / (heads_q / heads_kv);
+    NA_QUERY_MAJOR_SETUP
+    // Shared memory: the Q tile, the ring, the query slots.
     extern __shared__ __align__(16) unsigned char na_smem[];
     T* sQ = reinterpret_cast<T*>(na_smem);
-    T* sKV = sQ + NA_TILE * LD;  // [STAGES][K | V]
-    NaQuerySlot* s_slot = reinterpret_cast<NaQuerySlot*>(sKV + STAGES * STAGE);
+    ring.smem = sQ + NA_TILE * LD;
+    NaQuerySlot* s_slot = reinterpret_cast<NaQuerySlot*>(ring.smem + STAGES * ring.STAGE);
 
-    NaAxis ax[3];
-    na_load_axes(table, ax);
-    NaForwardGeo geo;
-    na_forward_geometry(ax, qside, kside, geo);
-    const NaBox qbox = na_make_box(qside), kbox = na_make_box(kside);
-    const T* kbase = k + b * k_sb + hk * k_sh;
-    const T* vbase = v + b * v_sb + hk * v_sh;
-
-    // Key tiles go row-major over the per-axis tile counts (last axis fastest), tracked by two
-    // odometers: the tile being copied and the tile being computed.
-    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
-    int copy_idx[3] = {0, 0, 0}, kidx[3] = {0, 0, 0};
-    auto issue = [&](int it) {
-        if (it < ntiles) {
-            int klo[3];
-#pragma unroll
-            for (int a = 0; a < 3; ++a) klo[a] = geo.lo[a] + copy_idx[a] * kside[a];
-            T* stage = sKV + (it % STAGES) * STAGE;
-            na_copy_box<T, HD, NA_TILE, NA_THREADS>(stage, kbase, k_st, d_qk, stage + NA_TILE * LD,
-                                                    vbase, v_st, d_v, geo.ktok, kbox, klo,
-                                                    geo.hi, vec);
-            na_odometer_step(copy_idx, geo.tiles);
-        }
-        na_cp_async_commit();
-    };
-
-    // Q joins the first stage's group; the ring is primed with STAGES - 1 tiles.
+    // Q joins the first tile's cp.async group; the ring is primed with STAGES - 1 tiles.
     na_copy_box<T, HD, NA_TILE, NA_THREADS>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk, nullptr,
                                             nullptr, 0, 0, geo.qtok, qbox, geo.own_lo,
                                             geo.own_hi, vec);
 #pragma unroll
-    for (int it = 0; it < STAGES - 1; ++it) issue(it);
-
-    int rmul[3];
-    na_rpb_multipliers(geo.kern, rmul);
-    if (threadIdx.x < NA_TILE) {  // published by the loop's first barrier
-        NaQuerySlot slot;
-        slot.tok = na_slot_token(geo.qtok, qbox, geo.own_lo, geo.own_hi, threadIdx.x);
-        slot.rpb = 0;
-#pragma unroll
-        for (int a = 0; a < 3; ++a) {
-            const int c = geo.own_lo[a] + ((threadIdx.x >> qbox.shift[a]) & qbox.mask[a]);
-            slot.lo[a] = slot.hi[a] = 0;
-            if (slot.tok >= 0) na_group_window(ax[a], c, geo.glen_q[a], &slot.lo[a], &slot.hi[a]);
-            slot.rpb += (geo.kern[a] - 1 - c) * rmul[a];
-        }
-        s_slot[threadIdx.x] = slot;
-    }
+    for (int it = 0; it < STAGES - 1; ++it) ring.issue(it, geo, kbox, kside);
+    na_publish_query_slots(s_slot, ax, geo, qbox, rmul);
     const NaQuerySlot* my_slots = s_slot + row0 + (lane >> 2);  // rows g and g + 8
     const float* bias = rpb ? rpb + (long long)h * ((2 * geo.kern[0] - 1) *
                                                     (2 * geo.kern[1] - 1) * (2 * geo.kern[2] - 1))
                             : nullptr;
-    const float inv_cap = softcap > 0.f ? __frcp_rn(softcap) : 0.f;
 
     unsigned int qf[HD / 16][4];
     float acc[HD / 8][4], m[2] = {-NA_INF, -NA_INF}, l[2] = {0.f, 0.f};
     na_zero(acc);
-    for (int it = 0; it < ntiles; ++it) {
+    for (int it = 0; it < ring.ntiles; ++it) {
         na_cp_async_wait_n<STAGES - 2>();  // this thread's copies of tile it (and Q) landed
         __syncthreads();  // everyone's; and everyone is done with tile it - 1, whose stage we refill
-        issue(it + STAGES - 1);
-        if (it == 0) {
-#pragma unroll
-            for (int kk = 0; kk < HD / 16; ++kk)
-                na_ldsm_x4(qf[kk], sQ + (row0 + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
-        }
+        ring.issue(it + STAGES - 1, geo, kbox, kside);
+        if (it == 0) na_load_a_fragments<T, HD>(qf, sQ + row0 * LD);
         int klo[3];
-        bool whole = true;
-#pragma unroll
-        for (int a = 0; a < 3; ++a) {
-            klo[a] = geo.lo[a] + kidx[a] * kside[a];
-            whole &= klo[a] + kside[a] <= geo.hi[a] && geo.last_lo[a] <= klo[a] &&
-                     klo[a] + kside[a] <= geo.first_hi[a];
-        }
-        const T* stage = sKV + (it % STAGES) * STAGE;
+        const bool whole = na_key_tile(geo, kidx, kside, klo);
         float s[NT][4];
-        na_qk<T, HD, NT>(s, qf, stage);
+        na_qk<T, HD, NT>(s, qf, ring.keys(it));
         if (whole)
             na_forward_logits<NT, false>(s, my_slots, kbox, klo, scale, softcap, inv_cap, bias,
                                          rmul);
@@ -947,7 +1010,7 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
             na_forward_logits<NT, true>(s, my_slots, kbox, klo, scale, softcap, inv_cap, bias,
                                         rmul);
         na_online_softmax_log2<NT, HD>(s, m, l, acc);
-        na_pv<T, HD, NT>(acc, s, stage + NA_TILE * LD);
+        na_pv<T, HD, NT>(acc, s, ring.values(it));
         na_odometer_step(kidx, geo.tiles);
     }
     na_cp_async_wait_all();
@@ -965,24 +1028,103 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
             lse[b * l_sb + tok[r] * l_st + h * l_sh] =
                 l[r] > 0.f ? (m[r] + log2f(l[r])) * NA_LN2 : -NA_INF;
     }
-    T* obase = o + b * o_sb + h * o_sh;
-    const int t = lane & 3;
+    na_store_fragment_rows<T, HD>(o + b * o_sb + h * o_sh, o_st, acc, tok, inv, d_v, vec);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward dQ, sm_80+ build: the forward's walk (same geometry, ring and mask paths). Q is held
+// as A fragments, dO stays in shared memory; P = ex2(x - lse * log2 e), dS = P * (dP - delta)
+// (* (1 - tanh^2) under softcap), dQ = scale * dS K.
+// ---------------------------------------------------------------------------------------------
+template <typename T, int HD>
+__global__ void __launch_bounds__(NA_THREADS, NaForwardStages<HD>::MIN_BLOCKS_DQ)
+na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                     const T* __restrict__ dout, const float* __restrict__ lse,
+                     const float* __restrict__ delta, T* __restrict__ dq,
+                     const int* __restrict__ table,
+                     long long q_sb, long long q_st, long long q_sh,
+                     long long k_sb, long long k_st, long long k_sh,
+                     long long v_sb, long long v_st, long long v_sh,
+                     long long do_sb, long long do_st, long long do_sh,
+                     long long dq_sb, long long dq_st, long long dq_sh,
+                     long long l_sb, long long l_st, long long l_sh,
+                     int heads_q, int heads_kv, int d_qk, int d_v,
+                     int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
+                     float scale, float softcap, int vec) {
+    constexpr int LD = HD + 8, NT = NA_TILE / 8, STAGES = NaForwardStages<HD>::N;
+    NA_QUERY_MAJOR_SETUP
+    // Shared memory: the dO tile, the ring, the query slots. Q waits in the ring's last stage
+    // until its fragments are read (before that stage's first tile is issued).
+    extern __shared__ __align__(16) unsigned char na_smem[];
+    T* sDO = reinterpret_cast<T*>(na_smem);
+    ring.smem = sDO + NA_TILE * LD;
+    NaQuerySlot* s_slot = reinterpret_cast<NaQuerySlot*>(ring.smem + STAGES * ring.STAGE);
+    T* sQ = ring.smem + (STAGES - 1) * ring.STAGE;
+
+    na_copy_box<T, HD, NA_TILE, NA_THREADS>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk, sDO,
+                                            dout + b * do_sb + h * do_sh, do_st, d_v, geo.qtok,
+                                            qbox, geo.own_lo, geo.own_hi, vec);
+#pragma unroll
+    for (int it = 0; it < STAGES - 1; ++it) ring.issue(it, geo, kbox, kside);
+    na_publish_query_slots(s_slot, ax, geo, qbox, rmul);
+    const NaQuerySlot* my_slots = s_slot + row0 + (lane >> 2);
+
+    // Row statistics in log2 units; a row that saw nothing (lse = -inf) or is clipped gets
+    // +inf, so its P is 0.
+    int tok[2];
+    float row_lse[2], row_delta[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        if (tok[r] < 0) continue;
-        T* out = obase + tok[r] * o_st;
+        tok[r] = na_slot_token(geo.qtok, qbox, geo.own_lo, geo.own_hi, row0 + (lane >> 2) + 8 * r);
+        const long long at = b * l_sb + (long long)tok[r] * l_st + h * l_sh;
+        const float x = tok[r] >= 0 ? lse[at] : NA_INF;
+        row_lse[r] = x == -NA_INF ? NA_INF : x * NA_LOG2E;
+        row_delta[r] = tok[r] >= 0 ? delta[at] : 0.f;
+    }
+
+    unsigned int qf[HD / 16][4];
+    float acc[HD / 8][4];
+    na_zero(acc);
+    for (int it = 0; it < ring.ntiles; ++it) {
+        na_cp_async_wait_n<STAGES - 2>();
+        __syncthreads();  // tile it (and Q, dO) landed for all; tile it - 1 is done everywhere
+        if (it == 0) {
+            na_load_a_fragments<T, HD>(qf, sQ + row0 * LD);
+            __syncthreads();  // every warp has its Q before the last stage is refilled
+        }
+        ring.issue(it + STAGES - 1, geo, kbox, kside);
+        int klo[3];
+        const bool whole = na_key_tile(geo, kidx, kside, klo);
+        float s[NT][4], dp[NT][4];
+        na_qk<T, HD, NT>(s, qf, ring.keys(it));
+        if (whole)
+            na_forward_logits<NT, false>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
+                                         nullptr, rmul);
+        else
+            na_forward_logits<NT, true>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
+                                        nullptr, rmul);
+        na_zero(dp);
+        na_mma_abt<T, HD, NT>(dp, sDO + row0 * LD, ring.values(it), HD);
 #pragma unroll
-        for (int n = 0; n < HD / 8; ++n) {
-            const int c = n * 8 + 2 * t;
-            const float x0 = acc[n][2 * r] * inv[r], x1 = acc[n][2 * r + 1] * inv[r];
-            if (vec && c + 1 < d_v) {
-                *reinterpret_cast<unsigned int*>(out + c) = na_pack2(x0, x1, T());
-            } else {
-                if (c < d_v) out[c] = NaConvert<T>::from(x0);
-                if (c + 1 < d_v) out[c + 1] = NaConvert<T>::from(x1);
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1;
+                const float x = s[n][e];
+                float ds = na_ex2(x - row_lse[r]) * (dp[n][e] - row_delta[r]);
+                if (softcap > 0.f) {
+                    const float th = x * (NA_LN2 * inv_cap);  // x = cap * log2(e) * tanh(.)
+                    ds = x == -NA_INF ? 0.f : ds * (1.f - th * th);
+                }
+                dp[n][e] = ds;
             }
         }
+        na_pv<T, HD, NT>(acc, dp, ring.keys(it));
+        na_odometer_step(kidx, geo.tiles);
     }
+    na_cp_async_wait_all();
+    const float mul[2] = {scale, scale};
+    na_store_fragment_rows<T, HD>(dq + b * dq_sb + h * dq_sh, dq_st, acc, tok, mul, d_qk, vec);
 }
 #else
 // ---------------------------------------------------------------------------------------------
@@ -1071,7 +1213,6 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     na_store_rows<T, HD>(o + b * o_sb + h * o_sh, acc, s_qtok, row0, o_st, d_v, inv[0], inv[1]);
 }
 
-#endif  // NA_PIPELINED (forward)
 
 // ---------------------------------------------------------------------------------------------
 // Backward dQ: query-tile-major, like the forward. delta = rowsum(dO * O) - dlse (fp32), laid
@@ -1099,92 +1240,6 @@ na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* 
     __shared__ NaAxis s_ax[NA_MAX_AXES];
     __shared__ NaGeo geo;
     extern __shared__ __align__(16) unsigned char na_smem[];
-#if NA_PIPELINED
-    // Two K/V buffers where they fit (head dims up to 64): tile it + 1 is copied while tile it is
-    // computed; at 128 one buffer, copied with cp.async and waited for before the math.
-    static_assert(CH == NA_TILE, "the pipelined dQ stages a whole key tile per step");
-    constexpr int NBUF = HD <= 64 ? 2 : 1;
-    T* sQ = reinterpret_cast<T*>(na_smem);
-    T* sDO = sQ + NA_TILE * LD;
-    T* sK = sDO + NA_TILE * LD;                 // [NBUF][CH * LD]
-    T* sV = sK + NBUF * CH * LD;                // [NBUF][CH * LD]
-    int* s_qtok = reinterpret_cast<int*>(sV + NBUF * CH * LD);
-    int* s_qwin = s_qtok + NA_TILE;
-    int* s_ktok = s_qwin + NA_TILE * 6;         // [2][NA_TILE]
-    int* s_kc = s_ktok + 2 * NA_TILE;           // [2][NA_TILE * 3]
-    int* s_full = s_kc + 2 * NA_TILE * 3;       // [2]
-
-    if (threadIdx.x == 0) na_setup_block(table, s_ax, geo, qbox, kbox, true);
-    __syncthreads();
-    if (threadIdx.x < NA_TILE)
-        na_query_slot(s_ax, geo, qbox, geo.own_lo, geo.own_hi, threadIdx.x, s_qtok + threadIdx.x,
-                      s_qwin + threadIdx.x * 6, nullptr);
-    __syncthreads();
-    na_stage_rows_async<T, HD>(sQ, q + b * q_sb + h * q_sh, s_qtok, NA_TILE, q_st, d_qk, vec);
-    na_stage_rows_async<T, HD>(sDO, dout + b * do_sb + h * do_sh, s_qtok, NA_TILE, do_st, d_v,
-                               vec);
-
-    const int lane = threadIdx.x & 31, g = lane >> 2;
-    float row_lse[2], row_delta[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int tk = s_qtok[row0 + g + 8 * r];
-        const long long at = b * l_sb + (long long)tk * l_st + h * l_sh;
-        const float x = tk >= 0 ? lse[at] : NA_INF;
-        row_lse[r] = x == -NA_INF ? NA_INF : x;  // a row that saw nothing: P = 0
-        row_delta[r] = tk >= 0 ? delta[at] : 0.f;
-    }
-
-    const T* kbase = k + b * k_sb + hk * k_sh;
-    const T* vbase = v + b * v_sb + hk * v_sh;
-    const NaRpb none = {nullptr, nullptr};
-    float acc[HD / 8][4];
-    na_zero(acc);
-    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
-    for (int it = NBUF == 2 ? -1 : 0; it < ntiles; ++it) {
-        const int load = NBUF == 2 ? it + 1 : it;  // the tile copied at this step
-        const int lb = load & 1, cb = it & 1;      // slot-list buffers
-        const int lk = NBUF == 2 ? lb : 0, ck = NBUF == 2 ? cb : 0;  // K/V buffers
-        __syncthreads();  // the previous step's math is done: its buffers and geo are free
-        if (load < ntiles) {
-            if (threadIdx.x == 0) {
-                na_place_other_tile(s_ax, geo, kbox, load, true);
-                s_full[lb] = geo.full;
-            }
-            __syncthreads();
-            if (threadIdx.x < NA_TILE)
-                na_key_slot(geo, kbox, geo.cur_lo, geo.cur_hi, threadIdx.x,
-                            s_ktok + lb * NA_TILE + threadIdx.x,
-                            s_kc + lb * NA_TILE * 3 + threadIdx.x * 3);
-            __syncthreads();
-            na_stage_rows_async<T, HD>(sK + lk * CH * LD, kbase, s_ktok + lb * NA_TILE, CH, k_st,
-                                       d_qk, vec);
-            na_stage_rows_async<T, HD>(sV + lk * CH * LD, vbase, s_ktok + lb * NA_TILE, CH, v_st,
-                                       d_v, vec);
-        }
-        na_cp_async_commit();
-        if (it < 0) continue;
-        if (NBUF == 2) na_cp_async_wait_prev(); else na_cp_async_wait_all();
-        __syncthreads();  // every thread's copies of tile it have landed
-        const T* tK = sK + ck * CH * LD;
-        const T* tV = sV + ck * CH * LD;
-        float s[NT][4], dp[NT][4];
-        na_zero(s);
-        na_mma_abt<T, HD, NT>(s, sQ + row0 * LD, tK, d_qk);
-        na_logits<NT, true>(s, scale, softcap, inv_cap, s_full[cb], s_qwin, s_kc + cb * NA_TILE * 3,
-                            row0, 0, geo, none);
-        na_zero(dp);
-        na_mma_abt<T, HD, NT>(dp, sDO + row0 * LD, tV, d_v);
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                na_grad_logit(s[n][e], dp[n][e], row_lse[e >> 1], row_delta[e >> 1], softcap,
-                              inv_cap);
-        na_mma_pb<T, HD, NT>(acc, dp, tK, d_qk);
-    }
-    na_cp_async_wait_all();
-#else
     T* sQ = reinterpret_cast<T*>(na_smem);
     T* sDO = sQ + NA_TILE * LD;
     T* sK = sDO + NA_TILE * LD;
@@ -1248,9 +1303,10 @@ na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* 
             na_mma_pb<T, HD, NT>(acc, dp, sK, d_qk);
         }
     }
-#endif
     na_store_rows<T, HD>(dq + b * dq_sb + h * dq_sh, acc, s_qtok, row0, dq_st, d_qk, scale, scale);
 }
+
+#endif  // NA_PIPELINED (query-major kernels)
 
 // ---------------------------------------------------------------------------------------------
 // Backward dK, dV: key-tile-major. The block owns a key box of kv head `hk`, visits the query

@@ -301,6 +301,9 @@ NA_CASES = {
 # Head dim 128 (the pipelined dQ's single-buffer path), for the pipelined build only.
 PIPELINED_EXTRA = {
     "1d-hd128-gqa-dv": ((24,), (5,), (1,), (1,), (False,), 2, 1, 96, 128, {}),
+    # Several key tiles per query tile: the K/V ring wraps around (3 stages at D <= 64).
+    "1d-long-window": ((300,), (151,), (1,), (1,), (False,), 1, 1, 16, 16, {}),
+    "2d-many-tiles-causal": ((24, 40), (9, 21), (1, 2), (1, 1), (True, False), 1, 1, 32, 32, {}),
 }
 
 
@@ -466,28 +469,26 @@ def test_unfused_16bit(unfused16, monkeypatch, name, dtype):
 
 
 def test_pipelined_build_selection(monkeypatch):
-    """fp16/bf16 on sm_80+ take the pipelined build, fp32 never; the switch turns it off; its
-    second buffers (dQ: up to head dim 64) and the forward's K/V ring stay within the
-    shared-memory limit."""
+    """fp16/bf16 on sm_80+ take the pipelined build, fp32 never; the switch turns it off; the
+    query-major kernels' K/V ring and dK/dV's second buffers stay within the shared-memory
+    limit."""
     monkeypatch.delenv("CUDNN_ATTN_FUSED_PIPELINED", raising=False)
     assert F.pipelined(torch.float16, (8, 0)) and F.pipelined(torch.bfloat16, (9, 0))
     assert not F.pipelined(torch.float16, (7, 5)) and not F.pipelined(torch.float32, (9, 0))
     monkeypatch.setenv("CUDNN_ATTN_FUSED_PIPELINED", "0")
     assert not F.pipelined(torch.bfloat16, (9, 0))
     for hd in F.HEAD_DIMS:
-        # The forward: the Q tile, a ring of (K, V) stages of 64 rows each, 32 bytes per query.
+        # The query-major kernels (forward, dQ): one own tile (Q or dO), a ring of (K, V)
+        # stages of 64 rows each, 32 bytes per query slot.
         stages = 2 if hd == 128 else 3
         ring = (64 + 2 * 64 * stages) * (hd + 8) * 2 + 64 * 32
-        assert F.smem_bytes("na_fused_forward", torch.float16, hd, pipelined=True) == ring
+        for kernel in ("na_fused_forward", "na_fused_backward_dq"):
+            assert F.smem_bytes(kernel, torch.float16, hd, pipelined=True) == ring
         assert ring <= 99 * 1024
-        for kernel in F.KERNELS[1:]:
-            plain = F.smem_bytes(kernel, torch.float16, hd)
-            piped = F.smem_bytes(kernel, torch.float16, hd, pipelined=True)
-            # A second buffer of the other side: K and V tiles (64 rows each; dQ only up to
-            # head dim 64) or, for dK/dV, Q and dO chunks (32 rows each); plus slot lists.
-            rows = {"na_fused_backward_dq": 128 if hd <= 64 else 0,
-                    "na_fused_backward_dkdv": 64}[kernel]
-            assert 0 <= piped - plain - rows * (hd + 8) * 2 < 4096, (kernel, hd)
+        # dK/dV: a second buffer of Q and dO chunks (32 rows each), plus slot lists.
+        plain = F.smem_bytes("na_fused_backward_dkdv", torch.float16, hd)
+        piped = F.smem_bytes("na_fused_backward_dkdv", torch.float16, hd, pipelined=True)
+        assert 0 <= piped - plain - 64 * (hd + 8) * 2 < 4096, hd
     assert {v.expression for v in F.pipelined_variants()} == set(
         fused_expressions(head_dims=F.HEAD_DIMS))
 

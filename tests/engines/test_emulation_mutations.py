@@ -12,7 +12,7 @@ that ``test_emulation_16bit.py`` passes must then fail. The unmutated text passe
 * in the sm_80+ pipelined build: a key tile read before its cp.async group was waited for,
   ldmatrix row addresses taken from the wrong lanes, dK/dV's barrier before a Q/dO buffer is
   refilled and the forward's one barrier per key tile removed (caught with copies landing at
-  once), and the forward skipping the mask on every tile (its whole-tile test bypassed).
+  once), and the forward and dQ skipping the mask on every tile (the whole-tile test bypassed).
 """
 
 import pytest
@@ -42,7 +42,8 @@ LDSM_ROWS = ("na_ldsm_x4(a, A + (lane % 16) * LD + k0 + (lane / 16) * 8);",
 # still read it (shows with copies landing at once).
 RING_BARRIER = ("__syncthreads();  // everyone's; and everyone is done with tile it - 1",
                 "/* no barrier */  // everyone's; and everyone is done with tile it - 1")
-# Every key tile taken as seen whole by every query: the mask is skipped where it matters.
+# Every key tile taken as seen whole by every query (forward and dQ): the mask is skipped where
+# it matters.
 ALL_WHOLE = ("if (whole)\n            na_forward_logits<NT, false>",
              "if (true)\n            na_forward_logits<NT, false>")
 
@@ -58,11 +59,11 @@ MUTATIONS = {
     "pipelined-wrong-ldmatrix-rows": (LDSM_ROWS, 1, torch.bfloat16, True),
     "pipelined-dkdv-missing-barrier": (DKDV_BARRIER, 1, torch.float16, True),
     "pipelined-forward-missing-ring-barrier": (RING_BARRIER, 1, torch.bfloat16, True),
-    "pipelined-forward-mask-skipped": (ALL_WHOLE, 1, torch.float16, True),
+    "pipelined-query-major-mask-skipped": (ALL_WHOLE, 2, torch.float16, True),
 }
 # Copies land at once for these (a buffer overwritten too early only shows then).
 EAGER = {"pipelined-dkdv-missing-barrier", "pipelined-forward-missing-ring-barrier"}
-CASES = ("1d-rpb", "3d-causal", "2d-gqa-dv-causal")
+CASES = ("1d-rpb", "3d-causal", "2d-gqa-dv-causal", "1d-long-window")
 
 
 def mutated_source(old: str, new: str, pipelined: bool = False) -> tuple[str, int]:
