@@ -42,17 +42,18 @@ _META_BYTES = {"na_fused_forward": 896 * 4, "na_fused_backward_dq": 704 * 4,
                "na_fused_backward_dkdv": 832 * 4}
 _SMEM_LIMIT = 99 * 1024
 
-# The sm_80+ build of the same source (NA_PIPELINED in the .cu): ldmatrix fragment loads in every
-# kernel. The query-major kernels (forward, dQ) walk key tiles with the geometry in every thread's
-# registers and stream K/V through a ring of cp.async stages (``forward_stages``); dK/dV copies
-# the next (query head, chunk) step's Q/dO while it computes. fp16/bf16 only (fp32 keeps its exact
-# FMA path); chosen by ``pipelined``.
+# The sm_80+ build of the same source (NA_PIPELINED in the .cu): every kernel keeps its geometry in
+# each thread's registers and streams the other side through a ring of cp.async stages, ldmatrix
+# fragment loads, one barrier per step. The query-major kernels (forward, dQ) ring K/V tiles
+# (``forward_stages``); dK/dV rings (query tile, head, chunk) steps of Q, dO, query slots, lse
+# and delta (``dkdv_steps``). fp16/bf16 only (fp32 keeps its exact FMA path); chosen by
+# ``pipelined``.
 PIPELINED_DEFINES = {**DEFINES, "NA_PIPELINED": 1}
 PIPELINED_MIN_ARCH = 80
 PIPELINED_DTYPES = (torch.float16, torch.bfloat16)
 _QUERY_MAJOR = ("na_fused_forward", "na_fused_backward_dq")
 _QUERY_SLOT_BYTES = 32  # NaQuerySlot
-_DKDV_PIPELINED_META_BYTES = (832 + 2 * 64) * 4
+_DKDV_STEP_SLOT_BYTES = 32 + 8  # NaQuerySlot, lse, delta
 
 
 def _expression(kernel: str, dtype: torch.dtype, head_dim: int) -> str:
@@ -100,6 +101,15 @@ def forward_stages(head_dim: int) -> int:
     return 2 if head_dim >= 128 else 3
 
 
+def dkdv_steps(head_dim: int) -> tuple[int, int]:
+    """(queries per step, stages) of the pipelined dK/dV ring (``NaDkdvSteps`` in the .cu): a
+    whole 64-query tile per step up to head dim 64, 32-query chunks at 128 so that three stages
+    fit beside the block's K and V; two stages at 64."""
+    if head_dim >= 128:
+        return 32, 3
+    return 64, 2 if head_dim >= 64 else 3
+
+
 def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool = False) -> int:
     """Dynamic shared memory of one variant (mirrors the carve-up in the .cu); ``pipelined``:
     the sm_80+ build, whose query-major kernels hold a ring of K/V stages."""
@@ -112,11 +122,16 @@ def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool =
                  + _QUERY_SLOT_BYTES * FUSED_QUERY_TILE)
         assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
         return total
+    if pipelined:
+        # K and V of the key box, then the ring: Q and dO rows, slots, lse and delta per stage.
+        qstep, stages = dkdv_steps(head_dim)
+        total = (2 * FUSED_KEY_TILE * ld * elem
+                 + stages * (2 * qstep * ld * elem + _DKDV_STEP_SLOT_BYTES * qstep))
+        assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
+        return total
     chunk = _CHUNK[kernel][0 if elem == 2 else 1]
-    buffers = 2 if pipelined else 1  # the pipelined dK/dV double-buffers its Q/dO chunks
-    rows = _OWN_ROWS[kernel] * FUSED_QUERY_TILE + 2 * chunk * buffers
-    meta = _DKDV_PIPELINED_META_BYTES if pipelined else _META_BYTES[kernel]
-    total = rows * ld * elem + meta
+    rows = _OWN_ROWS[kernel] * FUSED_QUERY_TILE + 2 * chunk
+    total = rows * ld * elem + _META_BYTES[kernel]
     assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
     return total
 

@@ -563,6 +563,12 @@ __device__ __forceinline__ float na_ex2(float x) {
     return y;
 }
 
+// 4 bytes, of which `bytes` (4 or 0) are read and the rest zero-filled.
+__device__ __forceinline__ void na_cp_async4(void* dst, const void* src, int bytes) {
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(a), "l"(src), "r"(bytes));
+}
+
 template <int N> __device__ __forceinline__ void na_cp_async_wait_n() {
     asm volatile("cp.async.wait_group %0;" :: "n"(N));
 }
@@ -671,21 +677,22 @@ __device__ __forceinline__ int na_slot_token(const NaTokens& tk, const NaBox& bo
     return ok ? tok : -1;
 }
 
-// Copy `ROWS` box slots (first slot at group coordinates `lo`, clipped at `end`) of one or two
+// Copy `ROWS` box slots (slots first.. of the box at group coordinates `lo`, clipped at `end`) of one or two
 // operands into shared rows of LD elements: 16-byte pieces by cp.async, zeros for clipped rows and
 // for columns past d (so that every mma may run over the whole compiled head dim).
 template <typename T, int HD, int ROWS, int THREADS>
 __device__ __forceinline__ void na_copy_box(T* dst0, const T* src0, long long st0, int d0,
                                             T* dst1, const T* src1, long long st1, int d1,
                                             const NaTokens& tk, const NaBox& box,
-                                            const int* lo, const int* end, int vec) {
+                                            const int* lo, const int* end, int vec,
+                                            int first = 0) {
     constexpr int LD = HD + 8, V = 8, PER_ROW = HD / V;
     static_assert((ROWS * PER_ROW) % THREADS == 0, "every thread copies the same count");
     const T zero = NaConvert<T>::from(0.f);
 #pragma unroll
     for (int i = threadIdx.x; i < ROWS * PER_ROW; i += THREADS) {
         const int r = i / PER_ROW, c = (i % PER_ROW) * V;
-        const int tok = na_slot_token(tk, box, lo, end, r);
+        const int tok = na_slot_token(tk, box, lo, end, first + r);
 #pragma unroll
         for (int o = 0; o < 2; ++o) {
             T* dst = o ? dst1 : dst0;
@@ -1308,6 +1315,245 @@ na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
 #endif  // NA_PIPELINED (query-major kernels)
 
+#if NA_PIPELINED
+// ---------------------------------------------------------------------------------------------
+// Backward dK, dV, sm_80+ build: key-major. The block owns a key box of kv head `hk` (K and V in
+// shared memory) and walks steps (query tile, query head of the kv head's group, chunk of
+// QSTEP queries) through a ring of cp.async stages, each stage holding the step's Q and dO rows,
+// its query slots (windows, tokens) and its lse and delta. Geometry in every thread's registers;
+// query tiles that see the whole key box (a contiguous range per axis) skip the mask.
+// ---------------------------------------------------------------------------------------------
+
+// Queries per step (one ring stage) and stages: a 64-query tile in one step up to head dim 64,
+// in two of 32 at 128 (so three stages fit beside K and V); two stages at 64.
+template <int HD> struct NaDkdvSteps {
+    static constexpr int QSTEP = HD >= 128 ? 32 : 64;
+    static constexpr int STAGES = HD >= 128 ? 3 : HD >= 64 ? 2 : 3;
+    static constexpr int MIN_BLOCKS = HD >= 64 ? 1 : 2;
+};
+
+struct NaKeyMajorGeo {
+    int glen_q[3];
+    int own_lo[3], own_hi[3];       // the key box (group coordinates, clipped)
+    int lo[3], tiles[3];            // the query range's first position and its tiles
+    int hi[3];                      // the query range's end
+    int whole_lo[3], whole_hi[3];   // query tiles [whole_lo, whole_hi) see the whole key box
+    NaTokens qtok, ktok;
+};
+
+__device__ __forceinline__ void na_key_major_geometry(const NaAxis* ax, const int* qside,
+                                                      const int* kside, NaKeyMajorGeo& geo) {
+    int t = blockIdx.x, idx[3];
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+        const int n = na_axis_tiles(ax[a].len_kv, na_axis_dilation(ax[a]), kside[a]);
+        idx[a] = t % n;
+        t /= n;
+    }
+    int mult_q = 1, mult_kv = 1;
+    geo.qtok.base = geo.ktok.base = 0;
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+        const int d = na_axis_dilation(ax[a]);
+        int g, start;
+        na_axis_tile(ax[a].len_kv, d, kside[a], idx[a], &g, &start);
+        na_add_axis(geo.qtok, a, g, d, ax[a].len_q, mult_q);
+        na_add_axis(geo.ktok, a, g, d, ax[a].len_kv, mult_kv);
+        geo.glen_q[a] = na_group_len(ax[a].len_q, d, g);
+        geo.own_lo[a] = start;
+        geo.own_hi[a] = min(start + kside[a], na_group_len(ax[a].len_kv, d, g));
+        int lo, hi;
+        na_group_query_range(ax[a], geo.glen_q[a], geo.own_lo[a], geo.own_hi[a], &lo, &hi);
+        geo.lo[a] = lo;
+        geo.hi[a] = max(hi, lo);
+        geo.tiles[a] = (geo.hi[a] - lo + qside[a] - 1) / qside[a];
+        // Monotone windows: a tile sees the whole box iff its last query's window starts at or
+        // before the box and its first query's window ends at or after it, and no slot of the
+        // tile is clipped: a prefix meets a suffix, so the whole tiles are one range.
+        geo.whole_lo[a] = geo.tiles[a];
+        geo.whole_hi[a] = 0;
+        for (int i = 0; i < geo.tiles[a]; ++i) {
+            const int q0 = lo + i * qside[a], q1 = q0 + qside[a];
+            int wl, wh, unused;
+            if (q1 > geo.hi[a]) break;
+            na_group_window(ax[a], q1 - 1, geo.glen_q[a], &wl, &unused);
+            na_group_window(ax[a], q0, geo.glen_q[a], &unused, &wh);
+            if (wl <= geo.own_lo[a] && geo.own_hi[a] <= wh) {
+                geo.whole_lo[a] = min(geo.whole_lo[a], i);
+                geo.whole_hi[a] = i + 1;
+            }
+        }
+    }
+}
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(NA_THREADS, NaDkdvSteps<HD>::MIN_BLOCKS)
+na_fused_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                       const T* __restrict__ dout, const float* __restrict__ lse,
+                       const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                       const int* __restrict__ table,
+                       long long q_sb, long long q_st, long long q_sh,
+                       long long k_sb, long long k_st, long long k_sh,
+                       long long v_sb, long long v_st, long long v_sh,
+                       long long do_sb, long long do_st, long long do_sh,
+                       long long dk_sb, long long dk_st, long long dk_sh,
+                       long long dv_sb, long long dv_st, long long dv_sh,
+                       long long l_sb, long long l_st, long long l_sh,
+                       int heads_q, int heads_kv, int d_qk, int d_v,
+                       int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
+                       float scale, float softcap, int vec) {
+    constexpr int LD = HD + 8, QSTEP = NaDkdvSteps<HD>::QSTEP, NT = QSTEP / 8;
+    constexpr int STAGES = NaDkdvSteps<HD>::STAGES, CHUNKS = NA_TILE / QSTEP;
+    // A stage: Q rows, dO rows, query slots, lse, delta.
+    constexpr int STAGE_BYTES = 2 * QSTEP * LD * (int)sizeof(T) + QSTEP * (32 + 8);
+    const int qside[3] = {qt0, qt1, qt2}, kside[3] = {kt0, kt1, kt2};
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = warp * 16;
+    const int b = blockIdx.z, hk = blockIdx.y, group = heads_q / heads_kv;
+    const float inv_cap = softcap > 0.f ? __frcp_rn(softcap) : 0.f;
+    extern __shared__ __align__(16) unsigned char na_smem[];
+    T* sK = reinterpret_cast<T*>(na_smem);
+    T* sV = sK + NA_TILE * LD;
+    unsigned char* ring = reinterpret_cast<unsigned char*>(sV + NA_TILE * LD);
+
+    NaAxis ax[3];
+    na_load_axes(table, ax);
+    NaKeyMajorGeo geo;
+    na_key_major_geometry(ax, qside, kside, geo);
+    const NaBox qbox = na_make_box(qside), kbox = na_make_box(kside);
+
+    // K and V join the first step's cp.async group.
+    na_copy_box<T, HD, NA_TILE, NA_THREADS>(sK, k + b * k_sb + hk * k_sh, k_st, d_qk, sV,
+                                            v + b * v_sb + hk * v_sh, v_st, d_v, geo.ktok, kbox,
+                                            geo.own_lo, geo.own_hi, vec);
+
+    // Steps go (query tile, head, chunk), chunk fastest, tiles row-major over the per-axis counts.
+    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
+    const int nsteps = ntiles * group * CHUNKS;
+    int copy_tile[3] = {0, 0, 0}, copy_sub = 0;  // sub-step: head * CHUNKS + chunk
+    auto issue = [&](int step) {
+        if (step < nsteps) {
+            unsigned char* stage = ring + (step % STAGES) * STAGE_BYTES;
+            T* sQ = reinterpret_cast<T*>(stage);
+            T* sDO = sQ + QSTEP * LD;
+            NaQuerySlot* slots = reinterpret_cast<NaQuerySlot*>(sDO + QSTEP * LD);
+            float* s_lse = reinterpret_cast<float*>(slots + QSTEP);
+            float* s_delta = s_lse + QSTEP;
+            const int h = hk * group + copy_sub / CHUNKS, first = (copy_sub % CHUNKS) * QSTEP;
+            int qlo[3], qend[3];
+#pragma unroll
+            for (int a = 0; a < 3; ++a) {
+                qlo[a] = geo.lo[a] + copy_tile[a] * qside[a];
+                qend[a] = geo.hi[a];
+            }
+            na_copy_box<T, HD, QSTEP, NA_THREADS>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk, sDO,
+                                                  dout + b * do_sb + h * do_sh, do_st, d_v,
+                                                  geo.qtok, qbox, qlo, qend, vec, first);
+            if (threadIdx.x < QSTEP) {
+                const int r = first + threadIdx.x;
+                NaQuerySlot slot;
+                slot.tok = na_slot_token(geo.qtok, qbox, qlo, qend, r);
+                slot.rpb = 0;
+#pragma unroll
+                for (int a = 0; a < 3; ++a) {
+                    const int c = qlo[a] + ((r >> qbox.shift[a]) & qbox.mask[a]);
+                    slot.lo[a] = slot.hi[a] = 0;
+                    if (slot.tok >= 0)
+                        na_group_window(ax[a], c, geo.glen_q[a], &slot.lo[a], &slot.hi[a]);
+                }
+                slots[threadIdx.x] = slot;
+                // A clipped slot reads lse = delta = 0 (zero-filled): its P is masked to 0.
+                const long long at = slot.tok >= 0 ? b * l_sb + (long long)slot.tok * l_st + h * l_sh
+                                                   : 0;
+                const int bytes = slot.tok >= 0 ? 4 : 0;
+                na_cp_async4(s_lse + threadIdx.x, lse + at, bytes);
+                na_cp_async4(s_delta + threadIdx.x, delta + at, bytes);
+            }
+            if (++copy_sub == group * CHUNKS) {
+                copy_sub = 0;
+                na_odometer_step(copy_tile, geo.tiles);
+            }
+        }
+        na_cp_async_commit();
+    };
+#pragma unroll
+    for (int step = 0; step < STAGES - 1; ++step) issue(step);
+
+    // The thread's two key rows (g, g + 8 of the warp's 16): group coordinates and tokens.
+    int kc[2][3], ktok[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int slot = row0 + (lane >> 2) + 8 * r;
+        ktok[r] = na_slot_token(geo.ktok, kbox, geo.own_lo, geo.own_hi, slot);
+#pragma unroll
+        for (int a = 0; a < 3; ++a) kc[r][a] = geo.own_lo[a] + ((slot >> kbox.shift[a]) & kbox.mask[a]);
+    }
+
+    const float scale_log2 = scale * NA_LOG2E;
+    const int t = lane & 3;
+    float dk_acc[HD / 8][4], dv_acc[HD / 8][4];
+    na_zero(dk_acc);
+    na_zero(dv_acc);
+    int tile[3] = {0, 0, 0}, sub = 0;
+    for (int step = 0; step < nsteps; ++step) {
+        na_cp_async_wait_n<STAGES - 2>();
+        __syncthreads();  // step `step` landed for all; step - 1 is done everywhere
+        issue(step + STAGES - 1);
+        const unsigned char* stage = ring + (step % STAGES) * STAGE_BYTES;
+        const T* sQ = reinterpret_cast<const T*>(stage);
+        const T* sDO = sQ + QSTEP * LD;
+        const NaQuerySlot* slots = reinterpret_cast<const NaQuerySlot*>(sDO + QSTEP * LD);
+        const float* s_lse = reinterpret_cast<const float*>(slots + QSTEP);
+        const float* s_delta = s_lse + QSTEP;
+        bool whole = true;
+#pragma unroll
+        for (int a = 0; a < 3; ++a) whole &= geo.whole_lo[a] <= tile[a] && tile[a] < geo.whole_hi[a];
+
+        float s[NT][4], dp[NT][4];
+        na_zero(s);
+        na_mma_abt<T, HD, NT>(s, sK + row0 * LD, sQ, HD);
+        na_zero(dp);
+        na_mma_abt<T, HD, NT>(dp, sV + row0 * LD, sDO, HD);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1, col = n * 8 + 2 * t + (e & 1);
+                float x = softcap > 0.f ? softcap * NA_LOG2E * tanhf(s[n][e] * scale * inv_cap)
+                                        : s[n][e] * scale_log2;
+                if (!whole) {
+                    const NaQuerySlot& qs = slots[col];
+                    bool seen = true;
+#pragma unroll
+                    for (int a = 0; a < 3; ++a) seen &= kc[r][a] >= qs.lo[a] && kc[r][a] < qs.hi[a];
+                    if (!seen) x = -NA_INF;
+                }
+                const float l = s_lse[col];
+                // A query that saw nothing has lse = -inf: its P is 0 (it sees no key here).
+                const float p = na_ex2(x - (l == -NA_INF ? NA_INF : l * NA_LOG2E));
+                float ds = p * (dp[n][e] - s_delta[col]);
+                if (softcap > 0.f) {
+                    const float th = x * (NA_LN2 * inv_cap);
+                    ds = x == -NA_INF ? 0.f : ds * (1.f - th * th);
+                }
+                s[n][e] = p;
+                dp[n][e] = ds;
+            }
+        }
+        na_pv<T, HD, NT>(dv_acc, s, sDO);
+        na_pv<T, HD, NT>(dk_acc, dp, sQ);
+        if (++sub == group * CHUNKS) {
+            sub = 0;
+            na_odometer_step(tile, geo.tiles);
+        }
+    }
+    na_cp_async_wait_all();
+    const float dk_mul[2] = {scale, scale}, dv_mul[2] = {1.f, 1.f};
+    na_store_fragment_rows<T, HD>(dk + b * dk_sb + hk * dk_sh, dk_st, dk_acc, ktok, dk_mul, d_qk,
+                                  vec);
+    na_store_fragment_rows<T, HD>(dv + b * dv_sb + hk * dv_sh, dv_st, dv_acc, ktok, dv_mul, d_v,
+                                  vec);
+}
+#else
 // ---------------------------------------------------------------------------------------------
 // Backward dK, dV: key-tile-major. The block owns a key box of kv head `hk`, visits the query
 // boxes that see it and, inside, every query head of the kv head's group.
@@ -1335,95 +1581,6 @@ na_fused_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T
     __shared__ NaAxis s_ax[NA_MAX_AXES];
     __shared__ NaGeo geo;
     extern __shared__ __align__(16) unsigned char na_smem[];
-#if NA_PIPELINED
-    // Within a query tile the steps (query head, chunk) share the tile's slots: the Q/dO chunk of
-    // step j + 1 is copied with cp.async into the second buffer while step j is computed (and
-    // its head's lse/delta loaded into the second lse/delta buffer).
-    T* sK = reinterpret_cast<T*>(na_smem);
-    T* sV = sK + NA_TILE * LD;
-    T* sQ = sV + NA_TILE * LD;                  // [2][CH * LD]
-    T* sDO = sQ + 2 * CH * LD;                  // [2][CH * LD]
-    int* s_ktok = reinterpret_cast<int*>(sDO + 2 * CH * LD);
-    int* s_kc = s_ktok + NA_TILE;
-    int* s_qtok = s_kc + NA_TILE * 3;
-    int* s_qwin = s_qtok + NA_TILE;
-    float* s_lse = reinterpret_cast<float*>(s_qwin + NA_TILE * 6);  // [2][NA_TILE]
-    float* s_delta = s_lse + 2 * NA_TILE;                             // [2][NA_TILE]
-
-    if (threadIdx.x == 0) na_setup_block(table, s_ax, geo, kbox, qbox, false);
-    __syncthreads();
-    if (threadIdx.x < NA_TILE)
-        na_key_slot(geo, kbox, geo.own_lo, geo.own_hi, threadIdx.x, s_ktok + threadIdx.x,
-                    s_kc + threadIdx.x * 3);
-    __syncthreads();
-    na_stage_rows_async<T, HD>(sK, k + b * k_sb + hk * k_sh, s_ktok, NA_TILE, k_st, d_qk, vec);
-    na_stage_rows_async<T, HD>(sV, v + b * v_sb + hk * v_sh, s_ktok, NA_TILE, v_st, d_v, vec);
-    na_cp_async_commit();
-
-    const NaRpb none = {nullptr, nullptr};
-    const int lane = threadIdx.x & 31, t = lane & 3;
-    float dk_acc[HD / 8][4], dv_acc[HD / 8][4];
-    na_zero(dk_acc);
-    na_zero(dv_acc);
-    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
-    const int chunks = NA_TILE / CH, steps = group * chunks;
-    // Step j of a tile: query head hk * group + j / chunks, chunk (j % chunks) * CH.
-    auto issue = [&](int j) {
-        const int h = hk * group + j / chunks, c0 = (j % chunks) * CH, buf = j & 1;
-        if (j % chunks == 0 && threadIdx.x < NA_TILE) {  // a new head: its lse/delta
-            const int tk = s_qtok[threadIdx.x];
-            const long long at = b * l_sb + (long long)tk * l_st + h * l_sh;
-            const float x = tk >= 0 ? lse[at] : NA_INF;
-            s_lse[(j / chunks & 1) * NA_TILE + threadIdx.x] = x == -NA_INF ? NA_INF : x;
-            s_delta[(j / chunks & 1) * NA_TILE + threadIdx.x] = tk >= 0 ? delta[at] : 0.f;
-        }
-        na_stage_rows_async<T, HD>(sQ + buf * CH * LD, q + b * q_sb + h * q_sh, s_qtok + c0, CH,
-                                   q_st, d_qk, vec);
-        na_stage_rows_async<T, HD>(sDO + buf * CH * LD, dout + b * do_sb + h * do_sh,
-                                   s_qtok + c0, CH, do_st, d_v, vec);
-        na_cp_async_commit();
-    };
-    for (int it = 0; it < ntiles; ++it) {
-        __syncthreads();  // the previous tile's steps are done with the slots and buffers
-        if (threadIdx.x == 0) na_place_other_tile(s_ax, geo, qbox, it, false);
-        __syncthreads();
-        if (threadIdx.x < NA_TILE)
-            na_query_slot(s_ax, geo, qbox, geo.cur_lo, geo.cur_hi, threadIdx.x,
-                          s_qtok + threadIdx.x, s_qwin + threadIdx.x * 6, nullptr);
-        const bool full = geo.full;
-        __syncthreads();  // s_qtok ready
-        issue(0);
-        for (int j = 0; j < steps; ++j) {
-            if (j + 1 < steps) issue(j + 1);  // buffer (j + 1) & 1 was freed by step j - 1
-            else na_cp_async_commit();        // keep "all but the newest group" meaning step j
-            na_cp_async_wait_prev();
-            __syncthreads();  // step j's copies (and lse/delta) are everyone's
-            const int c0 = (j % chunks) * CH, buf = j & 1, hb = j / chunks & 1;
-            const T* tQ = sQ + buf * CH * LD;
-            const T* tDO = sDO + buf * CH * LD;
-            const float* lse_h = s_lse + hb * NA_TILE;
-            const float* delta_h = s_delta + hb * NA_TILE;
-            float s[NT][4], dp[NT][4];
-            na_zero(s);
-            na_mma_abt<T, HD, NT>(s, sK + row0 * LD, tQ, d_qk);
-            na_logits<NT, false>(s, scale, softcap, inv_cap, full, s_qwin, s_kc, row0, c0, geo,
-                                 none);
-            na_zero(dp);
-            na_mma_abt<T, HD, NT>(dp, sV + row0 * LD, tDO, d_v);
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = c0 + n * 8 + 2 * t + (e & 1);
-                    na_grad_logit(s[n][e], dp[n][e], lse_h[col], delta_h[col], softcap, inv_cap);
-                }
-            na_mma_pb<T, HD, NT>(dv_acc, s, tDO, d_v);
-            na_mma_pb<T, HD, NT>(dk_acc, dp, tQ, d_qk);
-            __syncthreads();  // step j's buffers may be overwritten by step j + 2's copies
-        }
-    }
-    na_cp_async_wait_all();
-#else
     T* sK = reinterpret_cast<T*>(na_smem);
     T* sV = sK + NA_TILE * LD;
     T* sQ = sV + NA_TILE * LD;
@@ -1492,8 +1649,8 @@ na_fused_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T
             }
         }
     }
-#endif
     na_store_rows<T, HD>(dk + b * dk_sb + hk * dk_sh, dk_acc, s_ktok, row0, dk_st, d_qk, scale,
                          scale);
     na_store_rows<T, HD>(dv + b * dv_sb + hk * dv_sh, dv_acc, s_ktok, row0, dv_st, d_v, 1.f, 1.f);
 }
+#endif  // NA_PIPELINED (dK/dV)

@@ -469,9 +469,8 @@ def test_unfused_16bit(unfused16, monkeypatch, name, dtype):
 
 
 def test_pipelined_build_selection(monkeypatch):
-    """fp16/bf16 on sm_80+ take the pipelined build, fp32 never; the switch turns it off; the
-    query-major kernels' K/V ring and dK/dV's second buffers stay within the shared-memory
-    limit."""
+    """fp16/bf16 on sm_80+ take the pipelined build, fp32 never; the switch turns it off; every
+    kernel's ring stays within the shared-memory limit."""
     monkeypatch.delenv("CUDNN_ATTN_FUSED_PIPELINED", raising=False)
     assert F.pipelined(torch.float16, (8, 0)) and F.pipelined(torch.bfloat16, (9, 0))
     assert not F.pipelined(torch.float16, (7, 5)) and not F.pipelined(torch.float32, (9, 0))
@@ -485,10 +484,12 @@ def test_pipelined_build_selection(monkeypatch):
         for kernel in ("na_fused_forward", "na_fused_backward_dq"):
             assert F.smem_bytes(kernel, torch.float16, hd, pipelined=True) == ring
         assert ring <= 99 * 1024
-        # dK/dV: a second buffer of Q and dO chunks (32 rows each), plus slot lists.
-        plain = F.smem_bytes("na_fused_backward_dkdv", torch.float16, hd)
-        piped = F.smem_bytes("na_fused_backward_dkdv", torch.float16, hd, pipelined=True)
-        assert 0 <= piped - plain - 64 * (hd + 8) * 2 < 4096, hd
+        # dK/dV: K and V of the key box, then a ring of steps (Q and dO rows, 40 bytes per
+        # query for its slot, lse and delta): 32 queries x 3 stages at 128, 64 x 2 at 64, 64 x 3.
+        qstep, stages = {32: (64, 3), 64: (64, 2), 128: (32, 3)}[hd]
+        dkdv = 2 * 64 * (hd + 8) * 2 + stages * (2 * qstep * (hd + 8) * 2 + 40 * qstep)
+        assert F.smem_bytes("na_fused_backward_dkdv", torch.float16, hd, pipelined=True) == dkdv
+        assert dkdv <= 99 * 1024
     assert {v.expression for v in F.pipelined_variants()} == set(
         fused_expressions(head_dims=F.HEAD_DIMS))
 

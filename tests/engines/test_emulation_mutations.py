@@ -10,9 +10,9 @@ that ``test_emulation_16bit.py`` passes must then fail. The unmutated text passe
 * wrong bf16 rounding: the f32 -> bf16 store conversion truncating instead of rounding to
   nearest even (its error is below one ulp; the rounding-bias rule catches it);
 * in the sm_80+ pipelined build: a key tile read before its cp.async group was waited for,
-  ldmatrix row addresses taken from the wrong lanes, dK/dV's barrier before a Q/dO buffer is
-  refilled and the forward's one barrier per key tile removed (caught with copies landing at
-  once), and the forward and dQ skipping the mask on every tile (the whole-tile test bypassed).
+  ldmatrix row addresses taken from the wrong lanes, the one barrier per step of the forward's and
+  dK/dV's rings removed (caught with copies landing at once), and every kernel skipping the mask
+  on every tile (the whole-tile tests bypassed).
 """
 
 import pytest
@@ -47,8 +47,11 @@ RING_BARRIER = ("__syncthreads();  // everyone's; and everyone is done with tile
 ALL_WHOLE = ("if (whole)\n            na_forward_logits<NT, false>",
              "if (true)\n            na_forward_logits<NT, false>")
 
-DKDV_BARRIER = ("__syncthreads();  // step j's buffers may be overwritten",
-                "/* no barrier */  // step j's buffers may be overwritten")
+DKDV_BARRIER = ("__syncthreads();  // step `step` landed for all; step - 1 is done everywhere",
+                "/* no barrier */  // step `step` landed for all; step - 1 is done everywhere")
+# dK/dV taking every query tile as seeing the whole key box.
+DKDV_ALL_WHOLE = ("if (!whole) {\n                    const NaQuerySlot& qs",
+                  "if (false) {\n                    const NaQuerySlot& qs")
 
 # name -> ((old, new), replacements expected, dtype, pipelined build)
 MUTATIONS = {
@@ -60,6 +63,7 @@ MUTATIONS = {
     "pipelined-dkdv-missing-barrier": (DKDV_BARRIER, 1, torch.float16, True),
     "pipelined-forward-missing-ring-barrier": (RING_BARRIER, 1, torch.bfloat16, True),
     "pipelined-query-major-mask-skipped": (ALL_WHOLE, 2, torch.float16, True),
+    "pipelined-dkdv-mask-skipped": (DKDV_ALL_WHOLE, 1, torch.bfloat16, True),
 }
 # Copies land at once for these (a buffer overwritten too early only shows then).
 EAGER = {"pipelined-dkdv-missing-barrier", "pipelined-forward-missing-ring-barrier"}
