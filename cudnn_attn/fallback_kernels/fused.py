@@ -26,11 +26,13 @@ from .tile_shapes import FUSED_KEY_TILE, FUSED_QUERY_TILE, box_shapes, check_til
 
 __all__ = ["SOURCE", "DEFINES", "variants", "na_forward", "na_backward", "run_forward",
            "run_backward", "choose_tiles", "launch_grid", "head_dim_bucket", "smem_bytes",
-           "forward_tokens", "pipelined", "pipelined_variants", "PIPELINED_DEFINES"]
+           "forward_tokens", "pipelined", "pipelined_variants", "PIPELINED_DEFINES",
+           "backward_delta"]
 
 SOURCE = "fused_attention.cu"
 DEFINES = {"QUERY_TILE": FUSED_QUERY_TILE, "KEY_TILE": FUSED_KEY_TILE}
-KERNELS = ("na_fused_forward", "na_fused_backward_dq", "na_fused_backward_dkdv")
+KERNELS = ("na_fused_forward", "na_fused_backward_dq", "na_fused_backward_dkdv",
+           "na_fused_backward_delta")
 CTYPES = {torch.float32: "float", torch.float16: "na_half", torch.bfloat16: "na_bf16"}
 HEAD_DIMS = (32, 64, 128)
 THREADS = 128
@@ -113,6 +115,8 @@ def dkdv_steps(head_dim: int) -> tuple[int, int]:
 def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool = False) -> int:
     """Dynamic shared memory of one variant (mirrors the carve-up in the .cu); ``pipelined``:
     the sm_80+ build, whose query-major kernels hold a ring of K/V stages."""
+    if kernel == "na_fused_backward_delta":
+        return 0  # registers and shuffles only
     elem = 2 if dtype in (torch.float16, torch.bfloat16) else 4
     ld = head_dim + 8 if elem == 2 else head_dim
     if pipelined and kernel in _QUERY_MAJOR:
@@ -282,6 +286,33 @@ def run_forward(q, k, v, out, lse, table, boxes, scale, softcap=0.0, rpb=None) -
         _launch("na_fused_forward", q.dtype, hd, grid, tensors, scalars, ctx)
 
 
+def backward_delta(out: torch.Tensor, dout: torch.Tensor, like: torch.Tensor,
+                   dlse: torch.Tensor | None = None) -> torch.Tensor:
+    """``delta = rowsum(dout * out) - dlse`` for the backward kernels, computed on the device by
+    ``na_fused_backward_delta`` (no fp32 copies of ``out``/``dout``). ``out``/``dout``:
+    token-major ``[B, S, H, D_v]`` views; ``like``: the lse view ``[B, S, H]`` whose strides the
+    result takes; ``dlse``: ``None`` or a ``[B, S, H]`` view of any strides. Equivalent
+    PyTorch::
+
+        delta = (dout.float() * out.float()).sum(-1) - dlse
+    """
+    import numpy as np
+
+    B, S, H, Dv = out.shape
+    delta = torch.empty_like(like, dtype=torch.float32)
+    if dlse is not None:
+        dlse = dlse.to(torch.float32)
+    rows_per_block = THREADS // 32  # one warp per (token, head) row
+    grid = (-(-S * H // rows_per_block), B, 1)
+    with launch.TorchStream(out.device) as ctx:
+        _launch("na_fused_backward_delta", out.dtype, head_dim_bucket(Dv, Dv), grid,
+                [out, dout, dlse, delta],
+                [*_strides(out), *_strides(dout), *_strides(delta),
+                 *(_strides(dlse) if dlse is not None else [np.int64(0)] * 3),
+                 np.int32(S), np.int32(H), np.int32(Dv)], ctx)
+    return delta
+
+
 def run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale,
                  softcap=0.0) -> None:
     """Launch dQ and dK/dV on token-major views (see ``run_forward``); ``delta`` like ``lse``."""
@@ -397,7 +428,7 @@ def na_backward(query, key, value, out, lse, dout, *, kernel_size, stride, dilat
                        key_tile)
     B, _, H, _ = q.shape
     l3 = lse.reshape(B, -1, H).to(torch.float32).contiguous()
-    delta = (do4.float() * o4.float()).sum(-1).contiguous()
+    delta = backward_delta(o4, do4, l3)
     dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)

@@ -1415,10 +1415,24 @@ na_fused_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T
     T* sV = sK + NA_TILE * LD;
     unsigned char* ring = reinterpret_cast<unsigned char*>(sV + NA_TILE * LD);
 
-    NaAxis ax[3];
-    na_load_axes(table, ax);
-    NaKeyMajorGeo geo;
-    na_key_major_geometry(ax, qside, kside, geo);
+    // The block's geometry is read once per step, so it waits in shared memory rather than in
+    // registers the accumulators need (thread 0 writes it once; every thread derived it).
+    __shared__ NaKeyMajorGeo s_geo;
+    __shared__ NaAxis s_ax[NA_MAX_AXES];
+    {
+        NaAxis ax[3];
+        na_load_axes(table, ax);
+        NaKeyMajorGeo mine;
+        na_key_major_geometry(ax, qside, kside, mine);
+        if (threadIdx.x == 0) {
+            s_geo = mine;
+#pragma unroll
+            for (int a = 0; a < 3; ++a) s_ax[a] = ax[a];
+        }
+    }
+    __syncthreads();
+    const NaKeyMajorGeo& geo = s_geo;
+    const NaAxis* ax = s_ax;
     const NaBox qbox = na_make_box(qside), kbox = na_make_box(kside);
 
     // K and V join the first step's cp.async group.
@@ -1654,3 +1668,34 @@ na_fused_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T
     na_store_rows<T, HD>(dv + b * dv_sb + hk * dv_sh, dv_acc, s_ktok, row0, dv_st, d_v, 1.f, 1.f);
 }
 #endif  // NA_PIPELINED (dK/dV)
+
+// ---------------------------------------------------------------------------------------------
+// Backward preprocessing: delta = rowsum(dO * O) - dlse (fp32, laid out like lse; dlse may be
+// null), one warp per (token, head) row of batch blockIdx.y. Both builds compile it: the
+// backward kernels read what it writes.
+// ---------------------------------------------------------------------------------------------
+template <typename T, int HD>
+__global__ void __launch_bounds__(NA_THREADS)
+na_fused_backward_delta(const T* __restrict__ o, const T* __restrict__ dout,
+                        const float* __restrict__ dlse, float* __restrict__ delta,
+                        long long o_sb, long long o_st, long long o_sh,
+                        long long do_sb, long long do_st, long long do_sh,
+                        long long l_sb, long long l_st, long long l_sh,
+                        long long dl_sb, long long dl_st, long long dl_sh,
+                        int tokens, int heads, int d_v) {
+    const int row = blockIdx.x * NA_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const int b = blockIdx.y;
+    if (row >= tokens * heads) return;  // the whole warp leaves together
+    const int t = row / heads, h = row % heads;
+    const T* orow = o + b * o_sb + t * o_st + h * o_sh;
+    const T* drow = dout + b * do_sb + t * do_st + h * do_sh;
+    float sum = 0.f;
+#pragma unroll
+    for (int c = lane; c < HD; c += 32)
+        if (c < d_v) sum += na_to_float(orow[c]) * na_to_float(drow[c]);
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) sum += __shfl_xor_sync(NA_FULL, sum, m);
+    if (lane == 0)
+        delta[b * l_sb + t * l_st + h * l_sh] =
+            sum - (dlse != nullptr ? dlse[b * dl_sb + t * dl_st + h * dl_sh] : 0.f);
+}

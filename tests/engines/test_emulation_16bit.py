@@ -366,7 +366,7 @@ def band_failures(name, dtype) -> list[str]:
     out = lowp.nan_like(B, H, Sq, Dv, dtype=dtype).transpose(1, 2)
     lse = lowp.nan_like(B, H, Sq, dtype=torch.float32).transpose(1, 2)
     F.run_forward(q, k, v, out, lse, table, boxes, scale, softcap or 0.0)
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous().transpose(1, 2)
+    delta = F.backward_delta(out, dout, lse)
     dq, dk, dv = (lowp.nan_like(B, h, S, D, dtype=dtype).transpose(1, 2)
                   for h, S, D in ((H, Sq, Dqk), (Hkv, Skv, Dqk), (Hkv, Skv, Dv)))
     F.run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale, softcap or 0.0)
