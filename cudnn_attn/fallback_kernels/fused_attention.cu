@@ -11,7 +11,15 @@
 // n * 8 + 2t and n * 8 + 2t + 1 of every n-tile n. fp16/bf16 run mma.sync on tensor cores with
 // fp32 accumulation; fp32 computes the same fragment elements with FMAs (exact fp32, no tf32).
 //
-// Backward: delta = rowsum(dO * O) (computed by the caller), P = exp(S - LSE),
+// Two builds of this text. The plain one (fp32 everywhere, 16-bit with NA_PIPELINED=0): thread 0
+// places each tile in a shared NaGeo record, slot lists in shared memory. The sm_80+ one
+// (NA_PIPELINED=1, fp16/bf16): every thread derives the block's geometry and each tile's place in
+// registers (shifts and masks of the power-of-two box sides, odometers over the tiles, no
+// division per tile), the other side streams through a ring of cp.async stages with one barrier
+// per step, the head dim is a compile-time bound everywhere, logits are in log2 units from one
+// multiply and exponentials are ex2.approx.ftz, and tiles every row sees whole skip the mask.
+//
+// Backward: delta = rowsum(dO * O) - dlse (na_fused_backward_delta), P = exp(S - LSE),
 // dS = P * (dP - delta) (* (1 - tanh^2) under softcap). dQ walks keys per query tile, dK/dV walk
 // queries per key tile (and the query heads of a kv head inside), so there are no atomics and
 // results are bitwise repeatable.

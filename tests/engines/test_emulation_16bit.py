@@ -143,13 +143,17 @@ __global__ void emu_cp_async(const float* src, float* seen) {
         }
     }
 }
+__global__ void emu_ex2(const float* x, float* y, int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y[i]) : "f"(x[i]));
+}
 """
 
 
 @pytest.fixture(scope="module")
 def probe(request, tmp_path_factory):
     source = _loader.source_text(F.SOURCE, F.DEFINES) + PROBE
-    names = ("emu_convert", "emu_widen", "emu_mma", "emu_ldmatrix", "emu_cp_async")
+    names = ("emu_convert", "emu_widen", "emu_mma", "emu_ldmatrix", "emu_cp_async", "emu_ex2")
     return build.HostLibrary.build(F, {f"run_{n}": n for n in names},
                                    build.cache_dir(request, tmp_path_factory), source=source)
 
@@ -265,6 +269,23 @@ def test_cp_async_lands_only_when_waited_for(probe):
     expect[1::2, 2:] = 0
     assert torch.equal(seen[2, first], src[first]) and torch.equal(seen[2, second].view(32, 4),
                                                                    expect)
+
+
+def test_ex2_approx_ftz_as_the_isa_says(probe):
+    """ex2.approx.ftz.f32: 2^x within the ISA's 2^-22 relative error (float64 reference), -inf
+    gives +0, +inf gives +inf, NaN stays NaN, subnormal inputs read as 0 (2^0 = 1) and subnormal
+    results flush to +0."""
+    tiny = torch.tensor([1e-40, -1e-40]).float()  # subnormal inputs
+    normal = torch.linspace(-126, 127, 501)
+    x = torch.cat([torch.tensor([-math.inf, math.inf, math.nan, -149.5, -127.5]), tiny, normal])
+    y = torch.full_like(x, 7.0)
+    probe["run_emu_ex2"]((1,), (32,), (x, y, np.int32(x.numel())))
+    assert y[0].item() == 0.0 and not math.copysign(1.0, y[0].item()) < 0
+    assert y[1].item() == math.inf and math.isnan(y[2].item())
+    assert y[3].item() == 0.0 and y[4].item() == 0.0  # 2^-149.5, 2^-127.5: subnormal, flushed
+    assert torch.equal(y[5:7], torch.ones(2))
+    ref = torch.exp2(normal.double())
+    assert ((y[7:].double() - ref).abs() <= ref * 2.0 ** -22).all()
 
 
 # ---------------------------------------------------------------------------------------------
