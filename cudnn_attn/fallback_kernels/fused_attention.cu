@@ -824,26 +824,30 @@ __device__ __forceinline__ void na_forward_logits(float (&s)[NT][4], const NaQue
     }
 }
 
-// Online softmax over one key tile, in log2 units: s becomes P (unnormalised), the running max m,
-// the thread's partial row sums l and the output accumulator o are rescaled.
+// Online softmax over one key tile, in log2 units: the logits are s * mul (mul > 0: 1 when s is
+// already in log2 units, scale * log2(e) when the tile's raw scores come straight from the mma,
+// so that each takes one FMA before ex2). s becomes P (unnormalised), the running max m (log2
+// units), the thread's partial row sums l and the output accumulator o are rescaled.
 template <int NT, int HD>
 __device__ __forceinline__ void na_online_softmax_log2(float (&s)[NT][4], float (&m)[2],
-                                                       float (&l)[2], float (&o)[HD / 8][4]) {
+                                                       float (&l)[2], float (&o)[HD / 8][4],
+                                                       float mul) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        float mx = m[r];
+        float mx = -NA_INF;
 #pragma unroll
         for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(NA_FULL, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(NA_FULL, mx, 2));
+        mx = fmaxf(m[r], mx * mul);
         // A row that has seen nothing yet keeps shift 0: ex2(-inf - 0) = 0, never NaN.
         const float shift = mx == -NA_INF ? 0.f : mx;
         const float alpha = na_ex2(m[r] - shift);
         float sum = 0.f;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            s[n][2 * r] = na_ex2(s[n][2 * r] - shift);
-            s[n][2 * r + 1] = na_ex2(s[n][2 * r + 1] - shift);
+            s[n][2 * r] = na_ex2(fmaf(s[n][2 * r], mul, -shift));
+            s[n][2 * r + 1] = na_ex2(fmaf(s[n][2 * r + 1], mul, -shift));
             sum += s[n][2 * r] + s[n][2 * r + 1];
         }
         l[r] = l[r] * alpha + sum;
@@ -1002,10 +1006,22 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     for (int it = 0; it < STAGES - 1; ++it) ring.issue(it, geo, kbox, kside);
     na_publish_query_slots(s_slot, ax, geo, qbox, rmul);
     const NaQuerySlot* my_slots = s_slot + row0 + (lane >> 2);  // rows g and g + 8
-    const float* bias = rpb ? rpb + (long long)h * ((2 * geo.kern[0] - 1) *
-                                                    (2 * geo.kern[1] - 1) * (2 * geo.kern[2] - 1))
-                            : nullptr;
+    // The bias table's multipliers and this head's table wait in shared memory (only tiles that
+    // add the bias read them; registers are for the accumulators).
+    __shared__ int s_rmul[3];
+    __shared__ const float* s_bias;
+    if (threadIdx.x == 0) {
+        s_rmul[0] = rmul[0];
+        s_rmul[1] = rmul[1];
+        s_rmul[2] = rmul[2];
+        s_bias = rpb ? rpb + (long long)h * ((2 * geo.kern[0] - 1) * (2 * geo.kern[1] - 1) *
+                                             (2 * geo.kern[2] - 1))
+                     : nullptr;
+    }
 
+    // Whole tiles of a plain call (positive scale, no softcap, no bias) fold the scale into the
+    // softmax's FMA (the row max of the raw scores is the max of the logits only when scale > 0).
+    const bool fold = scale > 0.f && softcap <= 0.f && rpb == nullptr;
     unsigned int qf[HD / 16][4];
     float acc[HD / 8][4], m[2] = {-NA_INF, -NA_INF}, l[2] = {0.f, 0.f};
     na_zero(acc);
@@ -1016,15 +1032,17 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         if (it == 0) na_load_a_fragments<T, HD>(qf, sQ + row0 * LD);
         int klo[3];
         const bool whole = na_key_tile(geo, kidx, kside, klo);
-        float s[NT][4];
+        float s[NT][4], mul = 1.f;
         na_qk<T, HD, NT>(s, qf, ring.keys(it));
-        if (whole)
-            na_forward_logits<NT, false>(s, my_slots, kbox, klo, scale, softcap, inv_cap, bias,
-                                         rmul);
+        if (!whole)
+            na_forward_logits<NT, true>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
+                                        rpb ? s_bias : nullptr, s_rmul);
+        else if (fold)
+            mul = scale * NA_LOG2E;  // nothing to add or hide: the softmax takes the raw scores
         else
-            na_forward_logits<NT, true>(s, my_slots, kbox, klo, scale, softcap, inv_cap, bias,
-                                        rmul);
-        na_online_softmax_log2<NT, HD>(s, m, l, acc);
+            na_forward_logits<NT, false>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
+                                         rpb ? s_bias : nullptr, s_rmul);
+        na_online_softmax_log2<NT, HD>(s, m, l, acc, mul);
         na_pv<T, HD, NT>(acc, s, ring.values(it));
         na_odometer_step(kidx, geo.tiles);
     }
@@ -1112,12 +1130,14 @@ na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* 
         const bool whole = na_key_tile(geo, kidx, kside, klo);
         float s[NT][4], dp[NT][4];
         na_qk<T, HD, NT>(s, qf, ring.keys(it));
-        if (whole)
-            na_forward_logits<NT, false>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
-                                         nullptr, rmul);
-        else
+        // Whole tiles without softcap keep the raw scores: P takes the scale in its FMA.
+        const float mul = whole && softcap <= 0.f ? scale * NA_LOG2E : 1.f;
+        if (!whole)
             na_forward_logits<NT, true>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
                                         nullptr, rmul);
+        else if (softcap > 0.f)
+            na_forward_logits<NT, false>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
+                                         nullptr, rmul);
         na_zero(dp);
         na_mma_abt<T, HD, NT>(dp, sDO + row0 * LD, ring.values(it), HD);
 #pragma unroll
@@ -1126,7 +1146,7 @@ na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* 
             for (int e = 0; e < 4; ++e) {
                 const int r = e >> 1;
                 const float x = s[n][e];
-                float ds = na_ex2(x - row_lse[r]) * (dp[n][e] - row_delta[r]);
+                float ds = na_ex2(fmaf(x, mul, -row_lse[r])) * (dp[n][e] - row_delta[r]);
                 if (softcap > 0.f) {
                     const float th = x * (NA_LN2 * inv_cap);  // x = cap * log2(e) * tanh(.)
                     ds = x == -NA_INF ? 0.f : ds * (1.f - th * th);
@@ -1540,22 +1560,23 @@ na_fused_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = e >> 1, col = n * 8 + 2 * t + (e & 1);
-                float x = softcap > 0.f ? softcap * NA_LOG2E * tanhf(s[n][e] * scale * inv_cap)
-                                        : s[n][e] * scale_log2;
+                bool seen = true;
                 if (!whole) {
                     const NaQuerySlot& qs = slots[col];
-                    bool seen = true;
 #pragma unroll
                     for (int a = 0; a < 3; ++a) seen &= kc[r][a] >= qs.lo[a] && kc[r][a] < qs.hi[a];
-                    if (!seen) x = -NA_INF;
                 }
                 const float l = s_lse[col];
                 // A query that saw nothing has lse = -inf: its P is 0 (it sees no key here).
-                const float p = na_ex2(x - (l == -NA_INF ? NA_INF : l * NA_LOG2E));
-                float ds = p * (dp[n][e] - s_delta[col]);
+                const float lse2 = l == -NA_INF ? NA_INF : l * NA_LOG2E;
+                float p, ds;
                 if (softcap > 0.f) {
-                    const float th = x * (NA_LN2 * inv_cap);
-                    ds = x == -NA_INF ? 0.f : ds * (1.f - th * th);
+                    const float th = tanhf(s[n][e] * scale * inv_cap);
+                    p = seen ? na_ex2(softcap * NA_LOG2E * th - lse2) : 0.f;
+                    ds = seen ? p * (dp[n][e] - s_delta[col]) * (1.f - th * th) : 0.f;
+                } else {
+                    p = seen ? na_ex2(fmaf(s[n][e], scale_log2, -lse2)) : 0.f;
+                    ds = p * (dp[n][e] - s_delta[col]);
                 }
                 s[n][e] = p;
                 dp[n][e] = ds;

@@ -328,7 +328,7 @@ PIPELINED_EXTRA = {
 }
 
 
-def neighborhood_failures(name, dtype, backward=True) -> list[str]:
+def neighborhood_failures(name, dtype, backward=True, scale=None) -> list[str]:
     """Run case ``name`` through na_forward/na_backward (routed to a host library) in ``dtype``;
     the oracle comparison's failures."""
     spatial, kernel, stride, dilation, causal, H, Hkv, Dqk, Dv, extra = {
@@ -340,7 +340,7 @@ def neighborhood_failures(name, dtype, backward=True) -> list[str]:
     dout = rnd(B, *spatial, H, Dv)
     rpb = FH.rand((H, *(2 * x - 1 for x in kernel)), g) if extra.get("rpb") else None
     softcap = extra.get("softcap")
-    scale = 0.7 / math.sqrt(Dqk)
+    scale = 0.7 / math.sqrt(Dqk) if scale is None else scale
     geom = {"kernel_size": kernel, "stride": stride, "dilation": dilation, "is_causal": causal,
             "scale": scale}
     out, lse = F.na_forward(q, k, v, rpb=rpb, softcap=softcap,
@@ -487,6 +487,15 @@ def test_unfused_16bit(unfused16, monkeypatch, name, dtype):
     assert set(got) == set(ref)
     assert all(got[n].dtype == (torch.float32 if n == "drpb" else dtype) for n in got)
     assert unfused_failures(got, ref, dtype) == []
+
+
+@pytest.mark.parametrize("scale", [-12.0, 0.0, 0.05])
+def test_pipelined_any_scale(lib16_pipelined, monkeypatch, scale):
+    """Whole tiles of a positive scale fold it into the softmax's FMA (the row max of the raw
+    scores); a scale <= 0 must take the multiply-first path (folding -12 would shift by the
+    smallest logit and overflow ex2): both against the oracle, over whole and masked tiles."""
+    route_fused(monkeypatch, lib16_pipelined, pipelined=True)
+    assert neighborhood_failures("1d-long-window", torch.bfloat16, scale=scale) == []
 
 
 def test_pipelined_build_selection(monkeypatch):

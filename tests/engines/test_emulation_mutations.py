@@ -44,8 +44,8 @@ RING_BARRIER = ("__syncthreads();  // everyone's; and everyone is done with tile
                 "/* no barrier */  // everyone's; and everyone is done with tile it - 1")
 # Every key tile taken as seen whole by every query (forward and dQ): the mask is skipped where
 # it matters.
-ALL_WHOLE = ("if (whole)\n            na_forward_logits<NT, false>",
-             "if (true)\n            na_forward_logits<NT, false>")
+ALL_WHOLE = ("if (!whole)\n            na_forward_logits<NT, true>",
+             "if (false)\n            na_forward_logits<NT, true>")
 
 DKDV_BARRIER = ("__syncthreads();  // step `step` landed for all; step - 1 is done everywhere",
                 "/* no barrier */  // step `step` landed for all; step - 1 is done everywhere")
