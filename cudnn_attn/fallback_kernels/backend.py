@@ -143,12 +143,11 @@ class CupyPlan:
         q, k, v = inputs.q, inputs.k, inputs.v
         tok = functools.partial(self._tokens, problem)
         o_t, do_t = tok(out), tok(dout)
-        delta = (do_t.float() * o_t.float()).sum(-1).transpose(1, 2).contiguous()  # [B, H, S]
-        if dlse is not None:
-            delta = (delta - dlse.to(torch.float32)).contiguous()
         lse = lse.to(torch.float32).contiguous()
+        delta = fused.backward_delta(o_t, do_t, lse.transpose(1, 2),
+                                     None if dlse is None else dlse.transpose(1, 2))
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
         fused.run_backward(tok(q), tok(k), tok(v), do_t, lse.transpose(1, 2),
-                           delta.transpose(1, 2), tok(dq), tok(dk), tok(dv), self.table,
+                           delta, tok(dq), tok(dk), tok(dv), self.table,
                            self.boxes, problem.scale, problem.softcap or 0.0)
         return dq, dk, dv, None

@@ -26,11 +26,13 @@ from .tile_shapes import FUSED_KEY_TILE, FUSED_QUERY_TILE, box_shapes, check_til
 
 __all__ = ["SOURCE", "DEFINES", "variants", "na_forward", "na_backward", "run_forward",
            "run_backward", "choose_tiles", "launch_grid", "head_dim_bucket", "smem_bytes",
-           "forward_tokens", "pipelined", "pipelined_variants", "PIPELINED_DEFINES"]
+           "forward_tokens", "pipelined", "pipelined_variants", "PIPELINED_DEFINES",
+           "backward_delta"]
 
 SOURCE = "fused_attention.cu"
 DEFINES = {"QUERY_TILE": FUSED_QUERY_TILE, "KEY_TILE": FUSED_KEY_TILE}
-KERNELS = ("na_fused_forward", "na_fused_backward_dq", "na_fused_backward_dkdv")
+KERNELS = ("na_fused_forward", "na_fused_backward_dq", "na_fused_backward_dkdv",
+           "na_fused_backward_delta")
 CTYPES = {torch.float32: "float", torch.float16: "na_half", torch.bfloat16: "na_bf16"}
 HEAD_DIMS = (32, 64, 128)
 THREADS = 128
@@ -42,16 +44,18 @@ _META_BYTES = {"na_fused_forward": 896 * 4, "na_fused_backward_dq": 704 * 4,
                "na_fused_backward_dkdv": 832 * 4}
 _SMEM_LIMIT = 99 * 1024
 
-# The sm_80+ build of the same source (NA_PIPELINED in the .cu): ldmatrix fragment loads in every
-# kernel; the forward and dQ (head dims <= 64) copy key tile i + 1 with cp.async into a second K/V
-# buffer while they compute tile i (dQ at 128: one buffer), dK/dV the next (query head, chunk)
-# step's Q/dO. fp16/bf16 only (fp32 keeps its exact FMA path); chosen by ``pipelined``.
+# The sm_80+ build of the same source (NA_PIPELINED in the .cu): every kernel keeps its geometry in
+# each thread's registers and streams the other side through a ring of cp.async stages, ldmatrix
+# fragment loads, one barrier per step. The query-major kernels (forward, dQ) ring K/V tiles
+# (``forward_stages``); dK/dV rings (query tile, head, chunk) steps of Q, dO, query slots, lse
+# and delta (``dkdv_steps``). fp16/bf16 only (fp32 keeps its exact FMA path); chosen by
+# ``pipelined``.
 PIPELINED_DEFINES = {**DEFINES, "NA_PIPELINED": 1}
 PIPELINED_MIN_ARCH = 80
 PIPELINED_DTYPES = (torch.float16, torch.bfloat16)
-_PIPELINED_META_BYTES = {**_META_BYTES, "na_fused_forward": (896 + 2 * 64 + 2 * 64 * 3 + 4) * 4,
-                         "na_fused_backward_dq": (704 + 64 + 64 * 3 + 4) * 4,
-                         "na_fused_backward_dkdv": (832 + 2 * 64) * 4}
+_QUERY_MAJOR = ("na_fused_forward", "na_fused_backward_dq")
+_QUERY_SLOT_BYTES = 32  # NaQuerySlot
+_DKDV_STEP_SLOT_BYTES = 32 + 8  # NaQuerySlot, lse, delta
 
 
 def _expression(kernel: str, dtype: torch.dtype, head_dim: int) -> str:
@@ -92,18 +96,46 @@ def head_dim_bucket(dim_qk: int, dim_v: int) -> int:
                      f"dim_v={dim_v}")
 
 
+def forward_stages(head_dim: int) -> int:
+    """K/V stages of the pipelined query-major kernels' cp.async ring (``NaForwardStages`` in
+    the .cu): three where they fit in the 99 KB every sm_80+ device gives a block, two at head
+    dim 128."""
+    return 2 if head_dim >= 128 else 3
+
+
+def dkdv_steps(head_dim: int) -> tuple[int, int]:
+    """(queries per step, stages) of the pipelined dK/dV ring (``NaDkdvSteps`` in the .cu): a
+    whole 64-query tile per step up to head dim 64, 32-query chunks at 128 so that three stages
+    fit beside the block's K and V; two stages at 64."""
+    if head_dim >= 128:
+        return 32, 3
+    return 64, 2 if head_dim >= 64 else 3
+
+
 def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool = False) -> int:
     """Dynamic shared memory of one variant (mirrors the carve-up in the .cu); ``pipelined``:
-    the sm_80+ build, whose forward holds two K/V buffers."""
+    the sm_80+ build, whose query-major kernels hold a ring of K/V stages."""
+    if kernel == "na_fused_backward_delta":
+        return 0  # registers and shuffles only
     elem = 2 if dtype in (torch.float16, torch.bfloat16) else 4
     ld = head_dim + 8 if elem == 2 else head_dim
+    if pipelined and kernel in _QUERY_MAJOR:
+        # One own tile (forward: Q; dQ: dO, Q waiting in the last stage), the ring, then one
+        # record per query slot.
+        total = ((FUSED_QUERY_TILE + 2 * forward_stages(head_dim) * FUSED_KEY_TILE) * ld * elem
+                 + _QUERY_SLOT_BYTES * FUSED_QUERY_TILE)
+        assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
+        return total
+    if pipelined:
+        # K and V of the key box, then the ring: Q and dO rows, slots, lse and delta per stage.
+        qstep, stages = dkdv_steps(head_dim)
+        total = (2 * FUSED_KEY_TILE * ld * elem
+                 + stages * (2 * qstep * ld * elem + _DKDV_STEP_SLOT_BYTES * qstep))
+        assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
+        return total
     chunk = _CHUNK[kernel][0 if elem == 2 else 1]
-    # The pipelined forward and dK/dV double-buffer the other side; dQ where that fits (head
-    # dims <= 64).
-    buffers = 2 if pipelined and (kernel != "na_fused_backward_dq" or head_dim <= 64) else 1
-    rows = _OWN_ROWS[kernel] * FUSED_QUERY_TILE + 2 * chunk * buffers
-    meta = (_PIPELINED_META_BYTES if pipelined else _META_BYTES)[kernel]
-    total = rows * ld * elem + meta
+    rows = _OWN_ROWS[kernel] * FUSED_QUERY_TILE + 2 * chunk
+    total = rows * ld * elem + _META_BYTES[kernel]
     assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
     return total
 
@@ -250,8 +282,35 @@ def run_forward(q, k, v, out, lse, table, boxes, scale, softcap=0.0, rpb=None) -
                 np.int32(Hq), np.int32(Hkv), np.int32(Dqk), np.int32(Dv),
                 *(np.int32(x) for x in qb), *(np.int32(x) for x in kb),
                 np.float32(scale), np.float32(softcap or 0.0),
-                np.int32(_aligned((q, k, v), q.dtype))]
+                np.int32(_aligned((q, k, v, out), q.dtype))]
         _launch("na_fused_forward", q.dtype, hd, grid, tensors, scalars, ctx)
+
+
+def backward_delta(out: torch.Tensor, dout: torch.Tensor, like: torch.Tensor,
+                   dlse: torch.Tensor | None = None) -> torch.Tensor:
+    """``delta = rowsum(dout * out) - dlse`` for the backward kernels, computed on the device by
+    ``na_fused_backward_delta`` (no fp32 copies of ``out``/``dout``). ``out``/``dout``:
+    token-major ``[B, S, H, D_v]`` views; ``like``: the lse view ``[B, S, H]`` whose strides the
+    result takes; ``dlse``: ``None`` or a ``[B, S, H]`` view of any strides. Equivalent
+    PyTorch::
+
+        delta = (dout.float() * out.float()).sum(-1) - dlse
+    """
+    import numpy as np
+
+    B, S, H, Dv = out.shape
+    delta = torch.empty_like(like, dtype=torch.float32)
+    if dlse is not None:
+        dlse = dlse.to(torch.float32)
+    rows_per_block = THREADS // 32  # one warp per (token, head) row
+    grid = (-(-S * H // rows_per_block), B, 1)
+    with launch.TorchStream(out.device) as ctx:
+        _launch("na_fused_backward_delta", out.dtype, head_dim_bucket(Dv, Dv), grid,
+                [out, dout, dlse, delta],
+                [*_strides(out), *_strides(dout), *_strides(delta),
+                 *(_strides(dlse) if dlse is not None else [np.int64(0)] * 3),
+                 np.int32(S), np.int32(H), np.int32(Dv)], ctx)
+    return delta
 
 
 def run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale,
@@ -266,7 +325,7 @@ def run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale,
     tail = [np.int32(Hq), np.int32(Hkv), np.int32(Dqk), np.int32(Dv),
             *(np.int32(x) for x in qb), *(np.int32(x) for x in kb),
             np.float32(scale), np.float32(softcap or 0.0),
-            np.int32(_aligned((q, k, v, dout), q.dtype))]
+            np.int32(_aligned((q, k, v, dout, dq, dk, dv), q.dtype))]
     common = [*_strides(q), *_strides(k), *_strides(v), *_strides(dout)]
     table_dev = launch.device_table(table, q.device)
     # Only dimensions longer than 1 are indexed, so only their strides must agree (torch keeps
@@ -369,7 +428,7 @@ def na_backward(query, key, value, out, lse, dout, *, kernel_size, stride, dilat
                        key_tile)
     B, _, H, _ = q.shape
     l3 = lse.reshape(B, -1, H).to(torch.float32).contiguous()
-    delta = (do4.float() * o4.float()).sum(-1).contiguous()
+    delta = backward_delta(o4, do4, l3)
     dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)

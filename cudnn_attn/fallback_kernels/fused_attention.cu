@@ -11,7 +11,15 @@
 // n * 8 + 2t and n * 8 + 2t + 1 of every n-tile n. fp16/bf16 run mma.sync on tensor cores with
 // fp32 accumulation; fp32 computes the same fragment elements with FMAs (exact fp32, no tf32).
 //
-// Backward: delta = rowsum(dO * O) (computed by the caller), P = exp(S - LSE),
+// Two builds of this text. The plain one (fp32 everywhere, 16-bit with NA_PIPELINED=0): thread 0
+// places each tile in a shared NaGeo record, slot lists in shared memory. The sm_80+ one
+// (NA_PIPELINED=1, fp16/bf16): every thread derives the block's geometry and each tile's place in
+// registers (shifts and masks of the power-of-two box sides, odometers over the tiles, no
+// division per tile), the other side streams through a ring of cp.async stages with one barrier
+// per step, the head dim is a compile-time bound everywhere, logits are in log2 units from one
+// multiply and exponentials are ex2.approx.ftz, and tiles every row sees whole skip the mask.
+//
+// Backward: delta = rowsum(dO * O) - dlse (na_fused_backward_delta), P = exp(S - LSE),
 // dS = P * (dP - delta) (* (1 - tanh^2) under softcap). dQ walks keys per query tile, dK/dV walk
 // queries per key tile (and the query heads of a kv head inside), so there are no atomics and
 // results are bitwise repeatable.
@@ -20,6 +28,7 @@
 #define NA_THREADS (NA_WARPS * 32)
 #define NA_FULL 0xffffffffu
 #define NA_LOG2E 1.4426950408889634f
+#define NA_LN2 0.6931471805599453f
 #define NA_NO_KEY (-(1 << 30))
 #define NA_INF __int_as_float(0x7f800000)
 
@@ -538,6 +547,621 @@ __device__ __forceinline__ void na_store_rows(T* __restrict__ dst, const float (
     const int warp = threadIdx.x >> 5, row0 = warp * 16;                                       \
     const int b = blockIdx.z;
 
+#if NA_PIPELINED
+// ---------------------------------------------------------------------------------------------
+// Forward, sm_80+ build (fp16/bf16). Every thread derives the block's geometry and each key
+// tile's place in registers (power-of-two box sides: shifts and masks, an odometer over the
+// tiles), so no thread waits on another for it; Q lives in registers as mma A fragments; K and V
+// stream through a ring of cp.async stages with one barrier per tile; tiles every query sees
+// whole skip the mask; logits are in log2 units from one multiply, exponentials `ex2.approx.ftz`.
+// ---------------------------------------------------------------------------------------------
+
+// K/V stages of the ring: three where they fit in the 99 KB a block may have on every sm_80+
+// device, two at head dim 128. MIN_BLOCKS: the blocks per SM asked of the register allocator
+// (__launch_bounds__), as many as shared memory admits on sm_80 (164 KB) up to four.
+template <int HD> struct NaForwardStages {
+    static constexpr int N = HD >= 128 ? 2 : 3;
+    static constexpr int MIN_BLOCKS = HD >= 128 ? 1 : 3;
+    static constexpr int MIN_BLOCKS_DQ = HD >= 128 ? 1 : HD >= 64 ? 2 : 3;  // dP's registers too
+};
+
+__device__ __forceinline__ float na_ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// 4 bytes, of which `bytes` (4 or 0) are read and the rest zero-filled.
+__device__ __forceinline__ void na_cp_async4(void* dst, const void* src, int bytes) {
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" :: "r"(a), "l"(src), "r"(bytes));
+}
+
+template <int N> __device__ __forceinline__ void na_cp_async_wait_n() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(N));
+}
+
+// A box of power-of-two sides: slot j sits at offset (j >> shift[a]) & mask[a] on axis a.
+struct NaBox {
+    int shift[3], mask[3];
+};
+
+__device__ __forceinline__ int na_log2(int x) {
+    int s = 0;
+    while ((1 << s) < x) ++s;
+    return s;
+}
+
+__device__ __forceinline__ NaBox na_make_box(const int* side) {
+    NaBox box;
+    int shift = 0;
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+        box.shift[a] = shift;
+        box.mask[a] = side[a] - 1;
+        shift += na_log2(side[a]);
+    }
+    return box;
+}
+
+// Tokens of one side (queries or keys) of the walk: group coordinates c are token
+// base + sum_a c[a] * step[a] (step: the dilation times the axis' row-major multiplier).
+struct NaTokens {
+    int base, step[3];
+};
+
+__device__ __forceinline__ void na_add_axis(NaTokens& t, int a, int g, int d, int len, int& mult) {
+    t.step[a] = d * mult;
+    t.base += g * mult;
+    mult *= len;
+}
+
+// Per axis: the dilation group, global lengths, the block's own query box (group coordinates,
+// clipped), the key range it must visit, that range's tiles, and the two window bounds that
+// decide whether a key tile is seen whole by every query of the box.
+struct NaForwardGeo {
+    int glen_q[3], kern[3];
+    int own_lo[3], own_hi[3];
+    int lo[3], hi[3], tiles[3];
+    int last_lo[3], first_hi[3];
+    NaTokens qtok, ktok;
+};
+
+__device__ __forceinline__ void na_forward_geometry(const NaAxis* ax, const int* qside,
+                                                    const int* kside, NaForwardGeo& geo) {
+    int t = blockIdx.x, idx[3];
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+        const int n = na_axis_tiles(ax[a].len_q, na_axis_dilation(ax[a]), qside[a]);
+        idx[a] = t % n;
+        t /= n;
+    }
+    int mult_q = 1, mult_kv = 1;
+    geo.qtok.base = geo.ktok.base = 0;
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+        const int d = na_axis_dilation(ax[a]);
+        int g, start;
+        na_axis_tile(ax[a].len_q, d, qside[a], idx[a], &g, &start);
+        na_add_axis(geo.qtok, a, g, d, ax[a].len_q, mult_q);
+        na_add_axis(geo.ktok, a, g, d, ax[a].len_kv, mult_kv);
+        geo.kern[a] = ax[a].kernel;
+        geo.glen_q[a] = na_group_len(ax[a].len_q, d, g);
+        geo.own_lo[a] = start;
+        geo.own_hi[a] = min(start + qside[a], geo.glen_q[a]);
+        int lo, hi, unused;
+        na_group_key_range(ax[a], geo.glen_q[a], geo.own_lo[a], geo.own_hi[a], &lo, &hi);
+        geo.lo[a] = lo;
+        geo.hi[a] = max(hi, lo);
+        geo.tiles[a] = (geo.hi[a] - lo + kside[a] - 1) / kside[a];
+        // Windows are monotone in the query: the last query's start and the first one's end
+        // bound what every query of the box sees.
+        na_group_window(ax[a], geo.own_hi[a] - 1, geo.glen_q[a], &geo.last_lo[a], &unused);
+        na_group_window(ax[a], geo.own_lo[a], geo.glen_q[a], &unused, &geo.first_hi[a]);
+    }
+}
+
+// The next tile of a row-major walk over per-axis tile counts (last axis fastest).
+__device__ __forceinline__ void na_odometer_step(int* idx, const int* tiles) {
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+        if (++idx[a] < tiles[a]) return;
+        idx[a] = 0;
+    }
+}
+
+// Token of box slot `r` of the box at group coordinates `lo` (-1 when the slot is clipped at
+// `end`).
+__device__ __forceinline__ int na_slot_token(const NaTokens& tk, const NaBox& box, const int* lo,
+                                             const int* end, int r) {
+    int tok = tk.base;
+    bool ok = true;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+        const int c = lo[a] + ((r >> box.shift[a]) & box.mask[a]);
+        ok &= c < end[a];
+        tok += c * tk.step[a];
+    }
+    return ok ? tok : -1;
+}
+
+// Copy `ROWS` box slots (slots first.. of the box at group coordinates `lo`, clipped at `end`) of one or two
+// operands into shared rows of LD elements: 16-byte pieces by cp.async, zeros for clipped rows and
+// for columns past d (so that every mma may run over the whole compiled head dim).
+template <typename T, int HD, int ROWS, int THREADS>
+__device__ __forceinline__ void na_copy_box(T* dst0, const T* src0, long long st0, int d0,
+                                            T* dst1, const T* src1, long long st1, int d1,
+                                            const NaTokens& tk, const NaBox& box,
+                                            const int* lo, const int* end, int vec,
+                                            int first = 0) {
+    constexpr int LD = HD + 8, V = 8, PER_ROW = HD / V;
+    static_assert((ROWS * PER_ROW) % THREADS == 0, "every thread copies the same count");
+    const T zero = NaConvert<T>::from(0.f);
+#pragma unroll
+    for (int i = threadIdx.x; i < ROWS * PER_ROW; i += THREADS) {
+        const int r = i / PER_ROW, c = (i % PER_ROW) * V;
+        const int tok = na_slot_token(tk, box, lo, end, first + r);
+#pragma unroll
+        for (int o = 0; o < 2; ++o) {
+            T* dst = o ? dst1 : dst0;
+            if (dst == nullptr) continue;
+            const T* src = o ? src1 : src0;
+            const long long st = o ? st1 : st0;
+            const int d = o ? d1 : d0;
+            T* out = dst + r * LD + c;
+            if (vec && tok >= 0 && c + V <= d) {
+                na_cp_async16(out, src + tok * st + c);
+            } else if (tok < 0 || c >= d) {
+                *reinterpret_cast<uint4*>(out) = uint4{0u, 0u, 0u, 0u};
+            } else {
+#pragma unroll
+                for (int e = 0; e < V; ++e) out[e] = c + e < d ? src[tok * st + c + e] : zero;
+            }
+        }
+    }
+}
+
+// s[16 x NT*8] = Q K^T for the warp's 16 rows: Q as A fragments in registers (qf[k-step]), K rows
+// in shared memory (ldmatrix, two n-tiles per load).
+template <typename T, int HD, int NT>
+__device__ __forceinline__ void na_qk(float (&s)[NT][4], const unsigned int (&qf)[HD / 16][4],
+                                      const T* K) {
+    constexpr int LD = HD + 8;
+    const int lane = threadIdx.x & 31;
+    na_zero(s);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            unsigned int b[4];
+            na_ldsm_x4(b, K + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 +
+                              ((lane / 8) % 2) * 8);
+            na_mma16816(s[n], qf[kk], b, T());
+            na_mma16816(s[n + 1], qf[kk], b + 2, T());
+        }
+    }
+}
+
+// o[16 x HD] += P[16 x NT*8] V[NT*8 x HD]: P from the thread's fragments, V rows in shared memory
+// (ldmatrix .trans, two n-tiles per load).
+template <typename T, int HD, int NT>
+__device__ __forceinline__ void na_pv(float (&o)[HD / 8][4], const float (&p)[NT][4], const T* V) {
+    constexpr int LD = HD + 8;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < NT / 2; ++j) {
+        const unsigned int a[4] = {na_pack2(p[2 * j][0], p[2 * j][1], T()),
+                                   na_pack2(p[2 * j][2], p[2 * j][3], T()),
+                                   na_pack2(p[2 * j + 1][0], p[2 * j + 1][1], T()),
+                                   na_pack2(p[2 * j + 1][2], p[2 * j + 1][3], T())};
+#pragma unroll
+        for (int n = 0; n < HD / 8; n += 2) {
+            unsigned int b[4];
+            na_ldsm_x4_trans(b, V + (16 * j + ((lane / 8) % 2) * 8 + lane % 8) * LD +
+                                    (n + lane / 16) * 8);
+            na_mma16816(o[n], a, b, T());
+            na_mma16816(o[n + 1], a, b + 2, T());
+        }
+    }
+}
+
+// One query slot of the block, in shared memory (read by masked tiles and the bias only, so no
+// register holds it through the loop): its key window [lo, hi) per axis (empty for a clipped
+// slot), its part of the bias index, sum_a (k_a - 1 - qc_a) * R_a (R: the row-major multipliers
+// of the [2k0-1, 2k1-1, 2k2-1] table; a key adds sum_a kc_a * R_a), and its token (-1: clipped).
+struct __align__(16) NaQuerySlot {
+    int lo[3], hi[3], rpb, tok;
+};
+
+// The bias table's row-major multipliers over its three axes.
+__device__ __forceinline__ void na_rpb_multipliers(const int* kern, int* mul) {
+    mul[2] = 1;
+    mul[1] = 2 * kern[2] - 1;
+    mul[0] = mul[1] * (2 * kern[1] - 1);
+}
+
+// Logits in log2 units: x = s * scale * log2(e) (softcap: cap * tanh(s * scale / cap) * log2(e)),
+// plus the positional bias, -inf where the mask hides the key (MASKED tiles only). Columns are the
+// key tile's slots, whose group coordinates are (j >> shift) & mask past `klo`.
+template <int NT, bool MASKED>
+__device__ __forceinline__ void na_forward_logits(float (&s)[NT][4], const NaQuerySlot* slots,
+                                                  const NaBox& kbox, const int* klo,
+                                                  float scale, float cap, float inv_cap,
+                                                  const float* rpb, const int* rmul) {
+    const float scale_log2 = scale * NA_LOG2E;
+    const int t = threadIdx.x & 3;
+    NaQuerySlot rows[2];
+    if (MASKED || rpb != nullptr) {
+        rows[0] = slots[0];
+        rows[1] = slots[8];
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1, j = n * 8 + 2 * t + (e & 1);
+            float x = cap > 0.f ? cap * NA_LOG2E * tanhf(s[n][e] * scale * inv_cap)
+                                : s[n][e] * scale_log2;
+            int kc[3];
+#pragma unroll
+            for (int a = 0; a < 3; ++a) kc[a] = klo[a] + ((j >> kbox.shift[a]) & kbox.mask[a]);
+            bool seen = true;
+            if (MASKED) {
+#pragma unroll
+                for (int a = 0; a < 3; ++a)
+                    seen &= kc[a] >= rows[r].lo[a] && kc[a] < rows[r].hi[a];
+            }
+            if (!seen) {
+                x = -NA_INF;
+            } else if (rpb != nullptr && rows[r].tok >= 0) {  // a clipped row has no bias entry
+                int idx = rows[r].rpb;
+#pragma unroll
+                for (int a = 0; a < 3; ++a) idx += kc[a] * rmul[a];
+                x += rpb[idx] * NA_LOG2E;
+            }
+            s[n][e] = x;
+        }
+    }
+}
+
+// Online softmax over one key tile, in log2 units: the logits are s * mul (mul > 0: 1 when s is
+// already in log2 units, scale * log2(e) when the tile's raw scores come straight from the mma,
+// so that each takes one FMA before ex2). s becomes P (unnormalised), the running max m (log2
+// units), the thread's partial row sums l and the output accumulator o are rescaled.
+template <int NT, int HD>
+__device__ __forceinline__ void na_online_softmax_log2(float (&s)[NT][4], float (&m)[2],
+                                                       float (&l)[2], float (&o)[HD / 8][4],
+                                                       float mul) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = -NA_INF;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(NA_FULL, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(NA_FULL, mx, 2));
+        mx = fmaxf(m[r], mx * mul);
+        // A row that has seen nothing yet keeps shift 0: ex2(-inf - 0) = 0, never NaN.
+        const float shift = mx == -NA_INF ? 0.f : mx;
+        const float alpha = na_ex2(m[r] - shift);
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            s[n][2 * r] = na_ex2(fmaf(s[n][2 * r], mul, -shift));
+            s[n][2 * r + 1] = na_ex2(fmaf(s[n][2 * r + 1], mul, -shift));
+            sum += s[n][2 * r] + s[n][2 * r + 1];
+        }
+        l[r] = l[r] * alpha + sum;
+        m[r] = mx;
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            o[n][2 * r] *= alpha;
+            o[n][2 * r + 1] *= alpha;
+        }
+    }
+}
+
+// One key tile's place in the walk: its first slot per axis, and whether every query of the block
+// sees all of it (then the mask is skipped). Windows are monotone in the query, so the box's last
+// query's window start and its first query's window end bound what every query sees.
+__device__ __forceinline__ bool na_key_tile(const NaForwardGeo& geo, const int* kidx,
+                                            const int* kside, int* klo) {
+    bool whole = true;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+        klo[a] = geo.lo[a] + kidx[a] * kside[a];
+        whole &= klo[a] + kside[a] <= geo.hi[a] && geo.last_lo[a] <= klo[a] &&
+                 klo[a] + kside[a] <= geo.first_hi[a];
+    }
+    return whole;
+}
+
+// The ring of K/V stages both query-major kernels stream key tiles through: tile `it` lives in
+// stage it % STAGES (its K rows, then its V rows). Tiles are copied in walk order (an odometer,
+// no division), so `issue` is called once per tile, in order; every call commits one cp.async
+// group, empty past the last tile, which keeps the group count of a wait a constant.
+template <typename T, int HD> struct NaKeyRing {
+    static constexpr int LD = HD + 8, STAGES = NaForwardStages<HD>::N, STAGE = 2 * NA_TILE * LD;
+    T* smem;
+    const T* k;
+    const T* v;
+    long long k_st, v_st;
+    int d_qk, d_v, vec, ntiles;
+    int idx[3];
+
+    __device__ __forceinline__ const T* keys(int it) const { return smem + (it % STAGES) * STAGE; }
+    __device__ __forceinline__ const T* values(int it) const { return keys(it) + NA_TILE * LD; }
+
+    __device__ __forceinline__ void issue(int it, const NaForwardGeo& geo, const NaBox& kbox,
+                                          const int* kside) {
+        if (it < ntiles) {
+            int klo[3];
+            na_key_tile(geo, idx, kside, klo);
+            T* stage = smem + (it % STAGES) * STAGE;
+            na_copy_box<T, HD, NA_TILE, NA_THREADS>(stage, k, k_st, d_qk, stage + NA_TILE * LD, v,
+                                                    v_st, d_v, geo.ktok, kbox, klo, geo.hi, vec);
+            na_odometer_step(idx, geo.tiles);
+        }
+        na_cp_async_commit();
+    }
+};
+
+// Threads 0..63 write the block's query slots (windows, bias index bases, tokens); the caller's
+// next barrier publishes them.
+__device__ __forceinline__ void na_publish_query_slots(NaQuerySlot* s_slot, const NaAxis* ax,
+                                                       const NaForwardGeo& geo, const NaBox& qbox,
+                                                       const int* rmul) {
+    if (threadIdx.x >= NA_TILE) return;
+    NaQuerySlot slot;
+    slot.tok = na_slot_token(geo.qtok, qbox, geo.own_lo, geo.own_hi, threadIdx.x);
+    slot.rpb = 0;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+        const int c = geo.own_lo[a] + ((threadIdx.x >> qbox.shift[a]) & qbox.mask[a]);
+        slot.lo[a] = slot.hi[a] = 0;
+        if (slot.tok >= 0) na_group_window(ax[a], c, geo.glen_q[a], &slot.lo[a], &slot.hi[a]);
+        slot.rpb += (geo.kern[a] - 1 - c) * rmul[a];
+    }
+    s_slot[threadIdx.x] = slot;
+}
+
+// The warp's 16 rows of A fragments (Q or dO) from shared memory, for the whole head dim.
+template <typename T, int HD>
+__device__ __forceinline__ void na_load_a_fragments(unsigned int (&f)[HD / 16][4], const T* rows) {
+    constexpr int LD = HD + 8;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+        na_ldsm_x4(f[kk], rows + (lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+}
+
+// Store the thread's fragment rows (tokens tok[0], tok[1]; < 0 skipped) times mul[r], columns
+// past d dropped; two columns per 32-bit store where `vec` says the rows are aligned.
+template <typename T, int HD>
+__device__ __forceinline__ void na_store_fragment_rows(T* base, long long stride,
+                                                       const float (&acc)[HD / 8][4],
+                                                       const int* tok, const float* mul, int d,
+                                                       int vec) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (tok[r] < 0) continue;
+        T* out = base + tok[r] * stride;
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            const int c = n * 8 + 2 * t;
+            const float x0 = acc[n][2 * r] * mul[r], x1 = acc[n][2 * r + 1] * mul[r];
+            if (vec && c + 1 < d) {
+                *reinterpret_cast<unsigned int*>(out + c) = na_pack2(x0, x1, T());
+            } else {
+                if (c < d) out[c] = NaConvert<T>::from(x0);
+                if (c + 1 < d) out[c + 1] = NaConvert<T>::from(x1);
+            }
+        }
+    }
+}
+
+#define NA_QUERY_MAJOR_SETUP                                                                   \
+    const int qside[3] = {qt0, qt1, qt2}, kside[3] = {kt0, kt1, kt2};                          \
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = warp * 16;              \
+    const int b = blockIdx.z, h = blockIdx.y, hk = h / (heads_q / heads_kv);                   \
+    NaAxis ax[3];                                                                              \
+    na_load_axes(table, ax);                                                                   \
+    NaForwardGeo geo;                                                                          \
+    na_forward_geometry(ax, qside, kside, geo);                                                \
+    const NaBox qbox = na_make_box(qside), kbox = na_make_box(kside);                          \
+    int rmul[3];                                                                               \
+    na_rpb_multipliers(geo.kern, rmul);                                                        \
+    const float inv_cap = softcap > 0.f ? __frcp_rn(softcap) : 0.f;                            \
+    NaKeyRing<T, HD> ring = {nullptr, k + b * k_sb + hk * k_sh, v + b * v_sb + hk * v_sh,      \
+                             k_st, v_st, d_qk, d_v, vec,                                       \
+                             geo.tiles[0] * geo.tiles[1] * geo.tiles[2], {0, 0, 0}};           \
+    int kidx[3] = {0, 0, 0};
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(NA_THREADS, NaForwardStages<HD>::MIN_BLOCKS)
+na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                 T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ table,
+                 const float* __restrict__ rpb,
+                 long long q_sb, long long q_st, long long q_sh,
+                 long long k_sb, long long k_st, long long k_sh,
+                 long long v_sb, long long v_st, long long v_sh,
+                 long long o_sb, long long o_st, long long o_sh,
+                 long long l_sb, long long l_st, long long l_sh,
+                 int heads_q, int heads_kv, int d_qk, int d_v,
+                 int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
+                 float scale, float softcap, int vec) {
+    constexpr int LD = HD + 8, NT = NA_TILE / 8, STAGES = NaForwardStages<HD>::N;
+    NA_QUERY_MAJOR_SETUP
+    // Shared memory: the Q tile, the ring, the query slots.
+    extern __shared__ __align__(16) unsigned char na_smem[];
+    T* sQ = reinterpret_cast<T*>(na_smem);
+    ring.smem = sQ + NA_TILE * LD;
+    NaQuerySlot* s_slot = reinterpret_cast<NaQuerySlot*>(ring.smem + STAGES * ring.STAGE);
+
+    // Q joins the first tile's cp.async group; the ring is primed with STAGES - 1 tiles.
+    na_copy_box<T, HD, NA_TILE, NA_THREADS>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk, nullptr,
+                                            nullptr, 0, 0, geo.qtok, qbox, geo.own_lo,
+                                            geo.own_hi, vec);
+#pragma unroll
+    for (int it = 0; it < STAGES - 1; ++it) ring.issue(it, geo, kbox, kside);
+    na_publish_query_slots(s_slot, ax, geo, qbox, rmul);
+    const NaQuerySlot* my_slots = s_slot + row0 + (lane >> 2);  // rows g and g + 8
+    // The bias table's multipliers and this head's table wait in shared memory (only tiles that
+    // add the bias read them; registers are for the accumulators).
+    __shared__ int s_rmul[3];
+    __shared__ const float* s_bias;
+    if (threadIdx.x == 0) {
+        s_rmul[0] = rmul[0];
+        s_rmul[1] = rmul[1];
+        s_rmul[2] = rmul[2];
+        s_bias = rpb ? rpb + (long long)h * ((2 * geo.kern[0] - 1) * (2 * geo.kern[1] - 1) *
+                                             (2 * geo.kern[2] - 1))
+                     : nullptr;
+    }
+
+    // Whole tiles of a plain call (positive scale, no softcap, no bias) fold the scale into the
+    // softmax's FMA (the row max of the raw scores is the max of the logits only when scale > 0).
+    const bool fold = scale > 0.f && softcap <= 0.f && rpb == nullptr;
+    unsigned int qf[HD / 16][4];
+    float acc[HD / 8][4], m[2] = {-NA_INF, -NA_INF}, l[2] = {0.f, 0.f};
+    na_zero(acc);
+    for (int it = 0; it < ring.ntiles; ++it) {
+        na_cp_async_wait_n<STAGES - 2>();  // this thread's copies of tile it (and Q) landed
+        __syncthreads();  // everyone's; and everyone is done with tile it - 1, whose stage we refill
+        ring.issue(it + STAGES - 1, geo, kbox, kside);
+        if (it == 0) na_load_a_fragments<T, HD>(qf, sQ + row0 * LD);
+        int klo[3];
+        const bool whole = na_key_tile(geo, kidx, kside, klo);
+        float s[NT][4], mul = 1.f;
+        na_qk<T, HD, NT>(s, qf, ring.keys(it));
+        if (!whole)
+            na_forward_logits<NT, true>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
+                                        rpb ? s_bias : nullptr, s_rmul);
+        else if (fold)
+            mul = scale * NA_LOG2E;  // nothing to add or hide: the softmax takes the raw scores
+        else
+            na_forward_logits<NT, false>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
+                                         rpb ? s_bias : nullptr, s_rmul);
+        na_online_softmax_log2<NT, HD>(s, m, l, acc, mul);
+        na_pv<T, HD, NT>(acc, s, ring.values(it));
+        na_odometer_step(kidx, geo.tiles);
+    }
+    na_cp_async_wait_all();
+    __syncthreads();  // the query slots are published even when no key tile was visited
+
+    float inv[2];
+    int tok[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(NA_FULL, l[r], 1);
+        l[r] += __shfl_xor_sync(NA_FULL, l[r], 2);
+        inv[r] = l[r] > 0.f ? __frcp_rn(l[r]) : 0.f;
+        tok[r] = my_slots[8 * r].tok;
+        if ((lane & 3) == 0 && tok[r] >= 0)
+            lse[b * l_sb + tok[r] * l_st + h * l_sh] =
+                l[r] > 0.f ? (m[r] + log2f(l[r])) * NA_LN2 : -NA_INF;
+    }
+    na_store_fragment_rows<T, HD>(o + b * o_sb + h * o_sh, o_st, acc, tok, inv, d_v, vec);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward dQ, sm_80+ build: the forward's walk (same geometry, ring and mask paths). Q is held
+// as A fragments, dO stays in shared memory; P = ex2(x - lse * log2 e), dS = P * (dP - delta)
+// (* (1 - tanh^2) under softcap), dQ = scale * dS K.
+// ---------------------------------------------------------------------------------------------
+template <typename T, int HD>
+__global__ void __launch_bounds__(NA_THREADS, NaForwardStages<HD>::MIN_BLOCKS_DQ)
+na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                     const T* __restrict__ dout, const float* __restrict__ lse,
+                     const float* __restrict__ delta, T* __restrict__ dq,
+                     const int* __restrict__ table,
+                     long long q_sb, long long q_st, long long q_sh,
+                     long long k_sb, long long k_st, long long k_sh,
+                     long long v_sb, long long v_st, long long v_sh,
+                     long long do_sb, long long do_st, long long do_sh,
+                     long long dq_sb, long long dq_st, long long dq_sh,
+                     long long l_sb, long long l_st, long long l_sh,
+                     int heads_q, int heads_kv, int d_qk, int d_v,
+                     int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
+                     float scale, float softcap, int vec) {
+    constexpr int LD = HD + 8, NT = NA_TILE / 8, STAGES = NaForwardStages<HD>::N;
+    NA_QUERY_MAJOR_SETUP
+    // Shared memory: the dO tile, the ring, the query slots. Q waits in the ring's last stage
+    // until its fragments are read (before that stage's first tile is issued).
+    extern __shared__ __align__(16) unsigned char na_smem[];
+    T* sDO = reinterpret_cast<T*>(na_smem);
+    ring.smem = sDO + NA_TILE * LD;
+    NaQuerySlot* s_slot = reinterpret_cast<NaQuerySlot*>(ring.smem + STAGES * ring.STAGE);
+    T* sQ = ring.smem + (STAGES - 1) * ring.STAGE;
+
+    na_copy_box<T, HD, NA_TILE, NA_THREADS>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk, sDO,
+                                            dout + b * do_sb + h * do_sh, do_st, d_v, geo.qtok,
+                                            qbox, geo.own_lo, geo.own_hi, vec);
+#pragma unroll
+    for (int it = 0; it < STAGES - 1; ++it) ring.issue(it, geo, kbox, kside);
+    na_publish_query_slots(s_slot, ax, geo, qbox, rmul);
+    const NaQuerySlot* my_slots = s_slot + row0 + (lane >> 2);
+
+    // Row statistics in log2 units; a row that saw nothing (lse = -inf) or is clipped gets
+    // +inf, so its P is 0.
+    int tok[2];
+    float row_lse[2], row_delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        tok[r] = na_slot_token(geo.qtok, qbox, geo.own_lo, geo.own_hi, row0 + (lane >> 2) + 8 * r);
+        const long long at = b * l_sb + (long long)tok[r] * l_st + h * l_sh;
+        const float x = tok[r] >= 0 ? lse[at] : NA_INF;
+        row_lse[r] = x == -NA_INF ? NA_INF : x * NA_LOG2E;
+        row_delta[r] = tok[r] >= 0 ? delta[at] : 0.f;
+    }
+
+    unsigned int qf[HD / 16][4];
+    float acc[HD / 8][4];
+    na_zero(acc);
+    for (int it = 0; it < ring.ntiles; ++it) {
+        na_cp_async_wait_n<STAGES - 2>();
+        __syncthreads();  // tile it (and Q, dO) landed for all; tile it - 1 is done everywhere
+        if (it == 0) {
+            na_load_a_fragments<T, HD>(qf, sQ + row0 * LD);
+            __syncthreads();  // every warp has its Q before the last stage is refilled
+        }
+        ring.issue(it + STAGES - 1, geo, kbox, kside);
+        int klo[3];
+        const bool whole = na_key_tile(geo, kidx, kside, klo);
+        float s[NT][4], dp[NT][4];
+        na_qk<T, HD, NT>(s, qf, ring.keys(it));
+        // Whole tiles without softcap keep the raw scores: P takes the scale in its FMA.
+        const float mul = whole && softcap <= 0.f ? scale * NA_LOG2E : 1.f;
+        if (!whole)
+            na_forward_logits<NT, true>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
+                                        nullptr, rmul);
+        else if (softcap > 0.f)
+            na_forward_logits<NT, false>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
+                                         nullptr, rmul);
+        na_zero(dp);
+        na_mma_abt<T, HD, NT>(dp, sDO + row0 * LD, ring.values(it), HD);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1;
+                const float x = s[n][e];
+                float ds = na_ex2(fmaf(x, mul, -row_lse[r])) * (dp[n][e] - row_delta[r]);
+                if (softcap > 0.f) {
+                    const float th = x * (NA_LN2 * inv_cap);  // x = cap * log2(e) * tanh(.)
+                    ds = x == -NA_INF ? 0.f : ds * (1.f - th * th);
+                }
+                dp[n][e] = ds;
+            }
+        }
+        na_pv<T, HD, NT>(acc, dp, ring.keys(it));
+        na_odometer_step(kidx, geo.tiles);
+    }
+    na_cp_async_wait_all();
+    const float mul[2] = {scale, scale};
+    na_store_fragment_rows<T, HD>(dq + b * dq_sb + h * dq_sh, dq_st, acc, tok, mul, d_qk, vec);
+}
+#else
 // ---------------------------------------------------------------------------------------------
 // Forward: O and LSE (natural log; -inf and O = 0 for a row that sees nothing).
 // ---------------------------------------------------------------------------------------------
@@ -561,72 +1185,6 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     __shared__ NaAxis s_ax[NA_MAX_AXES];
     __shared__ NaGeo geo;
     extern __shared__ __align__(16) unsigned char na_smem[];
-#if NA_PIPELINED
-    // Two K/V buffers (and their slot lists): tile it + 1 is copied while tile it is computed.
-    static_assert(CH == NA_TILE, "the pipelined forward stages a whole key tile per step");
-    T* sQ = reinterpret_cast<T*>(na_smem);
-    T* sK = sQ + NA_TILE * LD;                  // [2][CH * LD]
-    T* sV = sK + 2 * CH * LD;                   // [2][CH * LD]
-    int* s_qtok = reinterpret_cast<int*>(sV + 2 * CH * LD);
-    int* s_qwin = s_qtok + NA_TILE;
-    int* s_qc = s_qwin + NA_TILE * 6;
-    int* s_ktok = s_qc + NA_TILE * 3;           // [2][NA_TILE]
-    int* s_kc = s_ktok + 2 * NA_TILE;           // [2][NA_TILE * 3]
-    int* s_full = s_kc + 2 * NA_TILE * 3;       // [2]
-
-    if (threadIdx.x == 0) na_setup_block(table, s_ax, geo, qbox, kbox, true);
-    __syncthreads();
-    if (threadIdx.x < NA_TILE)
-        na_query_slot(s_ax, geo, qbox, geo.own_lo, geo.own_hi, threadIdx.x, s_qtok + threadIdx.x,
-                      s_qwin + threadIdx.x * 6, s_qc + threadIdx.x * 3);
-    __syncthreads();
-    na_stage_rows_async<T, HD>(sQ, q + b * q_sb + h * q_sh, s_qtok, NA_TILE, q_st, d_qk, vec);
-
-    const T* kbase = k + b * k_sb + hk * k_sh;
-    const T* vbase = v + b * v_sb + hk * v_sh;
-    const NaRpb bias = {rpb ? rpb + (long long)h * ((2 * geo.kern[0] - 1) * (2 * geo.kern[1] - 1) *
-                                                    (2 * geo.kern[2] - 1))
-                            : nullptr,
-                        s_qc};
-    float acc[HD / 8][4], m[2] = {-NA_INF, -NA_INF}, l[2] = {0.f, 0.f};
-    na_zero(acc);
-    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
-    // Step it (from -1): place and start copying tile it + 1 into buffer (it + 1) & 1, then
-    // compute tile it from buffer it & 1 once its copies (the older group) have landed.
-    for (int it = -1; it < ntiles; ++it) {
-        const int nb = (it + 1) & 1, cb = it & 1;
-        __syncthreads();  // tile it - 1 is done: buffer nb and geo are free
-        if (it + 1 < ntiles) {
-            if (threadIdx.x == 0) {
-                na_place_other_tile(s_ax, geo, kbox, it + 1, true);
-                s_full[nb] = geo.full;
-            }
-            __syncthreads();
-            if (threadIdx.x < NA_TILE)
-                na_key_slot(geo, kbox, geo.cur_lo, geo.cur_hi, threadIdx.x,
-                            s_ktok + nb * NA_TILE + threadIdx.x,
-                            s_kc + nb * NA_TILE * 3 + threadIdx.x * 3);
-            __syncthreads();
-            na_stage_rows_async<T, HD>(sK + nb * CH * LD, kbase, s_ktok + nb * NA_TILE, CH, k_st,
-                                       d_qk, vec);
-            na_stage_rows_async<T, HD>(sV + nb * CH * LD, vbase, s_ktok + nb * NA_TILE, CH, v_st,
-                                       d_v, vec);
-        }
-        na_cp_async_commit();
-        if (it < 0) continue;
-        na_cp_async_wait_prev();  // this thread's copies of tile it (and Q) have landed
-        __syncthreads();          // ... and everyone's
-        const int* kc = s_kc + cb * NA_TILE * 3;
-        float s[NT][4];
-        na_zero(s);
-        na_mma_abt<T, HD, NT>(s, sQ + row0 * LD, sK + cb * CH * LD, d_qk);
-        na_logits<NT, true>(s, scale, softcap, inv_cap, s_full[cb], s_qwin, kc, row0, 0, geo,
-                            bias);
-        na_online_softmax<NT, HD>(s, m, l, acc);
-        na_mma_pb<T, HD, NT>(acc, s, sV + cb * CH * LD, d_v);
-    }
-    na_cp_async_wait_all();
-#else
     T* sQ = reinterpret_cast<T*>(na_smem);
     T* sK = sQ + NA_TILE * LD;
     T* sV = sK + CH * LD;
@@ -675,7 +1233,6 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
         }
     }
 
-#endif
 
     const int lane = threadIdx.x & 31, g = lane >> 2;
     float inv[2];
@@ -690,6 +1247,7 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     }
     na_store_rows<T, HD>(o + b * o_sb + h * o_sh, acc, s_qtok, row0, o_st, d_v, inv[0], inv[1]);
 }
+
 
 // ---------------------------------------------------------------------------------------------
 // Backward dQ: query-tile-major, like the forward. delta = rowsum(dO * O) - dlse (fp32), laid
@@ -717,92 +1275,6 @@ na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* 
     __shared__ NaAxis s_ax[NA_MAX_AXES];
     __shared__ NaGeo geo;
     extern __shared__ __align__(16) unsigned char na_smem[];
-#if NA_PIPELINED
-    // Two K/V buffers where they fit (head dims up to 64): tile it + 1 is copied while tile it is
-    // computed; at 128 one buffer, copied with cp.async and waited for before the math.
-    static_assert(CH == NA_TILE, "the pipelined dQ stages a whole key tile per step");
-    constexpr int NBUF = HD <= 64 ? 2 : 1;
-    T* sQ = reinterpret_cast<T*>(na_smem);
-    T* sDO = sQ + NA_TILE * LD;
-    T* sK = sDO + NA_TILE * LD;                 // [NBUF][CH * LD]
-    T* sV = sK + NBUF * CH * LD;                // [NBUF][CH * LD]
-    int* s_qtok = reinterpret_cast<int*>(sV + NBUF * CH * LD);
-    int* s_qwin = s_qtok + NA_TILE;
-    int* s_ktok = s_qwin + NA_TILE * 6;         // [2][NA_TILE]
-    int* s_kc = s_ktok + 2 * NA_TILE;           // [2][NA_TILE * 3]
-    int* s_full = s_kc + 2 * NA_TILE * 3;       // [2]
-
-    if (threadIdx.x == 0) na_setup_block(table, s_ax, geo, qbox, kbox, true);
-    __syncthreads();
-    if (threadIdx.x < NA_TILE)
-        na_query_slot(s_ax, geo, qbox, geo.own_lo, geo.own_hi, threadIdx.x, s_qtok + threadIdx.x,
-                      s_qwin + threadIdx.x * 6, nullptr);
-    __syncthreads();
-    na_stage_rows_async<T, HD>(sQ, q + b * q_sb + h * q_sh, s_qtok, NA_TILE, q_st, d_qk, vec);
-    na_stage_rows_async<T, HD>(sDO, dout + b * do_sb + h * do_sh, s_qtok, NA_TILE, do_st, d_v,
-                               vec);
-
-    const int lane = threadIdx.x & 31, g = lane >> 2;
-    float row_lse[2], row_delta[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int tk = s_qtok[row0 + g + 8 * r];
-        const long long at = b * l_sb + (long long)tk * l_st + h * l_sh;
-        const float x = tk >= 0 ? lse[at] : NA_INF;
-        row_lse[r] = x == -NA_INF ? NA_INF : x;  // a row that saw nothing: P = 0
-        row_delta[r] = tk >= 0 ? delta[at] : 0.f;
-    }
-
-    const T* kbase = k + b * k_sb + hk * k_sh;
-    const T* vbase = v + b * v_sb + hk * v_sh;
-    const NaRpb none = {nullptr, nullptr};
-    float acc[HD / 8][4];
-    na_zero(acc);
-    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
-    for (int it = NBUF == 2 ? -1 : 0; it < ntiles; ++it) {
-        const int load = NBUF == 2 ? it + 1 : it;  // the tile copied at this step
-        const int lb = load & 1, cb = it & 1;      // slot-list buffers
-        const int lk = NBUF == 2 ? lb : 0, ck = NBUF == 2 ? cb : 0;  // K/V buffers
-        __syncthreads();  // the previous step's math is done: its buffers and geo are free
-        if (load < ntiles) {
-            if (threadIdx.x == 0) {
-                na_place_other_tile(s_ax, geo, kbox, load, true);
-                s_full[lb] = geo.full;
-            }
-            __syncthreads();
-            if (threadIdx.x < NA_TILE)
-                na_key_slot(geo, kbox, geo.cur_lo, geo.cur_hi, threadIdx.x,
-                            s_ktok + lb * NA_TILE + threadIdx.x,
-                            s_kc + lb * NA_TILE * 3 + threadIdx.x * 3);
-            __syncthreads();
-            na_stage_rows_async<T, HD>(sK + lk * CH * LD, kbase, s_ktok + lb * NA_TILE, CH, k_st,
-                                       d_qk, vec);
-            na_stage_rows_async<T, HD>(sV + lk * CH * LD, vbase, s_ktok + lb * NA_TILE, CH, v_st,
-                                       d_v, vec);
-        }
-        na_cp_async_commit();
-        if (it < 0) continue;
-        if (NBUF == 2) na_cp_async_wait_prev(); else na_cp_async_wait_all();
-        __syncthreads();  // every thread's copies of tile it have landed
-        const T* tK = sK + ck * CH * LD;
-        const T* tV = sV + ck * CH * LD;
-        float s[NT][4], dp[NT][4];
-        na_zero(s);
-        na_mma_abt<T, HD, NT>(s, sQ + row0 * LD, tK, d_qk);
-        na_logits<NT, true>(s, scale, softcap, inv_cap, s_full[cb], s_qwin, s_kc + cb * NA_TILE * 3,
-                            row0, 0, geo, none);
-        na_zero(dp);
-        na_mma_abt<T, HD, NT>(dp, sDO + row0 * LD, tV, d_v);
-#pragma unroll
-        for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                na_grad_logit(s[n][e], dp[n][e], row_lse[e >> 1], row_delta[e >> 1], softcap,
-                              inv_cap);
-        na_mma_pb<T, HD, NT>(acc, dp, tK, d_qk);
-    }
-    na_cp_async_wait_all();
-#else
     T* sQ = reinterpret_cast<T*>(na_smem);
     T* sDO = sQ + NA_TILE * LD;
     T* sK = sDO + NA_TILE * LD;
@@ -866,10 +1338,265 @@ na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* 
             na_mma_pb<T, HD, NT>(acc, dp, sK, d_qk);
         }
     }
-#endif
     na_store_rows<T, HD>(dq + b * dq_sb + h * dq_sh, acc, s_qtok, row0, dq_st, d_qk, scale, scale);
 }
 
+#endif  // NA_PIPELINED (query-major kernels)
+
+#if NA_PIPELINED
+// ---------------------------------------------------------------------------------------------
+// Backward dK, dV, sm_80+ build: key-major. The block owns a key box of kv head `hk` (K and V in
+// shared memory) and walks steps (query tile, query head of the kv head's group, chunk of
+// QSTEP queries) through a ring of cp.async stages, each stage holding the step's Q and dO rows,
+// its query slots (windows, tokens) and its lse and delta. Geometry in every thread's registers;
+// query tiles that see the whole key box (a contiguous range per axis) skip the mask.
+// ---------------------------------------------------------------------------------------------
+
+// Queries per step (one ring stage) and stages: a 64-query tile in one step up to head dim 64,
+// in two of 32 at 128 (so three stages fit beside K and V); two stages at 64.
+template <int HD> struct NaDkdvSteps {
+    static constexpr int QSTEP = HD >= 128 ? 32 : 64;
+    static constexpr int STAGES = HD >= 128 ? 3 : HD >= 64 ? 2 : 3;
+    static constexpr int MIN_BLOCKS = HD >= 64 ? 1 : 2;
+};
+
+struct NaKeyMajorGeo {
+    int glen_q[3];
+    int own_lo[3], own_hi[3];       // the key box (group coordinates, clipped)
+    int lo[3], tiles[3];            // the query range's first position and its tiles
+    int hi[3];                      // the query range's end
+    int whole_lo[3], whole_hi[3];   // query tiles [whole_lo, whole_hi) see the whole key box
+    NaTokens qtok, ktok;
+};
+
+__device__ __forceinline__ void na_key_major_geometry(const NaAxis* ax, const int* qside,
+                                                      const int* kside, NaKeyMajorGeo& geo) {
+    int t = blockIdx.x, idx[3];
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+        const int n = na_axis_tiles(ax[a].len_kv, na_axis_dilation(ax[a]), kside[a]);
+        idx[a] = t % n;
+        t /= n;
+    }
+    int mult_q = 1, mult_kv = 1;
+    geo.qtok.base = geo.ktok.base = 0;
+#pragma unroll
+    for (int a = 2; a >= 0; --a) {
+        const int d = na_axis_dilation(ax[a]);
+        int g, start;
+        na_axis_tile(ax[a].len_kv, d, kside[a], idx[a], &g, &start);
+        na_add_axis(geo.qtok, a, g, d, ax[a].len_q, mult_q);
+        na_add_axis(geo.ktok, a, g, d, ax[a].len_kv, mult_kv);
+        geo.glen_q[a] = na_group_len(ax[a].len_q, d, g);
+        geo.own_lo[a] = start;
+        geo.own_hi[a] = min(start + kside[a], na_group_len(ax[a].len_kv, d, g));
+        int lo, hi;
+        na_group_query_range(ax[a], geo.glen_q[a], geo.own_lo[a], geo.own_hi[a], &lo, &hi);
+        geo.lo[a] = lo;
+        geo.hi[a] = max(hi, lo);
+        geo.tiles[a] = (geo.hi[a] - lo + qside[a] - 1) / qside[a];
+        // Monotone windows: a tile sees the whole box iff its last query's window starts at or
+        // before the box and its first query's window ends at or after it, and no slot of the
+        // tile is clipped: a prefix meets a suffix, so the whole tiles are one range.
+        geo.whole_lo[a] = geo.tiles[a];
+        geo.whole_hi[a] = 0;
+        for (int i = 0; i < geo.tiles[a]; ++i) {
+            const int q0 = lo + i * qside[a], q1 = q0 + qside[a];
+            int wl, wh, unused;
+            if (q1 > geo.hi[a]) break;
+            na_group_window(ax[a], q1 - 1, geo.glen_q[a], &wl, &unused);
+            na_group_window(ax[a], q0, geo.glen_q[a], &unused, &wh);
+            if (wl <= geo.own_lo[a] && geo.own_hi[a] <= wh) {
+                geo.whole_lo[a] = min(geo.whole_lo[a], i);
+                geo.whole_hi[a] = i + 1;
+            }
+        }
+    }
+}
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(NA_THREADS, NaDkdvSteps<HD>::MIN_BLOCKS)
+na_fused_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                       const T* __restrict__ dout, const float* __restrict__ lse,
+                       const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
+                       const int* __restrict__ table,
+                       long long q_sb, long long q_st, long long q_sh,
+                       long long k_sb, long long k_st, long long k_sh,
+                       long long v_sb, long long v_st, long long v_sh,
+                       long long do_sb, long long do_st, long long do_sh,
+                       long long dk_sb, long long dk_st, long long dk_sh,
+                       long long dv_sb, long long dv_st, long long dv_sh,
+                       long long l_sb, long long l_st, long long l_sh,
+                       int heads_q, int heads_kv, int d_qk, int d_v,
+                       int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
+                       float scale, float softcap, int vec) {
+    constexpr int LD = HD + 8, QSTEP = NaDkdvSteps<HD>::QSTEP, NT = QSTEP / 8;
+    constexpr int STAGES = NaDkdvSteps<HD>::STAGES, CHUNKS = NA_TILE / QSTEP;
+    // A stage: Q rows, dO rows, query slots, lse, delta.
+    constexpr int STAGE_BYTES = 2 * QSTEP * LD * (int)sizeof(T) + QSTEP * (32 + 8);
+    const int qside[3] = {qt0, qt1, qt2}, kside[3] = {kt0, kt1, kt2};
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = warp * 16;
+    const int b = blockIdx.z, hk = blockIdx.y, group = heads_q / heads_kv;
+    const float inv_cap = softcap > 0.f ? __frcp_rn(softcap) : 0.f;
+    extern __shared__ __align__(16) unsigned char na_smem[];
+    T* sK = reinterpret_cast<T*>(na_smem);
+    T* sV = sK + NA_TILE * LD;
+    unsigned char* ring = reinterpret_cast<unsigned char*>(sV + NA_TILE * LD);
+
+    // The block's geometry is read once per step, so it waits in shared memory rather than in
+    // registers the accumulators need (thread 0 writes it once; every thread derived it).
+    __shared__ NaKeyMajorGeo s_geo;
+    __shared__ NaAxis s_ax[NA_MAX_AXES];
+    {
+        NaAxis ax[3];
+        na_load_axes(table, ax);
+        NaKeyMajorGeo mine;
+        na_key_major_geometry(ax, qside, kside, mine);
+        if (threadIdx.x == 0) {
+            s_geo = mine;
+#pragma unroll
+            for (int a = 0; a < 3; ++a) s_ax[a] = ax[a];
+        }
+    }
+    __syncthreads();
+    const NaKeyMajorGeo& geo = s_geo;
+    const NaAxis* ax = s_ax;
+    const NaBox qbox = na_make_box(qside), kbox = na_make_box(kside);
+
+    // K and V join the first step's cp.async group.
+    na_copy_box<T, HD, NA_TILE, NA_THREADS>(sK, k + b * k_sb + hk * k_sh, k_st, d_qk, sV,
+                                            v + b * v_sb + hk * v_sh, v_st, d_v, geo.ktok, kbox,
+                                            geo.own_lo, geo.own_hi, vec);
+
+    // Steps go (query tile, head, chunk), chunk fastest, tiles row-major over the per-axis counts.
+    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
+    const int nsteps = ntiles * group * CHUNKS;
+    int copy_tile[3] = {0, 0, 0}, copy_sub = 0;  // sub-step: head * CHUNKS + chunk
+    auto issue = [&](int step) {
+        if (step < nsteps) {
+            unsigned char* stage = ring + (step % STAGES) * STAGE_BYTES;
+            T* sQ = reinterpret_cast<T*>(stage);
+            T* sDO = sQ + QSTEP * LD;
+            NaQuerySlot* slots = reinterpret_cast<NaQuerySlot*>(sDO + QSTEP * LD);
+            float* s_lse = reinterpret_cast<float*>(slots + QSTEP);
+            float* s_delta = s_lse + QSTEP;
+            const int h = hk * group + copy_sub / CHUNKS, first = (copy_sub % CHUNKS) * QSTEP;
+            int qlo[3], qend[3];
+#pragma unroll
+            for (int a = 0; a < 3; ++a) {
+                qlo[a] = geo.lo[a] + copy_tile[a] * qside[a];
+                qend[a] = geo.hi[a];
+            }
+            na_copy_box<T, HD, QSTEP, NA_THREADS>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk, sDO,
+                                                  dout + b * do_sb + h * do_sh, do_st, d_v,
+                                                  geo.qtok, qbox, qlo, qend, vec, first);
+            if (threadIdx.x < QSTEP) {
+                const int r = first + threadIdx.x;
+                NaQuerySlot slot;
+                slot.tok = na_slot_token(geo.qtok, qbox, qlo, qend, r);
+                slot.rpb = 0;
+#pragma unroll
+                for (int a = 0; a < 3; ++a) {
+                    const int c = qlo[a] + ((r >> qbox.shift[a]) & qbox.mask[a]);
+                    slot.lo[a] = slot.hi[a] = 0;
+                    if (slot.tok >= 0)
+                        na_group_window(ax[a], c, geo.glen_q[a], &slot.lo[a], &slot.hi[a]);
+                }
+                slots[threadIdx.x] = slot;
+                // A clipped slot reads lse = delta = 0 (zero-filled): its P is masked to 0.
+                const long long at = slot.tok >= 0 ? b * l_sb + (long long)slot.tok * l_st + h * l_sh
+                                                   : 0;
+                const int bytes = slot.tok >= 0 ? 4 : 0;
+                na_cp_async4(s_lse + threadIdx.x, lse + at, bytes);
+                na_cp_async4(s_delta + threadIdx.x, delta + at, bytes);
+            }
+            if (++copy_sub == group * CHUNKS) {
+                copy_sub = 0;
+                na_odometer_step(copy_tile, geo.tiles);
+            }
+        }
+        na_cp_async_commit();
+    };
+#pragma unroll
+    for (int step = 0; step < STAGES - 1; ++step) issue(step);
+
+    // The thread's two key rows (g, g + 8 of the warp's 16): group coordinates and tokens.
+    int kc[2][3], ktok[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int slot = row0 + (lane >> 2) + 8 * r;
+        ktok[r] = na_slot_token(geo.ktok, kbox, geo.own_lo, geo.own_hi, slot);
+#pragma unroll
+        for (int a = 0; a < 3; ++a) kc[r][a] = geo.own_lo[a] + ((slot >> kbox.shift[a]) & kbox.mask[a]);
+    }
+
+    const float scale_log2 = scale * NA_LOG2E;
+    const int t = lane & 3;
+    float dk_acc[HD / 8][4], dv_acc[HD / 8][4];
+    na_zero(dk_acc);
+    na_zero(dv_acc);
+    int tile[3] = {0, 0, 0}, sub = 0;
+    for (int step = 0; step < nsteps; ++step) {
+        na_cp_async_wait_n<STAGES - 2>();
+        __syncthreads();  // step `step` landed for all; step - 1 is done everywhere
+        issue(step + STAGES - 1);
+        const unsigned char* stage = ring + (step % STAGES) * STAGE_BYTES;
+        const T* sQ = reinterpret_cast<const T*>(stage);
+        const T* sDO = sQ + QSTEP * LD;
+        const NaQuerySlot* slots = reinterpret_cast<const NaQuerySlot*>(sDO + QSTEP * LD);
+        const float* s_lse = reinterpret_cast<const float*>(slots + QSTEP);
+        const float* s_delta = s_lse + QSTEP;
+        bool whole = true;
+#pragma unroll
+        for (int a = 0; a < 3; ++a) whole &= geo.whole_lo[a] <= tile[a] && tile[a] < geo.whole_hi[a];
+
+        float s[NT][4], dp[NT][4];
+        na_zero(s);
+        na_mma_abt<T, HD, NT>(s, sK + row0 * LD, sQ, HD);
+        na_zero(dp);
+        na_mma_abt<T, HD, NT>(dp, sV + row0 * LD, sDO, HD);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1, col = n * 8 + 2 * t + (e & 1);
+                bool seen = true;
+                if (!whole) {
+                    const NaQuerySlot& qs = slots[col];
+#pragma unroll
+                    for (int a = 0; a < 3; ++a) seen &= kc[r][a] >= qs.lo[a] && kc[r][a] < qs.hi[a];
+                }
+                const float l = s_lse[col];
+                // A query that saw nothing has lse = -inf: its P is 0 (it sees no key here).
+                const float lse2 = l == -NA_INF ? NA_INF : l * NA_LOG2E;
+                float p, ds;
+                if (softcap > 0.f) {
+                    const float th = tanhf(s[n][e] * scale * inv_cap);
+                    p = seen ? na_ex2(softcap * NA_LOG2E * th - lse2) : 0.f;
+                    ds = seen ? p * (dp[n][e] - s_delta[col]) * (1.f - th * th) : 0.f;
+                } else {
+                    p = seen ? na_ex2(fmaf(s[n][e], scale_log2, -lse2)) : 0.f;
+                    ds = p * (dp[n][e] - s_delta[col]);
+                }
+                s[n][e] = p;
+                dp[n][e] = ds;
+            }
+        }
+        na_pv<T, HD, NT>(dv_acc, s, sDO);
+        na_pv<T, HD, NT>(dk_acc, dp, sQ);
+        if (++sub == group * CHUNKS) {
+            sub = 0;
+            na_odometer_step(tile, geo.tiles);
+        }
+    }
+    na_cp_async_wait_all();
+    const float dk_mul[2] = {scale, scale}, dv_mul[2] = {1.f, 1.f};
+    na_store_fragment_rows<T, HD>(dk + b * dk_sb + hk * dk_sh, dk_st, dk_acc, ktok, dk_mul, d_qk,
+                                  vec);
+    na_store_fragment_rows<T, HD>(dv + b * dv_sb + hk * dv_sh, dv_st, dv_acc, ktok, dv_mul, d_v,
+                                  vec);
+}
+#else
 // ---------------------------------------------------------------------------------------------
 // Backward dK, dV: key-tile-major. The block owns a key box of kv head `hk`, visits the query
 // boxes that see it and, inside, every query head of the kv head's group.
@@ -897,95 +1624,6 @@ na_fused_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T
     __shared__ NaAxis s_ax[NA_MAX_AXES];
     __shared__ NaGeo geo;
     extern __shared__ __align__(16) unsigned char na_smem[];
-#if NA_PIPELINED
-    // Within a query tile the steps (query head, chunk) share the tile's slots: the Q/dO chunk of
-    // step j + 1 is copied with cp.async into the second buffer while step j is computed (and
-    // its head's lse/delta loaded into the second lse/delta buffer).
-    T* sK = reinterpret_cast<T*>(na_smem);
-    T* sV = sK + NA_TILE * LD;
-    T* sQ = sV + NA_TILE * LD;                  // [2][CH * LD]
-    T* sDO = sQ + 2 * CH * LD;                  // [2][CH * LD]
-    int* s_ktok = reinterpret_cast<int*>(sDO + 2 * CH * LD);
-    int* s_kc = s_ktok + NA_TILE;
-    int* s_qtok = s_kc + NA_TILE * 3;
-    int* s_qwin = s_qtok + NA_TILE;
-    float* s_lse = reinterpret_cast<float*>(s_qwin + NA_TILE * 6);  // [2][NA_TILE]
-    float* s_delta = s_lse + 2 * NA_TILE;                             // [2][NA_TILE]
-
-    if (threadIdx.x == 0) na_setup_block(table, s_ax, geo, kbox, qbox, false);
-    __syncthreads();
-    if (threadIdx.x < NA_TILE)
-        na_key_slot(geo, kbox, geo.own_lo, geo.own_hi, threadIdx.x, s_ktok + threadIdx.x,
-                    s_kc + threadIdx.x * 3);
-    __syncthreads();
-    na_stage_rows_async<T, HD>(sK, k + b * k_sb + hk * k_sh, s_ktok, NA_TILE, k_st, d_qk, vec);
-    na_stage_rows_async<T, HD>(sV, v + b * v_sb + hk * v_sh, s_ktok, NA_TILE, v_st, d_v, vec);
-    na_cp_async_commit();
-
-    const NaRpb none = {nullptr, nullptr};
-    const int lane = threadIdx.x & 31, t = lane & 3;
-    float dk_acc[HD / 8][4], dv_acc[HD / 8][4];
-    na_zero(dk_acc);
-    na_zero(dv_acc);
-    const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
-    const int chunks = NA_TILE / CH, steps = group * chunks;
-    // Step j of a tile: query head hk * group + j / chunks, chunk (j % chunks) * CH.
-    auto issue = [&](int j) {
-        const int h = hk * group + j / chunks, c0 = (j % chunks) * CH, buf = j & 1;
-        if (j % chunks == 0 && threadIdx.x < NA_TILE) {  // a new head: its lse/delta
-            const int tk = s_qtok[threadIdx.x];
-            const long long at = b * l_sb + (long long)tk * l_st + h * l_sh;
-            const float x = tk >= 0 ? lse[at] : NA_INF;
-            s_lse[(j / chunks & 1) * NA_TILE + threadIdx.x] = x == -NA_INF ? NA_INF : x;
-            s_delta[(j / chunks & 1) * NA_TILE + threadIdx.x] = tk >= 0 ? delta[at] : 0.f;
-        }
-        na_stage_rows_async<T, HD>(sQ + buf * CH * LD, q + b * q_sb + h * q_sh, s_qtok + c0, CH,
-                                   q_st, d_qk, vec);
-        na_stage_rows_async<T, HD>(sDO + buf * CH * LD, dout + b * do_sb + h * do_sh,
-                                   s_qtok + c0, CH, do_st, d_v, vec);
-        na_cp_async_commit();
-    };
-    for (int it = 0; it < ntiles; ++it) {
-        __syncthreads();  // the previous tile's steps are done with the slots and buffers
-        if (threadIdx.x == 0) na_place_other_tile(s_ax, geo, qbox, it, false);
-        __syncthreads();
-        if (threadIdx.x < NA_TILE)
-            na_query_slot(s_ax, geo, qbox, geo.cur_lo, geo.cur_hi, threadIdx.x,
-                          s_qtok + threadIdx.x, s_qwin + threadIdx.x * 6, nullptr);
-        const bool full = geo.full;
-        __syncthreads();  // s_qtok ready
-        issue(0);
-        for (int j = 0; j < steps; ++j) {
-            if (j + 1 < steps) issue(j + 1);  // buffer (j + 1) & 1 was freed by step j - 1
-            else na_cp_async_commit();        // keep "all but the newest group" meaning step j
-            na_cp_async_wait_prev();
-            __syncthreads();  // step j's copies (and lse/delta) are everyone's
-            const int c0 = (j % chunks) * CH, buf = j & 1, hb = j / chunks & 1;
-            const T* tQ = sQ + buf * CH * LD;
-            const T* tDO = sDO + buf * CH * LD;
-            const float* lse_h = s_lse + hb * NA_TILE;
-            const float* delta_h = s_delta + hb * NA_TILE;
-            float s[NT][4], dp[NT][4];
-            na_zero(s);
-            na_mma_abt<T, HD, NT>(s, sK + row0 * LD, tQ, d_qk);
-            na_logits<NT, false>(s, scale, softcap, inv_cap, full, s_qwin, s_kc, row0, c0, geo,
-                                 none);
-            na_zero(dp);
-            na_mma_abt<T, HD, NT>(dp, sV + row0 * LD, tDO, d_v);
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int col = c0 + n * 8 + 2 * t + (e & 1);
-                    na_grad_logit(s[n][e], dp[n][e], lse_h[col], delta_h[col], softcap, inv_cap);
-                }
-            na_mma_pb<T, HD, NT>(dv_acc, s, tDO, d_v);
-            na_mma_pb<T, HD, NT>(dk_acc, dp, tQ, d_qk);
-            __syncthreads();  // step j's buffers may be overwritten by step j + 2's copies
-        }
-    }
-    na_cp_async_wait_all();
-#else
     T* sK = reinterpret_cast<T*>(na_smem);
     T* sV = sK + NA_TILE * LD;
     T* sQ = sV + NA_TILE * LD;
@@ -1054,8 +1692,39 @@ na_fused_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T
             }
         }
     }
-#endif
     na_store_rows<T, HD>(dk + b * dk_sb + hk * dk_sh, dk_acc, s_ktok, row0, dk_st, d_qk, scale,
                          scale);
     na_store_rows<T, HD>(dv + b * dv_sb + hk * dv_sh, dv_acc, s_ktok, row0, dv_st, d_v, 1.f, 1.f);
+}
+#endif  // NA_PIPELINED (dK/dV)
+
+// ---------------------------------------------------------------------------------------------
+// Backward preprocessing: delta = rowsum(dO * O) - dlse (fp32, laid out like lse; dlse may be
+// null), one warp per (token, head) row of batch blockIdx.y. Both builds compile it: the
+// backward kernels read what it writes.
+// ---------------------------------------------------------------------------------------------
+template <typename T, int HD>
+__global__ void __launch_bounds__(NA_THREADS)
+na_fused_backward_delta(const T* __restrict__ o, const T* __restrict__ dout,
+                        const float* __restrict__ dlse, float* __restrict__ delta,
+                        long long o_sb, long long o_st, long long o_sh,
+                        long long do_sb, long long do_st, long long do_sh,
+                        long long l_sb, long long l_st, long long l_sh,
+                        long long dl_sb, long long dl_st, long long dl_sh,
+                        int tokens, int heads, int d_v) {
+    const int row = blockIdx.x * NA_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const int b = blockIdx.y;
+    if (row >= tokens * heads) return;  // the whole warp leaves together
+    const int t = row / heads, h = row % heads;
+    const T* orow = o + b * o_sb + t * o_st + h * o_sh;
+    const T* drow = dout + b * do_sb + t * do_st + h * do_sh;
+    float sum = 0.f;
+#pragma unroll
+    for (int c = lane; c < HD; c += 32)
+        if (c < d_v) sum += na_to_float(orow[c]) * na_to_float(drow[c]);
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) sum += __shfl_xor_sync(NA_FULL, sum, m);
+    if (lane == 0)
+        delta[b * l_sb + t * l_st + h * l_sh] =
+            sum - (dlse != nullptr ? dlse[b * dl_sb + t * dl_st + h * dl_sh] : 0.f);
 }

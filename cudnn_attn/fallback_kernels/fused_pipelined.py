@@ -1,8 +1,8 @@
 """The sm_80+ pipelined build of the fused kernels, as a kernel module for ``compile_all``.
 
-Same source as ``fused`` (``fused_attention.cu``) compiled with ``NA_PIPELINED=1``: ldmatrix
-fragment loads, and a forward that stages key tile i + 1 with cp.async into a second K/V buffer
-while computing tile i. fp16/bf16 only; ``fused`` launches it on sm_80+ devices
+Same source as ``fused`` (``fused_attention.cu``) compiled with ``NA_PIPELINED=1``: every thread
+keeps the geometry in registers, the other side streams through a ring of cp.async stages,
+fragments load with ldmatrix. fp16/bf16 only; ``fused`` launches it on sm_80+ devices
 (``fused.pipelined``). Nothing here launches: the definitions live in ``fused``.
 """
 

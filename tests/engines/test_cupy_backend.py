@@ -308,4 +308,5 @@ def test_smem_fits_and_head_dim_bucket():
 
 def test_variants_name_every_instance():
     names = {v.expression for v in fused.variants()}
-    assert len(names) == 27 and "na_fused_backward_dkdv<na_bf16, 128>" in names
+    assert len(names) == 36 and "na_fused_backward_dkdv<na_bf16, 128>" in names
+    assert "na_fused_backward_delta<float, 32>" in names

@@ -143,13 +143,17 @@ __global__ void emu_cp_async(const float* src, float* seen) {
         }
     }
 }
+__global__ void emu_ex2(const float* x, float* y, int n) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y[i]) : "f"(x[i]));
+}
 """
 
 
 @pytest.fixture(scope="module")
 def probe(request, tmp_path_factory):
     source = _loader.source_text(F.SOURCE, F.DEFINES) + PROBE
-    names = ("emu_convert", "emu_widen", "emu_mma", "emu_ldmatrix", "emu_cp_async")
+    names = ("emu_convert", "emu_widen", "emu_mma", "emu_ldmatrix", "emu_cp_async", "emu_ex2")
     return build.HostLibrary.build(F, {f"run_{n}": n for n in names},
                                    build.cache_dir(request, tmp_path_factory), source=source)
 
@@ -267,6 +271,23 @@ def test_cp_async_lands_only_when_waited_for(probe):
                                                                    expect)
 
 
+def test_ex2_approx_ftz_as_the_isa_says(probe):
+    """ex2.approx.ftz.f32: 2^x within the ISA's 2^-22 relative error (float64 reference), -inf
+    gives +0, +inf gives +inf, NaN stays NaN, subnormal inputs read as 0 (2^0 = 1) and subnormal
+    results flush to +0."""
+    tiny = torch.tensor([1e-40, -1e-40]).float()  # subnormal inputs
+    normal = torch.linspace(-126, 127, 501)
+    x = torch.cat([torch.tensor([-math.inf, math.inf, math.nan, -149.5, -127.5]), tiny, normal])
+    y = torch.full_like(x, 7.0)
+    probe["run_emu_ex2"]((1,), (32,), (x, y, np.int32(x.numel())))
+    assert y[0].item() == 0.0 and not math.copysign(1.0, y[0].item()) < 0
+    assert y[1].item() == math.inf and math.isnan(y[2].item())
+    assert y[3].item() == 0.0 and y[4].item() == 0.0  # 2^-149.5, 2^-127.5: subnormal, flushed
+    assert torch.equal(y[5:7], torch.ones(2))
+    ref = torch.exp2(normal.double())
+    assert ((y[7:].double() - ref).abs() <= ref * 2.0 ** -22).all()
+
+
 # ---------------------------------------------------------------------------------------------
 # The 16-bit oracle comparison of one case
 # ---------------------------------------------------------------------------------------------
@@ -301,10 +322,13 @@ NA_CASES = {
 # Head dim 128 (the pipelined dQ's single-buffer path), for the pipelined build only.
 PIPELINED_EXTRA = {
     "1d-hd128-gqa-dv": ((24,), (5,), (1,), (1,), (False,), 2, 1, 96, 128, {}),
+    # Several key tiles per query tile: the K/V ring wraps around (3 stages at D <= 64).
+    "1d-long-window": ((300,), (151,), (1,), (1,), (False,), 1, 1, 16, 16, {}),
+    "2d-many-tiles-causal": ((24, 40), (9, 21), (1, 2), (1, 1), (True, False), 1, 1, 32, 32, {}),
 }
 
 
-def neighborhood_failures(name, dtype, backward=True) -> list[str]:
+def neighborhood_failures(name, dtype, backward=True, scale=None) -> list[str]:
     """Run case ``name`` through na_forward/na_backward (routed to a host library) in ``dtype``;
     the oracle comparison's failures."""
     spatial, kernel, stride, dilation, causal, H, Hkv, Dqk, Dv, extra = {
@@ -316,7 +340,7 @@ def neighborhood_failures(name, dtype, backward=True) -> list[str]:
     dout = rnd(B, *spatial, H, Dv)
     rpb = FH.rand((H, *(2 * x - 1 for x in kernel)), g) if extra.get("rpb") else None
     softcap = extra.get("softcap")
-    scale = 0.7 / math.sqrt(Dqk)
+    scale = 0.7 / math.sqrt(Dqk) if scale is None else scale
     geom = {"kernel_size": kernel, "stride": stride, "dilation": dilation, "is_causal": causal,
             "scale": scale}
     out, lse = F.na_forward(q, k, v, rpb=rpb, softcap=softcap,
@@ -363,7 +387,7 @@ def band_failures(name, dtype) -> list[str]:
     out = lowp.nan_like(B, H, Sq, Dv, dtype=dtype).transpose(1, 2)
     lse = lowp.nan_like(B, H, Sq, dtype=torch.float32).transpose(1, 2)
     F.run_forward(q, k, v, out, lse, table, boxes, scale, softcap or 0.0)
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous().transpose(1, 2)
+    delta = F.backward_delta(out, dout, lse)
     dq, dk, dv = (lowp.nan_like(B, h, S, D, dtype=dtype).transpose(1, 2)
                   for h, S, D in ((H, Sq, Dqk), (Hkv, Skv, Dqk), (Hkv, Skv, Dv)))
     F.run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale, softcap or 0.0)
@@ -465,23 +489,37 @@ def test_unfused_16bit(unfused16, monkeypatch, name, dtype):
     assert unfused_failures(got, ref, dtype) == []
 
 
+@pytest.mark.parametrize("scale", [-12.0, 0.0, 0.05])
+def test_pipelined_any_scale(lib16_pipelined, monkeypatch, scale):
+    """Whole tiles of a positive scale fold it into the softmax's FMA (the row max of the raw
+    scores); a scale <= 0 must take the multiply-first path (folding -12 would shift by the
+    smallest logit and overflow ex2): both against the oracle, over whole and masked tiles."""
+    route_fused(monkeypatch, lib16_pipelined, pipelined=True)
+    assert neighborhood_failures("1d-long-window", torch.bfloat16, scale=scale) == []
+
+
 def test_pipelined_build_selection(monkeypatch):
-    """fp16/bf16 on sm_80+ take the pipelined build, fp32 never; the switch turns it off; its
-    second buffers (dQ: up to head dim 64) stay within the shared-memory limit."""
+    """fp16/bf16 on sm_80+ take the pipelined build, fp32 never; the switch turns it off; every
+    kernel's ring stays within the shared-memory limit."""
     monkeypatch.delenv("CUDNN_ATTN_FUSED_PIPELINED", raising=False)
     assert F.pipelined(torch.float16, (8, 0)) and F.pipelined(torch.bfloat16, (9, 0))
     assert not F.pipelined(torch.float16, (7, 5)) and not F.pipelined(torch.float32, (9, 0))
     monkeypatch.setenv("CUDNN_ATTN_FUSED_PIPELINED", "0")
     assert not F.pipelined(torch.bfloat16, (9, 0))
     for hd in F.HEAD_DIMS:
-        for kernel in F.KERNELS:
-            plain = F.smem_bytes(kernel, torch.float16, hd)
-            piped = F.smem_bytes(kernel, torch.float16, hd, pipelined=True)
-            # A second buffer of the other side: K and V tiles (64 rows each; dQ only up to
-            # head dim 64) or, for dK/dV, Q and dO chunks (32 rows each); plus slot lists.
-            rows = {"na_fused_forward": 128, "na_fused_backward_dq": 128 if hd <= 64 else 0,
-                    "na_fused_backward_dkdv": 64}[kernel]
-            assert 0 <= piped - plain - rows * (hd + 8) * 2 < 4096, (kernel, hd)
+        # The query-major kernels (forward, dQ): one own tile (Q or dO), a ring of (K, V)
+        # stages of 64 rows each, 32 bytes per query slot.
+        stages = 2 if hd == 128 else 3
+        ring = (64 + 2 * 64 * stages) * (hd + 8) * 2 + 64 * 32
+        for kernel in ("na_fused_forward", "na_fused_backward_dq"):
+            assert F.smem_bytes(kernel, torch.float16, hd, pipelined=True) == ring
+        assert ring <= 99 * 1024
+        # dK/dV: K and V of the key box, then a ring of steps (Q and dO rows, 40 bytes per
+        # query for its slot, lse and delta): 32 queries x 3 stages at 128, 64 x 2 at 64, 64 x 3.
+        qstep, stages = {32: (64, 3), 64: (64, 2), 128: (32, 3)}[hd]
+        dkdv = 2 * 64 * (hd + 8) * 2 + stages * (2 * qstep * (hd + 8) * 2 + 40 * qstep)
+        assert F.smem_bytes("na_fused_backward_dkdv", torch.float16, hd, pipelined=True) == dkdv
+        assert dkdv <= 99 * 1024
     assert {v.expression for v in F.pipelined_variants()} == set(
         fused_expressions(head_dims=F.HEAD_DIMS))
 

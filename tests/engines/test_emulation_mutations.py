@@ -10,8 +10,9 @@ that ``test_emulation_16bit.py`` passes must then fail. The unmutated text passe
 * wrong bf16 rounding: the f32 -> bf16 store conversion truncating instead of rounding to
   nearest even (its error is below one ulp; the rounding-bias rule catches it);
 * in the sm_80+ pipelined build: a key tile read before its cp.async group was waited for,
-  ldmatrix row addresses taken from the wrong lanes, and dK/dV's barrier before a Q/dO buffer is
-  refilled removed (caught with copies landing at once).
+  ldmatrix row addresses taken from the wrong lanes, the one barrier per step of the forward's and
+  dK/dV's rings removed (caught with copies landing at once), and every kernel skipping the mask
+  on every tile (the whole-tile tests bypassed).
 """
 
 import pytest
@@ -32,12 +33,25 @@ BF16_ROUND = ('asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));',
 
 # The pipelined build: tile i read before its cp.async group is waited for; an ldmatrix row
 # address from the wrong lane half.
-NO_WAIT = ("na_cp_async_wait_prev();  // this thread's", "/* no wait */  // this thread's")
+NO_WAIT = ("na_cp_async_wait_n<STAGES - 2>();  // this thread's",
+           "/* no wait */  // this thread's")
 LDSM_ROWS = ("na_ldsm_x4(a, A + (lane % 16) * LD + k0 + (lane / 16) * 8);",
              "na_ldsm_x4(a, A + (lane % 8) * LD + k0 + (lane / 8 % 2) * 8);")
 
-DKDV_BARRIER = ("__syncthreads();  // step j's buffers may be overwritten",
-                "/* no barrier */  // step j's buffers may be overwritten")
+# The forward's one barrier per key tile: without it a stage is refilled while other warps may
+# still read it (shows with copies landing at once).
+RING_BARRIER = ("__syncthreads();  // everyone's; and everyone is done with tile it - 1",
+                "/* no barrier */  // everyone's; and everyone is done with tile it - 1")
+# Every key tile taken as seen whole by every query (forward and dQ): the mask is skipped where
+# it matters.
+ALL_WHOLE = ("if (!whole)\n            na_forward_logits<NT, true>",
+             "if (false)\n            na_forward_logits<NT, true>")
+
+DKDV_BARRIER = ("__syncthreads();  // step `step` landed for all; step - 1 is done everywhere",
+                "/* no barrier */  // step `step` landed for all; step - 1 is done everywhere")
+# dK/dV taking every query tile as seeing the whole key box.
+DKDV_ALL_WHOLE = ("if (!whole) {\n                    const NaQuerySlot& qs",
+                  "if (false) {\n                    const NaQuerySlot& qs")
 
 # name -> ((old, new), replacements expected, dtype, pipelined build)
 MUTATIONS = {
@@ -47,10 +61,13 @@ MUTATIONS = {
     "pipelined-missing-cp-async-wait": (NO_WAIT, 1, torch.float16, True),
     "pipelined-wrong-ldmatrix-rows": (LDSM_ROWS, 1, torch.bfloat16, True),
     "pipelined-dkdv-missing-barrier": (DKDV_BARRIER, 1, torch.float16, True),
+    "pipelined-forward-missing-ring-barrier": (RING_BARRIER, 1, torch.bfloat16, True),
+    "pipelined-query-major-mask-skipped": (ALL_WHOLE, 2, torch.float16, True),
+    "pipelined-dkdv-mask-skipped": (DKDV_ALL_WHOLE, 1, torch.bfloat16, True),
 }
 # Copies land at once for these (a buffer overwritten too early only shows then).
-EAGER = {"pipelined-dkdv-missing-barrier"}
-CASES = ("1d-rpb", "3d-causal", "2d-gqa-dv-causal")
+EAGER = {"pipelined-dkdv-missing-barrier", "pipelined-forward-missing-ring-barrier"}
+CASES = ("1d-rpb", "3d-causal", "2d-gqa-dv-causal", "1d-long-window")
 
 
 def mutated_source(old: str, new: str, pipelined: bool = False) -> tuple[str, int]:

@@ -249,7 +249,7 @@ def test_band_forward_backward(launches, name):
 
     # Built as CupyPlan.backward builds it: with one head torch keeps a size-1 stride that differs
     # from lse's, which the launcher must accept.
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous().transpose(1, 2)
+    delta = F.backward_delta(out, dout, lse)
     dq, dk, dv = (nan(B, h, S, D).transpose(1, 2)
                   for h, S, D in ((H, Sq, Dqk), (Hkv, Skv, Dqk), (Hkv, Skv, Dv)))
     F.run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale, softcap or 0.0)
@@ -311,7 +311,7 @@ def test_band_kernels_take_any_scale(launches, mask, scale):
     r_out, r_lse, r_dq, r_dk, r_dv = reference(q, k, v, dout, vis, scale)
     check("out", out, r_out)
     check("lse", lse, r_lse)
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous().transpose(1, 2)
+    delta = F.backward_delta(out, dout, lse)
     dq, dk, dv = (nan(B, H, S, D).transpose(1, 2) for S in (Sq, Skv, Skv))
     F.run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale, 0.0)
     check("dq", dq, r_dq)
@@ -338,3 +338,23 @@ def test_neighborhood_kernels_take_any_scale(launches, scale):
     check("dq", dq, r_dq)
     check("dk", dk, r_dk)
     check("dv", dv, r_dv)
+
+
+@pytest.mark.parametrize("with_dlse", [False, True], ids=["no-dlse", "dlse"])
+def test_backward_delta_kernel(launches, with_dlse):
+    """``backward_delta`` (the na_fused_backward_delta kernel) against float64: rowsum(dO * O)
+    minus the LSE's gradient, for heads-first views of odd sizes (D_v 20 in the 32 bucket, 3
+    heads, 37 tokens), the result laid out like the lse view it is given."""
+    g = torch.Generator().manual_seed(5)
+    B, S, H, Dv = 2, 37, 3, 20
+    out = rand((B, H, S, Dv), g).transpose(1, 2)
+    dout = rand((B, H, S, Dv), g).transpose(1, 2)
+    lse = torch.full((B, H, S), math.nan).transpose(1, 2)
+    dlse = rand((B, H, S), g).transpose(1, 2) if with_dlse else None
+    delta = F.backward_delta(out, dout, lse, dlse)
+    assert delta.shape == lse.shape and delta.stride() == lse.stride()
+    ref = (out.double() * dout.double()).sum(-1)
+    if with_dlse:
+        ref = ref - dlse.double()
+    check("delta", delta, ref)
+    assert {c[0] for c in launches} == {"na_fused_backward_delta"}

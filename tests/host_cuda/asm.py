@@ -23,6 +23,7 @@ INSTRUCTIONS = {
     "cvt.rn.bf16.f32": ("cvt_rn_bf16_f32", "ds"),
     "cvt.rn.f16x2.f32": ("cvt_rn_f16x2_f32", "dss"),
     "cvt.rn.bf16x2.f32": ("cvt_rn_bf16x2_f32", "dss"),
+    "ex2.approx.ftz.f32": ("ex2_approx_ftz_f32", "ds"),
     "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32":
         ("mma_m16n8k16_f32<na_emu::ptx::kMmaF16>", "dsss"),
     "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32":

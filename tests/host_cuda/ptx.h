@@ -115,6 +115,17 @@ inline void cvt_rn_bf16x2_f32(uint32_t& d, float a, float b) {
     d = (uint32_t(bf16_from_f32_rn(a)) << 16) | bf16_from_f32_rn(b);
 }
 
+// ----- ex2.approx.ftz.f32 --------------------------------------------------------------------------
+// 2^a. The hardware's approximation (max relative error 2^-22.5 per the ISA) is emulated by the
+// correctly rounded value; .ftz: a subnormal input is read as zero (of its sign) and a subnormal
+// result is flushed to zero. ex2(-inf) = +0, ex2(+inf) = +inf, NaN stays NaN.
+inline void ex2_approx_ftz_f32(float& d, float a) {
+    if (std::fpclassify(a) == FP_SUBNORMAL) a = std::copysign(0.0f, a);
+    float y = float(std::exp2(double(a)));
+    if (std::fpclassify(y) == FP_SUBNORMAL) y = 0.0f;
+    d = y;
+}
+
 // ----- mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32 ---------------------------
 enum : uint32_t { kMmaF16 = 0x6d6d6101u, kMmaBf16 = 0x6d6d6102u };
 
