@@ -300,6 +300,8 @@ def backward_delta(out: torch.Tensor, dout: torch.Tensor, like: torch.Tensor,
 
     B, S, H, Dv = out.shape
     delta = torch.empty_like(like, dtype=torch.float32)
+    if delta.numel() == 0:
+        return delta  # no row: no launch (a grid of 0 blocks is an error)
     if dlse is not None:
         dlse = dlse.to(torch.float32)
     rows_per_block = THREADS // 32  # one warp per (token, head) row
