@@ -241,6 +241,10 @@ class FakeGraph:
         self._write(buffers, "dV", dv, lens_kv)
 
 
+class FakeHandle:
+    """Stands for a cuDNN handle (``execute`` receives it; nothing reads it)."""
+
+
 def install(monkeypatch):
     """``backend="cudnn"`` runs on this CPU through ``FakeGraph`` and a private graph cache;
     returns ``(cache, built)`` where ``built`` lists the ``(spec, backward)`` of each build."""
@@ -260,7 +264,13 @@ def install(monkeypatch):
     fresh = cache.GraphCache(16)
     monkeypatch.setattr(cache, "graph_cache", fresh)
     monkeypatch.setattr(cudnn_backend, "build_graph", build)
-    monkeypatch.setattr(_runtime, "handle_for", lambda device: None)
+    # The stream plumbing runs as on a GPU (one context per (device, stream), its lock and
+    # pooled workspace), around a handle object that stands for cuDNN's.
+    monkeypatch.setattr(_runtime, "_new_context",
+                        lambda device, index, stream: _runtime.StreamContext(device, FakeHandle()))
+    monkeypatch.setattr(_runtime, "_raw_stream", lambda index: 0)
+    monkeypatch.setattr(_runtime, "_current_device", lambda: 0)
+    monkeypatch.setattr(_runtime, "capturing", lambda: False)
     monkeypatch.setattr(engine, "supports", lambda problem: analyze(problem)[1])
     clear_caches()  # no plan, call or decline from before the fake engine
     return fresh, built

@@ -148,8 +148,10 @@ class CudnnPlan:
         self._scales = _runtime.ScalarCache(torch.float32)
         self._lengths = _runtime.LengthCache(spec) if spec.padding else None
         s = spec
+        self._dropout = s.dropout_mask or s.dropout_p > 0
         self.o_shape = ((s.batch, s.heads_q, s.seq_q, s.dim_v) if s.layout == "bhsd"
                         else (s.batch, s.seq_q, s.heads_q, s.dim_v))
+        self._out_like_q = s.dim_v == s.dim_qk  # out has q's shape (any layout, packed too)
 
     def direct(self, problem):
         """No single public op runs these graphs/kernels: every call takes ``forward``."""
@@ -228,12 +230,22 @@ class CudnnPlan:
         rows = empty[:, :, None, None] if self.spec.layout == "bshd" else empty[:, None, :, None]
         return rows, empty[:, None, :, None]
 
-    def _shapes(self, q) -> tuple[tuple, tuple]:
-        """Shapes of out and stats: the call layout's, or packed ``[total_q, H, *]``."""
+    def _out_shape(self, q) -> tuple:
+        """Shape of out: the call layout's, or packed ``[total_q, H, D_v]``."""
         s = self.spec
-        if s.ragged:
-            return (q.shape[0], s.heads_q, s.dim_v), (q.shape[0], s.heads_q, 1)
-        return self.o_shape, (s.batch, s.heads_q, s.seq_q, 1)
+        return (q.shape[0], s.heads_q, s.dim_v) if s.ragged else self.o_shape
+
+    def _stats_shape(self, q) -> tuple:
+        """Shape of the stats: ``[B, H, S_q, 1]``, or packed ``[total_q, H, 1]``."""
+        s = self.spec
+        return (q.shape[0], s.heads_q, 1) if s.ragged else (s.batch, s.heads_q, s.seq_q, 1)
+
+    def _new_out(self, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised out, contiguous in the call's layout: ``empty_like(q)`` when it has
+        q's shape and dtype (the cheaper allocation), else an ``empty`` of its shape."""
+        if self._out_like_q and q.dtype == dtype:
+            return torch.empty_like(q, memory_format=torch.contiguous_format)
+        return torch.empty(self._out_shape(q), dtype=dtype, device=q.device)
 
     def _lse(self, stats: torch.Tensor) -> torch.Tensor:
         """Stats as the package's lse: ``[B, H, S_q]``, or ``[H, total_q]`` when packed (the
@@ -248,25 +260,24 @@ class CudnnPlan:
         """``(out, lse)``: out in the call's layout and dtype; lse ``[B, H, S_q]`` fp32
         (natural log; ``-inf`` and out 0 on rows that see no key), ``None`` unless
         ``need_lse``. Packed (ragged) problems: out ``[total_q, H, D_v]``, lse ``[H, total_q]``."""
-        q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
+        q = inputs.q
         device = q.device
-        built = self._get(problem, "stats" if need_lse else "plain")
-        handle = _runtime.handle_for(device)
-        buffers, empty = self._common(problem, q, k, v, bias, device)
-        self._dropout_buffers(problem, inputs, buffers, backward=False)
+        built = self._graphs.get("stats" if need_lse else "plain") \
+            or self._get(problem, "stats" if need_lse else "plain")
+        buffers, empty = self._common(problem, q, inputs.k, inputs.v, inputs.bias, device)
+        if self._dropout:
+            self._dropout_buffers(problem, inputs, buffers, backward=False)
         if self.spec.block_mask:  # the neighborhood's tiles, built once per plan
             if self._block_mask is None:
                 self._block_mask = tile_bitmask(problem.neighborhood, self.spec.batch,
                                                 self.spec.heads_q, device)
             buffers[UID.BLOCK_MASK] = self._block_mask
-        o_shape, stats_shape = self._shapes(q)
-        out = torch.empty(o_shape, dtype=problem.dtype, device=device)
-        buffers[UID.O] = out
+        out = buffers[UID.O] = self._new_out(q, problem.dtype)
         stats = None
         if need_lse:
-            stats = torch.empty(stats_shape, dtype=torch.float32, device=device)
-            buffers[UID.STATS] = stats
-        built.execute(buffers, _runtime.workspace(built.workspace_size, device), handle)
+            stats = buffers[UID.STATS] = torch.empty(self._stats_shape(q), dtype=torch.float32,
+                                                     device=device)
+        _execute(built, buffers, device)
         if stats is None:
             if empty is not None:
                 out.masked_fill_(self._empty_views(empty)[0], 0)
@@ -282,35 +293,46 @@ class CudnnPlan:
         returned LSE) enters through ``delta = rowsum(dO * O) - dlse``."""
         q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
         s, device = self.spec, q.device
-        built = self._get(problem, "backward")
-        handle = _runtime.handle_for(device)
+        built = self._graphs.get("backward") or self._get(problem, "backward")
         buffers, _ = self._common(problem, q, k, v, bias, device)
         # exp(S - (+inf)) = 0: rows that see no key (lse -inf) contribute nothing, whatever
         # cuDNN wrote for them in the forward (FlashAttention's convention).
-        o_shape, stats_shape = self._shapes(q)
         packed = lse.t() if s.ragged else lse  # back to the stats' own row order
-        stats = packed.reshape(stats_shape).to(torch.float32)
+        stats = packed.reshape(self._stats_shape(q))
+        if stats.dtype != torch.float32:
+            stats = stats.to(torch.float32)
         if s.padding:  # only padded graphs have rows that see no key (the forward's -inf rows)
             stats = stats.masked_fill(stats == -math.inf, math.inf)
-        self._dropout_buffers(problem, inputs, buffers, backward=True)
+        if self._dropout:
+            self._dropout_buffers(problem, inputs, buffers, backward=True)
+        o_shape = self._out_shape(q)
         dout = _like_layout(dout, o_shape)
         if dlse is not None:
             out = _fold_dlse(out, dout, dlse.t() if s.ragged else dlse,
                              "ragged" if s.ragged else s.layout)
         buffers[UID.O] = _like_layout(out, o_shape)
         buffers[UID.DO] = dout
-        buffers[UID.STATS] = stats.contiguous()
+        buffers[UID.STATS] = stats if stats.is_contiguous() else stats.contiguous()
         # Gradients contiguous in the call's layout (the strides the backward graph expects).
-        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=device) for t in (q, k, v))
+        dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format)
+                      for t in (q, k, v))
         buffers[UID.DQ], buffers[UID.DK], buffers[UID.DV] = dq, dk, dv
         dbias = None
         if s.dbias:
             dbias = torch.empty(s.bias_dim, dtype=bias.dtype, device=device)
             buffers[UID.DBIAS] = dbias
-        built.execute(buffers, _runtime.workspace(built.workspace_size, device), handle)
+        _execute(built, buffers, device)
         if dbias is not None:
             dbias = dbias.view(problem.bias.shape)
         return dq, dk, dv, dbias
+
+
+def _execute(built: BuiltGraph, buffers: dict, device: torch.device) -> None:
+    """``built`` on torch's current stream of ``device``: that stream's handle (under its
+    lock: the backward may run on autograd's thread) and pooled workspace."""
+    context = _runtime.stream_context(device)
+    with context.lock:
+        built.execute(buffers, context.workspace(built.workspace_size), context.handle)
 
 
 def _like_layout(t: torch.Tensor, shape: tuple) -> torch.Tensor:
