@@ -242,7 +242,15 @@ class FakeGraph:
 
 
 class FakeHandle:
-    """Stands for a cuDNN handle (``execute`` receives it; nothing reads it)."""
+    """Stands for a cuDNN handle (``execute`` receives it); ``streams`` records each
+    ``cudnn.set_stream`` it gets."""
+
+    def __init__(self):
+        self.streams = []
+
+    @staticmethod
+    def set_stream(handle, stream):
+        handle.streams.append(stream)
 
 
 def install(monkeypatch):
@@ -264,10 +272,11 @@ def install(monkeypatch):
     fresh = cache.GraphCache(16)
     monkeypatch.setattr(cache, "graph_cache", fresh)
     monkeypatch.setattr(cudnn_backend, "build_graph", build)
-    # The stream plumbing runs as on a GPU (one context per (device, stream), its lock and
-    # pooled workspace), around a handle object that stands for cuDNN's.
-    monkeypatch.setattr(_runtime, "_new_context",
-                        lambda device, index, stream: _runtime.StreamContext(device, FakeHandle()))
+    # The stream plumbing runs as on a GPU (one handle per device, bound to each call's stream
+    # under its lock; one pooled workspace per stream), around an object standing for cuDNN's
+    # handle.
+    monkeypatch.setattr(_runtime, "_new_handle",
+                        lambda index: _runtime.DeviceHandle(FakeHandle(), FakeHandle.set_stream))
     monkeypatch.setattr(_runtime, "_raw_stream", lambda index: 0)
     monkeypatch.setattr(_runtime, "_current_device", lambda: 0)
     monkeypatch.setattr(_runtime, "capturing", lambda: False)

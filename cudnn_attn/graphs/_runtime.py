@@ -1,15 +1,19 @@
 """Per-call plumbing of the cuDNN engine: handles, workspaces, and the small runtime inputs.
 
-* One cuDNN handle per (device, stream), kept in the registered LRU ``cudnn.handles`` (so
-  ``clear_caches()`` drops them) and bound to that stream once: the forward (on the caller's
-  thread) and its backward (on autograd's thread, on the forward's stream) run with the same
-  handle. cuDNN forbids using one handle from two threads at once, so ``execute`` holds the
-  stream's lock.
-* Workspaces come from a pool, one buffer per (device, stream), grown to the largest size asked
-  for and never shrunk (no per-call allocation of the backward's ~100 MiB). Work on one stream is
-  ordered, so the calls sharing it never overlap. While the stream is being captured into a CUDA
-  graph, a workspace comes from torch's allocator instead (the graph's private pool keeps it for
-  the replays; the shared buffer may be reused by eager calls in between).
+* One cuDNN handle per device (``DeviceHandle``, in the registered LRU ``cudnn.handles``, so
+  ``clear_caches()`` drops it), shared by every thread: a forward (on the caller's thread) and
+  its backward (on autograd's device thread) run with the same handle. cuDNN forbids using one
+  handle from two threads at once, so each ``execute`` holds the handle's lock, and binds it to
+  torch's current stream there (``cudnn.set_stream`` only when the stream changed). One handle
+  per device rather than per stream: a CUDA-graph capture runs on a stream of its own, and
+  creating a cuDNN handle inside a capture is not allowed; a new stream only needs a new
+  ``StreamContext``, a Python object.
+* Workspaces come from a pool, one buffer per (device, stream) (``StreamContext``), grown to the
+  largest size asked for and never shrunk (no per-call allocation of the backward's ~100 MiB).
+  Work on one stream is ordered, so the calls sharing its buffer never overlap. While the stream
+  is being captured into a CUDA graph, a workspace comes from torch's allocator instead (the
+  graph's private pool keeps it for the replays; the shared buffer may be reused by eager calls
+  in between).
 * Runtime values are graph inputs, never graph attributes: the softmax scale (pass-by-value
   fp32), the padding lengths (``[B, 1, 1, 1]`` int32 on the device), the Philox seed/offset
   (pass-by-value int64), ragged offsets and page tables. Small bounded caches keep the host-side
@@ -22,18 +26,20 @@
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from ..core.caches import LRU
 
-__all__ = ["StreamContext", "stream_context", "handle_for", "workspace", "capturing",
-           "ScalarCache", "LengthCache", "device_lengths", "ragged_offsets", "token_rows",
-           "page_tables", "aligned", "philox_tensors"]
+__all__ = ["DeviceHandle", "StreamContext", "stream_context", "handle_for", "workspace",
+           "capturing", "ScalarCache", "LengthCache", "device_lengths", "ragged_offsets",
+           "token_rows", "page_tables", "aligned", "philox_tensors"]
 
-# (device index, raw stream) -> StreamContext: that stream's handle, lock and workspace.
-_STREAMS = LRU("cudnn.handles", 64)
+# device index -> DeviceHandle: the device's one cuDNN handle.
+_HANDLES = LRU("cudnn.handles", 64)
+# (device index, raw stream) -> StreamContext: that stream's workspace and its device's handle.
+_STREAMS = LRU("cudnn.streams", 256)
 # (dtype, value) -> pass-by-value (1, 1, 1, 1) host tensor.
 _SCALARS = LRU("cudnn.scalars", 256)
 # (spec, lens_q, lens_kv, device) -> device seq_len_q, seq_len_kv and the empty-row mask.
@@ -56,16 +62,38 @@ def capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
-class StreamContext:
-    """What calls on one (device, stream) share: a cuDNN handle bound to the stream, the lock
-    that keeps two threads from using it at once, and the pooled workspace."""
+class DeviceHandle:
+    """A device's cuDNN handle, the lock that keeps two threads from using it at once, and the
+    stream it is bound to now."""
 
-    __slots__ = ("device", "handle", "lock", "_workspace")
+    __slots__ = ("handle", "lock", "stream", "_set_stream")
 
-    def __init__(self, device: torch.device, handle):
-        self.device, self.handle = device, handle
+    def __init__(self, handle, set_stream):
+        self.handle, self._set_stream = handle, set_stream
         self.lock = threading.Lock()
+        self.stream: Optional[int] = None
+
+    def bind(self, stream: int) -> Any:
+        """The handle, bound to ``stream`` (call with the lock held)."""
+        if self.stream != stream:
+            self._set_stream(self.handle, stream)
+            self.stream = stream
+        return self.handle
+
+
+class StreamContext:
+    """What calls on one (device, stream) share: the device's handle and the pooled
+    workspace."""
+
+    __slots__ = ("device", "stream", "shared", "_workspace")
+
+    def __init__(self, device: torch.device, stream: int, shared: DeviceHandle):
+        self.device, self.stream, self.shared = device, stream, shared
         self._workspace: Optional[torch.Tensor] = None
+
+    @property
+    def handle(self):
+        return self.shared.handle
 
     def workspace(self, size: int) -> Optional[torch.Tensor]:
         """At least ``size`` bytes of device memory for one ``execute`` on this stream."""
@@ -80,14 +108,19 @@ class StreamContext:
             buffer = self._workspace = torch.empty(size, dtype=torch.uint8, device=self.device)
         return buffer
 
+    def execute(self, graph, buffers, workspace_size: int) -> None:
+        """``graph.execute(buffers, workspace, handle)`` on this stream, under the handle's
+        lock."""
+        shared = self.shared
+        with shared.lock:
+            graph.execute(buffers, self.workspace(workspace_size), shared.bind(self.stream))
 
-def _new_context(device: torch.device, index: int, stream: int) -> StreamContext:
+
+def _new_handle(index: int) -> DeviceHandle:
     import cudnn
 
     with torch.cuda.device(index):  # a handle binds the current device
-        handle = cudnn.create_handle()
-    cudnn.set_stream(handle, stream)
-    return StreamContext(device, handle)
+        return DeviceHandle(cudnn.create_handle(), cudnn.set_stream)
 
 
 def stream_context(device: torch.device) -> StreamContext:
@@ -99,13 +132,19 @@ def stream_context(device: torch.device) -> StreamContext:
     key = (index, _raw_stream(index))
     context = _STREAMS.get(key)
     if context is None:
-        context = _STREAMS.put(key, _new_context(device, *key))
+        shared = _HANDLES.get(index)
+        if shared is None:
+            shared = _HANDLES.put(index, _new_handle(index))
+        context = _STREAMS.put(key, StreamContext(device, key[1], shared))
     return context
 
 
 def handle_for(device: torch.device):
-    """The cuDNN handle of torch's current stream on ``device`` (bound to that stream)."""
-    return stream_context(device).handle
+    """``device``'s cuDNN handle, bound to torch's current stream there (for a caller that runs
+    it itself: graph builds, deserialisation)."""
+    context = stream_context(device)
+    with context.shared.lock:
+        return context.shared.bind(context.stream)
 
 
 def workspace(size: int, device: torch.device) -> Optional[torch.Tensor]:

@@ -140,6 +140,8 @@ class CudnnPlan:
     """The graphs of one normalized problem (forward with/without stats, backward), built
     lazily through ``graph_cache`` and kept for the plan's lifetime."""
 
+    name = "cudnn"
+
     def __init__(self, problem: AttnProblem, spec: GraphSpec):
         self.spec = spec
         self.dropout_p = problem.dropout_p
@@ -219,6 +221,14 @@ class CudnnPlan:
             if backward:
                 buffers[UID.DROPOUT_SCALE_INV] = self._scales.get(1.0 / scale)
         elif s.dropout_p > 0:
+            if _runtime.capturing():
+                # The seed is a pass-by-value input: a captured graph would bake this call's in
+                # and every replay would drop the same weights. Refuse rather than repeat.
+                raise NotSupportedError(problem, {self.name: [
+                    "dropout inside a CUDA graph capture: the Philox seed is drawn on the host "
+                    "per call, so every replay would repeat this call's mask; capture without "
+                    "dropout, or pass an explicit dropout mask (the builder's set_dropout(mask, "
+                    "scale))"]}, forced=self.name)
             buffers[UID.DROPOUT_SEED], buffers[UID.DROPOUT_OFFSET] = \
                 _runtime.philox_tensors(inputs.dropout)
 
@@ -328,11 +338,9 @@ class CudnnPlan:
 
 
 def _execute(built: BuiltGraph, buffers: dict, device: torch.device) -> None:
-    """``built`` on torch's current stream of ``device``: that stream's handle (under its
-    lock: the backward may run on autograd's thread) and pooled workspace."""
-    context = _runtime.stream_context(device)
-    with context.lock:
-        built.execute(buffers, context.workspace(built.workspace_size), context.handle)
+    """``built`` on torch's current stream of ``device``: the device's handle (under its lock:
+    the backward may run on autograd's thread) and the stream's pooled workspace."""
+    _runtime.stream_context(device).execute(built, buffers, built.workspace_size)
 
 
 def _like_layout(t: torch.Tensor, shape: tuple) -> torch.Tensor:

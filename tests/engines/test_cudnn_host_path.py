@@ -159,14 +159,24 @@ def test_forward_and_backward_on_another_thread_share_the_streams_handle(fake, m
     assert fwd_handle is bwd_handle and isinstance(fwd_handle, cudnn_fake.FakeHandle)
 
 
-def test_another_stream_gets_another_handle_and_workspace(fake, monkeypatch):
-    device = torch.device("cpu")
-    first = _runtime.stream_context(device)
-    assert _runtime.stream_context(device) is first
+def test_another_stream_shares_the_devices_handle_and_gets_its_own_workspace(fake,
+                                                                           monkeypatch):
+    recorder = _Recorder(monkeypatch, workspace_size=512)
+    q, k, v = _qkv()
+    ca.attention(q, k, v, backend="cudnn")
+    first = _runtime.stream_context(torch.device("cpu"))
+    assert _runtime.stream_context(torch.device("cpu")) is first
+    # A new stream (a capture's, say) makes no handle: it binds the device's to itself.
+    monkeypatch.setattr(_runtime, "_new_handle", lambda index: pytest.fail("a second handle"))
     monkeypatch.setattr(_runtime, "_raw_stream", lambda index: 7)
-    other = _runtime.stream_context(device)
-    assert other is not first and other.handle is not first.handle
-    assert other.workspace(64) is not first.workspace(64)
+    ca.attention(q, k, v, backend="cudnn")
+    other = _runtime.stream_context(torch.device("cpu"))
+    assert other is not first and other.handle is first.handle
+    (_, handle, ws_first, _), (_, handle_again, ws_other, _) = recorder.seen
+    assert handle is handle_again and ws_other is not ws_first
+    assert handle.streams == [0, 7]  # bound once per change of stream, not per call
+    ca.attention(q, k, v, backend="cudnn")
+    assert handle.streams == [0, 7]
 
 
 def test_the_workspace_is_pooled_per_stream_and_grows_once(fake):
@@ -289,3 +299,19 @@ def test_dropout_with_a_cuda_generator_reaches_the_graph_and_its_backward(fake):
     cache = fake[0]  # the fake engine's private graph cache: the forward's and backward's graphs
     seen = [seed for key in cache.keys() for seed in cache.peek(key).seeds]
     assert seen == [expected, expected]
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA-graph capture
+# ---------------------------------------------------------------------------------------------
+
+def test_dropout_under_capture_is_refused_not_repeated(fake, monkeypatch):
+    q, k, v = _qkv()
+    ca.attention(q, k, v, dropout_p=0.2, backend="cudnn")  # warmed up outside the capture
+    monkeypatch.setattr(_runtime, "capturing", lambda: True)
+    with pytest.raises(ca.NotSupportedError, match="CUDA graph capture"):
+        ca.attention(q, k, v, dropout_p=0.2, backend="cudnn")
+    # Without dropout the same capture is fine (the workspace is the capture's own).
+    out = ca.attention(q, k, v, backend="cudnn")
+    ref, _ = oracle.reference_attention(q.to(F64), k.to(F64), v.to(F64))
+    torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
