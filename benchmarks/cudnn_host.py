@@ -1,6 +1,6 @@
 """Host microseconds per call of the cuDNN engine, measured on the CPU (no GPU needed).
 
-Run from the repository root:  python benchmarks/cudnn_host.py [--calls N] [--json]
+Run from the repository root:  python benchmarks/cudnn_host.py [--calls N] [--json | --json-to DIR]
 
 What a call costs the host before and after cuDNN's ``execute``: ``cudnn_attn.attention(...,
 backend="cudnn")`` runs with a host-only stand-in for cuDNN (graphs whose ``execute`` binds the
@@ -29,6 +29,7 @@ import argparse
 import sys
 import timeit
 import types
+from pathlib import Path
 
 import _report  # benchmarks/_report.py (this script's folder is on sys.path)
 
@@ -40,17 +41,17 @@ import torch
 SHAPE = (1, 2, 16, 64)
 
 
-class HostOnlyGraph:
-    """A built cuDNN graph's stand-in: ``execute`` takes what ``pygraph.execute`` takes and
-    checks that every buffer is a tensor (so a missing binding fails loudly), nothing else."""
+EXECUTED = [0]  # graph executions, all graphs together
 
-    def __init__(self):
-        self.calls = 0
+
+class HostOnlyGraph:
+    """A built cuDNN graph's stand-in: ``execute`` takes what ``pygraph.execute`` takes, checks
+    one buffer per uid (a missing binding fails loudly) and counts the call, nothing else."""
 
     def execute(self, buffers, workspace, handle=None, tensor_uids=None):
         if len(buffers) != len(tensor_uids):
             raise AssertionError("one buffer per uid")
-        self.calls += 1
+        EXECUTED[0] += 1
 
     def get_workspace_size(self):
         return 1 << 20
@@ -163,16 +164,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", action="store_true", help="also write the results file")
+    parser.add_argument("--json", action="store_true",
+                        help="also write the results file (benchmarks/results)")
+    parser.add_argument("--json-to", type=Path, default=None,
+                        help="write the results file into this folder instead")
     args = parser.parse_args()
     install()
     torch.set_grad_enabled(True)
     rows = torch_sdpa(args.calls, args.repeats) + ours(args.calls, args.repeats)
     add_ratios(rows)
     _report.print_table(rows, ["call", "us_per_call", "vs_torch"])
-    if args.json:
+    print(f"(the stand-in executed {EXECUTED[0]} graph calls)")
+    if args.json or args.json_to is not None:
         path = _report.write_json("cudnn_host", {"shape": list(SHAPE), "calls": args.calls,
-                                                 "rows": rows})
+                                                 "rows": rows},
+                                  results_dir=args.json_to or _report.RESULTS_DIR)
         print(f"wrote {path}")
     return 0
 
