@@ -162,8 +162,8 @@ def add_ratios(rows: list[dict]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", action="store_true",
                         help="also write the results file (benchmarks/results)")
     parser.add_argument("--json-to", type=Path, default=None,

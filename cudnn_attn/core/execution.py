@@ -149,11 +149,13 @@ def run(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool):
     """``(out, lse)`` of one call, differentiable when the problem needs it (the dropout state
     and the plan kept for the backward). Positions past ``Padding`` lengths never reach the
     engine, and the gradient reaching them stops at the output."""
-    inputs = hide_padding(problem, inputs)
+    padded = problem.padding is not None
+    if padded:
+        inputs = hide_padding(problem, inputs)
     if problem.requires_grad and torch.is_grad_enabled():
         out, lse = _Recorded.apply(problem, plan, inputs.dropout, inputs.dropout_mask,
                                    inputs.q, inputs.k, inputs.v, inputs.bias)
-        return hide_padded_rows(problem, out), lse
+        return (hide_padded_rows(problem, out) if padded else out), lse
     return plan.forward(problem, inputs, need_lse=need_lse)
 
 

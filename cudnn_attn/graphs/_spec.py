@@ -461,8 +461,8 @@ def padded_rows(spec: GraphSpec, lens_q, lens_kv) -> torch.Tensor:
     tensors stay on their device (never read)."""
     b = spec.batch
     device = lens_q.device if isinstance(lens_q, torch.Tensor) else None
-    lq, lkv = (torch.as_tensor(n, device=device).to(torch.int64).view(b, 1)
-               for n in (lens_q, lens_kv))
+    # Compared against an int64 arange as they are (int32 device lengths need no cast kernel).
+    lq, lkv = (torch.as_tensor(n, device=device).view(b, 1) for n in (lens_q, lens_kv))
     i = torch.arange(spec.seq_q, dtype=torch.int64, device=device).view(1, -1)
     return empty_rows(spec.band, i, lq, lkv)
 

@@ -154,6 +154,7 @@ class CudnnPlan:
         self.o_shape = ((s.batch, s.heads_q, s.seq_q, s.dim_v) if s.layout == "bhsd"
                         else (s.batch, s.seq_q, s.heads_q, s.dim_v))
         self._out_like_q = s.dim_v == s.dim_qk  # out has q's shape (any layout, packed too)
+        self._templates: dict = {}  # (role, dtype, device) -> expanded one-element tensor
 
     def direct(self, problem):
         """No single public op runs these graphs/kernels: every call takes ``forward``."""
@@ -250,12 +251,31 @@ class CudnnPlan:
         s = self.spec
         return (q.shape[0], s.heads_q, 1) if s.ragged else (s.batch, s.heads_q, s.seq_q, 1)
 
+    # Outputs are allocated with empty_like, which costs the host a third of an empty of the
+    # same shape (no shape, dtype or device arguments to parse): like q when out has q's shape,
+    # else like a one-element template expanded to the shape (empty_like of an expanded tensor
+    # is contiguous). Packed shapes change with the token count: those use empty.
     def _new_out(self, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised out, contiguous in the call's layout: ``empty_like(q)`` when it has
-        q's shape and dtype (the cheaper allocation), else an ``empty`` of its shape."""
+        """An uninitialised out, contiguous in the call's layout."""
         if self._out_like_q and q.dtype == dtype:
             return torch.empty_like(q, memory_format=torch.contiguous_format)
-        return torch.empty(self._out_shape(q), dtype=dtype, device=q.device)
+        if self.spec.ragged:
+            return torch.empty(self._out_shape(q), dtype=dtype, device=q.device)
+        return torch.empty_like(self._template("out", self.o_shape, dtype, q.device))
+
+    def _new_stats(self, q: torch.Tensor) -> torch.Tensor:
+        """Uninitialised fp32 stats, ``[B, H, S_q, 1]`` (or packed ``[total_q, H, 1]``)."""
+        if self.spec.ragged:
+            return torch.empty(self._stats_shape(q), dtype=torch.float32, device=q.device)
+        return torch.empty_like(self._template("stats", self._stats_shape(q), torch.float32,
+                                               q.device))
+
+    def _template(self, role: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+        found = self._templates.get((role, dtype, device))
+        if found is None:
+            found = torch.empty((1,) * len(shape), dtype=dtype, device=device).expand(shape)
+            self._templates[(role, dtype, device)] = found
+        return found
 
     def _lse(self, stats: torch.Tensor) -> torch.Tensor:
         """Stats as the package's lse: ``[B, H, S_q]``, or ``[H, total_q]`` when packed (the
@@ -285,8 +305,7 @@ class CudnnPlan:
         out = buffers[UID.O] = self._new_out(q, problem.dtype)
         stats = None
         if need_lse:
-            stats = buffers[UID.STATS] = torch.empty(self._stats_shape(q), dtype=torch.float32,
-                                                     device=device)
+            stats = buffers[UID.STATS] = self._new_stats(q)
         _execute(built, buffers, device)
         if stats is None:
             if empty is not None:
