@@ -91,6 +91,8 @@ class FakeGraph:
     """One forward or backward SDPA graph, from its serialized form; ``seeds`` records the
     dropout seeds it drew with."""
 
+    autotune = tuned = False  # (BuiltGraph's flags: the stand-in has one plan, nothing to tune)
+
     def __init__(self, graph_json: str, score_mod_json=None):
         graph = json.loads(graph_json)
         (self.node,) = graph["nodes"]

@@ -58,7 +58,9 @@ class GraphOptions:
     ``torch.use_deterministic_algorithms(True)``); ``dropout_mask``: the ``(mask, scale)`` dropout
     form instead of Philox; ``ragged``: packed varlen (THD) with ragged offsets on Q/K/V/O/Stats;
     ``max_total_seq_len_q/kv``: bounds of the packed token axis (ragged only); ``paged``: KV
-    page tables (forward only).
+    page tables (forward only); ``autotune``: the built graph times every plan cuDNN offers on
+    its first execution and keeps the fastest (``graphs.autotune``; the engine's own graphs
+    follow ``CUDNN_ATTN_AUTOTUNE=1``). Not part of the graph spec: it picks a plan, not a graph.
     """
 
     deterministic: bool = False
@@ -67,6 +69,7 @@ class GraphOptions:
     max_total_seq_len_q: Optional[int] = None
     max_total_seq_len_kv: Optional[int] = None
     paged: Optional[PagedKV] = None
+    autotune: bool = False
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from ..core.caches import LRU, memoize
 from ..errors import NotSupportedError
 from ..model.problem import AttnProblem
 from ..model.storage import Paged, Ragged
-from . import _runtime
+from . import _runtime, autotune
 from .limits import LIMITS
 from .score_mod_masks import density, neighborhood_as_band, tile_bitmask
 from ._spec import GraphSpec, analyze, problem_lengths
@@ -358,8 +358,15 @@ class CudnnPlan:
 
 def _execute(built: BuiltGraph, buffers: dict, device: torch.device) -> None:
     """``built`` on torch's current stream of ``device``: the device's handle (under its lock:
-    the backward may run on autograd's thread) and the stream's pooled workspace."""
-    _runtime.stream_context(device).execute(built, buffers, built.workspace_size)
+    the backward may run on autograd's thread) and the stream's pooled workspace. A graph to
+    autotune is tuned first, on these buffers (not inside a CUDA-graph capture: nothing can be
+    timed there)."""
+    context = _runtime.stream_context(device)
+    if built.autotune and not built.tuned and not _runtime.capturing():
+        with context.shared.lock:
+            built.tune(buffers, context.workspace, context.shared.bind(context.stream),
+                       autotune.cuda_time_ms)
+    context.execute(built, buffers, built.workspace_size)
 
 
 def _like_layout(t: torch.Tensor, shape: tuple) -> torch.Tensor:
