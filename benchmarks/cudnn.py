@@ -39,6 +39,7 @@ import timeit
 from pathlib import Path
 
 import _report  # benchmarks/_report.py (this script's folder is on sys.path)
+import call_costs  # latency, kernel lists (this folder's)
 import ceilings  # imported before unshadowing: that takes this folder off sys.path
 import fp8_rows  # the FP8 rows (sdpa_fp8 / sdpa_fp8_backward, E4M3, D=128)
 
@@ -53,7 +54,6 @@ TARGET_HOST_VS_TORCH = 1.05  # the tiny causal call's host time over torch-cudnn
 TINY_CALL = "attention(backend='cudnn')"  # the overhead row the tiny-call target reads
 TINY_CAUSAL = (1, 8, 128, 64)  # issue 35's host-time problem (bf16, causal forward)
 DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
-LATENCY_SAMPLES = 15
 
 
 def flops(b, h, s, d, causal, direction):
@@ -109,45 +109,39 @@ def timed(fn, args, number=None):
                            sync=torch.cuda.synchronize)
 
 
-def latency_ms(fn, samples=LATENCY_SAMPLES):
-    """Median milliseconds of one call between two synchronisations (queue empty at the start):
-    what a caller waiting for each result sees, its host launch time included."""
-    fn()
-    times = []
-    for _ in range(samples):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return 1e3 * sorted(times)[len(times) // 2]
+def tuned_calls(q, k, v, mask, dout):
+    """``{direction: fn}`` of ``attention(backend="cudnn")`` on graphs autotuned
+    (``CUDNN_ATTN_AUTOTUNE=1``): the engine's caches are emptied and the graphs rebuilt under
+    the switch, tuned by a first call here (untimed); the switch is off again on return, and
+    the tuned graphs stay in the graph cache (``bench_shape`` empties it after timing them)."""
+    import os
+
+    import cudnn_attn as ca
+    from cudnn_attn.graphs import autotune
+
+    ca.clear_caches()
+    os.environ[autotune.ENV] = "1"
+    try:
+        out = ca.attention(q, k, v, mask=mask, backend="cudnn")
+        torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # tunes both graphs
+    finally:
+        del os.environ[autotune.ENV]
+    plan_graphs = [g for g in _plans_graphs() if getattr(g, "tuned", False)]
+    print("  tuned: " + "; ".join(f"{'bwd' if g.backward else 'fwd'} {g.engine}".replace("\n", " ")
+                                  for g in plan_graphs))
+
+    def both():
+        torch.autograd.grad(ca.attention(q, k, v, mask=mask, backend="cudnn"), (q, k, v), dout)
+
+    return {"fwd": lambda: ca.attention(q, k, v, mask=mask, backend="cudnn"),
+            "bwd": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+            "fwd+bwd": both}
 
 
-def kernels_of(fn) -> list[str]:
-    """The CUDA kernels one call of ``fn`` launches (torch.profiler), in launch order."""
-    from torch.profiler import ProfilerActivity, profile
+def _plans_graphs():
+    from cudnn_attn.graphs.cache import graph_cache
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return [e.name for e in sorted(events, key=lambda e: e.time_range.start)
-            if not e.name.startswith(("Memcpy", "Memset"))]
-
-
-def only_in(ours: list[str], theirs: list[str]) -> list[str]:
-    """The kernels of ``ours`` with no kernel of the same name in ``theirs`` (counted: ours
-    launching a kernel twice where theirs launches it once lists it once)."""
-    left = list(theirs)
-    extra = []
-    for name in ours:
-        if name in left:
-            left.remove(name)
-        else:
-            extra.append(name)
-    return extra
+    return [graph_cache.peek(key) for key in graph_cache.keys()]
 
 
 def bench_shape(dtype, d, s, causal, args):
@@ -163,6 +157,7 @@ def bench_shape(dtype, d, s, causal, args):
     rows = []
     out = ca.attention(q, k, v, mask=mask, backend="cudnn")
     dout = torch.randn_like(out)
+
     def ours_both():
         torch.autograd.grad(ca.attention(q, k, v, mask=mask, backend="cudnn"), (q, k, v), dout)
 
@@ -206,7 +201,7 @@ def bench_shape(dtype, d, s, causal, args):
                "causal": causal, "dir": direction}
         for label, fn in (("ours", ours[direction]), ("bare", bare[direction])):
             row[f"{label}_ms"] = timed(fn, args)
-            row[f"{label}_latency_ms"] = latency_ms(fn)
+            row[f"{label}_latency_ms"] = call_costs.latency_ms(fn)
             row[f"{label}_tflops"] = work / row[f"{label}_ms"] / 1e9
         row["ours/bare"] = row["bare_ms"] / row["ours_ms"]
         for label, fns in torch_fns.items():
@@ -216,7 +211,7 @@ def bench_shape(dtype, d, s, causal, args):
                 continue
             try:
                 row[f"{label}_ms"] = timed(fns[direction], args)
-                row[f"{label}_latency_ms"] = latency_ms(fns[direction])
+                row[f"{label}_latency_ms"] = call_costs.latency_ms(fns[direction])
                 row[f"{label}_tflops"] = work / row[f"{label}_ms"] / 1e9
             except RuntimeError as exc:  # e.g. a backward that SDPA backend lacks
                 row[f"{label}_tflops"] = None
@@ -228,12 +223,23 @@ def bench_shape(dtype, d, s, causal, args):
         rows.append(row)
     if args.kernels and isinstance(torch_fns.get("torch-cudnn"), dict):
         args.kernels = False  # one shape's list is the evidence; the rest would repeat it
-        theirs = kernels_of(torch_fns["torch-cudnn"]["fwd+bwd"])
-        mine = kernels_of(ours["fwd+bwd"])
+        theirs = call_costs.kernels_of(torch_fns["torch-cudnn"]["fwd+bwd"])
+        mine = call_costs.kernels_of(ours["fwd+bwd"])
         args.kernel_record = {"shape": f"{rows[0]['dtype']} B={b} H={h} S={s} D={d} "
                                        f"{'causal' if causal else 'full'} fwd+bwd",
                               "ours": mine, "torch-cudnn": theirs,
-                              "ours_only": only_in(mine, theirs)}
+                              "ours_only": call_costs.only_in(mine, theirs)}
+    if args.autotune:  # after the rest: tuning replaces the cached graphs ours ran on
+        tuned = tuned_calls(q, k, v, mask, dout)
+        for row in rows:
+            direction = row["dir"]
+            row["ours-tuned_ms"] = timed(tuned[direction], args)
+            row["ours-tuned_latency_ms"] = call_costs.latency_ms(tuned[direction])
+            row["ours-tuned_tflops"] = flops(b, h, s, d, causal, direction) / \
+                row["ours-tuned_ms"] / 1e9
+            if row.get("torch-cudnn_ms"):
+                row["ours-tuned/torch-cudnn"] = row["torch-cudnn_ms"] / row["ours-tuned_ms"]
+        ca.clear_caches()  # the next shape starts from heuristic plans again
     return rows
 
 
@@ -378,6 +384,9 @@ def main() -> int:
                         help="the FP8 rows alone (no overhead, build or fp16/bf16 rows)")
     parser.add_argument("--no-ceilings", action="store_true",
                         help="skip measuring the copy and matmul ceilings")
+    parser.add_argument("--autotune", action="store_true",
+                        help="also time each shape on autotuned graphs (CUDNN_ATTN_AUTOTUNE=1: "
+                             "every plan timed on the first call, the fastest kept)")
     parser.add_argument("--no-kernels", action="store_true",
                         help="skip the profiler's kernel list (ours vs torch-cudnn, one shape)")
     parser.add_argument("--results-dir", type=Path, default=_report.RESULTS_DIR,
@@ -441,6 +450,8 @@ def main() -> int:
     ceilings.add_fraction(rows, machine)
     cols = ["dtype", "D", "S", "causal", "dir", "ours_tflops", "bare_tflops", "ours/bare",
             "torch-flash_tflops", "torch-cudnn_tflops", "ours/torch-cudnn", "ours/ceiling"]
+    if args.autotune:
+        cols[6:6] = ["ours-tuned_tflops", "ours-tuned/torch-cudnn"]
     print()
     _report.print_table(rows, cols)
     print("\nlatency (one call between synchronisations), ms:")
