@@ -33,7 +33,7 @@ BF16 = torch.bfloat16
 
 
 @contextlib.contextmanager
-def no_sync():
+def sync_free():
     """Any synchronising CUDA call inside raises (torch's sync debug mode)."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -121,7 +121,7 @@ def test_calls_never_synchronise_after_warm_up(name):
     call = CALLS[name]
     call()
     call()  # warm: graphs built, static lengths on the device, workspace pooled
-    with no_sync():
+    with sync_free():
         call()
     torch.cuda.synchronize()
 
@@ -221,3 +221,30 @@ def test_dropout_under_capture_raises_instead_of_repeating_a_mask():
     with pytest.raises(ca.NotSupportedError, match="CUDA graph capture"):
         with torch.cuda.graph(graph):
             ca.attention(q, k, v, dropout_p=0.1, backend="cudnn")
+
+
+# ---------------------------------------------------------------------------------------------
+# Autotuned plans
+# ---------------------------------------------------------------------------------------------
+
+def test_autotuned_graphs_time_their_plans_once_and_agree_with_the_heuristic_plan(monkeypatch):
+    from cudnn_attn.graphs import autotune
+    from cudnn_attn.graphs.cache import graph_cache
+
+    q, k, v = _dense(seed=4)
+    dout = torch.randn_like(q)
+    ca.clear_caches()
+    out = ca.attention(q, k, v, mask=ca.Causal(), backend="cudnn")
+    want = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    ca.clear_caches()
+    monkeypatch.setenv(autotune.ENV, "1")
+    out = ca.attention(q, k, v, mask=ca.Causal(), backend="cudnn")
+    got = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    graphs = [graph_cache.peek(key) for key in graph_cache.keys()]
+    assert len(graphs) == 2 and all(g.tuned and g.engine.autotuned for g in graphs)
+    for a, b in zip(got, want):  # another plan may sum in another order: bf16 rounding apart
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    timed = [g.engine.timings for g in graphs]
+    ca.attention(q, k, v, mask=ca.Causal(), backend="cudnn")
+    assert [g.engine.timings for g in graphs] == timed  # tuned once
+    ca.clear_caches()
