@@ -149,7 +149,7 @@ def run(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool):
     """``(out, lse)`` of one call, differentiable when the problem needs it (the dropout state
     and the plan kept for the backward). Positions past ``Padding`` lengths never reach the
     engine, and the gradient reaching them stops at the output."""
-    padded = problem.padding is not None
+    padded = problem.mask is not None and problem.padding is not None
     if padded:
         inputs = hide_padding(problem, inputs)
     if problem.requires_grad and torch.is_grad_enabled():

@@ -15,6 +15,7 @@ on (read when a call's plan is made). Dropout runs cuDNN's Philox stream at the 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -33,6 +34,9 @@ from .sdpa import UID, BuiltGraph, build_graph
 __all__ = ["CudnnBackend", "CudnnPlan", "graph_specs"]
 
 PLAN_CACHE_SIZE = 128
+# UID's values as plain ints for the per-call buffer dicts: an IntEnum member costs the hot path
+# a metaclass lookup each time it is named (the graphs bind by the same int values).
+_U = SimpleNamespace(**{uid.name: int(uid) for uid in UID})
 
 
 @memoize("cudnn.import_error", 1)
@@ -184,10 +188,10 @@ class CudnnPlan:
         if problem.dropout_p != self.dropout_p:
             raise ValueError(f"this plan was built for dropout_p={self.dropout_p}, got "
                              f"{problem.dropout_p}")
-        buffers = {UID.Q: _runtime.aligned(q), UID.K: _runtime.aligned(k),
-                   UID.V: _runtime.aligned(v), UID.SCALE: self._scales.get(problem.scale)}
+        buffers = {_U.Q: _runtime.aligned(q), _U.K: _runtime.aligned(k),
+                   _U.V: _runtime.aligned(v), _U.SCALE: self._scales.get(problem.scale)}
         if self.spec.bias_dim is not None:
-            buffers[UID.BIAS] = _runtime.bias_operand(self.spec, bias)
+            buffers[_U.BIAS] = _runtime.bias_operand(self.spec, bias)
         empty = None
         if self._lengths is not None:
             padding = problem.padding
@@ -196,14 +200,14 @@ class CudnnPlan:
             else:
                 lens_q, lens_kv = problem_lengths(problem)
                 seq_q, seq_kv, empty = self._lengths.get(lens_q, lens_kv, device)
-            buffers[UID.SEQ_LEN_Q], buffers[UID.SEQ_LEN_KV] = seq_q, seq_kv
+            buffers[_U.SEQ_LEN_Q], buffers[_U.SEQ_LEN_KV] = seq_q, seq_kv
         storage = problem.storage
         if isinstance(storage, Ragged):
             buffers.update(_runtime.ragged_offsets(self.spec, storage))
             if empty is not None:  # [B, S_q] -> one flag per packed token
                 empty = _runtime.token_rows(empty, storage.cu_seqlens_q, q.shape[0])
         elif isinstance(storage, Paged):
-            buffers[UID.PAGE_TABLE_K], buffers[UID.PAGE_TABLE_V] = \
+            buffers[_U.PAGE_TABLE_K], buffers[_U.PAGE_TABLE_V] = \
                 _runtime.page_tables(self.spec, storage)
         return buffers, empty
 
@@ -215,12 +219,12 @@ class CudnnPlan:
         if s.dropout_mask:
             keep = inputs.dropout_mask
             full = (s.batch, s.heads_q, s.seq_q, s.seq_kv)
-            buffers[UID.DROPOUT_MASK] = _runtime.aligned(
+            buffers[_U.DROPOUT_MASK] = _runtime.aligned(
                 keep.to(device=inputs.q.device, dtype=problem.dtype).expand(full).contiguous())
             scale = float(problem.dropout_scale)
-            buffers[UID.DROPOUT_SCALE] = self._scales.get(scale)
+            buffers[_U.DROPOUT_SCALE] = self._scales.get(scale)
             if backward:
-                buffers[UID.DROPOUT_SCALE_INV] = self._scales.get(1.0 / scale)
+                buffers[_U.DROPOUT_SCALE_INV] = self._scales.get(1.0 / scale)
         elif s.dropout_p > 0:
             if _runtime.capturing():
                 # The seed is a pass-by-value input: a captured graph would bake this call's in
@@ -230,7 +234,7 @@ class CudnnPlan:
                     "per call, so every replay would repeat this call's mask; capture without "
                     "dropout, or pass an explicit dropout mask (the builder's set_dropout(mask, "
                     "scale))"]}, forced=self.name)
-            buffers[UID.DROPOUT_SEED], buffers[UID.DROPOUT_OFFSET] = \
+            buffers[_U.DROPOUT_SEED], buffers[_U.DROPOUT_OFFSET] = \
                 _runtime.philox_tensors(inputs.dropout)
 
     def _empty_views(self, empty):
@@ -301,11 +305,11 @@ class CudnnPlan:
             if self._block_mask is None:
                 self._block_mask = tile_bitmask(problem.neighborhood, self.spec.batch,
                                                 self.spec.heads_q, device)
-            buffers[UID.BLOCK_MASK] = self._block_mask
-        out = buffers[UID.O] = self._new_out(q, problem.dtype)
+            buffers[_U.BLOCK_MASK] = self._block_mask
+        out = buffers[_U.O] = self._new_out(q, problem.dtype)
         stats = None
         if need_lse:
-            stats = buffers[UID.STATS] = self._new_stats(q)
+            stats = buffers[_U.STATS] = self._new_stats(q)
         _execute(built, buffers, device)
         if stats is None:
             if empty is not None:
@@ -339,17 +343,17 @@ class CudnnPlan:
         if dlse is not None:
             out = _fold_dlse(out, dout, dlse.t() if s.ragged else dlse,
                              "ragged" if s.ragged else s.layout)
-        buffers[UID.O] = _like_layout(out, o_shape)
-        buffers[UID.DO] = dout
-        buffers[UID.STATS] = stats if stats.is_contiguous() else stats.contiguous()
+        buffers[_U.O] = _like_layout(out, o_shape)
+        buffers[_U.DO] = dout
+        buffers[_U.STATS] = stats if stats.is_contiguous() else stats.contiguous()
         # Gradients contiguous in the call's layout (the strides the backward graph expects).
         dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format)
                       for t in (q, k, v))
-        buffers[UID.DQ], buffers[UID.DK], buffers[UID.DV] = dq, dk, dv
+        buffers[_U.DQ], buffers[_U.DK], buffers[_U.DV] = dq, dk, dv
         dbias = None
         if s.dbias:
             dbias = torch.empty(s.bias_dim, dtype=bias.dtype, device=device)
-            buffers[UID.DBIAS] = dbias
+            buffers[_U.DBIAS] = dbias
         _execute(built, buffers, device)
         if dbias is not None:
             dbias = dbias.view(problem.bias.shape)
