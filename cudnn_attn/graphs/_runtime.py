@@ -134,10 +134,11 @@ def stream_context(device: torch.device) -> StreamContext:
     index = device.index
     if index is None:  # tensors on CUDA always name theirs; a bare "cuda" may not
         index = _current_device()
-        device = torch.device(device.type, index)
     key = (index, _raw_stream(index))
     context = _STREAMS.get(key)
     if context is None:
+        if device.index is None:
+            device = torch.device(device.type, index)
         shared = _HANDLES.get(index)
         if shared is None:
             shared = _HANDLES.put(index, _new_handle(index))
