@@ -18,7 +18,9 @@ cuDNN's own kernel launch is not. The same tiny problem (1 x 2 x 16 x 64 fp16, c
   bias           an additive [1, 8, 128, 128] bias
 
 and, as the bar to clear, torch SDPA's own dispatch on this CPU for the smallest call of the same
-kind (1 x 1 x 1 x 8, fp32, causal: what it costs beyond arithmetic), no grad / grad / fwd+bwd.
+kind (1 x 1 x 1 x 8, fp32, causal: what it costs beyond arithmetic), no grad / grad / fwd+bwd;
+and, for scale, the floor of any engine written in Python: a minimal ``torch.autograd.Function``
+that allocates out and lse and returns three gradients ("python floor").
 The issue's target (issue 35): ours at most torch's. Timings are the minimum over repeats of the
 mean per call (host time is noise-free from below). JSON: benchmarks/results/cudnn_host-<date>.json.
 """
@@ -150,14 +152,46 @@ def torch_sdpa(calls: int, repeats: int) -> list[dict]:
             for name, fn in cases.items()]
 
 
+class _Floor(torch.autograd.Function):
+    """The least a Python autograd wrapper of one fused kernel does: allocate out and lse, save
+    the inputs, return three gradients (what any engine written in Python pays per call)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def python_floor(calls: int, repeats: int) -> list[dict]:
+    """``_Floor`` on the same tensors: forward with grad, and forward + backward."""
+    gen = torch.Generator().manual_seed(0)
+    qg, kg, vg = (torch.randn(SHAPE, generator=gen).to(torch.float16).requires_grad_(True)
+                  for _ in range(3))
+    dout = torch.randn(SHAPE, generator=gen).to(torch.float16)
+
+    def fwd_bwd():
+        out, _ = _Floor.apply(qg, kg, vg)
+        torch.autograd.grad(out, (qg, kg, vg), dout)
+
+    cases = {"fwd (grad)": lambda: _Floor.apply(qg, kg, vg), "fwd+bwd": fwd_bwd}
+    return [{"call": f"python floor {name}", "us_per_call": per_call_us(fn, calls, repeats)}
+            for name, fn in cases.items()]
+
+
 def add_ratios(rows: list[dict]) -> None:
     """``vs_torch``: ours over torch's row of the same kind (padding/dropout/bias vs fwd)."""
     torch_us = {r["call"].removeprefix("torch sdpa "): r["us_per_call"] for r in rows
                 if r["call"].startswith("torch")}
     for row in rows:
-        if row["call"].startswith("ours"):
-            kind = row["call"].removeprefix("ours ")
-            row["vs_torch"] = row["us_per_call"] / torch_us.get(kind, torch_us["fwd"])
+        for prefix in ("ours ", "python floor "):
+            if row["call"].startswith(prefix):
+                kind = row["call"].removeprefix(prefix)
+                row["vs_torch"] = row["us_per_call"] / torch_us.get(kind, torch_us["fwd"])
 
 
 def main() -> int:
@@ -171,7 +205,8 @@ def main() -> int:
     args = parser.parse_args()
     install()
     torch.set_grad_enabled(True)
-    rows = torch_sdpa(args.calls, args.repeats) + ours(args.calls, args.repeats)
+    rows = (torch_sdpa(args.calls, args.repeats) + python_floor(args.calls, args.repeats)
+            + ours(args.calls, args.repeats))
     add_ratios(rows)
     _report.print_table(rows, ["call", "us_per_call", "vs_torch"])
     print(f"(the stand-in executed {EXECUTED[0]} graph calls)")
