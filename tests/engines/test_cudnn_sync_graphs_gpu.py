@@ -249,3 +249,13 @@ def test_autotuned_graphs_time_their_plans_once_and_agree_with_the_heuristic_pla
     ca.attention(q, k, v, mask=ca.Causal(), backend="cudnn")
     assert [g.engine.timings for g in graphs] == timed  # tuned once
     ca.clear_caches()
+
+
+def test_the_decode_example_replays_its_captured_step_exactly():
+    from pathlib import Path
+
+    from common import load_script
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "cuda_graph_decode.py"
+    module = load_script(example, "example_cuda_graph_decode")
+    assert module.main(["--steps", "8", "--slots", "3", "--pages-per-slot", "8"]) == 0
