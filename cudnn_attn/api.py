@@ -136,7 +136,7 @@ def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
     entry = (problem, plan, direct)
     if key is not None:
         _CALLS.put(key, entry)
-        if direct is not None:
+        if direct is not None and _runtime_padding(mask) is None:
             _DIRECT.put(signature, direct)
     return entry
 
@@ -269,11 +269,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         entry = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
                          backend, signature)
     problem, plan, direct = entry
+    padding = _runtime_padding(mask)
+    if padding is not None:
+        direct = None  # a one-op runner would hold the lengths of the call that prepared it
+        if problem.padding is not padding:
+            problem = _with_padding(problem, padding)
     if direct is not None:
         return direct(q, k, v)
-    padding = _runtime_padding(mask)
-    if padding is not None and problem.padding is not padding:
-        problem = _with_padding(problem, padding)
     table = split_bias(bias)[1]  # the runtime tensor (Alibi's slopes live in the problem)
     dropout = DropoutState.draw(generator) if problem.dropout_p > 0 else None
     out, lse = execution.run(problem, plan, Inputs(q, k, v, table, dropout), return_lse)
