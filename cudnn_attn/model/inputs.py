@@ -52,7 +52,8 @@ def draw_seed(generator: Optional[torch.Generator] = None) -> torch.Tensor:
     A CPU generator draws on the CPU. A CUDA generator is drawn on the host from its own state
     (``host_draw``): a device draw would have to be read back, a synchronisation per call. The
     seed is then a CPU tensor; under ``torch.compile`` (which cannot trace the generator's state)
-    it is drawn on the generator's device instead."""
+    it is drawn on the generator's device instead, so with a CUDA generator an eager and a
+    compiled call draw different (each reproducible) seeds."""
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got "
                         f"{type(generator).__name__}")
