@@ -368,8 +368,9 @@ def _execute(built: BuiltGraph, buffers: dict, device: torch.device) -> None:
     context = _runtime.stream_context(device)
     if built.autotune and not built.tuned and not _runtime.capturing():
         with context.shared.lock:
-            built.tune(buffers, context.workspace, context.shared.bind(context.stream),
-                       autotune.cuda_time_ms)
+            if not built.tuned:  # another thread may have tuned it meanwhile
+                built.tune(buffers, context.workspace, context.shared.bind(context.stream),
+                           autotune.cuda_time_ms)
     context.execute(built, buffers, built.workspace_size)
 
 
