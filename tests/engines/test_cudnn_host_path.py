@@ -3,10 +3,10 @@ of ``cudnn_fake`` (which plays cuDNN's ``execute``):
 
 * a runtime-length ``Padding`` call with new lengths rebuilds no problem and re-runs no analysis
   (the call cache serves it, with this call's lengths: the results follow them);
-* one handle per (device, stream), the same object for a forward and for its backward run on
-  another thread; another stream gets another handle;
-* the workspace comes from a per-stream pool, sized once and grown, never from the call; a stream
-  being captured gets its own;
+* one handle per device, the same object for a forward and for its backward run on another
+  thread, bound to each call's stream when it changes (a new stream, a capture's, creates none);
+* the workspace comes from a per-(device, stream) pool, sized once and grown, never from the
+  call; a stream being captured gets its own;
 * static ``Padding`` lengths are copied to the device once per value set, not per call;
 * a CUDA generator's dropout seed is drawn from its host state (no device draw to read back).
 
