@@ -5,16 +5,24 @@ Run from the repository root on a CUDA machine:  python benchmarks/cudnn.py [--q
 Without CUDA (or without the cuDNN frontend) it says so and exits 0, writing nothing.
 
 Throughput problems: hidden size 2048 (H = 2048 / D), 16k tokens per batch (B = 16384 / S),
-[B, H, S, D] contiguous, fp16/bf16, D in {64, 128}, S in {512 .. 16k}, causal and not; forward
-and backward (backward FLOPs = 2.5 x forward). For each we time
+[B, H, S, D] contiguous, fp16/bf16, D in {64, 128}, S in {512 .. 16k}, causal and not; forward,
+backward and forward + backward (backward FLOPs = 2.5 x forward). Each is timed two ways:
+throughput (back-to-back calls, one synchronisation per batch: ``<engine>_ms`` and TFLOP/s) and
+latency (one call between two synchronisations, the host's launch included: ``<engine>_latency_ms``,
+median). For each we time
   * ours:   cudnn_attn.attention(..., backend="cudnn") (forward; and its autograd backward)
   * bare:   the same SDPA graph built by hand with the frontend (reference section 2.1), buffers
             preallocated, timed on ``graph.execute`` alone
   * torch-flash / torch-cudnn: torch.nn.functional.scaled_dot_product_attention under
             sdpa_kernel(FLASH_ATTENTION / CUDNN_ATTENTION)
-Targets (issues 3 and 14): ours >= 0.98 x bare at large shapes; call within 1.05 x bare execute on
-a tiny problem; ours >= torch-cudnn on every shape both ran; H200 bf16 D=128 causal S=8k: forward
->= 640, backward >= 540 TFLOP/s. FP8 rows (``fp8_rows.py``; ``--no-fp8`` skips them): E4M3
+Host time (issue 35): the tiny call 1 x 8 x 128 x 64 bf16 causal forward, us per call of ours,
+torch SDPA's cuDNN and flash backends and the bare execute, back to back. Kernels (issue 35): the
+CUDA kernels one forward + backward launches, ours and torch SDPA's cuDNN backend, from
+torch.profiler, and the ones ours launches that torch's does not.
+Targets (issues 3, 14 and 35): ours >= 0.98 x bare at large shapes; call within 1.05 x bare execute
+on a tiny problem; ours >= torch-cudnn on every shape both ran, in throughput and in latency; the
+tiny call's host time <= 1.05 x torch-cudnn's; H200 bf16 D=128 causal S=8k: forward >= 640,
+backward >= 540 TFLOP/s. FP8 rows (``fp8_rows.py``; ``--no-fp8`` skips them): E4M3
 ``sdpa_fp8`` forward and backward, D=128, ours only (published H200: ~1,060 / ~670 TFLOP/s).
 The machine's ceilings (benchmarks/ceilings.py) are measured once
 per run, and each throughput row gets ``ours/ceiling`` (ours over the bf16 matmul ceiling).
@@ -31,6 +39,7 @@ import timeit
 from pathlib import Path
 
 import _report  # benchmarks/_report.py (this script's folder is on sys.path)
+import call_costs  # latency, kernel lists (this folder's)
 import ceilings  # imported before unshadowing: that takes this folder off sys.path
 import fp8_rows  # the FP8 rows (sdpa_fp8 / sdpa_fp8_backward, E4M3, D=128)
 
@@ -41,12 +50,15 @@ TOKENS, HIDDEN = 16384, 2048
 SEQS = (512, 1024, 2048, 4096, 8192, 16384)
 TARGET_TFLOPS = {"fwd": 640.0, "bwd": 540.0}  # H200, bf16, D=128, causal, S=8k
 TARGET_VS_BARE, TARGET_OVERHEAD, TARGET_VS_TORCH_CUDNN = 0.98, 1.05, 1.0
+TARGET_HOST_VS_TORCH = 1.05  # the tiny causal call's host time over torch-cudnn's
 TINY_CALL = "attention(backend='cudnn')"  # the overhead row the tiny-call target reads
+TINY_CAUSAL = (1, 8, 128, 64)  # issue 35's host-time problem (bf16, causal forward)
+DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
 
 
 def flops(b, h, s, d, causal, direction):
     f = 4.0 * b * h * s * s * d / (2 if causal else 1)
-    return f * (2.5 if direction == "bwd" else 1.0)
+    return f * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[direction]
 
 
 def bare_graph(q, causal, backward):
@@ -97,6 +109,41 @@ def timed(fn, args, number=None):
                            sync=torch.cuda.synchronize)
 
 
+def tuned_calls(q, k, v, mask, dout):
+    """``{direction: fn}`` of ``attention(backend="cudnn")`` on graphs autotuned
+    (``CUDNN_ATTN_AUTOTUNE=1``): the engine's caches are emptied and the graphs rebuilt under
+    the switch, tuned by a first call here (untimed); the switch is off again on return, and
+    the tuned graphs stay in the graph cache (``bench_shape`` empties it after timing them)."""
+    import os
+
+    import cudnn_attn as ca
+    from cudnn_attn.graphs import autotune
+
+    ca.clear_caches()
+    os.environ[autotune.ENV] = "1"
+    try:
+        out = ca.attention(q, k, v, mask=mask, backend="cudnn")
+        torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # tunes both graphs
+    finally:
+        del os.environ[autotune.ENV]
+    plan_graphs = [g for g in _plans_graphs() if getattr(g, "tuned", False)]
+    print("  tuned: " + "; ".join(f"{'bwd' if g.backward else 'fwd'} {g.engine}".replace("\n", " ")
+                                  for g in plan_graphs))
+
+    def both():
+        torch.autograd.grad(ca.attention(q, k, v, mask=mask, backend="cudnn"), (q, k, v), dout)
+
+    return {"fwd": lambda: ca.attention(q, k, v, mask=mask, backend="cudnn"),
+            "bwd": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+            "fwd+bwd": both}
+
+
+def _plans_graphs():
+    from cudnn_attn.graphs.cache import graph_cache
+
+    return [graph_cache.peek(key) for key in graph_cache.keys()]
+
+
 def bench_shape(dtype, d, s, causal, args):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -110,8 +157,13 @@ def bench_shape(dtype, d, s, causal, args):
     rows = []
     out = ca.attention(q, k, v, mask=mask, backend="cudnn")
     dout = torch.randn_like(out)
+
+    def ours_both():
+        torch.autograd.grad(ca.attention(q, k, v, mask=mask, backend="cudnn"), (q, k, v), dout)
+
     ours = {"fwd": lambda: ca.attention(q, k, v, mask=mask, backend="cudnn"),
-            "bwd": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)}
+            "bwd": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+            "fwd+bwd": ours_both}
     torch_fns = {}
     for label, backend in (("torch-flash", SDPBackend.FLASH_ATTENTION),
                            ("torch-cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -123,9 +175,13 @@ def bench_shape(dtype, d, s, causal, args):
                 with sdpa_kernel(backend):
                     return sdpa(q, k, v, is_causal=causal)
 
+            def both(fwd=fwd):
+                torch.autograd.grad(fwd(), (q, k, v), dout)
+
             torch_fns[label] = {"fwd": fwd,
                                 "bwd": lambda ref=ref: torch.autograd.grad(ref, (q, k, v), dout,
-                                                                           retain_graph=True)}
+                                                                           retain_graph=True),
+                                "fwd+bwd": both}
         except RuntimeError as exc:  # that SDPA backend cannot run this shape here
             torch_fns[label] = str(exc).splitlines()[0]
     bare = {}
@@ -138,26 +194,52 @@ def bench_shape(dtype, d, s, causal, args):
         bare[direction] = (lambda g=g, bufs=bufs, ws=ws, handle=handle, uids=uids:
                            g.execute(bufs, ws, handle=handle, tensor_uids=uids))
         bare[direction]()
-    for direction in ("fwd", "bwd"):
+    bare["fwd+bwd"] = lambda: (bare["fwd"](), bare["bwd"]())
+    for direction in DIRECTIONS:
         work = flops(b, h, s, d, causal, direction)
         row = {"dtype": str(dtype).split(".")[-1], "D": d, "S": s, "B": b, "H": h,
                "causal": causal, "dir": direction}
-        row["ours_ms"] = timed(ours[direction], args)
-        row["bare_ms"] = timed(bare[direction], args)
-        row["ours_tflops"] = work / row["ours_ms"] / 1e9
-        row["bare_tflops"] = work / row["bare_ms"] / 1e9
+        for label, fn in (("ours", ours[direction]), ("bare", bare[direction])):
+            row[f"{label}_ms"] = timed(fn, args)
+            row[f"{label}_latency_ms"] = call_costs.latency_ms(fn)
+            row[f"{label}_tflops"] = work / row[f"{label}_ms"] / 1e9
         row["ours/bare"] = row["bare_ms"] / row["ours_ms"]
         for label, fns in torch_fns.items():
             if isinstance(fns, str):
                 row[f"{label}_tflops"] = None
                 row[f"{label}_error"] = fns
-            else:
-                try:
-                    row[f"{label}_tflops"] = work / timed(fns[direction], args) / 1e9
-                except RuntimeError as exc:  # e.g. a backward that SDPA backend lacks
-                    row[f"{label}_tflops"] = None
-                    row[f"{label}_error"] = str(exc).splitlines()[0]
+                continue
+            try:
+                row[f"{label}_ms"] = timed(fns[direction], args)
+                row[f"{label}_latency_ms"] = call_costs.latency_ms(fns[direction])
+                row[f"{label}_tflops"] = work / row[f"{label}_ms"] / 1e9
+            except RuntimeError as exc:  # e.g. a backward that SDPA backend lacks
+                row[f"{label}_tflops"] = None
+                row[f"{label}_error"] = str(exc).splitlines()[0]
+        if row.get("torch-cudnn_tflops"):
+            row["ours/torch-cudnn"] = row["torch-cudnn_ms"] / row["ours_ms"]
+            row["ours/torch-cudnn latency"] = (row["torch-cudnn_latency_ms"]
+                                               / row["ours_latency_ms"])
         rows.append(row)
+    if args.kernels and isinstance(torch_fns.get("torch-cudnn"), dict):
+        args.kernels = False  # one shape's list is the evidence; the rest would repeat it
+        theirs = call_costs.kernels_of(torch_fns["torch-cudnn"]["fwd+bwd"])
+        mine = call_costs.kernels_of(ours["fwd+bwd"])
+        args.kernel_record = {"shape": f"{rows[0]['dtype']} B={b} H={h} S={s} D={d} "
+                                       f"{'causal' if causal else 'full'} fwd+bwd",
+                              "ours": mine, "torch-cudnn": theirs,
+                              "ours_only": call_costs.only_in(mine, theirs)}
+    if args.autotune:  # after the rest: tuning replaces the cached graphs ours ran on
+        tuned = tuned_calls(q, k, v, mask, dout)
+        for row in rows:
+            direction = row["dir"]
+            row["ours-tuned_ms"] = timed(tuned[direction], args)
+            row["ours-tuned_latency_ms"] = call_costs.latency_ms(tuned[direction])
+            row["ours-tuned_tflops"] = flops(b, h, s, d, causal, direction) / \
+                row["ours-tuned_ms"] / 1e9
+            if row.get("torch-cudnn_ms"):
+                row["ours-tuned/torch-cudnn"] = row["torch-cudnn_ms"] / row["ours-tuned_ms"]
+        ca.clear_caches()  # the next shape starts from heuristic plans again
     return rows
 
 
@@ -183,7 +265,45 @@ def bench_overhead(args):
     rows = [{"call": label, "us_per_call": t, "vs_bare": t / us["bare execute"]}
             for label, t in us.items()]
     rows.append({"call": "graph_cache hit (host lookup)", "us_per_call": lookup, "vs_bare": None})
-    return rows
+    return rows + bench_tiny_causal(args)
+
+
+def bench_tiny_causal(args):
+    """Issue 35's host-time rows: 1 x 8 x 128 x 64 bf16 causal forward, back to back (the GPU
+    work is a few microseconds, so the host's time per call sets the pace): ours, torch SDPA's
+    cuDNN and flash backends, the bare execute; ``vs_torch_cudnn`` = us / torch-cudnn's us."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import cudnn_attn as ca
+
+    q, k, v = (torch.randn(TINY_CAUSAL, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    mask = ca.Causal()
+    g, handle, uids = bare_graph(q, True, False)
+    ws = torch.empty(g.get_workspace_size(), device="cuda", dtype=torch.uint8)
+    bufs = [q, k, v, torch.empty_like(q), torch.empty(*TINY_CAUSAL[:3], 1, device="cuda")]
+
+    def under(backend):
+        def call():
+            with sdpa_kernel(backend):
+                return sdpa(q, k, v, is_causal=True)
+        return call
+
+    calls = {"tiny causal: ours": lambda: ca.attention(q, k, v, mask=mask, backend="cudnn"),
+             "tiny causal: torch-cudnn": under(SDPBackend.CUDNN_ATTENTION),
+             "tiny causal: torch-flash": under(SDPBackend.FLASH_ATTENTION),
+             "tiny causal: bare execute": lambda: g.execute(bufs, ws, handle=handle,
+                                                            tensor_uids=uids)}
+    n, us = args.overhead_iters, {}
+    for label, fn in calls.items():
+        try:
+            us[label] = 1e3 * _report.time_ms(fn, warmup=n, repeats=args.repeats, number=n,
+                                              sync=torch.cuda.synchronize)
+        except RuntimeError as exc:  # that SDPA backend cannot run it here
+            print(f"{label}: {str(exc).splitlines()[0]}")
+    bare_us, torch_us = us.get("tiny causal: bare execute"), us.get("tiny causal: torch-cudnn")
+    return [{"call": label, "us_per_call": t, "vs_bare": t / bare_us if bare_us else None,
+             "vs_torch_cudnn": t / torch_us if torch_us else None} for label, t in us.items()]
 
 
 def bench_builds(args):
@@ -219,16 +339,23 @@ def headline_tflops(rows):
 def target_verdicts(rows, overhead):
     """``{target: {"value", "met"}}`` from the throughput and overhead rows (also gpu_report's)."""
     tiny = next((r["vs_bare"] for r in overhead if r["call"] == TINY_CALL), None)
+    host = next((r.get("vs_torch_cudnn") for r in overhead
+                 if r["call"] == "tiny causal: ours"), None)
     large = [r["ours/bare"] for r in rows if r["S"] >= 4096 and "ours/bare" in r]  # not FP8
     vs_torch_cudnn = [r["ours_tflops"] / r["torch-cudnn_tflops"] for r in rows
                       if r.get("torch-cudnn_tflops")]
+    latency = [r["ours/torch-cudnn latency"] for r in rows if r.get("ours/torch-cudnn latency")]
     headline = headline_tflops(rows)
     return {
         f"tiny call vs bare <= {TARGET_OVERHEAD}": _verdict(tiny, lambda x: x <= TARGET_OVERHEAD),
+        f"tiny causal call host time vs torch-cudnn <= {TARGET_HOST_VS_TORCH}":
+            _verdict(host, lambda x: x <= TARGET_HOST_VS_TORCH),
         f"large shapes ours/bare >= {TARGET_VS_BARE} (min)":
             _verdict(min(large, default=None), lambda x: x >= TARGET_VS_BARE),
         f"ours/torch-cudnn >= {TARGET_VS_TORCH_CUDNN} on the same shapes (min)":
             _verdict(min(vs_torch_cudnn, default=None), lambda x: x >= TARGET_VS_TORCH_CUDNN),
+        f"ours/torch-cudnn latency >= {TARGET_VS_TORCH_CUDNN} on the same shapes (min)":
+            _verdict(min(latency, default=None), lambda x: x >= TARGET_VS_TORCH_CUDNN),
         **{f"bf16 D=128 causal S=8k {k} >= {v} TFLOP/s (H200)":
            _verdict(headline.get(k), lambda x, v=v: x >= v) for k, v in TARGET_TFLOPS.items()},
     }
@@ -257,6 +384,11 @@ def main() -> int:
                         help="the FP8 rows alone (no overhead, build or fp16/bf16 rows)")
     parser.add_argument("--no-ceilings", action="store_true",
                         help="skip measuring the copy and matmul ceilings")
+    parser.add_argument("--autotune", action="store_true",
+                        help="also time each shape on autotuned graphs (CUDNN_ATTN_AUTOTUNE=1: "
+                             "every plan timed on the first call, the fastest kept)")
+    parser.add_argument("--no-kernels", action="store_true",
+                        help="skip the profiler's kernel list (ours vs torch-cudnn, one shape)")
     parser.add_argument("--results-dir", type=Path, default=_report.RESULTS_DIR,
                         help="where the JSON goes (default benchmarks/results)")
     args = parser.parse_args()
@@ -268,6 +400,7 @@ def main() -> int:
               "Nothing was run or written.")
         return 0
     args.dtypes = (torch.bfloat16,) if args.quick else (torch.float16, torch.bfloat16)
+    args.kernels, args.kernel_record = not args.no_kernels, None
     dims = (128,) if args.quick else (64, 128)
     seqs = args.seqs or ((1024, 8192) if args.quick else SEQS)
     torch.manual_seed(0)
@@ -284,7 +417,9 @@ def main() -> int:
             return None
         verdicts = target_verdicts(rows, overhead)
         return _report.write_json("cudnn", {
-            "options": {k: (str(v) if k == "dtypes" else v) for k, v in vars(args).items()},
+            "options": {k: (str(v) if k == "dtypes" else v) for k, v in vars(args).items()
+                        if k != "kernel_record"},
+            "kernels": args.kernel_record,
             "device": torch.cuda.get_device_name(), "problem": {"tokens": TOKENS, "hidden": HIDDEN},
             "ceilings": machine, "overhead": overhead, "builds": builds, "throughput": rows,
             "headline_tflops": headline_tflops(rows), "complete": complete,
@@ -298,8 +433,9 @@ def main() -> int:
     else:
         overhead = bench_overhead(args)
         save()
-        _report.print_table(overhead, ["call", "us_per_call", "vs_bare"])
-        print(f"target: attention(backend='cudnn') <= {TARGET_OVERHEAD} x bare execute\n")
+        _report.print_table(overhead, ["call", "us_per_call", "vs_bare", "vs_torch_cudnn"])
+        print(f"target: attention(backend='cudnn') <= {TARGET_OVERHEAD} x bare execute; tiny "
+              f"causal ours <= {TARGET_HOST_VS_TORCH} x torch-cudnn\n")
         builds = bench_builds(args)
         save()
         _report.print_table(builds, ["graph", "build_ms", "workspace_MiB"])
@@ -313,9 +449,19 @@ def main() -> int:
         rows += fp8_rows.bench(seqs, args, timed, flops, TOKENS, HIDDEN)
     ceilings.add_fraction(rows, machine)
     cols = ["dtype", "D", "S", "causal", "dir", "ours_tflops", "bare_tflops", "ours/bare",
-            "torch-flash_tflops", "torch-cudnn_tflops", "ours/ceiling"]
+            "torch-flash_tflops", "torch-cudnn_tflops", "ours/torch-cudnn", "ours/ceiling"]
+    if args.autotune:
+        cols[6:6] = ["ours-tuned_tflops", "ours-tuned/torch-cudnn"]
     print()
     _report.print_table(rows, cols)
+    print("\nlatency (one call between synchronisations), ms:")
+    _report.print_table(rows, ["dtype", "D", "S", "causal", "dir", "ours_latency_ms",
+                               "bare_latency_ms", "torch-flash_latency_ms",
+                               "torch-cudnn_latency_ms", "ours/torch-cudnn latency"])
+    if args.kernel_record:
+        record = args.kernel_record
+        print(f"\nkernels per call, {record['shape']}: ours {len(record['ours'])}, torch-cudnn "
+              f"{len(record['torch-cudnn'])}; ours only: {record['ours_only'] or 'none'}")
     print()
     for name, verdict in target_verdicts(rows, overhead).items():
         print(f"  {verdict_line(name, verdict)}")

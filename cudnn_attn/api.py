@@ -11,7 +11,8 @@ from .tracing import custom_ops
 from .core import dispatch, execution
 from .core.explanation import Explanation
 from .core.caches import LRU
-from .model.masks import Alibi, Mask, Padding, RelPosBias, split_bias
+from .model.masks import (Alibi, Causal, Mask, MaskSet, Padding, RelPosBias, SlidingWindow,
+                          mask_parts, split_bias)
 from .model.problem import AttnProblem, deterministic_requested
 from .rewrites.kv_heads import head_counts_differ, repeat_to_common_heads
 from .model.inputs import DropoutState, Inputs
@@ -50,8 +51,12 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
             return None
         bias_key = alibi if t is None else \
             (kind, t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-    if mask is not None and _runtime_padding(mask):
-        return None  # its lengths are this call's tensors: a cached problem holds another's
+    padding = _runtime_padding(mask)
+    if padding is not None:
+        # Runtime Paddings of one batch size compare equal (their tensors are values, not
+        # keys): the cached problem, holding another call's lengths, gets this call's
+        # (_with_padding). The lengths' shapes are what validation checked.
+        mask = (mask, padding.runtime[0].shape, padding.runtime[1].shape)
     if type(scale) is bool or type(dropout_p) is bool or type(softcap) is bool \
             or type(return_lse) is not bool:
         # True == 1 == 1.0 hash alike: a valid call (scale=1.0) must not vouch for an invalid one.
@@ -68,9 +73,48 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
         return None
 
 
-def _runtime_padding(mask) -> bool:
-    parts = mask.parts() if isinstance(mask, Mask) else ()
-    return any(isinstance(m, Padding) and m.runtime is not None for m in parts)
+def _runtime_padding(mask) -> Optional[Padding]:
+    """The ``Padding`` of ``mask`` whose lengths are runtime tensors, if any."""
+    if mask is None:
+        return None
+    kind = type(mask)
+    if kind is Padding:
+        return mask if mask.runtime is not None else None
+    if kind is MaskSet:
+        parts = mask.members
+    elif kind in _SIMPLE_MASKS:
+        return None
+    else:
+        parts = mask.parts() if isinstance(mask, Mask) else ()
+    for m in parts:
+        if isinstance(m, Padding) and m.runtime is not None:
+            return m
+    return None
+
+
+_SIMPLE_MASKS = frozenset({Causal, SlidingWindow})
+
+
+def _with_padding(problem: AttnProblem, padding: Padding) -> AttnProblem:
+    """``problem`` (a cached call's) with ``padding`` (this call's runtime lengths) in place of
+    its own ``Padding``: equal as values, so nothing that validation or a plan read changes.
+    Copied field by field: ``dataclasses.replace`` would re-run the whole construction."""
+    parts = tuple(padding if isinstance(m, Padding) else m for m in mask_parts(problem.mask))
+    fresh = object.__new__(AttnProblem)
+    fresh.__dict__.update(problem.__dict__)
+    fresh.__dict__["mask"] = parts[0] if len(parts) == 1 else MaskSet(parts)
+    return fresh
+
+
+def _cached(signature, q, k, v):
+    """The ``(problem, plan, direct runner or None)`` an earlier call with this signature and
+    these strides prepared, or ``None``."""
+    if signature is None:
+        return None
+    try:
+        return _CALLS.get((signature, q.stride(), k.stride(), v.stride()))
+    except TypeError:  # unhashable argument: let validation explain it
+        return None
 
 
 def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse, backend,
@@ -92,7 +136,7 @@ def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
     entry = (problem, plan, direct)
     if key is not None:
         _CALLS.put(key, entry)
-        if direct is not None:
+        if direct is not None and _runtime_padding(mask) is None:
             _DIRECT.put(signature, direct)
     return entry
 
@@ -201,6 +245,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         out, lse = merge_sinks(out, lse, check_sinks(sinks, lse.shape[1], q), layout)
         return (out, lse) if return_lse else out
     traced = _through_ops(q, k, v)
+    entry = None
     if not traced:
         try:
             signature = _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
@@ -210,16 +255,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
             signature = direct = None
         if direct is not None:
             return direct(q, k, v)
-    if head_counts_differ(q, k, v, layout):  # never cached: its signature names other heads
-        return attention(q, *repeat_to_common_heads(q, k, v, layout), mask=mask, bias=bias,
-                         scale=scale, dropout_p=dropout_p, softcap=softcap, layout=layout,
-                         return_lse=return_lse, backend=backend, generator=generator)
-    if traced:
-        return custom_ops.traced_attention(
-            q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p, softcap=softcap,
-            layout=layout, return_lse=return_lse, backend=backend, generator=generator)
-    problem, plan, direct = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
-                                     return_lse, backend, signature)
+        entry = _cached(signature, q, k, v)
+    if entry is None:  # a call seen before had equal head counts and was valid: skip both
+        if head_counts_differ(q, k, v, layout):  # never cached: its signature names other heads
+            return attention(q, *repeat_to_common_heads(q, k, v, layout), mask=mask, bias=bias,
+                             scale=scale, dropout_p=dropout_p, softcap=softcap, layout=layout,
+                             return_lse=return_lse, backend=backend, generator=generator)
+        if traced:
+            return custom_ops.traced_attention(
+                q, k, v, mask=mask, bias=bias, scale=scale, dropout_p=dropout_p,
+                softcap=softcap, layout=layout, return_lse=return_lse, backend=backend,
+                generator=generator)
+        entry = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
+                         backend, signature)
+    problem, plan, direct = entry
+    padding = _runtime_padding(mask)
+    if padding is not None:
+        direct = None  # a one-op runner would hold the lengths of the call that prepared it
+        if problem.padding is not padding:
+            problem = _with_padding(problem, padding)
     if direct is not None:
         return direct(q, k, v)
     table = split_bias(bias)[1]  # the runtime tensor (Alibi's slopes live in the problem)

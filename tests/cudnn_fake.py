@@ -92,6 +92,8 @@ class FakeGraph:
     """One forward or backward SDPA graph, from its serialized form; ``seeds`` records the
     dropout seeds it drew with."""
 
+    autotune = tuned = False  # (BuiltGraph's flags: the stand-in has one plan, nothing to tune)
+
     def __init__(self, graph_json: str, score_mod_json=None):
         graph = json.loads(graph_json)
         (self.node,) = graph["nodes"]
@@ -245,6 +247,18 @@ class FakeGraph:
         self._write(buffers, "dV", dv, lens_kv)
 
 
+class FakeHandle:
+    """Stands for a cuDNN handle (``execute`` receives it); ``streams`` records each
+    ``cudnn.set_stream`` it gets."""
+
+    def __init__(self):
+        self.streams = []
+
+    @staticmethod
+    def set_stream(handle, stream):
+        handle.streams.append(stream)
+
+
 def install(monkeypatch):
     """``backend="cudnn"`` runs on this CPU through ``FakeGraph`` and a private graph cache;
     returns ``(cache, built)`` where ``built`` lists the ``(spec, backward)`` of each build."""
@@ -264,7 +278,14 @@ def install(monkeypatch):
     fresh = cache.GraphCache(16)
     monkeypatch.setattr(cache, "graph_cache", fresh)
     monkeypatch.setattr(cudnn_backend, "build_graph", build)
-    monkeypatch.setattr(_runtime, "handle_for", lambda device: None)
+    # The stream plumbing runs as on a GPU (one handle per device, bound to each call's stream
+    # under its lock; one pooled workspace per stream), around an object standing for cuDNN's
+    # handle.
+    monkeypatch.setattr(_runtime, "_new_handle",
+                        lambda index: _runtime.DeviceHandle(FakeHandle(), FakeHandle.set_stream))
+    monkeypatch.setattr(_runtime, "_raw_stream", lambda index: 0)
+    monkeypatch.setattr(_runtime, "_current_device", lambda: 0)
+    monkeypatch.setattr(_runtime, "capturing", lambda: False)
     monkeypatch.setattr(engine, "supports", lambda problem: analyze(problem)[1])
     clear_caches()  # no plan, call or decline from before the fake engine
     return fresh, built

@@ -126,7 +126,10 @@ class _Recorded(torch.autograd.Function):
     """One call as an autograd node: the backward replays the forward's dropout state."""
 
     @staticmethod
-    def forward(ctx, problem, plan, dropout, dropout_mask, q, k, v, bias):
+    def forward(ctx, call, q, k, v, bias):
+        # call = (problem, plan, dropout, dropout_mask): one argument, not four (apply walks
+        # every argument on each call)
+        problem, plan, dropout, dropout_mask = call
         out, lse = plan.forward(problem, Inputs(q, k, v, bias, dropout, dropout_mask))
         ctx.problem, ctx.plan, ctx.dropout, ctx.dropout_mask = problem, plan, dropout, dropout_mask
         ctx.save_for_backward(q, k, v, bias, out, lse)
@@ -142,18 +145,20 @@ class _Recorded(torch.autograd.Function):
             dout = torch.zeros_like(out)
         inputs = Inputs(q, k, v, bias, ctx.dropout, ctx.dropout_mask)
         dq, dk, dv, dbias = ctx.plan.backward(ctx.problem, inputs, out, lse, dout, dlse)
-        return None, None, None, None, dq, dk, dv, dbias
+        return None, dq, dk, dv, dbias
 
 
 def run(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool):
     """``(out, lse)`` of one call, differentiable when the problem needs it (the dropout state
     and the plan kept for the backward). Positions past ``Padding`` lengths never reach the
     engine, and the gradient reaching them stops at the output."""
-    inputs = hide_padding(problem, inputs)
+    padded = problem.mask is not None and problem.padding is not None
+    if padded:
+        inputs = hide_padding(problem, inputs)
     if problem.requires_grad and torch.is_grad_enabled():
-        out, lse = _Recorded.apply(problem, plan, inputs.dropout, inputs.dropout_mask,
+        out, lse = _Recorded.apply((problem, plan, inputs.dropout, inputs.dropout_mask),
                                    inputs.q, inputs.k, inputs.v, inputs.bias)
-        return hide_padded_rows(problem, out), lse
+        return (hide_padded_rows(problem, out) if padded else out), lse
     return plan.forward(problem, inputs, need_lse=need_lse)
 
 

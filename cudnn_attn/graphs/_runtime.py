@@ -1,33 +1,46 @@
 """Per-call plumbing of the cuDNN engine: handles, workspaces, and the small runtime inputs.
 
-* One cuDNN handle per (thread, device), kept in the registered LRU ``cudnn.handles`` (so
-  ``clear_caches()`` drops them), re-bound to torch's current stream on every call
-  (``cudnn.set_stream`` skips the driver call when the stream is unchanged).
-* Workspaces come from torch's caching allocator, so they follow torch's stream semantics.
+* One cuDNN handle per device (``DeviceHandle``, in the registered LRU ``cudnn.handles``, so
+  ``clear_caches()`` drops it), shared by every thread: a forward (on the caller's thread) and
+  its backward (on autograd's device thread) run with the same handle. cuDNN forbids using one
+  handle from two threads at once, so each ``execute`` holds the handle's lock, and binds it to
+  torch's current stream there (``cudnn.set_stream`` only when the stream changed). One handle
+  per device rather than per stream: a CUDA-graph capture runs on a stream of its own, and
+  creating a cuDNN handle inside a capture is not allowed; a new stream only needs a new
+  ``StreamContext``, a Python object.
+* Workspaces come from a pool, one buffer per (device, stream) (``StreamContext``), grown to the
+  largest size asked for and never shrunk (no per-call allocation of the backward's ~100 MiB).
+  Work on one stream is ordered, so the calls sharing its buffer never overlap. While the stream
+  is being captured into a CUDA graph, a workspace comes from torch's allocator instead (the
+  graph's private pool keeps it for the replays; the shared buffer may be reused by eager calls
+  in between).
 * Runtime values are graph inputs, never graph attributes: the softmax scale (pass-by-value
   fp32), the padding lengths (``[B, 1, 1, 1]`` int32 on the device), the Philox seed/offset
-  (pass-by-value int64), ragged offsets and page tables. Small bounded caches (``caches.LRU``)
-  keep the host-side cost of host lengths off the hot path; lengths, offsets and tables given as
-  device tensors are converted on the device and never read (no host synchronisation, so a call
-  can be captured in a CUDA graph).
+  (pass-by-value int64), ragged offsets and page tables. Small bounded caches keep the host-side
+  cost of host lengths off the hot path (their device tensors are made once per value set, so a
+  call never copies host lengths to the device); lengths, offsets and tables given as device
+  tensors are converted on the device and never read (no host synchronisation, so a call can be
+  captured in a CUDA graph).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from ..core.caches import LRU
 
-__all__ = ["handle_for", "workspace", "ScalarCache", "LengthCache", "device_lengths",
-           "ragged_offsets", "token_rows", "page_tables", "aligned", "philox_tensors",
-           "positive_scale", "scaled_same_strides"]
+__all__ = ["DeviceHandle", "StreamContext", "stream_context", "handle_for", "workspace",
+           "capturing", "ScalarCache", "LengthCache", "device_lengths", "ragged_offsets",
+           "token_rows", "page_tables", "aligned", "philox_tensors", "positive_scale",
+           "scaled_same_strides"]
 
-# (thread id, device index) -> (handle, cudnn.set_stream). A handle is only ever used by the
-# thread that created it; a dead thread's id reused by a new thread reuses its handle safely.
-_HANDLES = LRU("cudnn.handles", None)
+# device index -> DeviceHandle: the device's one cuDNN handle.
+_HANDLES = LRU("cudnn.handles", 64)
+# (device index, raw stream) -> StreamContext: that stream's workspace and its device's handle.
+_STREAMS = LRU("cudnn.streams", 256)
 # (dtype, value) -> pass-by-value (1, 1, 1, 1) host tensor.
 _SCALARS = LRU("cudnn.scalars", 256)
 # (spec, lens_q, lens_kv, device) -> device seq_len_q, seq_len_kv and the empty-row mask.
@@ -41,23 +54,110 @@ def _raw_stream(index: int) -> int:
         return torch.cuda.current_stream(index).cuda_stream
 
 
-def handle_for(device: torch.device):
-    """This thread's cuDNN handle for ``device``, bound to torch's current stream there."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (threading.get_ident(), index)
-    entry = _HANDLES.get(key)
-    if entry is None:
-        import cudnn
+def _current_device() -> int:
+    return torch.cuda.current_device()
 
-        with torch.cuda.device(index):  # a handle binds the current device
-            entry = _HANDLES.put(key, (cudnn.create_handle(), cudnn.set_stream))
-    handle, set_stream = entry
-    set_stream(handle, _raw_stream(index))  # skips the driver call when the stream is unchanged
-    return handle
+
+def capturing() -> bool:
+    """Whether torch's current CUDA stream is being captured into a CUDA graph (the C function
+    behind ``torch.cuda.is_current_stream_capturing``: one Python frame less per call)."""
+    try:
+        return torch._C._cuda_isCurrentStreamCapturing()
+    except (AttributeError, RuntimeError):  # a torch built without CUDA captures nothing
+        return False
+
+
+class DeviceHandle:
+    """A device's cuDNN handle, the lock that keeps two threads from using it at once, and the
+    stream it is bound to now."""
+
+    __slots__ = ("handle", "lock", "stream", "_set_stream")
+
+    def __init__(self, handle, set_stream):
+        self.handle, self._set_stream = handle, set_stream
+        self.lock = threading.Lock()
+        self.stream: Optional[int] = None
+
+    def bind(self, stream: int) -> Any:
+        """The handle, bound to ``stream`` (call with the lock held)."""
+        if self.stream != stream:
+            self._set_stream(self.handle, stream)
+            self.stream = stream
+        return self.handle
+
+
+class StreamContext:
+    """What calls on one (device, stream) share: the device's handle and the pooled
+    workspace."""
+
+    __slots__ = ("device", "stream", "shared", "_workspace")
+
+    def __init__(self, device: torch.device, stream: int, shared: DeviceHandle):
+        self.device, self.stream, self.shared = device, stream, shared
+        self._workspace: Optional[torch.Tensor] = None
+
+    @property
+    def handle(self):
+        return self.shared.handle
+
+    def workspace(self, size: int) -> Optional[torch.Tensor]:
+        """At least ``size`` bytes of device memory for one ``execute`` on this stream."""
+        if not size:
+            return None
+        if capturing():  # a captured graph keeps its own (torch's graph pool holds it)
+            return torch.empty(size, dtype=torch.uint8, device=self.device)
+        buffer = self._workspace
+        if buffer is None or buffer.numel() < size:
+            # The old buffer goes back to torch's allocator on this stream: ordered after the
+            # work already queued that uses it.
+            buffer = self._workspace = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return buffer
+
+    def execute(self, graph, buffers, workspace_size: int) -> None:
+        """``graph.execute(buffers, workspace, handle)`` on this stream, under the handle's
+        lock."""
+        shared = self.shared
+        with shared.lock:
+            if shared.stream != self.stream:
+                shared.bind(self.stream)
+            graph.execute(buffers, self.workspace(workspace_size), shared.handle)
+
+
+def _new_handle(index: int) -> DeviceHandle:
+    import cudnn
+
+    with torch.cuda.device(index):  # a handle binds the current device
+        return DeviceHandle(cudnn.create_handle(), cudnn.set_stream)
+
+
+def stream_context(device: torch.device) -> StreamContext:
+    """The ``StreamContext`` of torch's current stream on ``device`` (made on first use)."""
+    index = device.index
+    if index is None:  # tensors on CUDA always name theirs; a bare "cuda" may not
+        index = _current_device()
+    key = (index, _raw_stream(index))
+    context = _STREAMS.get(key)
+    if context is None:
+        if device.index is None:
+            device = torch.device(device.type, index)
+        shared = _HANDLES.get(index)
+        if shared is None:
+            shared = _HANDLES.put(index, _new_handle(index))
+        context = _STREAMS.put(key, StreamContext(device, key[1], shared))
+    return context
+
+
+def handle_for(device: torch.device):
+    """``device``'s cuDNN handle, bound to torch's current stream there (for a caller that runs
+    it itself: graph builds, deserialisation)."""
+    context = stream_context(device)
+    with context.shared.lock:
+        return context.shared.bind(context.stream)
 
 
 def workspace(size: int, device: torch.device) -> Optional[torch.Tensor]:
-    return torch.empty(size, dtype=torch.uint8, device=device) if size else None
+    """A pooled workspace of at least ``size`` bytes on torch's current stream of ``device``."""
+    return stream_context(device).workspace(size)
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
@@ -109,35 +209,57 @@ def scaled_same_strides(t: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 class ScalarCache:
-    """Pass-by-value ``(1, 1, 1, 1)`` host tensors, one per value (shared LRU
-    ``cudnn.scalars``)."""
+    """Pass-by-value ``(1, 1, 1, 1)`` host tensors, one per value: a small dict of this cache's
+    own in front of the shared LRU ``cudnn.scalars`` (the hit costs one dict lookup)."""
+
+    __slots__ = ("_dtype", "_local")
+    _LOCAL_MAX = 16
 
     def __init__(self, dtype: torch.dtype = torch.float32):
         self._dtype = dtype
+        self._local: dict = {}
 
     def get(self, value) -> torch.Tensor:
-        dtype = self._dtype
-        return _SCALARS.get_or_create((dtype, value),
-                                      lambda: torch.full((1, 1, 1, 1), value, dtype=dtype))
+        found = self._local.get(value)
+        if found is None:
+            dtype = self._dtype
+            found = _SCALARS.get_or_create((dtype, value),
+                                           lambda: torch.full((1, 1, 1, 1), value, dtype=dtype))
+            if len(self._local) >= self._LOCAL_MAX:
+                self._local.clear()
+            self._local[value] = found
+        return found
 
 
 class LengthCache:
-    """Per padding-length tuple: device ``seq_len_q``/``seq_len_kv`` and the empty-row mask
-    (shared LRU ``cudnn.lengths``, keyed by the graph spec too)."""
+    """Per padding-length tuple: device ``seq_len_q``/``seq_len_kv`` and the empty-row mask,
+    copied to the device once per value set (shared LRU ``cudnn.lengths``, keyed by the graph
+    spec too, behind a small dict of this cache's own)."""
+
+    __slots__ = ("_spec", "_local")
+    _LOCAL_MAX = 64
 
     def __init__(self, spec):
         self._spec = spec
+        self._local: dict = {}
 
     def get(self, lens_q: tuple, lens_kv: tuple, device: torch.device):
-        return _LENGTHS.get_or_create((self._spec, lens_q, lens_kv, device),
-                                      lambda: self._make(lens_q, lens_kv, device))
+        key = (lens_q, lens_kv, device)
+        found = self._local.get(key)
+        if found is None:
+            found = _LENGTHS.get_or_create((self._spec, *key),
+                                           lambda: self._make(lens_q, lens_kv, device))
+            if len(self._local) >= self._LOCAL_MAX:
+                self._local.clear()
+            self._local[key] = found
+        return found
 
     def _make(self, lens_q, lens_kv, device):
         from ._spec import padded_rows
 
         b = self._spec.batch
         host = torch.tensor([lens_q, lens_kv], dtype=torch.int32).view(2, b, 1, 1, 1)
-        lens = host.to(device, non_blocking=False)
+        lens = host.to(device, non_blocking=False)  # once per value set (then cached)
         empty = padded_rows(self._spec, lens_q, lens_kv)
         empty_dev = empty.to(device) if bool(empty.any()) else None
         return lens[0], lens[1], empty_dev

@@ -59,7 +59,9 @@ class GraphOptions:
     ``torch.use_deterministic_algorithms(True)``); ``dropout_mask``: the ``(mask, scale)`` dropout
     form instead of Philox; ``ragged``: packed varlen (THD) with ragged offsets on Q/K/V/O/Stats;
     ``max_total_seq_len_q/kv``: bounds of the packed token axis (ragged only); ``paged``: KV
-    page tables (forward only).
+    page tables (forward only); ``autotune``: the built graph times every plan cuDNN offers on
+    its first execution and keeps the fastest (``graphs.autotune``; the engine's own graphs
+    follow ``CUDNN_ATTN_AUTOTUNE=1``). Not part of the graph spec: it picks a plan, not a graph.
     """
 
     deterministic: bool = False
@@ -68,6 +70,7 @@ class GraphOptions:
     max_total_seq_len_q: Optional[int] = None
     max_total_seq_len_kv: Optional[int] = None
     paged: Optional[PagedKV] = None
+    autotune: bool = False
 
 
 @dataclass(frozen=True)
@@ -470,8 +473,8 @@ def padded_rows(spec: GraphSpec, lens_q, lens_kv) -> torch.Tensor:
     tensors stay on their device (never read)."""
     b = spec.batch
     device = lens_q.device if isinstance(lens_q, torch.Tensor) else None
-    lq, lkv = (torch.as_tensor(n, device=device).to(torch.int64).view(b, 1)
-               for n in (lens_q, lens_kv))
+    # Compared against an int64 arange as they are (int32 device lengths need no cast kernel).
+    lq, lkv = (torch.as_tensor(n, device=device).view(b, 1) for n in (lens_q, lens_kv))
     i = torch.arange(spec.seq_q, dtype=torch.int64, device=device).view(1, -1)
     return empty_rows(spec.band, i, lq, lkv)
 

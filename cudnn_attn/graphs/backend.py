@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -25,7 +26,7 @@ from ..core.caches import LRU, memoize
 from ..errors import NotSupportedError
 from ..model.problem import AttnProblem
 from ..model.storage import Paged, Ragged
-from . import _runtime, decode_rows
+from . import _runtime, autotune, decode_rows
 from .limits import LIMITS
 from .score_mod_masks import density, neighborhood_as_band, tile_bitmask
 from ._spec import GraphSpec, analyze, problem_lengths
@@ -34,6 +35,9 @@ from .sdpa import UID, BuiltGraph, build_graph
 __all__ = ["CudnnBackend", "CudnnPlan", "TwoRowPlan", "graph_specs"]
 
 PLAN_CACHE_SIZE = 128
+# UID's values as plain ints for the per-call buffer dicts: an IntEnum member costs the hot path
+# a metaclass lookup each time it is named (the graphs bind by the same int values).
+_U = SimpleNamespace(**{uid.name: int(uid) for uid in UID})
 
 
 @memoize("cudnn.import_error", 1)
@@ -157,6 +161,8 @@ class CudnnPlan:
     """The graphs of one normalized problem (forward with/without stats, backward), built
     lazily through ``graph_cache`` and kept for the plan's lifetime."""
 
+    name = "cudnn"
+
     def __init__(self, problem: AttnProblem, spec: GraphSpec):
         self.spec = spec
         self.dropout_p = problem.dropout_p
@@ -165,8 +171,11 @@ class CudnnPlan:
         self._scales = _runtime.ScalarCache(torch.float32)
         self._lengths = _runtime.LengthCache(spec) if spec.padding else None
         s = spec
+        self._dropout = s.dropout_mask or s.dropout_p > 0
         self.o_shape = ((s.batch, s.heads_q, s.seq_q, s.dim_v) if s.layout == "bhsd"
                         else (s.batch, s.seq_q, s.heads_q, s.dim_v))
+        self._out_like_q = s.dim_v == s.dim_qk  # out has q's shape (any layout, packed too)
+        self._templates: dict = {}  # (role, dtype, device) -> expanded one-element tensor
 
     def direct(self, problem):
         """No single public op runs these graphs/kernels: every call takes ``forward``."""
@@ -199,10 +208,10 @@ class CudnnPlan:
         q_factor, scale = _runtime.positive_scale(problem.scale)
         if q_factor != 1.0:  # cuDNN takes positive scales only; the sign rides on q
             q = _runtime.scaled_same_strides(q, q_factor)
-        buffers = {UID.Q: _runtime.aligned(q), UID.K: _runtime.aligned(k),
-                   UID.V: _runtime.aligned(v), UID.SCALE: self._scales.get(scale)}
+        buffers = {_U.Q: _runtime.aligned(q), _U.K: _runtime.aligned(k),
+                   _U.V: _runtime.aligned(v), _U.SCALE: self._scales.get(scale)}
         if self.spec.bias_dim is not None:
-            buffers[UID.BIAS] = _runtime.bias_operand(self.spec, bias)
+            buffers[_U.BIAS] = _runtime.bias_operand(self.spec, bias)
         empty = None
         if self._lengths is not None:
             padding = problem.padding
@@ -211,14 +220,14 @@ class CudnnPlan:
             else:
                 lens_q, lens_kv = problem_lengths(problem)
                 seq_q, seq_kv, empty = self._lengths.get(lens_q, lens_kv, device)
-            buffers[UID.SEQ_LEN_Q], buffers[UID.SEQ_LEN_KV] = seq_q, seq_kv
+            buffers[_U.SEQ_LEN_Q], buffers[_U.SEQ_LEN_KV] = seq_q, seq_kv
         storage = problem.storage
         if isinstance(storage, Ragged):
             buffers.update(_runtime.ragged_offsets(self.spec, storage))
             if empty is not None:  # [B, S_q] -> one flag per packed token
                 empty = _runtime.token_rows(empty, storage.cu_seqlens_q, q.shape[0])
         elif isinstance(storage, Paged):
-            buffers[UID.PAGE_TABLE_K], buffers[UID.PAGE_TABLE_V] = \
+            buffers[_U.PAGE_TABLE_K], buffers[_U.PAGE_TABLE_V] = \
                 _runtime.page_tables(self.spec, storage)
         return buffers, empty
 
@@ -230,14 +239,22 @@ class CudnnPlan:
         if s.dropout_mask:
             keep = inputs.dropout_mask
             full = (s.batch, s.heads_q, s.seq_q, s.seq_kv)
-            buffers[UID.DROPOUT_MASK] = _runtime.aligned(
+            buffers[_U.DROPOUT_MASK] = _runtime.aligned(
                 keep.to(device=inputs.q.device, dtype=problem.dtype).expand(full).contiguous())
             scale = float(problem.dropout_scale)
-            buffers[UID.DROPOUT_SCALE] = self._scales.get(scale)
+            buffers[_U.DROPOUT_SCALE] = self._scales.get(scale)
             if backward:
-                buffers[UID.DROPOUT_SCALE_INV] = self._scales.get(1.0 / scale)
+                buffers[_U.DROPOUT_SCALE_INV] = self._scales.get(1.0 / scale)
         elif s.dropout_p > 0:
-            buffers[UID.DROPOUT_SEED], buffers[UID.DROPOUT_OFFSET] = \
+            if _runtime.capturing():
+                # The seed is a pass-by-value input: a captured graph would bake this call's in
+                # and every replay would drop the same weights. Refuse rather than repeat.
+                raise NotSupportedError(problem, {self.name: [
+                    "dropout inside a CUDA graph capture: the Philox seed is drawn on the host "
+                    "per call, so every replay would repeat this call's mask; capture without "
+                    "dropout, or pass an explicit dropout mask (the builder's set_dropout(mask, "
+                    "scale))"]}, forced=self.name)
+            buffers[_U.DROPOUT_SEED], buffers[_U.DROPOUT_OFFSET] = \
                 _runtime.philox_tensors(inputs.dropout)
 
     def _empty_views(self, empty):
@@ -248,12 +265,41 @@ class CudnnPlan:
         rows = empty[:, :, None, None] if self.spec.layout == "bshd" else empty[:, None, :, None]
         return rows, empty[:, None, :, None]
 
-    def _shapes(self, q) -> tuple[tuple, tuple]:
-        """Shapes of out and stats: the call layout's, or packed ``[total_q, H, *]``."""
+    def _out_shape(self, q) -> tuple:
+        """Shape of out: the call layout's, or packed ``[total_q, H, D_v]``."""
         s = self.spec
-        if s.ragged:
-            return (q.shape[0], s.heads_q, s.dim_v), (q.shape[0], s.heads_q, 1)
-        return self.o_shape, (s.batch, s.heads_q, s.seq_q, 1)
+        return (q.shape[0], s.heads_q, s.dim_v) if s.ragged else self.o_shape
+
+    def _stats_shape(self, q) -> tuple:
+        """Shape of the stats: ``[B, H, S_q, 1]``, or packed ``[total_q, H, 1]``."""
+        s = self.spec
+        return (q.shape[0], s.heads_q, 1) if s.ragged else (s.batch, s.heads_q, s.seq_q, 1)
+
+    # Outputs are allocated with empty_like, which costs the host a third of an empty of the
+    # same shape (no shape, dtype or device arguments to parse): like q when out has q's shape,
+    # else like a one-element template expanded to the shape (empty_like of an expanded tensor
+    # is contiguous). Packed shapes change with the token count: those use empty.
+    def _new_out(self, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised out, contiguous in the call's layout."""
+        if self._out_like_q and q.dtype == dtype:
+            return torch.empty_like(q, memory_format=torch.contiguous_format)
+        if self.spec.ragged:
+            return torch.empty(self._out_shape(q), dtype=dtype, device=q.device)
+        return torch.empty_like(self._template("out", self.o_shape, dtype, q.device))
+
+    def _new_stats(self, q: torch.Tensor) -> torch.Tensor:
+        """Uninitialised fp32 stats, ``[B, H, S_q, 1]`` (or packed ``[total_q, H, 1]``)."""
+        if self.spec.ragged:
+            return torch.empty(self._stats_shape(q), dtype=torch.float32, device=q.device)
+        return torch.empty_like(self._template("stats", self._stats_shape(q), torch.float32,
+                                               q.device))
+
+    def _template(self, role: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+        found = self._templates.get((role, dtype, device))
+        if found is None:
+            found = torch.empty((1,) * len(shape), dtype=dtype, device=device).expand(shape)
+            self._templates[(role, dtype, device)] = found
+        return found
 
     def _lse(self, stats: torch.Tensor) -> torch.Tensor:
         """Stats as the package's lse: ``[B, H, S_q]``, or ``[H, total_q]`` when packed (the
@@ -268,25 +314,23 @@ class CudnnPlan:
         """``(out, lse)``: out in the call's layout and dtype; lse ``[B, H, S_q]`` fp32
         (natural log; ``-inf`` and out 0 on rows that see no key), ``None`` unless
         ``need_lse``. Packed (ragged) problems: out ``[total_q, H, D_v]``, lse ``[H, total_q]``."""
-        q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
+        q = inputs.q
         device = q.device
-        built = self._get(problem, "stats" if need_lse else "plain")
-        handle = _runtime.handle_for(device)
-        buffers, empty = self._common(problem, q, k, v, bias, device)
-        self._dropout_buffers(problem, inputs, buffers, backward=False)
+        built = self._graphs.get("stats" if need_lse else "plain") \
+            or self._get(problem, "stats" if need_lse else "plain")
+        buffers, empty = self._common(problem, q, inputs.k, inputs.v, inputs.bias, device)
+        if self._dropout:
+            self._dropout_buffers(problem, inputs, buffers, backward=False)
         if self.spec.block_mask:  # the neighborhood's tiles, built once per plan
             if self._block_mask is None:
                 self._block_mask = tile_bitmask(problem.neighborhood, self.spec.batch,
                                                 self.spec.heads_q, device)
-            buffers[UID.BLOCK_MASK] = self._block_mask
-        o_shape, stats_shape = self._shapes(q)
-        out = torch.empty(o_shape, dtype=problem.dtype, device=device)
-        buffers[UID.O] = out
+            buffers[_U.BLOCK_MASK] = self._block_mask
+        out = buffers[_U.O] = self._new_out(q, problem.dtype)
         stats = None
         if need_lse:
-            stats = torch.empty(stats_shape, dtype=torch.float32, device=device)
-            buffers[UID.STATS] = stats
-        built.execute(buffers, _runtime.workspace(built.workspace_size, device), handle)
+            stats = buffers[_U.STATS] = self._new_stats(q)
+        _execute(built, buffers, device)
         if stats is None:
             if empty is not None:
                 out.masked_fill_(self._empty_views(empty)[0], 0)
@@ -302,32 +346,35 @@ class CudnnPlan:
         returned LSE) enters through ``delta = rowsum(dO * O) - dlse``."""
         q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
         s, device = self.spec, q.device
-        built = self._get(problem, "backward")
-        handle = _runtime.handle_for(device)
+        built = self._graphs.get("backward") or self._get(problem, "backward")
         buffers, _ = self._common(problem, q, k, v, bias, device)
         # exp(S - (+inf)) = 0: rows that see no key (lse -inf) contribute nothing, whatever
         # cuDNN wrote for them in the forward (FlashAttention's convention).
-        o_shape, stats_shape = self._shapes(q)
         packed = lse.t() if s.ragged else lse  # back to the stats' own row order
-        stats = packed.reshape(stats_shape).to(torch.float32)
+        stats = packed.reshape(self._stats_shape(q))
+        if stats.dtype != torch.float32:
+            stats = stats.to(torch.float32)
         if s.padding:  # only padded graphs have rows that see no key (the forward's -inf rows)
             stats = stats.masked_fill(stats == -math.inf, math.inf)
-        self._dropout_buffers(problem, inputs, buffers, backward=True)
+        if self._dropout:
+            self._dropout_buffers(problem, inputs, buffers, backward=True)
+        o_shape = self._out_shape(q)
         dout = _like_layout(dout, o_shape)
         if dlse is not None:
             out = _fold_dlse(out, dout, dlse.t() if s.ragged else dlse,
                              "ragged" if s.ragged else s.layout)
-        buffers[UID.O] = _like_layout(out, o_shape)
-        buffers[UID.DO] = dout
-        buffers[UID.STATS] = stats.contiguous()
+        buffers[_U.O] = _like_layout(out, o_shape)
+        buffers[_U.DO] = dout
+        buffers[_U.STATS] = stats if stats.is_contiguous() else stats.contiguous()
         # Gradients contiguous in the call's layout (the strides the backward graph expects).
-        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=device) for t in (q, k, v))
-        buffers[UID.DQ], buffers[UID.DK], buffers[UID.DV] = dq, dk, dv
+        dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format)
+                      for t in (q, k, v))
+        buffers[_U.DQ], buffers[_U.DK], buffers[_U.DV] = dq, dk, dv
         dbias = None
         if s.dbias:
             dbias = torch.empty(s.bias_dim, dtype=bias.dtype, device=device)
-            buffers[UID.DBIAS] = dbias
-        built.execute(buffers, _runtime.workspace(built.workspace_size, device), handle)
+            buffers[_U.DBIAS] = dbias
+        _execute(built, buffers, device)
         q_factor = _runtime.positive_scale(problem.scale)[0]
         if q_factor == 0.0:  # the graph differentiated w.r.t. q * q_factor
             dq.zero_()
@@ -369,6 +416,20 @@ class TwoRowPlan(CudnnPlan):
             add(lse, "", where, math.inf, rows=2), add(dout, layout, where, 0.0),
             None if dlse is None else add(dlse, "", where, 0.0, rows=2))
         return decode_rows.real_row(dq, layout, where).contiguous(), dk, dv, dbias
+
+
+def _execute(built: BuiltGraph, buffers: dict, device: torch.device) -> None:
+    """``built`` on torch's current stream of ``device``: the device's handle (under its lock:
+    the backward may run on autograd's thread) and the stream's pooled workspace. A graph to
+    autotune is tuned first, on these buffers (not inside a CUDA-graph capture: nothing can be
+    timed there)."""
+    context = _runtime.stream_context(device)
+    if built.autotune and not built.tuned and not _runtime.capturing():
+        with context.shared.lock:
+            if not built.tuned:  # another thread may have tuned it meanwhile
+                built.tune(buffers, context.workspace, context.shared.bind(context.stream),
+                           autotune.cuda_time_ms)
+    context.execute(built, buffers, built.workspace_size)
 
 
 def _like_layout(t: torch.Tensor, shape: tuple) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["EngineChoice", "selected_engine"]
+__all__ = ["EngineChoice", "selected_engine", "engine_at"]
 
 
 @dataclass(frozen=True)
@@ -27,22 +27,32 @@ class EngineChoice:
     knobs: tuple = ()
     plan_name: str = ""
     kernels: tuple = ()
+    # Chosen by timing every plan (graphs.autotune): ((plan index, ms), ...) of the plans timed;
+    # empty: cuDNN's heuristic choice.
+    timings: tuple = ()
 
     def __str__(self) -> str:
         knobs = ", ".join(f"{k}={v}" for k, v in self.knobs)
-        return f"engine {self.engine_id} [{knobs}]" + "".join(f"\n  kernel {k}"
-                                                             for k in self.kernels)
+        tuned = f" (fastest of {len(self.timings)} timed plans)" if self.timings else ""
+        return f"engine {self.engine_id} [{knobs}]{tuned}" + "".join(f"\n  kernel {k}"
+                                                                    for k in self.kernels)
+
+    @property
+    def autotuned(self) -> bool:
+        return bool(self.timings)
 
     def to_json(self) -> dict:
         return {"engine_id": self.engine_id, "knobs": [list(kv) for kv in self.knobs],
-                "plan_name": self.plan_name, "kernels": list(self.kernels)}
+                "plan_name": self.plan_name, "kernels": list(self.kernels),
+                "timings": [list(t) for t in self.timings]}
 
     @classmethod
     def from_json(cls, data: Optional[dict]) -> Optional["EngineChoice"]:
         if not data:
             return None
         return cls(int(data["engine_id"]), tuple((str(k), int(v)) for k, v in data["knobs"]),
-                   str(data.get("plan_name", "")), tuple(data.get("kernels", ())))
+                   str(data.get("plan_name", "")), tuple(data.get("kernels", ())),
+                   tuple((int(i), float(ms)) for i, ms in data.get("timings", ())))
 
 
 def selected_engine(graph) -> Optional[EngineChoice]:
@@ -54,6 +64,12 @@ def selected_engine(graph) -> Optional[EngineChoice]:
     index = getattr(graph, "_plan_index", None)
     if not isinstance(index, int):
         return None
+    return engine_at(graph, index)
+
+
+def engine_at(graph, index: int) -> Optional[EngineChoice]:
+    """The engine of ``graph``'s ranked plan ``index`` (``None`` if the frontend does not say);
+    never raises."""
     try:
         engine_id, knobs = graph.get_engine_and_knobs_at_index(index)
         pairs = tuple(sorted((getattr(k, "name", str(k)), int(v))

@@ -33,7 +33,8 @@ from ._emit import BACKWARD_KWARGS, FORWARD_KWARGS, UID, cudnn_dtype, cudnn_modu
 from ._spec import Band, GraphOptions, GraphSpec, PagedKV, analyze, cudnn_reasons
 from . import driver_standin
 from .entry_calls import CALL_ARGS, call_problem
-from .plan_choice import EngineChoice, selected_engine
+from . import autotune
+from .plan_choice import EngineChoice, engine_at, selected_engine
 
 if TYPE_CHECKING:
     import os
@@ -61,7 +62,9 @@ class BuiltGraph:
 
     ``inputs`` / ``outputs``: the uids the graph binds, in the order ``execute`` takes buffers.
     ``engine``: the engine cuDNN picked (``plan_choice.EngineChoice``), once plans are built;
-    ``target``: the described device's name when they were built deviceless.
+    ``target``: the described device's name when they were built deviceless. ``autotune``: time
+    every plan on the first execution and keep the fastest (``graphs.autotune``); ``tuned``:
+    that has happened (or the graph was loaded with a tuned plan).
     """
 
     graph: Any
@@ -74,6 +77,8 @@ class BuiltGraph:
     build_seconds: float = 0.0
     engine: Optional[EngineChoice] = None
     target: Optional[str] = None
+    autotune: bool = False
+    tuned: bool = False
     order: tuple = field(init=False)
 
     serial_kind = "cudnn_attn.sdpa"
@@ -89,6 +94,27 @@ class BuiltGraph:
         """Run on ``handle``'s stream; ``buffers`` maps every uid of ``order`` to a tensor."""
         self.graph.execute([buffers[u] for u in self.order], workspace, handle=handle,
                            tensor_uids=self.order)
+
+    def tune(self, buffers: Mapping, workspace_for, handle, time_ms) -> None:
+        """Time every plan on ``buffers`` (``workspace_for(size)`` gives each its workspace;
+        ``time_ms(fn)`` times a call) and keep the fastest: ``graphs.autotune.fastest_plan``."""
+        from .autotune import fastest_plan
+
+        ordered = [buffers[u] for u in self.order]
+        graph = self.graph
+
+        def run_at(index: int) -> None:
+            graph.execute_plan_at_index(
+                ordered, workspace_for(int(graph.get_workspace_size_plan_at_index(index))),
+                index, handle, tensor_uids=self.order)
+
+        best, timings = fastest_plan(graph, run_at, time_ms)
+        chosen = engine_at(graph, best)
+        if chosen is not None:
+            kernels = self.engine.kernels if self.engine is not None else ()
+            self.engine = dataclasses.replace(chosen, kernels=kernels, timings=tuple(timings))
+        self.workspace_size = int(graph.get_workspace_size())
+        self.tuned = True
 
     # -- persistence through graph_cache.save/load (GPU only: needs a built plan) ------------
     def serialize(self) -> bytes:
@@ -110,10 +136,11 @@ class BuiltGraph:
     @classmethod
     def from_meta(cls, graph, meta: dict) -> "BuiltGraph":
         """A built graph around a deserialized ``graph`` and its ``serialize()`` meta."""
+        engine = EngineChoice.from_json(meta.get("engine"))
         return cls(graph, _spec_from_json(meta["spec"]), meta["backward"],
                    tuple(UID(u) for u in meta["inputs"]), tuple(UID(u) for u in meta["outputs"]),
-                   int(graph.get_workspace_size()), True,
-                   engine=EngineChoice.from_json(meta.get("engine")), target=meta.get("target"))
+                   int(graph.get_workspace_size()), True, engine=engine, target=meta.get("target"),
+                   autotune=autotune.requested(), tuned=engine is not None and engine.autotuned)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "BuiltGraph":
@@ -207,8 +234,11 @@ def _validate_cpp(problem, spec: GraphSpec, backward: bool, sm: int):
 def build_graph(problem: AttnProblem, spec: GraphSpec, backward: bool, *,
                 target_sm: Optional[int] = None, plans: Optional[bool] = None,
                 device: Optional[torch.device] = None, target=None,
-                build_plans: bool = True) -> BuiltGraph:
+                build_plans: bool = True, tune: Optional[bool] = None) -> BuiltGraph:
     """Emit ``spec``, validate it and, on a CUDA device, build its execution plans.
+
+    ``tune``: time every plan on the first execution and keep the fastest (default:
+    ``CUDNN_ATTN_AUTOTUNE=1``; ``graphs.autotune``).
 
     ``target`` (a ``targets.DeviceTarget``): build the plans without a GPU, for that described
     device (``deviceless``; the driver stand-in records the kernels into ``engine``).
@@ -240,7 +270,8 @@ def build_graph(problem: AttnProblem, spec: GraphSpec, backward: bool, *,
     return BuiltGraph(g, spec, backward, inputs, outputs,
                       int(g.get_workspace_size()) if built else 0, built,
                       time.perf_counter() - start, engine,
-                      None if target is None else target.name)
+                      None if target is None else target.name,
+                      autotune=autotune.requested() if tune is None else tune)
 
 
 def build_forward(problem: AttnProblem, *, target_sm: Optional[int] = None,
@@ -254,7 +285,7 @@ def build_forward(problem: AttnProblem, *, target_sm: Optional[int] = None,
     if stats is None:
         stats = problem.requires_grad or problem.return_lse
     return build_graph(problem, spec.forward_variant(stats), False, target_sm=target_sm,
-                       plans=plans, target=target)
+                       plans=plans, target=target, tune=autotune.requested(options))
 
 
 def build_backward(problem: AttnProblem, *, target_sm: Optional[int] = None,
@@ -265,7 +296,7 @@ def build_backward(problem: AttnProblem, *, target_sm: Optional[int] = None,
     gradient) from ``Q, K, V, O, dO`` and the forward's ``Stats``."""
     spec = _spec_for(problem, target_sm, options, True)
     return build_graph(problem, spec.backward_variant(), True, target_sm=target_sm, plans=plans,
-                       target=target)
+                       target=target, tune=autotune.requested(options))
 
 
 _NOT_PROBLEM_KWARGS = ("backend", "generator")

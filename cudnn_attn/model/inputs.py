@@ -12,8 +12,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["SEED_BOUND", "DropoutState", "draw_seed", "Inputs", "valid_positions", "hide_padding",
-           "hide_padded_rows"]
+from ..core.caches import LRU
+
+__all__ = ["SEED_BOUND", "DropoutState", "draw_seed", "host_draw", "Inputs", "valid_positions",
+           "padding_positions", "hide_padding", "hide_padded_rows"]
 
 # Seeds stay below 2**62: every engine (and cuDNN's int64 seed tensor) holds them exactly.
 SEED_BOUND = 2 ** 62
@@ -43,14 +45,39 @@ class DropoutState:
 
 
 def draw_seed(generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """A ``[1]`` int64 seed in ``[0, SEED_BOUND)`` on ``generator``'s device, one draw of its
-    stream (torch's default CPU generator when ``None``): every surface draws its dropout seed
-    here, eager or traced, so a seeded generator gives the same masks either way."""
+    """A ``[1]`` int64 seed in ``[0, SEED_BOUND)``, one draw of ``generator``'s stream (torch's
+    default CPU generator when ``None``): every surface draws its dropout seed here, eager or
+    traced, so a seeded generator gives the same masks either way.
+
+    A CPU generator draws on the CPU. A CUDA generator is drawn on the host from its own state
+    (``host_draw``): a device draw would have to be read back, a synchronisation per call. The
+    seed is then a CPU tensor; under ``torch.compile`` (which cannot trace the generator's state)
+    it is drawn on the generator's device instead, so with a CUDA generator an eager and a
+    compiled call draw different (each reproducible) seeds."""
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got "
                         f"{type(generator).__name__}")
+    if generator is not None and generator.device.type == "cuda" \
+            and not torch.compiler.is_compiling():
+        return torch.tensor([host_draw(generator)], dtype=torch.int64)
     source = generator.device if generator is not None else "cpu"
     return torch.randint(0, SEED_BOUND, (1,), generator=generator, device=source)
+
+
+_MIX = (1 << 64) - 1
+
+
+def host_draw(generator: torch.Generator) -> int:
+    """A seed in ``[0, SEED_BOUND)`` from a CUDA generator's host-side state: its seed and its
+    Philox offset, which advances by 4 (one draw of a Philox counter, as PyTorch's own kernels
+    advance it), so successive calls get new seeds and a re-seeded generator repeats them. No
+    kernel runs and nothing is read back from the device."""
+    offset = generator.get_offset()
+    generator.set_offset(offset + 4)
+    x = (generator.initial_seed() * 0x9E3779B97F4A7C15 + offset + 1) & _MIX
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MIX  # splitmix64's finaliser
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MIX
+    return (x ^ (x >> 31)) % SEED_BOUND
 
 
 @dataclass(slots=True)
@@ -81,6 +108,34 @@ def valid_positions(lengths, seq: int, device) -> torch.Tensor:
     return torch.arange(seq, device=device) < lens.to(device, non_blocking=True)[:, None]
 
 
+# (lens_q, lens_kv, S_q, S_kv, device) -> (valid_q, valid_kv) of a static Padding, or None when
+# it pads nothing: copied to the device once per value set, not once per call.
+_STATIC_POSITIONS = LRU("padding.positions", 256)
+
+
+def padding_positions(padding, seq_q: int, seq_kv: int, device):
+    """``(valid_q, valid_kv)`` (``[B, S]`` bool on ``device``) of ``padding``, or ``None`` when
+    its lengths are ints that pad nothing. Static lengths: made on the host and copied to the
+    device once per value set (cached; the copy completes before the first use), so a call never
+    copies them again; runtime lengths: computed on the device (never read)."""
+    if padding.runtime is None:
+        key = (padding.seq_lens_q, padding.seq_lens_kv, seq_q, seq_kv, device)
+        found = _STATIC_POSITIONS.get(key, _STATIC_POSITIONS)
+        if found is _STATIC_POSITIONS:
+            found = _STATIC_POSITIONS.put(key, _static_positions(padding, seq_q, seq_kv, device))
+        return found
+    lens_q, lens_kv = padding.tensors(device)
+    return valid_positions(lens_q, seq_q, device), valid_positions(lens_kv, seq_kv, device)
+
+
+def _static_positions(padding, seq_q: int, seq_kv: int, device):
+    if min(padding.seq_lens_q) >= seq_q and min(padding.seq_lens_kv) >= seq_kv:
+        return None
+    host = (valid_positions(padding.seq_lens_q, seq_q, "cpu"),
+            valid_positions(padding.seq_lens_kv, seq_kv, "cpu"))
+    return tuple(t.to(device) for t in host)  # blocking: complete before any stream reads it
+
+
 def _on_sequence_axis(valid: torch.Tensor, layout: str) -> torch.Tensor:
     """``[B, S]`` -> broadcastable against ``[B, H, S, D]`` (bhsd) or ``[B, S, H, D]`` (bshd)."""
     return valid[:, None, :, None] if layout == "bhsd" else valid[:, :, None, None]
@@ -109,10 +164,10 @@ def hide_padding(problem, inputs: Inputs) -> Inputs:
     padding = problem.padding
     if padding is None or problem.storage is not None:  # packed: no positions past a length;
         return inputs                                   # paged: the pools are read, not copied
-    device = inputs.q.device
-    lens_q, lens_kv = padding.tensors(device)
-    valid_q = valid_positions(lens_q, problem.seq_q, device)
-    valid_kv = valid_positions(lens_kv, problem.seq_kv, device)
+    positions = padding_positions(padding, problem.seq_q, problem.seq_kv, inputs.q.device)
+    if positions is None:  # lengths that pad nothing
+        return inputs
+    valid_q, valid_kv = positions
     rows, keys = (_on_sequence_axis(v, problem.layout) for v in (valid_q, valid_kv))
     bias = inputs.bias
     if bias is not None and problem.bias is not None:
@@ -140,5 +195,8 @@ def hide_padded_rows(problem, out: torch.Tensor) -> torch.Tensor:
     padding = problem.padding
     if padding is None or problem.storage is not None:
         return out
-    valid_q = valid_positions(padding.tensors(out.device)[0], problem.seq_q, out.device)
+    positions = padding_positions(padding, problem.seq_q, problem.seq_kv, out.device)
+    if positions is None:
+        return out
+    valid_q = positions[0]
     return torch.where(_on_sequence_axis(valid_q, problem.layout), out, 0)

@@ -1,0 +1,222 @@
+"""Host microseconds per call of the cuDNN engine, measured on the CPU (no GPU needed).
+
+Run from the repository root:  python benchmarks/cudnn_host.py [--calls N] [--json | --json-to DIR]
+
+What a call costs the host before and after cuDNN's ``execute``: ``cudnn_attn.attention(...,
+backend="cudnn")`` runs with a host-only stand-in for cuDNN (graphs whose ``execute`` binds the
+buffers and returns; a handle object; CPU tensors playing the device, ``Padding`` tensors kept as
+runtime lengths), so every line of the engine's Python -- the call cache, the plan, the buffer
+binding, the handle and workspace lookups, the allocations, autograd -- runs and is timed, and
+cuDNN's own kernel launch is not. The same tiny problem (1 x 2 x 16 x 64 fp16, causal) in:
+
+  fwd            no grad
+  fwd (grad)     inputs require grad (records the autograd node, saves what the backward needs)
+  fwd+bwd        that, plus ``torch.autograd.grad`` of the output
+  padding        static ``Padding`` lengths (ints)
+  padding-rt     runtime ``Padding`` lengths (tensors: never read on the host)
+  dropout        dropout_p = 0.1 (the seed drawn, the Philox inputs bound)
+  bias           an additive [1, 8, 128, 128] bias
+
+and, as the bar to clear, torch SDPA's own dispatch on this CPU for the smallest call of the same
+kind (1 x 1 x 1 x 8, fp32, causal: what it costs beyond arithmetic), no grad / grad / fwd+bwd;
+and, for scale, the floor of any engine written in Python: a minimal ``torch.autograd.Function``
+that allocates out and lse and returns three gradients ("python floor").
+The issue's target (issue 35): ours at most torch's. Timings are the minimum over repeats of the
+mean per call (host time is noise-free from below). JSON: benchmarks/results/cudnn_host-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import timeit
+import types
+from pathlib import Path
+
+import _report  # benchmarks/_report.py (this script's folder is on sys.path)
+
+_report.unshadow_cudnn()  # this folder's cudnn.py is not the cuDNN frontend
+import torch
+
+# Small, so that the CPU's arithmetic on the few elementwise ops (masking padded rows) stays out
+# of the figures: their host cost does not depend on the size.
+SHAPE = (1, 2, 16, 64)
+
+
+EXECUTED = [0]  # graph executions, all graphs together
+
+
+class HostOnlyGraph:
+    """A built cuDNN graph's stand-in: ``execute`` takes what ``pygraph.execute`` takes, checks
+    one buffer per uid (a missing binding fails loudly) and counts the call, nothing else."""
+
+    def execute(self, buffers, workspace, handle=None, tensor_uids=None):
+        if len(buffers) != len(tensor_uids):
+            raise AssertionError("one buffer per uid")
+        EXECUTED[0] += 1
+
+    def get_workspace_size(self):
+        return 1 << 20
+
+
+def install() -> None:
+    """Route ``backend="cudnn"`` through host-only graphs on this CPU (process-wide: a benchmark
+    process, not a library)."""
+    import cudnn_attn as ca
+    from cudnn_attn.core import dispatch
+    from cudnn_attn.graphs import _emit, _runtime
+    from cudnn_attn.graphs import backend as cudnn_backend
+    from cudnn_attn.graphs._spec import analyze
+    from cudnn_attn.graphs.sdpa import BuiltGraph
+    from cudnn_attn.model import masks
+
+    def build(problem, spec, backward):
+        inputs, outputs = _emit.io_uids(spec, backward)
+        return BuiltGraph(HostOnlyGraph(), spec, backward, inputs, outputs, 1 << 20, True)
+
+    fake_cudnn = types.SimpleNamespace(create_handle=lambda: object(),
+                                       set_stream=lambda handle, stream: None)
+    sys.modules["cudnn"] = fake_cudnn  # type: ignore[assignment]  # the handle calls only
+    cudnn_backend.build_graph = build
+    engine = dispatch.get_backend("cudnn")
+    engine.supports = lambda problem: analyze(problem)[1]
+    masks._runtime_lengths = lambda value: isinstance(value, torch.Tensor)
+    # The CUDA queries a call makes, answered for "device 0, its default stream".
+    _runtime._raw_stream = lambda index: 0
+    _runtime._current_device = lambda: 0  # (absent before issue 35: harmless)
+    _runtime.capturing = lambda: False
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.device = lambda index: _Null()
+    ca.clear_caches()
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def per_call_us(fn, calls: int, repeats: int) -> float:
+    for _ in range(max(10, calls // 10)):
+        fn()
+    return 1e6 * min(timeit.repeat(fn, number=calls, repeat=repeats)) / calls
+
+
+def ours(calls: int, repeats: int) -> list[dict]:
+    import cudnn_attn as ca
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(SHAPE, generator=gen).to(torch.float16) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    dout = torch.randn(SHAPE, generator=gen).to(torch.float16)
+    bias = torch.randn(1, SHAPE[1], SHAPE[2], SHAPE[2], generator=gen).to(torch.float16)
+    causal = ca.Causal()
+    static = causal & ca.Padding([12])
+    runtime = causal & ca.Padding(torch.tensor([12]))
+
+    def fwd_bwd():
+        out = ca.attention(qg, kg, vg, mask=causal, backend="cudnn")
+        torch.autograd.grad(out, (qg, kg, vg), dout)
+
+    cases = {
+        "fwd": lambda: ca.attention(q, k, v, mask=causal, backend="cudnn"),
+        "fwd (grad)": lambda: ca.attention(qg, kg, vg, mask=causal, backend="cudnn"),
+        "fwd+bwd": fwd_bwd,
+        "padding": lambda: ca.attention(q, k, v, mask=static, backend="cudnn"),
+        "padding-rt": lambda: ca.attention(q, k, v, mask=runtime, backend="cudnn"),
+        "dropout": lambda: ca.attention(q, k, v, mask=causal, dropout_p=0.1, backend="cudnn"),
+        "bias": lambda: ca.attention(q, k, v, mask=causal, bias=bias, backend="cudnn"),
+    }
+    return [{"call": f"ours {name}", "us_per_call": per_call_us(fn, calls, repeats)}
+            for name, fn in cases.items()]
+
+
+def torch_sdpa(calls: int, repeats: int) -> list[dict]:
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 1, 8, generator=gen) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    dout = torch.randn(1, 1, 1, 8, generator=gen)
+
+    def fwd_bwd():
+        out = sdpa(qg, kg, vg, is_causal=True)
+        torch.autograd.grad(out, (qg, kg, vg), dout)
+
+    cases = {"fwd": lambda: sdpa(q, k, v, is_causal=True),
+             "fwd (grad)": lambda: sdpa(qg, kg, vg, is_causal=True),
+             "fwd+bwd": fwd_bwd}
+    return [{"call": f"torch sdpa {name}", "us_per_call": per_call_us(fn, calls, repeats)}
+            for name, fn in cases.items()]
+
+
+class _Floor(torch.autograd.Function):
+    """The least a Python autograd wrapper of one fused kernel does: allocate out and lse, save
+    the inputs, return three gradients (what any engine written in Python pays per call)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def python_floor(calls: int, repeats: int) -> list[dict]:
+    """``_Floor`` on the same tensors: forward with grad, and forward + backward."""
+    gen = torch.Generator().manual_seed(0)
+    qg, kg, vg = (torch.randn(SHAPE, generator=gen).to(torch.float16).requires_grad_(True)
+                  for _ in range(3))
+    dout = torch.randn(SHAPE, generator=gen).to(torch.float16)
+
+    def fwd_bwd():
+        out, _ = _Floor.apply(qg, kg, vg)
+        torch.autograd.grad(out, (qg, kg, vg), dout)
+
+    cases = {"fwd (grad)": lambda: _Floor.apply(qg, kg, vg), "fwd+bwd": fwd_bwd}
+    return [{"call": f"python floor {name}", "us_per_call": per_call_us(fn, calls, repeats)}
+            for name, fn in cases.items()]
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """``vs_torch``: ours over torch's row of the same kind (padding/dropout/bias vs fwd)."""
+    torch_us = {r["call"].removeprefix("torch sdpa "): r["us_per_call"] for r in rows
+                if r["call"].startswith("torch")}
+    for row in rows:
+        for prefix in ("ours ", "python floor "):
+            if row["call"].startswith(prefix):
+                kind = row["call"].removeprefix(prefix)
+                row["vs_torch"] = row["us_per_call"] / torch_us.get(kind, torch_us["fwd"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--json", action="store_true",
+                        help="also write the results file (benchmarks/results)")
+    parser.add_argument("--json-to", type=Path, default=None,
+                        help="write the results file into this folder instead")
+    args = parser.parse_args()
+    install()
+    torch.set_grad_enabled(True)
+    rows = (torch_sdpa(args.calls, args.repeats) + python_floor(args.calls, args.repeats)
+            + ours(args.calls, args.repeats))
+    add_ratios(rows)
+    _report.print_table(rows, ["call", "us_per_call", "vs_torch"])
+    print(f"(the stand-in executed {EXECUTED[0]} graph calls)")
+    if args.json or args.json_to is not None:
+        path = _report.write_json("cudnn_host", {"shape": list(SHAPE), "calls": args.calls,
+                                                 "rows": rows},
+                                  results_dir=args.json_to or _report.RESULTS_DIR)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""The cuDNN engine's per-call host path (issue 35), run on this CPU through the stand-in executor
+of ``cudnn_fake`` (which plays cuDNN's ``execute``):
+
+* a runtime-length ``Padding`` call with new lengths rebuilds no problem and re-runs no analysis
+  (the call cache serves it, with this call's lengths: the results follow them);
+* one handle per device, the same object for a forward and for its backward run on another
+  thread, bound to each call's stream when it changes (a new stream, a capture's, creates none);
+* the workspace comes from a per-(device, stream) pool, sized once and grown, never from the
+  call; a stream being captured gets its own;
+* static ``Padding`` lengths are copied to the device once per value set, not per call;
+* a CUDA generator's dropout seed is drawn from its host state (no device draw to read back).
+
+Behaviour, not timings: the host microseconds are ``benchmarks/cudnn_host.py``'s.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import cudnn_attn as ca
+import cudnn_fake
+import oracle
+from cudnn_attn.core import dispatch
+from cudnn_attn.core.caches import clear_caches
+from cudnn_attn.graphs import _runtime
+from cudnn_attn.graphs import backend as cudnn_backend
+from cudnn_attn.model import inputs as model_inputs
+from cudnn_attn.model import masks
+from cudnn_attn.model.problem import AttnProblem
+
+F16, F64 = torch.float16, torch.float64
+pytestmark = pytest.mark.skipif(not cudnn_fake.frontend_present(),
+                                reason="nvidia-cudnn-frontend is not installed")
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """The fake cuDNN engine; CPU length tensors count as device (runtime) lengths."""
+    monkeypatch.setattr(masks, "_runtime_lengths", lambda value: isinstance(value, torch.Tensor))
+    state = cudnn_fake.install(monkeypatch)
+    yield state
+    clear_caches()
+
+
+def _qkv(B=2, H=2, S=24, D=16, grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, S, D, generator=g).to(F16) for _ in range(3))
+    if grad:
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    return q, k, v
+
+
+def _count_calls(monkeypatch, owner, name):
+    calls = []
+    original = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
+    return calls
+
+
+class _Recorder:
+    """Wraps every built graph's ``execute`` to record the handle and workspace it gets."""
+
+    def __init__(self, monkeypatch, workspace_size: int = 0):
+        self.seen = []
+        build = cudnn_backend.build_graph
+
+        def recording_build(problem, spec, backward):
+            graph = build(problem, spec, backward)
+            graph.workspace_size = workspace_size
+            run = graph.execute
+
+            def execute(buffers, workspace, handle):
+                self.seen.append((graph.backward, handle, workspace,
+                                  threading.get_ident()))
+                return run(buffers, workspace, handle)
+
+            graph.execute = execute
+            return graph
+
+        monkeypatch.setattr(cudnn_backend, "build_graph", recording_build)
+
+
+# ---------------------------------------------------------------------------------------------
+# runtime-length Padding: the call cache serves it
+# ---------------------------------------------------------------------------------------------
+
+def test_runtime_padding_calls_reuse_the_prepared_problem_with_their_own_lengths(fake,
+                                                                                monkeypatch):
+    q, k, v = _qkv(B=3, S=20)
+    lengths = [([20, 7, 1], [20, 3, 5]), ([5, 20, 13], [9, 20, 20]), ([2, 2, 2], [1, 20, 4])]
+    first = ca.Causal("bottom_right") & ca.Padding(torch.tensor(lengths[0][0]),
+                                                   torch.tensor(lengths[0][1]))
+    ca.attention(q, k, v, mask=first, backend="cudnn")
+    problems = _count_calls(monkeypatch, AttnProblem, "from_tensors")
+    analyses = _count_calls(monkeypatch, cudnn_backend, "analyze")
+    plans = _count_calls(monkeypatch, dispatch, "plan_for")
+    for lens_q, lens_kv in lengths:
+        mask = ca.Causal("bottom_right") & ca.Padding(torch.tensor(lens_q), torch.tensor(lens_kv))
+        out, lse = ca.attention(q, k, v, mask=mask, return_lse=True, backend="cudnn")
+        vis = oracle.build_visibility(3, 20, 20, causal="bottom_right", seq_lens_q=lens_q,
+                                      seq_lens_kv=lens_kv)
+        ref, ref_lse = oracle.reference_attention(q.to(F64), k.to(F64), v.to(F64), vis)
+        torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(lse.to(F64), ref_lse, atol=1e-3, rtol=1e-3)
+    # return_lse=True is another signature than the first call's: prepared once, then served.
+    assert len(problems) == 1 and len(plans) == 1, (problems, plans)
+    assert len(analyses) <= 2  # that one preparation's (supports + plan), none per call
+
+
+def test_runtime_padding_of_another_batch_size_is_prepared_anew(fake):
+    q, k, v = _qkv(B=2, S=16)
+    ca.attention(q, k, v, mask=ca.Padding(torch.tensor([16, 4])), backend="cudnn")
+    q3, k3, v3 = _qkv(B=3, S=16)
+    with pytest.raises(ValueError, match="one length per batch"):
+        ca.attention(q3, k3, v3, mask=ca.Padding(torch.tensor([16, 4])), backend="cudnn")
+
+
+def test_runtime_padding_gradients_follow_each_calls_lengths(fake):
+    for lens in ([24, 10], [3, 24]):
+        q, k, v = _qkv(grad=True, seed=len(lens) + lens[0])
+        mask = ca.Causal() & ca.Padding(torch.tensor(lens))
+        out = ca.attention(q, k, v, mask=mask, backend="cudnn")
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        q64, k64, v64 = (t.detach().to(F64).requires_grad_(True) for t in (q, k, v))
+        vis = oracle.build_visibility(2, 24, 24, causal="top_left", seq_lens_q=lens,
+                                      seq_lens_kv=lens)
+        ref, _ = oracle.reference_attention(q64, k64, v64, vis)
+        refs = torch.autograd.grad(ref, (q64, k64, v64), dout.to(F64))
+        for got, want in zip(grads, refs):
+            torch.testing.assert_close(got.to(F64), want, atol=1e-2, rtol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# one handle and one workspace per (device, stream)
+# ---------------------------------------------------------------------------------------------
+
+def test_forward_and_backward_on_another_thread_share_the_streams_handle(fake, monkeypatch):
+    recorder = _Recorder(monkeypatch)
+    q, k, v = _qkv(grad=True)
+    out = ca.attention(q, k, v, mask=ca.Causal(), backend="cudnn")
+    grads = []
+    # autograd runs a CUDA backward on its own device thread: the same here, by hand.
+    worker = threading.Thread(target=lambda: grads.append(
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))))
+    worker.start()
+    worker.join()
+    assert grads, "the backward failed on its thread"
+    (fwd, fwd_handle, fwd_ws, fwd_thread), (bwd, bwd_handle, bwd_ws, bwd_thread) = recorder.seen
+    assert (fwd, bwd) == (False, True) and fwd_thread != bwd_thread
+    assert fwd_handle is bwd_handle and isinstance(fwd_handle, cudnn_fake.FakeHandle)
+
+
+def test_another_stream_shares_the_devices_handle_and_gets_its_own_workspace(fake,
+                                                                           monkeypatch):
+    recorder = _Recorder(monkeypatch, workspace_size=512)
+    q, k, v = _qkv()
+    ca.attention(q, k, v, backend="cudnn")
+    first = _runtime.stream_context(torch.device("cpu"))
+    assert _runtime.stream_context(torch.device("cpu")) is first
+    # A new stream (a capture's, say) makes no handle: it binds the device's to itself.
+    monkeypatch.setattr(_runtime, "_new_handle", lambda index: pytest.fail("a second handle"))
+    monkeypatch.setattr(_runtime, "_raw_stream", lambda index: 7)
+    ca.attention(q, k, v, backend="cudnn")
+    other = _runtime.stream_context(torch.device("cpu"))
+    assert other is not first and other.handle is first.handle
+    (_, handle, ws_first, _), (_, handle_again, ws_other, _) = recorder.seen
+    assert handle is handle_again and ws_other is not ws_first
+    assert handle.streams == [0, 7]  # bound once per change of stream, not per call
+    ca.attention(q, k, v, backend="cudnn")
+    assert handle.streams == [0, 7]
+
+
+def test_the_workspace_is_pooled_per_stream_and_grows_once(fake):
+    context = _runtime.stream_context(torch.device("cpu"))
+    small = context.workspace(100)
+    assert small.numel() >= 100 and small.dtype == torch.uint8
+    assert context.workspace(100) is small and context.workspace(50) is small
+    big = context.workspace(1000)
+    assert big is not small and big.numel() >= 1000
+    assert context.workspace(100) is big  # never shrinks back
+    assert context.workspace(0) is None
+
+
+def test_calls_execute_with_the_pooled_workspace(fake, monkeypatch):
+    recorder = _Recorder(monkeypatch, workspace_size=4096)
+    q, k, v = _qkv()
+    for _ in range(3):
+        ca.attention(q, k, v, backend="cudnn")
+    workspaces = [ws for _, _, ws, _ in recorder.seen]
+    assert len(workspaces) == 3 and all(ws is workspaces[0] for ws in workspaces)
+    assert workspaces[0].numel() >= 4096
+
+
+def test_a_captured_stream_gets_its_own_workspace(fake, monkeypatch):
+    context = _runtime.stream_context(torch.device("cpu"))
+    pooled = context.workspace(256)
+    monkeypatch.setattr(_runtime, "capturing", lambda: True)
+    captured = context.workspace(256)
+    assert captured is not pooled and captured.numel() >= 256
+    assert context.workspace(256) is not captured  # each capture its own
+    monkeypatch.setattr(_runtime, "capturing", lambda: False)
+    assert context.workspace(256) is pooled
+
+
+def test_clear_caches_drops_the_stream_contexts(fake):
+    first = _runtime.stream_context(torch.device("cpu"))
+    clear_caches()
+    assert _runtime.stream_context(torch.device("cpu")) is not first
+
+
+# ---------------------------------------------------------------------------------------------
+# static Padding: lengths on the device once per value set
+# ---------------------------------------------------------------------------------------------
+
+def test_static_padding_lengths_are_made_once_per_value_set(fake, monkeypatch):
+    q, k, v = _qkv(B=2, S=20)
+    mask = ca.Causal() & ca.Padding([20, 9], [13, 20])
+    vis = oracle.build_visibility(2, 20, 20, causal="top_left", seq_lens_q=[20, 9],
+                                  seq_lens_kv=[13, 20])
+    ref, _ = oracle.reference_attention(q.to(F64), k.to(F64), v.to(F64), vis)
+    torch.testing.assert_close(ca.attention(q, k, v, mask=mask, backend="cudnn").to(F64), ref,
+                               atol=2e-3, rtol=2e-3)
+    # Host lengths reach the device through Padding.tensors (torch.tensor(list, device=...)) or
+    # valid_positions (a .to of them): neither runs again for the same value set.
+    spies = [_count_calls(monkeypatch, masks.Padding, "tensors"),
+             _count_calls(monkeypatch, model_inputs, "valid_positions"),
+             _count_calls(monkeypatch, _runtime.LengthCache, "_make")]
+    outs = [ca.attention(q, k, v, mask=mask, backend="cudnn") for _ in range(3)]
+    assert spies == [[], [], []], "the lengths were copied to the device again"
+    for out in outs:
+        torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_padding_positions_cache_per_value_set_and_skip_full_lengths():
+    device = torch.device("cpu")
+    padding = ca.Padding([5, 3], [4, 6])
+    first = model_inputs.padding_positions(padding, 6, 6, device)
+    assert model_inputs.padding_positions(ca.Padding([5, 3], [4, 6]), 6, 6, device) is first
+    valid_q, valid_kv = first
+    assert valid_q.tolist() == [[True] * 5 + [False], [True] * 3 + [False] * 3]
+    assert valid_kv.tolist() == [[True] * 4 + [False] * 2, [True] * 6]
+    assert model_inputs.padding_positions(ca.Padding([6, 6]), 6, 6, device) is None
+    other = model_inputs.padding_positions(ca.Padding([5, 3], [4, 6]), 7, 6, device)
+    assert other is not first and other[0].shape == (2, 7)
+
+
+# ---------------------------------------------------------------------------------------------
+# dropout seeds from a CUDA generator: drawn on the host
+# ---------------------------------------------------------------------------------------------
+
+class FakeCudaGenerator(torch.Generator):
+    """A generator that says it is a CUDA one; its Philox offset lives on the host, as a CUDA
+    generator's does."""
+
+    offset = 0
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+    def get_offset(self):
+        return self.offset
+
+    def set_offset(self, offset):
+        self.offset = offset
+
+
+def _cuda_generator(seed: int) -> FakeCudaGenerator:
+    gen = FakeCudaGenerator()
+    gen.manual_seed(seed)
+    return gen
+
+
+def test_a_cuda_generator_seed_is_drawn_on_the_host(monkeypatch):
+    draws = _count_calls(monkeypatch, torch, "randint")
+    gen = _cuda_generator(1234)
+    seeds = [model_inputs.DropoutState.draw(gen).seed for _ in range(4)]
+    assert draws == [] and gen.offset == 16
+    assert len(set(seeds)) == 4 and all(0 <= s < model_inputs.SEED_BOUND for s in seeds)
+    again = _cuda_generator(1234)
+    assert [model_inputs.DropoutState.draw(again).seed for _ in range(4)] == seeds
+    assert model_inputs.DropoutState.draw(_cuda_generator(1235)).seed != seeds[0]
+
+
+def test_dropout_with_a_cuda_generator_reaches_the_graph_and_its_backward(fake):
+    q, k, v = _qkv(grad=True)
+    out = ca.attention(q, k, v, dropout_p=0.25, generator=_cuda_generator(7), backend="cudnn")
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    expected = model_inputs.DropoutState.draw(_cuda_generator(7)).seed
+    cache = fake[0]  # the fake engine's private graph cache: the forward's and backward's graphs
+    seen = [seed for key in cache.keys() for seed in cache.peek(key).seeds]
+    assert seen == [expected, expected]
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA-graph capture
+# ---------------------------------------------------------------------------------------------
+
+def test_dropout_under_capture_is_refused_not_repeated(fake, monkeypatch):
+    q, k, v = _qkv()
+    ca.attention(q, k, v, dropout_p=0.2, backend="cudnn")  # warmed up outside the capture
+    monkeypatch.setattr(_runtime, "capturing", lambda: True)
+    with pytest.raises(ca.NotSupportedError, match="CUDA graph capture"):
+        ca.attention(q, k, v, dropout_p=0.2, backend="cudnn")
+    # Without dropout the same capture is fine (the workspace is the capture's own).
+    out = ca.attention(q, k, v, backend="cudnn")
+    ref, _ = oracle.reference_attention(q.to(F64), k.to(F64), v.to(F64))
+    torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)

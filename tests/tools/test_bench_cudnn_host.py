@@ -1,0 +1,89 @@
+"""benchmarks/cudnn.py's issue-35 additions (verdicts, kernel comparison, FLOP counts) and
+benchmarks/cudnn_host.py (host microseconds on the CPU), on this CPU.
+
+cudnn.py's measurements need a GPU; its pure parts are checked here with rows written the way
+``bench_shape`` / ``bench_tiny_causal`` write them. cudnn_host.py runs here for real (a few calls
+per case, in a subprocess: it installs its stand-in process-wide).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from common import load_script
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))  # the script imports its siblings _report, ceilings, fp8_rows
+    try:
+        return load_script(BENCH / "cudnn.py", "bench_cudnn_issue35")
+    finally:
+        if str(BENCH) in sys.path:
+            sys.path.remove(str(BENCH))
+
+
+def test_forward_backward_flops_are_the_sum_of_both(bench):
+    fwd = bench.flops(2, 16, 1024, 128, True, "fwd")
+    assert fwd == 4.0 * 2 * 16 * 1024 * 1024 * 128 / 2
+    assert bench.flops(2, 16, 1024, 128, True, "fwd+bwd") == fwd + bench.flops(
+        2, 16, 1024, 128, True, "bwd")
+
+
+def test_kernels_only_ours_launches_are_counted_by_name(bench):
+    ours = ["sdpa_fprop", "fill", "sdpa_bprop", "fill", "copy"]
+    torch_cudnn = ["fill", "sdpa_fprop", "sdpa_bprop"]
+    assert bench.call_costs.only_in(ours, torch_cudnn) == ["fill", "copy"]
+    assert bench.call_costs.only_in(torch_cudnn, ours) == []
+
+
+def _row(bench, direction, ours_ms, torch_ms, ours_latency, torch_latency):
+    work = bench.flops(16, 16, 1024, 128, False, direction)
+    return {"dtype": "bfloat16", "D": 128, "S": 1024, "B": 16, "H": 16, "causal": False,
+            "dir": direction, "ours_ms": ours_ms, "bare_ms": ours_ms,
+            "ours_tflops": work / ours_ms / 1e9, "bare_tflops": work / ours_ms / 1e9,
+            "ours/bare": 1.0, "torch-cudnn_ms": torch_ms,
+            "torch-cudnn_tflops": work / torch_ms / 1e9,
+            "ours/torch-cudnn": torch_ms / ours_ms,
+            "ours/torch-cudnn latency": torch_latency / ours_latency}
+
+
+def test_verdicts_judge_latency_and_the_tiny_calls_host_time(bench):
+    rows = [_row(bench, "fwd", 0.285, 0.268, 0.300, 0.310),
+            _row(bench, "fwd+bwd", 1.544, 1.297, 1.60, 1.40)]
+    overhead = [{"call": "tiny causal: ours", "us_per_call": 41.7,
+                 "vs_torch_cudnn": 41.7 / 37.9},
+                {"call": "tiny causal: torch-cudnn", "us_per_call": 37.9, "vs_torch_cudnn": 1.0}]
+    verdicts = bench.target_verdicts(rows, overhead)
+    host = next(v for k, v in verdicts.items() if k.startswith("tiny causal call host time"))
+    assert host == {"value": pytest.approx(41.7 / 37.9), "met": False}
+    latency = next(v for k, v in verdicts.items() if "latency" in k)
+    assert latency == {"value": pytest.approx(1.40 / 1.60), "met": False}
+    throughput = next(v for k, v in verdicts.items()
+                      if k.startswith("ours/torch-cudnn >=") and "latency" not in k)
+    assert throughput["value"] == pytest.approx(1.297 / 1.544) and throughput["met"] is False
+    fast = [_row(bench, "fwd", 0.25, 0.268, 0.29, 0.31)]
+    verdicts = bench.target_verdicts(fast, [{"call": "tiny causal: ours", "us_per_call": 36.0,
+                                             "vs_torch_cudnn": 36.0 / 37.9}])
+    assert all(v["met"] for k, v in verdicts.items()
+               if "latency" in k or k.startswith(("tiny causal", "ours/torch-cudnn")))
+
+
+def test_host_benchmark_runs_on_the_cpu_and_writes_its_rows(tmp_path):
+    done = subprocess.run([sys.executable, str(BENCH / "cudnn_host.py"), "--calls", "20",
+                           "--repeats", "1", "--json-to", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [path] = tmp_path.glob("cudnn_host-*.json")
+    rows = {r["call"]: r for r in json.loads(path.read_text())["rows"]}
+    for case in ("fwd", "fwd (grad)", "fwd+bwd", "padding", "padding-rt", "dropout", "bias"):
+        assert rows[f"ours {case}"]["us_per_call"] > 0
+        assert rows[f"ours {case}"]["vs_torch"] > 0
+    assert rows["torch sdpa fwd"]["us_per_call"] > 0
+    # The stand-in executed every call: it counts them.
+    assert "executed" in done.stdout
