@@ -16,12 +16,18 @@ class Explanation(Mapping):
 
     ``engines``: for a call cuDNN can run whose graphs ``graph_cache`` already holds (an earlier
     call, or a loaded warm cache), the engine cuDNN picked per graph (``"sdpa_forward"``,
-    ``"sdpa_backward"`` -> ``EngineChoice``: engine id, knobs, kernels)."""
+    ``"sdpa_backward"`` -> ``EngineChoice``: engine id, knobs, kernels). ``predicted_ms``: each
+    engine's predicted time where ``auto``'s cost rule compared engines (``dispatch.cost_choice``),
+    and ``why`` its one-line account (``""`` when the priority order decided)."""
 
-    def __init__(self, problem: AttnProblem, verdicts: dict, engines: Optional[dict] = None):
+    def __init__(self, problem: AttnProblem, verdicts: dict, engines: Optional[dict] = None,
+                 cost: Optional["dispatch.CostChoice"] = None):
         self.problem = problem
         self._verdicts = verdicts
         self.engines = dict(engines or {})
+        cost = cost or dispatch.CostChoice()
+        self.predicted_ms = dict(cost.predicted)
+        self.why = cost.why
 
     def __getitem__(self, name: str):
         return self._verdicts[name]
@@ -38,6 +44,8 @@ class Explanation(Mapping):
 
     def __str__(self) -> str:
         text = f"{self.problem.describe()}\n{dispatch.format_reasons(self._verdicts)}"
+        if self.why:
+            text += f"\n{self.why}"
         for tag, engine in self.engines.items():
             text += f"\ncuDNN {tag}: " + str(engine).replace("\n", "\n  ")
         return text

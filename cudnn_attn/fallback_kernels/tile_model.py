@@ -25,15 +25,27 @@ from typing import Sequence
 
 import torch
 
+from ..core import roofline
 from ..core.caches import memoize
 from ..model.geometry import (MODE_BAND, axis_dilation, axis_window, group_len,
                               neighborhood_table, table_axes)
 from . import tile_shapes
 
 __all__ = ["AxisCounts", "TileFigures", "axis_counts", "pair_unmasked", "axis_pair_unmasked",
-           "tile_figures", "neighborhood_figures", "element_bytes", "choose_tiles"]
+           "tile_figures", "neighborhood_figures", "element_bytes", "choose_tiles",
+           "FUSED_EFFICIENCY", "predicted_ms"]
 
-BACKWARD_FLOP_FACTOR = 2.5  # the backward's matmuls: 5 GEMM-sized products to the forward's 2
+BACKWARD_FLOP_FACTOR = roofline.BACKWARD_FLOP_FACTOR
+
+# Fractions of the 16-bit matmul ceiling the fused kernels reach, per direction and tile path
+# (unmasked pairs skip the per-element visibility test). THESE DESCRIBE TODAY'S KERNELS (the
+# 4-warp, 64/64-tile, serialized-geometry ones of issue 34): a least-squares fit (log time) of
+# the tile model to issue 34's H200 bf16 forward rows (2-D 128x128 k31 H8 D128 2.55 ms, k7 0.82
+# ms, 2-D 64x64 k13 H16 D64 0.53 ms, 1-D 32768 k2048 H16 62 TFLOP/s, 3-D 32^3 k7 13.4 TFLOP/s;
+# predicted/measured within 0.7-1.45x); backward from 2-D k31 (4.82 ms) and 1-D k2048 (70 TFLOP/s).
+# A rewritten kernel updates them from benchmarks/neighborhood.py's measured/predicted column.
+FUSED_EFFICIENCY = {"fwd": {"unmasked": 0.088, "masked": 0.037},
+                    "bwd": {"unmasked": 0.098, "masked": 0.056}}
 
 
 def axis_pair_unmasked(window_lo: Sequence[int], window_hi: Sequence[int], key_start: int,
@@ -122,6 +134,9 @@ class TileFigures:
 
     query_box: tuple[int, ...]
     key_box: tuple[int, ...]
+    dtype: torch.dtype
+    batch_heads: int
+    score_flops: int   # FLOPs a score element costs the cost model (roofline.score_flops)
     query_tile: int
     key_tile: int
     query_tiles: int
@@ -189,7 +204,7 @@ def tile_figures(table: Sequence[int], query_box: Sequence[int], key_box: Sequen
                       + bh * pairs * qt * ((dim_qk + dim_v) * e + 8)  # dK/dV: Q, dO, lse, delta per pair
                       + q_rows * 2 * dim_v * e)                       # delta = rowsum(dO * O)
     return TileFigures(
-        tuple(query_box), tuple(key_box), qt, kt, query_tiles, key_tiles, pairs, unmasked,
+        tuple(query_box), tuple(key_box), dtype, bh, roofline.score_flops(dim_qk, dim_v), qt, kt, query_tiles, key_tiles, pairs, unmasked,
         useful, computed, both(bh * useful * per_score), both(bh * computed * per_score),
         both(bh * unmasked * qt * kt * per_score), {"fwd": forward_bytes, "bwd": backward_bytes})
 
@@ -230,3 +245,16 @@ def _choose(table: tuple, rank: int, query_tile: int, key_tile: int):
                 best = (cost, qt, kt)
     assert best is not None  # box_shapes is never empty
     return best[1], best[2]
+
+
+def predicted_ms(figures: TileFigures, direction: str, ceilings: roofline.Ceilings,
+                 efficiency: dict | None = None) -> float:
+    """Predicted ms of the fused kernels (``direction`` "fwd" or "bwd": the backward alone) from
+    ``figures``: the unmasked and the masked pairs' matmul times at their ``FUSED_EFFICIENCY``
+    (or ``efficiency``: ``{"unmasked": .., "masked": ..}``), against the bytes' time."""
+    eff = efficiency or FUSED_EFFICIENCY[direction]
+    per_pair = (figures.batch_heads * figures.query_tile * figures.key_tile * figures.score_flops
+                * (BACKWARD_FLOP_FACTOR if direction == "bwd" else 1.0))
+    work = [(figures.unmasked_pairs * per_pair, eff["unmasked"]),
+            (figures.masked_pairs * per_pair, eff["masked"])]
+    return roofline.roofline_ms(work, figures.bytes[direction], ceilings, figures.dtype)
