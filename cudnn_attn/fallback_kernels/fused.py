@@ -61,14 +61,16 @@ def _expression(kernel: str, dtype: torch.dtype, head_dim: int) -> str:
 
 def variants() -> list:
     """Every template instance this module can launch."""
-    return [_loader.KernelVariant(SOURCE, _expression(k, dt, hd), f"{k}<{CTYPES[dt]},{hd}>")
+    return [_loader.KernelVariant(SOURCE, _expression(k, dt, hd), f"{k}<{CTYPES[dt]},{hd}>",
+                                  THREADS, smem_bytes(k, dt, hd))
             for k in KERNELS for dt in CTYPES for hd in HEAD_DIMS]
 
 
 def pipelined_variants() -> list:
     """The instances of the sm_80+ pipelined build (``PIPELINED_DEFINES``)."""
     return [_loader.KernelVariant(SOURCE, _expression(k, dt, hd),
-                                  f"{k}<{CTYPES[dt]},{hd}>/pipelined")
+                                  f"{k}<{CTYPES[dt]},{hd}>/pipelined", THREADS,
+                                  smem_bytes(k, dt, hd, pipelined=True))
             for k in KERNELS for dt in PIPELINED_DTYPES for hd in HEAD_DIMS]
 
 
