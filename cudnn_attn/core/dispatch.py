@@ -324,7 +324,14 @@ def plan_for(problem: AttnProblem, backend: str = "auto"):
             reasons = reasons or reasons_of(chosen, problem)
             raise NotSupportedError(problem, {chosen.name: reasons}, forced=chosen.name)
         return chosen, plan
-    collected = {}
+    return _auto_plan(problem)
+
+
+def _auto_plan(problem: AttnProblem, costs_used: bool = False):
+    """``plan_for``'s auto walk. When the engine the cost rule preferred declines its plan
+    build (remembered), the walk runs once more: the rule then weighs only what is left, so a
+    decline never hands the call to a slower engine than the one passed over."""
+    collected: dict = {}
     costs: Optional[CostChoice] = None
     for candidate in BACKENDS:
         reasons = reasons_of(candidate, problem) or auto_reasons(candidate, problem)
@@ -338,6 +345,8 @@ def plan_for(problem: AttnProblem, backend: str = "auto"):
                     logger.debug("selected %s for %s (skipped: %s)", candidate.name,
                                  problem.describe(), collected or "none")
                 return candidate, plan
+            if costs is not None and costs.passed_over and not costs_used:
+                return _auto_plan(problem, costs_used=True)
             reasons = reasons_of(candidate, problem)
         collected[candidate.name] = reasons
     raise NotSupportedError(problem, collected)

@@ -155,3 +155,19 @@ def test_roofline_takes_the_larger_ceiling():
         pytest.approx(5.0)
     assert roofline.roofline_ms([(1e11, 0.5)], 0, ceilings, torch.float32) == pytest.approx(32.0)
     assert roofline.score_flops(256, 256) == 1024 and roofline.score_flops(32, 32) == 512
+
+
+def test_a_declined_plan_of_the_preferred_engine_goes_back_to_the_other(gpu_engines,
+                                                                         monkeypatch):
+    # the cost rule prefers the fused kernels (k7), whose plan build then declines: cuDNN,
+    # passed over for its predicted time, runs it, not the torch engine after it.
+    builds = []
+
+    def declines(problem):
+        builds.append(problem)
+        raise ca.NotSupportedError(problem, {"cupy": ["declined (test)"]}, forced="cupy")
+
+    monkeypatch.setattr(dispatch.get_backend("cupy"), "plan", declines)
+    problem = neighborhood_problem(*LARGE_SMALL_KERNEL)
+    assert dispatch.plan_for(problem)[0].name == "cudnn"
+    assert len(builds) == 1 and dispatch.auto_verdicts(problem)[0]["cupy"] == ["declined (test)"]
