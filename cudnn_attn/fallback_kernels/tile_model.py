@@ -13,8 +13,10 @@ per-axis key range its queries see):
 
 Boxes factorise over axes, and so does visibility (a key is visible iff it is on every axis), so
 every count is a product of per-axis counts: a 32^3 problem costs three 32-long passes. The tile
-sizes come from ``tile_shapes`` (``FUSED_QUERY_TILE`` / ``FUSED_KEY_TILE``); the predicted time
-from these figures is ``cost_model``'s.
+sizes come from ``tile_shapes`` (``FUSED_QUERY_TILE`` / ``FUSED_KEY_TILE``, read at call time);
+:func:`predicted_ms` turns the figures into a time on a GPU's ceilings (``core.roofline``) with
+the kernels' measured efficiencies (``FUSED_EFFICIENCY``); :func:`choose_tiles` is the boxes the
+kernels launch with.
 """
 
 from __future__ import annotations

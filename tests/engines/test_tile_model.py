@@ -181,3 +181,30 @@ def test_issue_problems_replay_and_are_fast():
     assert round(k31.useful_fraction, 3) == 0.666 and round(k31.unmasked_fraction, 2) == 0.22
     assert round(one_d.useful_fraction, 2) == 0.97 and round(one_d.unmasked_fraction, 2) == 0.94
     assert three_d.useful == 32 ** 3 * 343  # stride 1, non-causal: every query sees k^3 keys
+
+
+def test_pair_unmasked_pair_by_pair_is_the_brute_force_count():
+    # The one rule, applied to every (query box, key box) pair of the walk, gives the brute
+    # force's unmasked pairs: the function a kernel's skip test must agree with.
+    from cudnn_attn.model.geometry import axis_window, table_axes
+
+    shape, kernel, stride, dilation, causal = (24, 20), (9, 7), (1, 1), (2, 1), (False, True)
+    table = neighborhood_table(shape, kernel, stride, dilation, causal)
+    axes = table_axes(table)[:2]
+    qbox, kbox = (4, 2), (2, 4)
+    per_axis = []
+    for ax, qs, ks in zip(axes, qbox, kbox):
+        segments = []
+        for g, q0, q1 in _axis_segments(ax[1], ax[5], qs):
+            glen = group_len(ax[1], ax[5], g)
+            windows = [axis_window(ax, i, glen) for i in range(q0, q1)]
+            first, last = windows[0][0], max(windows[-1][1], windows[0][0])
+            lo, hi = [w[0] for w in windows], [w[1] for w in windows]
+            segments.append([(lo, hi, k0, ks, last) for k0 in range(first, last, ks)])
+        per_axis.append(segments)
+    unmasked = sum(tile_model.pair_unmasked([a, b])
+                   for seg_a in per_axis[0] for seg_b in per_axis[1]
+                   for a in seg_a for b in seg_b)
+    visible = neighborhood_mask(shape, kernel, stride, dilation, causal)
+    expected = brute_force(shape, dilation, visible, qbox, kbox)["unmasked_pairs"]
+    assert unmasked == expected > 0
