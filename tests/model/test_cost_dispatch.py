@@ -171,3 +171,20 @@ def test_a_declined_plan_of_the_preferred_engine_goes_back_to_the_other(gpu_engi
     problem = neighborhood_problem(*LARGE_SMALL_KERNEL)
     assert dispatch.plan_for(problem)[0].name == "cudnn"
     assert len(builds) == 1 and dispatch.auto_verdicts(problem)[0]["cupy"] == ["declined (test)"]
+
+
+def test_a_declining_preferred_cudnn_hands_the_call_to_the_fused_kernels(gpu_engines,
+                                                                        monkeypatch):
+    # cuDNN 9.19 on the H200 (issue 36): supports() says yes, the 2-D neighborhood graph then
+    # declines at build (needs 9.22). The small problem prefers cuDNN; after the decline the
+    # fused kernels run it, not the torch engine, and explain() shows the remembered decline.
+    def declines(problem):
+        raise ca.NotSupportedError(problem, {"cudnn": ["requires cudnn version 9.22.0 (test)"]},
+                                   forced="cudnn")
+
+    monkeypatch.setattr(dispatch.get_backend("cudnn"), "plan", declines)
+    problem = neighborhood_problem(*SMALL)
+    assert dispatch.plan_for(problem)[0].name == "cupy"
+    verdicts, cost = dispatch.auto_verdicts(problem)
+    assert verdicts["cudnn"] == ["requires cudnn version 9.22.0 (test)"]
+    assert verdicts["cupy"] == "selected" and cost.best is None
