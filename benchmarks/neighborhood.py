@@ -18,6 +18,11 @@ A peer that cannot run is recorded as an error string, never a crash. Target (is
 bf16, D=128, 2-D 128x128 k=31x31 forward: ours >= 250 TFLOP/s and >= 1.5x Flex. The machine's
 ceilings (benchmarks/ceilings.py) are measured once per run; rows get ``ours/ceiling`` (ours over
 the bf16 matmul ceiling).
+Beside every row, the tile model's figures (``cudnn_attn.fallback_kernels.tile_model``, issue
+34): the boxes ``choose_tiles`` launches, useful %, tile pairs (unmasked / masked), predicted ms
+of the fused kernels and of dense cuDNN (plain, and with the exact mask as ``auto`` would run it),
+the engine the cost rule picks, and measured/predicted ratios. ``--model-only`` prints the model
+for issue 34's problems without a GPU.
 JSON: <--results-dir>/neighborhood-<date>.json (default benchmarks/results/).
 """
 
@@ -50,6 +55,16 @@ DEVICE, OURS_BACKEND = "cuda", "cupy"  # module constants so a CPU smoke run can
 # peer is recorded as timed out (issue 23: Flex's compile ate the whole 162 s share of the run).
 PEER_SETUP_S = 90.0
 PEERS = ("flex", "natten-flex")  # measured after ours and the dense SDPA rows
+# Issue 34's problems (spatial, kernel, heads, D; B=1, bf16) and what it measured on an H200
+# (forward ms: ours, dense cuDNN over all tokens; the 1-D and 3-D ours from the 62 and 13.4
+# useful TFLOP/s it gives).
+ISSUE_PROBLEMS = [((128, 128), (31, 31), 8, 128, 2.55, 1.70),
+                  ((128, 128), (7, 7), 8, 128, 0.82, 1.69),
+                  ((64, 64), (13, 13), 16, 64, 0.53, 0.23),
+                  ((32768,), (2048,), 16, 128, 8.87, 14.4),
+                  ((32, 32, 32), (7, 7, 7), 16, 128, 6.87, 14.4)]
+MODEL_COLUMNS = ["model_boxes", "model_useful_%", "model_pairs", "model_unmasked_%",
+                 "model_fused_ms", "model_dense_ms", "model_dense_mask_ms", "model_pick"]
 
 
 class PeerTimeout(Exception):
@@ -116,6 +131,73 @@ def dense_flops(batch, heads, tokens, dim, direction):
     return 4.0 * batch * heads * tokens * tokens * dim * (2.5 if direction == "bwd" else 1.0)
 
 
+def model_rows(spatial, kernel, batch, heads, dim, dtype, ceilings):
+    """``{"fwd": {...}, "bwd": {...}}``: the tile model's figures for one problem (``model_*``
+    keys; bwd is the backward alone, as the rows time it), with ``ceilings`` a
+    ``roofline.Ceilings``."""
+    from cudnn_attn.core import roofline
+    from cudnn_attn.fallback_kernels import tile_model
+    from cudnn_attn.graphs.score_mod_masks import mask_program
+    from cudnn_attn.model.masks import Neighborhood
+
+    figures = tile_model.neighborhood_figures(spatial, kernel, dim_qk=dim, dtype=dtype,
+                                              batch=batch, heads=heads)
+    tokens = math.prod(spatial)
+    shape = dict(batch=batch, heads=heads, heads_kv=heads, seq_q=tokens, seq_kv=tokens,
+                 dim_qk=dim, dim_v=dim, dtype=dtype)
+    mask_ops = len(mask_program(neighborhood=Neighborhood(spatial, kernel)).ops)
+    common = {"model_boxes": "x".join(map(str, figures.query_box)) + "/"
+              + "x".join(map(str, figures.key_box)),
+              "model_useful_%": 100 * figures.useful_fraction, "model_pairs": figures.tile_pairs,
+              "model_unmasked_pairs": figures.unmasked_pairs,
+              "model_masked_pairs": figures.masked_pairs,
+              "model_unmasked_%": 100 * figures.unmasked_fraction, "model_ceilings": ceilings.name}
+    out = {}
+    for direction in ("fwd", "bwd"):
+        fused = tile_model.predicted_ms(figures, direction, ceilings)
+        dense_mask = roofline.dense_ms(direction, ceilings=ceilings, mask_ops=mask_ops, **shape)
+        out[direction] = {**common, "model_fused_ms": fused,
+                          "model_dense_ms": roofline.dense_ms(direction, ceilings=ceilings,
+                                                              **shape),
+                          "model_dense_mask_ms": dense_mask,
+                          "model_pick": "cupy" if fused < dense_mask else "cudnn",
+                          "model_bytes": figures.bytes[direction],
+                          "model_computed_flops": figures.computed_flops[direction],
+                          "model_useful_flops": figures.useful_flops[direction]}
+    return out
+
+
+def add_model_ratios(row):
+    """measured/predicted: ``ours/model`` (fused kernels), ``sdpa-cudnn/model`` (plain dense)."""
+    for measured, predicted, column in (("ours_ms", "model_fused_ms", "ours/model"),
+                                        ("sdpa-cudnn_ms", "model_dense_ms", "sdpa-cudnn/model")):
+        if row.get(measured) and row.get(predicted):
+            row[column] = row[measured] / row[predicted]
+
+
+def print_model_only(ceilings_name: str) -> int:
+    """The model's table for issue 34's problems (bf16, B=1): no GPU needed."""
+    from cudnn_attn.core import roofline
+
+    ceilings = roofline.DEVICE_CEILINGS[ceilings_name]
+    rows = []
+    for spatial, kernel, heads, dim, ours, dense in ISSUE_PROBLEMS:
+        name = f"{len(spatial)}-D {'x'.join(map(str, spatial))} k={'x'.join(map(str, kernel))}"
+        for direction, figures in model_rows(spatial, kernel, 1, heads, dim, torch.bfloat16,
+                                             ceilings).items():
+            row = {"problem": name, "H": heads, "D": dim, "dir": direction, **figures}
+            if direction == "fwd":
+                row.update({"issue_ours_ms": ours, "issue_dense_ms": dense})
+            rows.append(row)
+    _report.print_table(rows, ["problem", "H", "D", "dir", *MODEL_COLUMNS, "issue_ours_ms",
+                               "issue_dense_ms"])
+    print(f"tile model on {ceilings_name} ceilings ({ceilings.bandwidth / 1e12:.1f} TB/s, "
+          f"{ceilings.matmul / 1e12:.0f} TFLOP/s bf16); fused: today's kernels' efficiencies "
+          "(tile_model.FUSED_EFFICIENCY); dense: cuDNN over all tokens, plain and with the exact "
+          "mask (score_mod); pick: auto's cost rule; issue_*: issue 34's H200 forward rows")
+    return 0
+
+
 def timed(fn, args):
     """Median ms per call, about 50 ms per timed batch."""
     torch.cuda.synchronize()
@@ -151,14 +233,19 @@ def engines(rank, spatial, kernel, q, k, v):
     heads_first = [t.reshape(batch, tokens, heads, dim).transpose(1, 2).contiguous() for t in (q, k, v)]
 
     def ours():
+        # Always the fused kernels (forced); what auto would pick goes in the row (auto_pick).
         flat = [t.reshape(batch, tokens, heads, dim) for t in (q, k, v)]
-        verdict = ca.explain(*flat, mask=ca.Neighborhood(spatial, kernel), layout="bshd")
+        verdict = ca.explain(*flat, mask=ca.Neighborhood(spatial, kernel), layout="bshd",
+                             backend=OURS_BACKEND)
         if verdict.selected != OURS_BACKEND:
-            raise RuntimeError(f"the dispatcher picks {verdict.selected!r}, not {OURS_BACKEND}: "
-                               f"{verdict.get(OURS_BACKEND)}")
+            raise RuntimeError(f"{OURS_BACKEND} cannot run it: {verdict.get(OURS_BACKEND)}")
         na = getattr(neighborhood, f"na{rank}d")
         leaves = _leaves((q, k, v))
-        return leaves, lambda leaves=leaves: na(*leaves, kernel)
+
+        def run(leaves=leaves):
+            with ca.use_backend(OURS_BACKEND):
+                return na(*leaves, kernel)
+        return leaves, run
 
     def flex():
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -212,6 +299,19 @@ def bench_problem(rank, dtype_name, dim, args, on_rows=None):
     name = f"{rank}-D {'x'.join(map(str, spatial))} k={'x'.join(map(str, kernel))}"
     rows = {d: {"problem": name, "rank": rank, "dtype": dtype_name, "D": dim, "H": heads,
                 "B": batch, "dir": d, "errors": {}} for d in ("fwd", "bwd")}
+    try:  # the tile model's figures and auto's choice, beside the measurements
+        from cudnn_attn.core import roofline
+        import cudnn_attn as ca
+
+        figures = model_rows(spatial, kernel, batch, heads, dim, dtype,
+                             roofline.ceilings_for(DEVICE))
+        flat = q.reshape(batch, tokens, heads, dim)
+        auto = ca.explain(flat, flat, flat, mask=ca.Neighborhood(spatial, kernel), layout="bshd")
+        for d, row in rows.items():
+            row.update(figures[d], auto_pick=auto.selected, auto_why=auto.why)
+    except Exception as exc:  # noqa: BLE001 - a model failure must not cost the measurements
+        for row in rows.values():
+            row["errors"]["model"] = _error(exc)
     outputs = {}
     for engine, setup in engines(rank, spatial, kernel, q, k, v).items():
         limit = time_limit(args.peer_timeout, engine) if engine in PEERS else \
@@ -257,6 +357,7 @@ def bench_problem(rank, dtype_name, dim, args, on_rows=None):
     for row in rows.values():
         if row.get("ours_ms") and row.get("flex_ms"):
             row["ours/flex"] = row["flex_ms"] / row["ours_ms"]  # speedup over Flex
+        add_model_ratios(row)
     del q, k, v, outputs
     torch.cuda.empty_cache()
     return list(rows.values())
@@ -294,7 +395,14 @@ def main() -> int:
     parser.add_argument("--peer-timeout", type=float, default=PEER_SETUP_S,
                         help="seconds a compiled peer (flex, natten-flex) may take to set up, "
                              f"compile and make its first call (default {PEER_SETUP_S:.0f})")
+    parser.add_argument("--model-only", action="store_true",
+                        help="print the tile model for issue 34's problems (no GPU) and exit")
+    parser.add_argument("--model-ceilings", default="H200",
+                        choices=("H100", "H200", "A100", "B200"),
+                        help="the GPU whose ceilings --model-only uses (default H200)")
     args = parser.parse_args()
+    if args.model_only:
+        return print_model_only(args.model_ceilings)
     if not torch.cuda.is_available():
         print("benchmarks/neighborhood.py needs a CUDA GPU; torch sees none here. "
               "Nothing was run or written.")
@@ -330,6 +438,10 @@ def main() -> int:
                "natten-flex_tflops", "sdpa-cudnn_ms", "sdpa-flash_ms", "ours/flex", "ours/ceiling",
                "max|ours-flex|"]
     _report.print_table(rows, columns)
+    print("\ntile model beside the rows (benchmarks/neighborhood.py --model-only: the issue's "
+          "problems):")
+    _report.print_table(rows, ["problem", "dtype", "D", "dir", *MODEL_COLUMNS, "ours/model",
+                               "sdpa-cudnn/model", "auto_pick"])
     print("TFLOP/s: useful (neighborhood) FLOPs for ours/flex/natten-flex; sdpa-* run dense "
           "attention on the same tokens (compare by ms)")
     errors = sorted({(engine, msg) for row in rows for engine, msg in row["errors"].items()})

@@ -304,20 +304,11 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask | N
         check_sinks(sinks, problem.heads_q, q)
     if backend != "auto":
         dispatch.get_backend(backend)
-    verdicts: dict = {}
-    chosen = None
-    for name, reasons in dispatch.verdicts(problem).items():  # pure: builds nothing
-        eligible = backend in ("auto", name)
-        if reasons:
-            verdicts[name] = reasons
-        elif eligible and chosen is None:
-            verdicts[name] = chosen = "selected"
-        else:
-            verdicts[name] = "available"
+    verdicts, cost = dispatch.auto_verdicts(problem, backend)  # pure: builds nothing
     engines = {}
     if isinstance(verdicts.get("cudnn"), str):  # cuDNN can run it: its graphs may be cached
         engines = dispatch.get_backend("cudnn").known_engines(problem)
-    explanation = Explanation(problem, verdicts, engines)
+    explanation = Explanation(problem, verdicts, engines, cost)
     notes = getattr(dispatch.get_backend(explanation.selected), "notes", None) \
         if explanation.selected else None
     explanation.notes = notes(problem) if notes else []

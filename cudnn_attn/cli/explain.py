@@ -26,10 +26,8 @@ def explain_problem(device: str, problem: Any) -> Any:
     from cudnn_attn.api import Explanation
 
     problem = dataclasses.replace(problem, device=torch.device(device))
-    reasons = dispatch.verdicts(problem)
-    chosen = next((name for name, found in reasons.items() if not found), None)
-    return Explanation(problem, {name: found or ("selected" if name == chosen else "available")
-                                 for name, found in reasons.items()})
+    verdicts, cost = dispatch.auto_verdicts(problem)
+    return Explanation(problem, verdicts, cost=cost)
 
 
 def _lengths(name: str, text: str) -> list[int]:

@@ -1,4 +1,5 @@
-"""``cudnn-attn kernels``: compile every CuPy kernel variant with NVRTC and print its budget."""
+"""``cudnn-attn kernels``: compile every CuPy kernel variant with NVRTC and print its budget:
+registers, spills, shared memory (static and dynamic) and the theoretical occupancy per SM."""
 
 from __future__ import annotations
 
@@ -64,18 +65,32 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{k: r[k] for k in r.keys()} for r in rows], indent=2))
     else:
-        width = max(len(r.kernel) for r in rows)
-        print(f"{'kernel':<{width}}  arch    regs  spill st  spill ld")
-        for r in rows:
-            print(f"{r.kernel:<{width}}  {r.arch:<6}  {r.registers:>4}  {r.spill_stores:>8}"
-                  f"  {r.spill_loads:>8}")
+        print(budget_table(rows))
     spilling = [r for r in rows if r.spill_stores or r.spill_loads]
     return 1 if spilling else 0
 
 
+def budget_table(rows: list) -> str:
+    """The stdout table: per kernel its registers, spills, shared memory (static from ptxas, the
+    dynamic bytes its launches ask) and the theoretical occupancy they give."""
+    def shown(value: Any) -> str:
+        return "-" if value is None else str(value)
+
+    width = max(len(r.kernel) for r in rows)
+    lines = [f"{'kernel':<{width}}  arch    regs  spill st  spill ld  smem st  smem dyn  threads"
+             f"  CTAs/SM  warps/SM  limited by"]
+    for r in rows:
+        lines.append(f"{r.kernel:<{width}}  {r.arch:<6}  {r.registers:>4}  {r.spill_stores:>8}"
+                     f"  {r.spill_loads:>8}  {r.static_smem_bytes:>7}  {r.dynamic_smem_bytes:>8}"
+                     f"  {shown(r.threads or None):>7}  {shown(r.ctas_per_sm):>7}"
+                     f"  {shown(r.warps_per_sm):>8}  {shown(r.occupancy_limiter)}")
+    return "\n".join(lines)
+
+
 def add_parser(sub: Any) -> None:
     kernels = sub.add_parser("kernels", help="compile the CuPy kernels with NVRTC (no GPU needed) "
-                                             "and print registers/spills")
+                                             "and print registers, spills, shared memory and "
+                                             "occupancy")
     kernels.add_argument("--arch", action="append", default=None, type=arch_arg,
                          help="target, e.g. sm_90 (repeatable; default: sm_80 and sm_90)")
     kernels.add_argument("--json", action="store_true", help="print JSON records")

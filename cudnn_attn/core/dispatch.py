@@ -25,7 +25,8 @@ import logging
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
-from typing import Protocol, Union
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, Union
 
 from .caches import LRU
 from ..errors import NotSupportedError, format_reasons
@@ -33,7 +34,7 @@ from ..model.problem import AttnProblem
 
 __all__ = ["NotSupportedError", "Backend", "BACKENDS", "BACKEND_NAMES", "get_backend", "select",
            "plan_for", "verdicts", "format_reasons", "use_backend", "exclude_backend",
-           "allowed_backends", "policy_key"]
+           "allowed_backends", "policy_key", "CostChoice", "cost_choice", "auto_verdicts"]
 
 logger = logging.getLogger("cudnn_attn")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -228,6 +229,75 @@ def auto_reasons(engine, problem: AttnProblem) -> list[str]:
     return [] if prefer is None else prefer(problem)
 
 
+@dataclass(frozen=True)
+class CostChoice:
+    """``auto``'s cost rule for one problem: the predicted ms of every engine that can run it
+    and has a cost model (``engine.predicted_ms(problem)``, not ``None``), the fastest, and
+    why each slower one is passed over. Empty below two predictions (priority order decides)."""
+
+    predicted: dict = field(default_factory=dict)
+    best: Optional[str] = None
+    passed_over: dict = field(default_factory=dict)
+
+    @property
+    def why(self) -> str:
+        """One line for ``explain()``: which engine the cost rule picked and why."""
+        if self.best is None:
+            return ""
+        others = ", ".join(f"{name} {ms:.3g} ms" for name, ms in self.predicted.items()
+                           if name != self.best)
+        return (f"auto picks {self.best} by predicted time: {self.best} "
+                f"{self.predicted[self.best]:.3g} ms vs {others} (roofline cost model)")
+
+
+def _predicted_ms(engine, problem: AttnProblem) -> Optional[float]:
+    predict = getattr(engine, "predicted_ms", None)
+    return None if predict is None else predict(problem)
+
+
+def cost_choice(problem: AttnProblem) -> CostChoice:
+    """The cost rule: among the engines ``auto`` could run ``problem`` on (no reasons, no
+    declared preference) that predict a time for it, the fastest wins (ties: priority order);
+    the others get a reason naming both times. Forced backends never consult it. Today only
+    Neighborhood problems have predictions (cuDNN dense with the exact mask, the fused CuPy
+    kernels' tile model), so every other call keeps the priority order."""
+    predicted = {}
+    for engine in BACKENDS:
+        if reasons_of(engine, problem) or auto_reasons(engine, problem):
+            continue
+        ms = _predicted_ms(engine, problem)
+        if ms is not None:
+            predicted[engine.name] = ms
+    if len(predicted) < 2:
+        return CostChoice(predicted)
+    best = min(predicted, key=predicted.__getitem__)  # the first of equals: priority order
+    passed = {name: [f"auto prefers {best}: predicted {predicted[best]:.3g} ms vs {name} "
+                     f"{ms:.3g} ms (roofline cost model); backend={name!r} runs it"]
+              for name, ms in predicted.items() if name != best}
+    return CostChoice(predicted, best, passed)
+
+
+def auto_verdicts(problem: AttnProblem, backend: str = "auto") -> tuple[dict, CostChoice]:
+    """What ``explain()`` shows: each engine's verdict (``"selected"``, ``"available"`` or its
+    reasons) as ``plan_for`` would choose without building anything (declined builds already
+    remembered count), and the cost rule's choice (``auto`` only)."""
+    choice = cost_choice(problem) if backend == "auto" else CostChoice()
+    shown: dict = {}
+    chosen = None
+    for engine in BACKENDS:
+        reasons = reasons_of(engine, problem)
+        eligible = backend in ("auto", engine.name)
+        passed = backend == "auto" and (auto_reasons(engine, problem)
+                                         or choice.passed_over.get(engine.name))
+        if reasons:
+            shown[engine.name] = reasons
+        elif eligible and chosen is None and not passed:
+            shown[engine.name] = chosen = "selected"
+        else:
+            shown[engine.name] = "available"
+    return shown, choice
+
+
 def verdicts(problem: AttnProblem) -> dict[str, list[str]]:
     """Every backend's reasons for ``problem``, in priority order."""
     return {b.name: reasons_of(b, problem) for b in BACKENDS}
@@ -254,9 +324,20 @@ def plan_for(problem: AttnProblem, backend: str = "auto"):
             reasons = reasons or reasons_of(chosen, problem)
             raise NotSupportedError(problem, {chosen.name: reasons}, forced=chosen.name)
         return chosen, plan
-    collected = {}
+    return _auto_plan(problem)
+
+
+def _auto_plan(problem: AttnProblem, costs_used: bool = False):
+    """``plan_for``'s auto walk. When the engine the cost rule preferred declines its plan
+    build (remembered), the walk runs once more: the rule then weighs only what is left, so a
+    decline never hands the call to a slower engine than the one passed over."""
+    collected: dict = {}
+    costs: Optional[CostChoice] = None
     for candidate in BACKENDS:
         reasons = reasons_of(candidate, problem) or auto_reasons(candidate, problem)
+        if not reasons and _predicted_ms(candidate, problem) is not None:
+            costs = costs or cost_choice(problem)
+            reasons = costs.passed_over.get(candidate.name, [])
         if not reasons:
             plan = _try_plan(candidate, problem)
             if plan is not None:
@@ -264,6 +345,8 @@ def plan_for(problem: AttnProblem, backend: str = "auto"):
                     logger.debug("selected %s for %s (skipped: %s)", candidate.name,
                                  problem.describe(), collected or "none")
                 return candidate, plan
+            if costs is not None and costs.passed_over and not costs_used:
+                return _auto_plan(problem, costs_used=True)
             reasons = reasons_of(candidate, problem)
         collected[candidate.name] = reasons
     raise NotSupportedError(problem, collected)

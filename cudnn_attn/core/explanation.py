@@ -18,14 +18,19 @@ class Explanation(Mapping):
     call, or a loaded warm cache), the engine cuDNN picked per graph (``"sdpa_forward"``,
     ``"sdpa_backward"`` -> ``EngineChoice``: engine id, knobs, kernels). ``notes``: how the
     selected engine runs the call when that is not plain (e.g. cuDNN's two-row graph for a
-    repeatable single-query call)."""
+    repeatable single-query call). ``predicted_ms``: each engine's predicted time where
+    ``auto``'s cost rule compared engines (``dispatch.cost_choice``), and ``why`` its one-line
+    account (``""`` when the priority order decided)."""
 
     def __init__(self, problem: AttnProblem, verdicts: dict, engines: Optional[dict] = None,
-                 notes: Optional[list] = None):
+                 cost: Optional["dispatch.CostChoice"] = None, notes: Optional[list] = None):
         self.problem = problem
         self._verdicts = verdicts
         self.engines = dict(engines or {})
         self.notes = list(notes or [])
+        cost = cost or dispatch.CostChoice()
+        self.predicted_ms = dict(cost.predicted)
+        self.why = cost.why
 
     def __getitem__(self, name: str):
         return self._verdicts[name]
@@ -42,6 +47,8 @@ class Explanation(Mapping):
 
     def __str__(self) -> str:
         text = f"{self.problem.describe()}\n{dispatch.format_reasons(self._verdicts)}"
+        if self.why:
+            text += f"\n{self.why}"
         for tag, engine in self.engines.items():
             text += f"\ncuDNN {tag}: " + str(engine).replace("\n", "\n  ")
         for note in self.notes:

@@ -20,10 +20,10 @@ import threading
 import time
 from dataclasses import dataclass
 from importlib import resources
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 from ..core.caches import LRU, memoize
-from . import cubin_cache
+from . import cubin_cache, occupancy
 
 COMMON_SOURCE = "common.cu"
 NVRTC_OPTIONS = ("-std=c++17", "--ptxas-options=-v")
@@ -34,12 +34,16 @@ class KernelVariant:
     """One launchable template instance.
 
     ``source`` is the ``.cu`` file, ``expression`` the C++ name expression NVRTC instantiates
-    (``"na_fused_forward<na_half, 64>"``), ``kernel`` a short readable id for reports.
+    (``"na_fused_forward<na_half, 64>"``), ``kernel`` a short readable id for reports;
+    ``threads`` (per CTA) and ``dynamic_smem_bytes`` are what its launches use (0: not
+    declared), from which the compile record derives the occupancy.
     """
 
     source: str
     expression: str
     kernel: str
+    threads: int = 0
+    dynamic_smem_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,13 @@ class CompiledProgram:
 
 @dataclass(frozen=True)
 class CompileRecord:
-    """What ``compile_all`` reports for one kernel (also readable as a dict)."""
+    """What ``compile_all`` reports for one kernel (also readable as a dict).
+
+    Registers, spills, stack and static shared memory come from ``ptxas -v`` (its log is kept
+    with the cubin in the disk cache, so a warm cache reports them too); ``threads`` and
+    ``dynamic_smem_bytes`` from the variant's launches; ``ctas_per_sm``, ``warps_per_sm`` and
+    ``occupancy_limiter`` are the theoretical occupancy they give (``occupancy.py``; ``None``
+    where the variant declares no block size)."""
 
     kernel: str
     arch: str
@@ -62,13 +72,39 @@ class CompileRecord:
     spill_loads: int
     stack_bytes: int
     expression: str
+    static_smem_bytes: int = 0
+    dynamic_smem_bytes: int = 0
+    threads: int = 0
 
     def __getitem__(self, name: str):
         return getattr(self, name)
 
     def keys(self):
         return ("kernel", "arch", "registers", "spill_stores", "spill_loads", "stack_bytes",
-                "expression")
+                "expression", "static_smem_bytes", "dynamic_smem_bytes", "threads",
+                "ctas_per_sm", "warps_per_sm", "occupancy_limiter")
+
+    def occupancy(self) -> Optional["occupancy.Occupancy"]:
+        if self.threads < 1:
+            return None
+        return occupancy.occupancy(self.arch, registers=self.registers, threads=self.threads,
+                                   static_shared=self.static_smem_bytes,
+                                   dynamic_shared=self.dynamic_smem_bytes)
+
+    @property
+    def ctas_per_sm(self) -> Optional[int]:
+        found = self.occupancy()
+        return None if found is None else found.ctas_per_sm
+
+    @property
+    def warps_per_sm(self) -> Optional[int]:
+        found = self.occupancy()
+        return None if found is None else found.warps_per_sm
+
+    @property
+    def occupancy_limiter(self) -> Optional[str]:
+        found = self.occupancy()
+        return None if found is None else found.limiter
 
 
 def _define_block(defines: Mapping[str, object]) -> str:
@@ -167,10 +203,12 @@ def compile_variant(variant: KernelVariant, defines: Mapping[str, object],
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
 
 
 def ptxas_usage(log: str) -> dict[str, dict[str, int]]:
-    """Parse ``ptxas -v`` output: mangled name -> registers, spills and stack bytes."""
+    """Parse ``ptxas -v`` output: mangled name -> registers, spills, stack and static shared
+    memory bytes (``static_smem_bytes``, on the "Used ... registers" line when non-zero)."""
     usage: dict[str, dict[str, int]] = {}
     current = None
     for line in log.splitlines():
@@ -187,6 +225,9 @@ def ptxas_usage(log: str) -> dict[str, dict[str, int]]:
         regs = _REGS.search(line)
         if regs:
             current["registers"] = int(regs.group(1))
+            smem = _SMEM.search(line)
+            if smem:
+                current["static_smem_bytes"] = int(smem.group(1))
     return usage
 
 
@@ -201,7 +242,9 @@ def compile_records(program: CompiledProgram,
                                      f"{program.arch}:\n{program.log}")
         records.append(CompileRecord(variant.kernel, program.arch, found["registers"],
                                      found.get("spill_stores", 0), found.get("spill_loads", 0),
-                                     found.get("stack_bytes", 0), variant.expression))
+                                     found.get("stack_bytes", 0), variant.expression,
+                                     found.get("static_smem_bytes", 0),
+                                     variant.dynamic_smem_bytes, variant.threads))
     return records
 
 

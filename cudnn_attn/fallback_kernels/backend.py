@@ -12,14 +12,16 @@ device by ``launch.device_table``).
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
-from ..core.caches import LRU
+from ..core import roofline
+from ..core.caches import LRU, memoize
 from ..model.geometry import band_table, neighborhood_table
 from ..model.masks import Band, Causal, Padding, SlidingWindow, band_of, mask_parts
 from ..model.problem import AttnProblem
-from . import fused
+from . import fused, tile_model
 from .limits import kernel_reasons, machine_reasons, problem_reasons
 
 __all__ = ["CupyBackend", "CupyPlan", "CupyUnfusedOps", "problem_table"]
@@ -71,6 +73,31 @@ class CupyBackend:
 
     def plan(self, problem: AttnProblem) -> "CupyPlan":
         return self._plans.get_or_create(problem.plan_key, lambda: CupyPlan(problem))
+
+    def predicted_ms(self, problem: AttnProblem) -> Optional[float]:
+        """Predicted ms of a Neighborhood problem on the fused kernels (the tile model at the
+        boxes the plan launches with; forward, plus backward when it requires grad), for
+        ``auto``'s cost rule (``dispatch.cost_choice``); ``None`` for band masks (no rule:
+        priority order) and masks the kernels cannot express."""
+        hood = problem.neighborhood
+        table, reasons = problem_table(problem)
+        if hood is None or reasons or table is None:
+            return None
+        return _fused_prediction(tuple(table), hood.ndim, problem.batch, problem.heads_q,
+                                 problem.heads_kv, problem.dim_qk, problem.dim_v, problem.dtype,
+                                 problem.requires_grad, roofline.ceilings_for(problem.device))
+
+
+@memoize("cupy.fused_prediction", maxsize=256)
+def _fused_prediction(table, rank, batch, heads, heads_kv, dim_qk, dim_v, dtype, backward,
+                      ceilings) -> float:
+    qbox, kbox = tile_model.choose_tiles(table, rank)
+    figures = tile_model.tile_figures(table, qbox, kbox, dim_qk=dim_qk, dim_v=dim_v, dtype=dtype,
+                                      batch=batch, heads=heads, heads_kv=heads_kv)
+    total = tile_model.predicted_ms(figures, "fwd", ceilings)
+    if backward:
+        total += tile_model.predicted_ms(figures, "bwd", ceilings)
+    return total
 
 
 class CupyUnfusedOps:

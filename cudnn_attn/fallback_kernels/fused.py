@@ -22,7 +22,8 @@ from ..core.caches import memoize
 from ..model.geometry import MAX_AXES, axis_dilation, axis_window, group_len, neighborhood_table, table_axes
 from . import _loader, launch
 from .limits import MAX_HEAD_DIM
-from .tile_shapes import FUSED_KEY_TILE, FUSED_QUERY_TILE, box_shapes, check_tile_sizes
+from .tile_model import choose_tiles
+from .tile_shapes import FUSED_KEY_TILE, FUSED_QUERY_TILE, check_tile_sizes
 
 __all__ = ["SOURCE", "DEFINES", "variants", "na_forward", "na_backward", "run_forward",
            "run_backward", "choose_tiles", "launch_grid", "head_dim_bucket", "smem_bytes",
@@ -64,14 +65,16 @@ def _expression(kernel: str, dtype: torch.dtype, head_dim: int) -> str:
 
 def variants() -> list:
     """Every template instance this module can launch."""
-    return [_loader.KernelVariant(SOURCE, _expression(k, dt, hd), f"{k}<{CTYPES[dt]},{hd}>")
+    return [_loader.KernelVariant(SOURCE, _expression(k, dt, hd), f"{k}<{CTYPES[dt]},{hd}>",
+                                  THREADS, smem_bytes(k, dt, hd))
             for k in KERNELS for dt in CTYPES for hd in HEAD_DIMS]
 
 
 def pipelined_variants() -> list:
     """The instances of the sm_80+ pipelined build (``PIPELINED_DEFINES``)."""
     return [_loader.KernelVariant(SOURCE, _expression(k, dt, hd),
-                                  f"{k}<{CTYPES[dt]},{hd}>/pipelined")
+                                  f"{k}<{CTYPES[dt]},{hd}>/pipelined", THREADS,
+                                  smem_bytes(k, dt, hd, pipelined=True))
             for k in KERNELS for dt in PIPELINED_DTYPES for hd in HEAD_DIMS]
 
 
@@ -201,19 +204,6 @@ def forward_tokens(table: Sequence[int], query_box: Sequence[int],
             axis_sum += -(-(hi - lo) // kt)
         total *= axis_sum * kt
     return total * FUSED_QUERY_TILE
-
-
-@memoize("fallback_kernels.fused.choose_tiles", maxsize=512)
-def choose_tiles(table: tuple, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Default (query box, key box) for a rank: the pair visiting the fewest key slots in the
-    forward (ties: the first in ``valid_tile_sizes`` order, i.e. larger leading sides)."""
-    best = None
-    for qt in box_shapes(FUSED_QUERY_TILE, rank):
-        for kt in box_shapes(FUSED_KEY_TILE, rank):
-            cost = forward_tokens(table, qt, kt)
-            if best is None or cost < best[0]:
-                best = (cost, qt, kt)
-    return best[1], best[2]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,7 +49,8 @@ _KERNELS = ("na_neighbor_dot", "na_neighbor_gather", "na_inverse_gather", "na_rp
 
 def variants() -> list[KernelVariant]:
     """Every template instance this module launches: 4 kernels x 4 dtypes."""
-    return [KernelVariant(SOURCE, f"{name}<{ctype}>", f"unfused.{name}.{ctype}")
+    return [KernelVariant(SOURCE, f"{name}<{ctype}>", f"unfused.{name}.{ctype}",
+                          RPB_THREADS if name == "na_rpb_backward" else THREADS)
             for name in _KERNELS for ctype in _DTYPES.values()]
 
 

@@ -27,8 +27,8 @@ from ..errors import NotSupportedError
 from ..model.problem import AttnProblem
 from ..model.storage import Paged, Ragged
 from . import _runtime, autotune, decode_rows
-from .limits import LIMITS
-from .score_mod_masks import density, neighborhood_as_band, tile_bitmask
+from ..core import roofline
+from .score_mod_masks import mask_program, neighborhood_as_band, tile_bitmask
 from ._spec import GraphSpec, analyze, problem_lengths
 from .sdpa import UID, BuiltGraph, build_graph
 
@@ -71,20 +71,19 @@ class CudnnBackend:
             reasons.append(f"cuDNN runs CUDA tensors; these are on {problem.device}")
         return reasons + analyze(problem)[1]  # pure Python: every rule knowable without a GPU
 
-    def auto_reasons(self, problem: AttnProblem) -> list[str]:
-        """The density rule (``LIMITS.neighborhood_auto_density``): a neighborhood that cuDNN
-        runs as a score_mod computes every tile, so ``auto`` leaves sparse ones to the CuPy
-        kernels; ``backend="cudnn"`` serves them."""
+    def predicted_ms(self, problem: AttnProblem) -> Optional[float]:
+        """Predicted ms of a NATTEN neighborhood run as dense attention with the exact mask (a
+        score_mod program: every score is computed), for ``auto``'s cost rule
+        (``dispatch.cost_choice``); ``None`` for other masks (and a causal 1-D neighborhood,
+        which runs as cuDNN's own band and skips tiles): no prediction, priority order.
+        Conservative from sm_100 on, where the block mask lets cuDNN skip empty tiles."""
         hood = problem.neighborhood
         if hood is None or neighborhood_as_band(hood) is not None:
-            return []
-        kept = density(hood)
-        if kept < LIMITS.neighborhood_auto_density:
-            return [f"the neighborhood keeps {kept:.0%} of the pairs; cuDNN's score_mod computes "
-                    f"every tile, and auto picks it from "
-                    f"{LIMITS.neighborhood_auto_density:.0%} (declared limit, to be measured on a "
-                    f"GPU); backend='cudnn' runs it"]
-        return []
+            return None
+        return _dense_prediction(problem.batch, problem.heads_q, problem.heads_kv,
+                                 problem.seq_q, problem.seq_kv, problem.dim_qk, problem.dim_v,
+                                 problem.dtype, hood, problem.softcap, problem.requires_grad,
+                                 roofline.ceilings_for(problem.device))
 
     def plan(self, problem: AttnProblem) -> "CudnnPlan":
         """The plan with every graph ``problem``'s calls need built; ``NotSupportedError`` when
@@ -132,6 +131,18 @@ class CudnnBackend:
             if built is not None and getattr(built, "engine", None) is not None:
                 found[tag] = built.engine
         return found
+
+
+@memoize("cudnn.dense_prediction", maxsize=256)
+def _dense_prediction(batch, heads, heads_kv, seq_q, seq_kv, dim_qk, dim_v, dtype, hood, softcap,
+                      backward, ceilings) -> float:
+    mask_ops = len(mask_program(softcap=softcap, neighborhood=hood).ops)
+    shape = dict(batch=batch, heads=heads, heads_kv=heads_kv, seq_q=seq_q, seq_kv=seq_kv,
+                 dim_qk=dim_qk, dim_v=dim_v, dtype=dtype)
+    total = roofline.dense_ms("fwd", ceilings=ceilings, mask_ops=mask_ops, **shape)
+    if backward:
+        total += roofline.dense_ms("bwd", ceilings=ceilings, mask_ops=mask_ops, **shape)
+    return total
 
 
 def graph_specs(problem: AttnProblem, spec: GraphSpec) -> list[tuple[str, GraphSpec, bool]]:

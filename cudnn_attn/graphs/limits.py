@@ -54,11 +54,6 @@ class CudnnLimits:
     # built-in padding and ALiBi (the band is folded into the program)
     softcap: bool = True
     neighborhood_masks: bool = True
-    # auto picks cuDNN for a neighborhood (score_mod) only when its window keeps at least this
-    # fraction of the (query, key) pairs: without a block mask (Hopper) cuDNN computes every
-    # tile. 1.0 keeps auto on the CuPy kernels until a GPU measurement sets it;
-    # backend="cudnn" serves any density.
-    neighborhood_auto_density: float = 1.0
     # a backward with a score_mod_bprop (softcap's) plans from this SM major on (sm_80: no
     # engine; deviceless plans, cuDNN 9.28)
     score_mod_bprop_min_major: int = 9

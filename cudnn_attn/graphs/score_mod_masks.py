@@ -24,7 +24,7 @@ from typing import Optional
 
 from ..model.score_mods import DP, SCORE, Node, ScoreMod, ScoreModGraph
 
-__all__ = ["mask_program", "density", "neighborhood_as_band", "tile_bitmask", "BLOCK_TILE"]
+__all__ = ["mask_program", "neighborhood_as_band", "tile_bitmask", "BLOCK_TILE"]
 
 BLOCK_TILE = 128  # rows and keys per tile of cuDNN's block mask; 8 key tiles per byte
 
@@ -158,12 +158,6 @@ def _replay(g: ScoreModGraph, program: ScoreMod, score) -> dict:
     for uid, name in program.dtypes:
         g.dtypes[remap[uid]] = name
     return remap
-
-
-def density(hood) -> float:
-    """The fraction of (query, key) pairs a neighborhood keeps (the work cuDNN's score_mod does
-    not skip: without a block mask every tile is computed)."""
-    return math.prod(k / n for n, k in zip(hood.spatial_shape, hood.kernel_size))
 
 
 def neighborhood_as_band(hood):

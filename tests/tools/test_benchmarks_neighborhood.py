@@ -96,7 +96,39 @@ def test_ours_rows_are_saved_before_a_peer_that_overruns_its_time(monkeypatch):
     assert time.monotonic() - start < 20
     fwd = next(r for r in rows if r["dir"] == "fwd")
     assert fwd["ours_ms"] == 1.0 and "flex_ms" not in fwd
+    # the tile model's figures and auto's pick sit beside the measurements
+    assert fwd["model_pairs"] > 0 and fwd["ours/model"] == 1.0 / fwd["model_fused_ms"]
+    assert fwd["auto_pick"] == "torch" and "model" not in fwd["errors"]
     assert fwd["errors"]["flex"].startswith("PeerTimeout")
     first_with_ours = next(i for i, r in enumerate(saved) if "ours_ms" in r[0])
     first_flex = next(i for i, r in enumerate(saved) if "flex" in r[0]["errors"])
     assert first_with_ours < first_flex  # ours was saved before the peer was tried
+
+
+def test_model_only_prints_the_issue_problems_without_a_gpu():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--model-only"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    for problem in ("2-D 128x128 k=31x31", "2-D 128x128 k=7x7", "2-D 64x64 k=13x13",
+                    "1-D 32768 k=2048", "3-D 32x32x32 k=7x7x7"):
+        rows = [line for line in lines if line.startswith(problem)]
+        assert len(rows) == 2 and " fwd " in rows[0] and " bwd " in rows[1], (problem, rows)
+    # the cost rule's pick follows the issue's measured order (ours vs dense cuDNN, forward)
+    bench = _load_script()
+    picks = {line.split("  ")[0].strip(): line.split()
+             for line in lines if " fwd " in line}
+    for spatial, kernel, heads, dim, ours, dense in bench.ISSUE_PROBLEMS:
+        name = f"{len(spatial)}-D {'x'.join(map(str, spatial))} k={'x'.join(map(str, kernel))}"
+        assert picks[name][-3] == ("cupy" if ours < dense else "cudnn"), picks[name]
+
+
+def test_model_ratios_are_measured_over_predicted():
+    bench = _load_script()
+    row = {"ours_ms": 3.0, "model_fused_ms": 2.0, "sdpa-cudnn_ms": 1.0, "model_dense_ms": 4.0}
+    bench.add_model_ratios(row)
+    assert row["ours/model"] == 1.5 and row["sdpa-cudnn/model"] == 0.25
+    row = {"model_fused_ms": 2.0}
+    bench.add_model_ratios(row)
+    assert "ours/model" not in row
