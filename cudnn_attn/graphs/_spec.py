@@ -22,6 +22,8 @@ from ..model.masks import alibi_slopes, band_of
 from ..model.score_mods import ScoreMod
 from ..model.problem import AttnProblem
 from ..model.storage import Paged, Ragged
+from . import cache_files
+from ..core.env import cudnn_version_text as version_text
 from .limits import BACKWARD_HEAD_DIM, LIMITS, MAX_HEAD_DIM
 from .score_mod_masks import mask_program, neighborhood_as_band
 
@@ -206,16 +208,21 @@ def cudnn_band(problem: AttnProblem, padding: bool, alibi: bool, reasons: list) 
 
 def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
             options: Optional[GraphOptions] = None,
-            backward: Optional[bool] = None) -> tuple[Optional[GraphSpec], list[str]]:
+            backward: Optional[bool] = None,
+            version: Optional[int] = None) -> tuple[Optional[GraphSpec], list[str]]:
     """``(spec, [])`` for a problem cuDNN can run, else ``(None, reasons)``.
 
     ``backward`` (default: ``problem.requires_grad``) adds the backward graph's rules;
-    ``target_sm`` (default: the problem's CUDA device, if any) adds the architecture's.
+    ``target_sm`` (default: the problem's CUDA device, if any) adds the architecture's;
+    ``version`` (a ``cudnn.backend_version()``; default: the installed backend's, read when
+    there is an architecture) adds the backend version's floors.
     """
     options = with_storage(options or GraphOptions(), problem.storage)
     backward = problem.requires_grad if backward is None else backward
     if target_sm is None:
         target_sm = device_sm(problem.device)
+    if version is None and target_sm is not None:
+        version = cache_files.cudnn_versions()[0]  # None when cudnn is not installed
     reasons: list[str] = []
     lim = LIMITS
     dtype = lim.io_dtypes.get(problem.dtype)
@@ -324,7 +331,11 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
     if target_sm is not None:
         _arch_reasons(problem, target_sm, backward, deterministic, options.ragged,
                       dict(dbias=problem.bias_requires_grad, dropout=dropout, alibi=alibi),
-                      reasons)
+                      version, reasons)
+    if version is not None:
+        reasons += lim.version_reasons(version, score_mod=score_mod is not None,
+                                       score_mod_constants=bool(score_mod and
+                                                                score_mod.has_constants))
     if reasons:
         return None, reasons
 
@@ -343,7 +354,7 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
         max_total_seq_len_kv=options.max_total_seq_len_kv, paged=options.paged,
         score_mod=score_mod, block_mask=bool(
             hood is not None and score_mod is not None and target_sm is not None
-            and target_sm // 10 >= lim.block_mask_min_major))
+            and lim.block_mask_ok(target_sm // 10, version)))
     return spec, []
 
 
@@ -407,7 +418,7 @@ def _option_reasons(problem, options: GraphOptions, mask_dropout: bool, backward
 
 
 def _arch_reasons(problem, sm: int, backward: bool, deterministic: bool, ragged: bool,
-                  features: dict, reasons: list) -> None:
+                  features: dict, version: Optional[int], reasons: list) -> None:
     lim = LIMITS
     major = sm // 10
     if major < lim.min_sm_major:
@@ -415,9 +426,14 @@ def _arch_reasons(problem, sm: int, backward: bool, deterministic: bool, ragged:
                        f"sm_{lim.min_sm_major}0 or newer, target is sm_{sm}")
         return
     d_qk, d_v = problem.dim_qk, problem.dim_v
-    if backward and not lim.backward_head_dims_ok(major, d_qk, d_v):
-        reasons.append(f"cuDNN's SDPA backward on sm_{sm} serves head dims up to "
-                       f"{lim.backward_head_dim_limit(major)}, got D_qk={d_qk}, D_v={d_v}")
+    if backward and not lim.backward_head_dims_ok(major, d_qk, d_v, version):
+        extra = lim.backward_head_dim_extra_min_version.get((d_qk, d_v))
+        if lim.backward_head_dims_ok(major, d_qk, d_v) and extra is not None:
+            reasons.append(f"cuDNN's SDPA backward on sm_{sm} with D_qk={d_qk}, D_v={d_v} "
+                           f"needs cuDNN >= {version_text(extra)}, have {version_text(version)}")
+        else:
+            reasons.append(f"cuDNN's SDPA backward on sm_{sm} serves head dims up to "
+                           f"{lim.backward_head_dim_limit(major)}, got D_qk={d_qk}, D_v={d_v}")
     if backward and ragged and major in lim.ragged_backward_lse_majors:
         reasons.append(f"cuDNN's packed (ragged) backward on sm_{sm} cannot read a packed LSE")
     if backward and ragged and major in lim.ragged_dbias_excluded_majors and features["dbias"]:
@@ -435,11 +451,14 @@ def _arch_reasons(problem, sm: int, backward: bool, deterministic: bool, ragged:
 
 def cudnn_reasons(problem: AttnProblem, target_sm: Optional[int] = None, *,
                   options: Optional[GraphOptions] = None,
-                  backward: Optional[bool] = None) -> list[str]:
+                  backward: Optional[bool] = None, version: Optional[int] = None) -> list[str]:
     """Every reason, knowable without a GPU, why cuDNN cannot run ``problem`` (empty: it can
     try). ``target_sm`` (e.g. 90) adds that architecture's limits; by default the problem's
-    CUDA device's, or none on a CPU problem. Each reason is one readable sentence."""
-    return analyze(problem, target_sm=target_sm, options=options, backward=backward)[1]
+    CUDA device's, or none on a CPU problem. ``version`` (e.g. 91900) adds that cuDNN backend's
+    floors; by default the installed one's where there is an architecture. Each reason is one
+    readable sentence."""
+    return analyze(problem, target_sm=target_sm, options=options, backward=backward,
+                   version=version)[1]
 
 
 def empty_rows(band: Optional[Band], i: torch.Tensor, lq: torch.Tensor,
