@@ -123,6 +123,19 @@ class CudnnLimits:
         floor = self.backward_head_dim_extra_min_version.get((d_qk, d_v), 0)
         return version is None or version >= floor
 
+    def backward_head_dim_reasons(self, sm: int, d_qk: int, d_v: int,
+                                  version: Optional[int] = None) -> list[str]:
+        """Why the backward on ``sm`` (e.g. 90) and cuDNN ``version`` cannot take the head dims."""
+        major = sm // 10
+        if self.backward_head_dims_ok(major, d_qk, d_v, version):
+            return []
+        if self.backward_head_dims_ok(major, d_qk, d_v):  # a dedicated kernel of a later cuDNN
+            floor = self.backward_head_dim_extra_min_version[(d_qk, d_v)]
+            return [f"cuDNN's SDPA backward on sm_{sm} with D_qk={d_qk}, D_v={d_v} needs cuDNN "
+                    f">= {version_text(floor)}, have {version_text(version)}"]
+        return [f"cuDNN's SDPA backward on sm_{sm} serves head dims up to "
+                f"{self.backward_head_dim_limit(major)}, got D_qk={d_qk}, D_v={d_v}"]
+
     def block_mask_ok(self, major: int, version: Optional[int] = None) -> bool:
         """Whether graphs on sm major ``major`` carry a block mask on cuDNN ``version``."""
         if major < self.block_mask_min_major:

@@ -16,9 +16,9 @@ from test_flash_api import bwd, dense_inputs, explicit_mask_oracle, fa_decode, f
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_dropout_weights_of_any_size_replay_the_engines_mask(monkeypatch, causal):
     _, built = cudnn_fake.install(monkeypatch)
-    B, Sq, Sk, H, D, p = 2, 40, 300, 2, 64, 0.25  # S_k + D_v = 364 > 256
-    if causal:
-        Sq = Sk  # the causal diagonals coincide: cuDNN takes dropout with it
+    # S_k + D_v = 364 > 256; causal: FlashAttention's bottom-right diagonal with dropout, which
+    # cuDNN takes as the top-left band it equals without padding (item 5c)
+    B, Sq, Sk, H, D, p = 2, 40, 300, 2, 64, 0.25
     q, k, v = (t.half() for t in dense_inputs(B, Sq, Sk, H, H, D, seed=3))
     out, *_, lse, seed, offset, probs = fwd(q, k, v, p=p, causal=causal, gen=gen(0),
                                             return_softmax=True)
