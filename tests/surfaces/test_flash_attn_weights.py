@@ -36,3 +36,50 @@ def test_dropout_weights_of_any_size_replay_the_engines_mask(monkeypatch, causal
     exp = torch.autograd.grad(ref_out, leaves, dout.double())
     for name, got, want in zip("qkv", (dq, dk, dv), exp):
         torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2, msg=name)
+
+
+# -- varlen: dropout, a head dim cuDNN does not take, the weights (items 5b/5d) -----------------
+
+def test_varlen_dropout_with_an_odd_head_dim_runs_packed_both_ways(monkeypatch):
+    """On a GPU, cuDNN declines D = 12; the forward fell back to dense batches, the backward
+    (pinned to a packed engine by the dropout mask) found none. The torch engine now runs the
+    packed problem both ways, weights included. This CPU plays the accelerator."""
+    import math
+
+    from cudnn_attn.flash_api import mha_varlen_bwd, mha_varlen_fwd
+    from cudnn_attn.packed import calls
+
+    monkeypatch.setattr(calls, "on_accelerator", lambda t: True)
+    lens_q, lens_k, H, D, p = [5, 9, 1], [7, 11, 4], 2, 12, 0.3
+    g = gen(4)
+    q = torch.randn(sum(lens_q), H, D, generator=g, dtype=torch.float64)
+    k = torch.randn(sum(lens_k), H, D, generator=g, dtype=torch.float64)
+    v = torch.randn(sum(lens_k), H, D, generator=g, dtype=torch.float64)
+    cu_q = torch.tensor([0, *lens_q]).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *lens_k]).cumsum(0).to(torch.int32)
+    args = dict(max_seqlen_q=9, max_seqlen_k=11, softmax_scale=None, zero_tensors=False,
+                is_causal=True, window_size_left=-1, window_size_right=-1, softcap=0.0)
+    out, *_, lse, seed, offset, s_dmask = mha_varlen_fwd(
+        q, k, v, None, cu_q, cu_k, None, None, None, p_dropout=p, return_softmax=True,
+        gen_=gen(0), **args)
+    assert s_dmask.shape == (3, H, 128, 128)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    outs, kept = [], []
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+        qb, kb, vb = (t[c[b]:c[b] + n].transpose(0, 1) for t, c, n in
+                      ((leaves[0], cu_q, lq), (leaves[1], cu_k, lk), (leaves[2], cu_k, lk)))
+        s = (qb @ kb.transpose(-1, -2) / math.sqrt(D)).masked_fill(
+            torch.arange(lk)[None, :] > torch.arange(lq)[:, None] + lk - lq, -math.inf)
+        prob = torch.softmax(s, -1)
+        keep = s_dmask[b, :, :lq, :lk] >= 0  # FlashAttention's sign: dropped entries negative
+        kept.append(keep[prob.detach() > 0])
+        outs.append((prob * keep / (1 - p) @ vb).transpose(0, 1))
+    want = torch.cat(outs)
+    assert 0.5 < torch.cat(kept).double().mean() < 0.9
+    torch.testing.assert_close(out, want.detach())
+    dout = torch.randn(out.shape, generator=gen(5), dtype=torch.float64)
+    dq, dk, dv, _ = mha_varlen_bwd(dout, q, k, v, out, lse, None, None, None, cu_q, cu_k, None,
+                                   p_dropout=p, deterministic=False, philox_seed=seed,
+                                   philox_offset=offset, **args)
+    for name, got, exp in zip("qkv", (dq, dk, dv), torch.autograd.grad(want, leaves, dout)):
+        torch.testing.assert_close(got, exp, msg=name)
