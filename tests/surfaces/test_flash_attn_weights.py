@@ -83,3 +83,28 @@ def test_varlen_dropout_with_an_odd_head_dim_runs_packed_both_ways(monkeypatch):
                                    philox_offset=offset, **args)
     for name, got, exp in zip("qkv", (dq, dk, dv), torch.autograd.grad(want, leaves, dout)):
         torch.testing.assert_close(got, exp, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("D", [64, 59], ids=["d64", "d59-padded"])
+def test_gpu_dropout_weights_of_any_size_replay_the_mask(D):
+    """On the GPU (cuDNN): S_k + D_v > 256, FlashAttention's bottom-right causal diagonal with
+    dropout, and (d59) a head dim cuDNN takes zero-padded."""
+    B, Sq, Sk, H, p = 2, 40, 300, 2, 0.25
+    q, k, v = (t.half().cuda() for t in dense_inputs(B, Sq, Sk, H, H, D, seed=3))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out, *_, lse, seed, offset, probs = fwd(q, k, v, p=p, causal=True, gen=g,
+                                            return_softmax=True)
+    leaves = [t.detach().double().cpu().requires_grad_(True) for t in (q, k, v)]
+    _, _, ref_p = ref_one(*(t.detach() for t in leaves), causal=True)
+    keep = fa_decode(probs.double().cpu(), ref_p, D, True)[1].double()
+    assert 0.6 < keep[ref_p > 0].mean() < 0.9
+    ref_out = explicit_mask_oracle(*leaves, keep, p, causal=True)
+    assert (out.double().cpu() - ref_out.detach()).abs().max().item() < 2e-2
+    dout = torch.randn(out.shape, generator=gen(2), dtype=torch.float64).half().cuda()
+    dq, dk, dv, _ = bwd(dout, q, k, v, out, lse, p=p, causal=True, seed=seed, offset=offset)
+    exp = torch.autograd.grad(ref_out, leaves, dout.double().cpu())
+    for name, got, want in zip("qkv", (dq, dk, dv), exp):
+        err = (got.double().cpu() - want).abs().max().item()
+        assert err < 5e-2 * max(1.0, want.abs().max().item()), name
