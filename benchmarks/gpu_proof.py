@@ -16,6 +16,13 @@ process gets ``cores // processes`` threads):
                     streamed (a crashed or hung engine's process is replaced; the others go on)
   selftest-plain    the CuPy engine's selftest on the plain (not cp.async-pipelined) build
   sanitize-<tool>   benchmarks/sanitize.py, one process per compute-sanitizer tool
+  flash-attn-suite  FlashAttention 2.8.3's own tests/test_flash_attn.py, as shipped, against
+                    cudnn_attn (tests/peer/run_flash_attn_suite.py --device cuda): a seeded
+                    sample of each test function, round-robin, no case started after 120 s
+                    (capped at 150 s); counts and failure causes in the record. It reads the
+                    two files ``--flash-attn DIR`` holds (default ``.peers/flash-attention``,
+                    git-ignored, carried: ``run_flash_attn_suite.py CHECKOUT --stage DIR``) and
+                    needs einops (``fetch-wheels einops``)
 Phase 2, speed, alone on the GPU, in order of importance, each with its own share of the time:
 benchmarks/cudnn.py --quick, then benchmarks/neighborhood.py --quick, each writing its JSON into
 the run's folder, with the machine's ceilings. Phase 3, only with time left: the rest of the bf16
@@ -82,6 +89,12 @@ DEFAULT_BUDGET_S = LIMIT_S - ON_HOST_S - LADDER_S - RECORD_S - SAFETY_S
 TEST_TIMEOUT_S = 120.0  # one GPU test; a hung one costs this, not the step
 CASE_TIMEOUT_S = 120.0  # one selftest run
 ENGINES = 3  # the selftest's engine processes (cudnn, cupy, torch)
+FLASH_ATTN_DIR = ROOT / ".peers" / "flash-attention"  # the staged FA 2.8.3 files (git-ignored)
+FLASH_ATTN_CAP_S = 150.0  # the FA suite's slice of the 600 s call ...
+FLASH_ATTN_BUDGET_S = 120.0  # ... in which the runner starts no case after this: it ends itself
+FLASH_ATTN_PER_TEST = 6  # sampled cases per FA test function (seeded): 84 of the grid's 508,772
+FLASH_ATTN_WORKERS = 1  # phase 1 then keeps to the device's 16 cores (gpu-tests has 8)
+FLASH_ATTN_TEST_TIMEOUT_S = 60.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,30 +105,57 @@ def _has_module(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+def pytest_options(name: str, work: Path, workers: int, test_timeout_s: float
+                   ) -> tuple[list[str], bool]:
+    """``(options, xdist)``: junit XML and the outcome stream in ``work``, xdist workers, and a
+    per-test timeout of the thread method, which stops a test hung in a call that released the
+    GIL (the signal method cannot); it ends the worker's process, so it needs xdist to replace
+    the worker and go on (without xdist: the signal method)."""
+    options = [f"--junitxml={work / (name + '.xml')}", "-p", "outcome_stream",
+               f"--outcome-stream={work / (name + '.jsonl')}"]
+    xdist = workers > 1 and _has_module("xdist")
+    if xdist:  # the device image has pytest-xdist and pytest-timeout
+        options += ["-n", str(workers)]
+    if _has_module("pytest_timeout"):
+        options += [f"--timeout={test_timeout_s:g}",
+                    f"--timeout-method={'thread' if xdist else 'signal'}"]
+    return options, xdist
+
+
+def _plugins_env() -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": str(PLUGINS) + (os.pathsep + path if path else "")}
+
+
 def pytest_step(name: str, work: Path, args: list[str], python: str = sys.executable,
                 workers: int = 8, test_timeout_s: float = TEST_TIMEOUT_S, cap_s: float = 360.0,
                 phase: int = 1) -> Step:
-    """A pytest run as a step: junit XML and the outcome stream in ``work``, xdist workers, and
-    a per-test timeout of the thread method, which stops a test hung in a call that released
-    the GIL (the signal method cannot); it ends the worker's process, so it needs xdist to
-    replace the worker and go on (without xdist: the signal method)."""
-    argv = [python, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *args,
-            f"--junitxml={work / (name + '.xml')}", "-p", "outcome_stream",
-            f"--outcome-stream={work / (name + '.jsonl')}"]
-    xdist = workers > 1 and _has_module("xdist")
-    if xdist:  # the device image has pytest-xdist and pytest-timeout
-        argv += ["-n", str(workers)]
-    if _has_module("pytest_timeout"):
-        argv += [f"--timeout={test_timeout_s:g}",
-                 f"--timeout-method={'thread' if xdist else 'signal'}"]
-    path = os.environ.get("PYTHONPATH")
-    env = {"PYTHONPATH": str(PLUGINS) + (os.pathsep + path if path else "")}
-    return Step(name, argv, phase, cap_s, env=env, processes=workers if xdist else 1)
+    """A pytest run as a step (``pytest_options``)."""
+    options, xdist = pytest_options(name, work, workers, test_timeout_s)
+    argv = [python, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *args, *options]
+    return Step(name, argv, phase, cap_s, env=_plugins_env(),
+                processes=workers if xdist else 1)
+
+
+def flash_attn_step(work: Path, source: Path, python: str = sys.executable,
+                    workers: int = FLASH_ATTN_WORKERS, per_test: int = FLASH_ATTN_PER_TEST,
+                    seed: int = 0) -> Step:
+    """FlashAttention 2.8.3's ``tests/test_flash_attn.py`` on the GPU through the CPU peer
+    runner (``--device cuda``: the file as shipped), as a pytest step of its own slice."""
+    name = "flash-attn-suite"
+    options, xdist = pytest_options(name, work, workers, FLASH_ATTN_TEST_TIMEOUT_S)
+    argv = [python, str(ROOT / "tests" / "peer" / "run_flash_attn_suite.py"), str(source),
+            "--device", "cuda", "--per-test", str(per_test), "--seed", str(seed),
+            "--time-budget", f"{FLASH_ATTN_BUDGET_S:g}", "--json", str(work / f"{name}.json"),
+            *options]
+    return Step(name, argv, 1, FLASH_ATTN_CAP_S, env=_plugins_env(),
+                processes=workers if xdist else 1)
 
 
 def plan(work: Path, python: str = sys.executable, workers: int = 8,
-         test_timeout_s: float = TEST_TIMEOUT_S) -> list[Step]:
-    """Every step of a full run, in priority order, writing its files under ``work``."""
+         test_timeout_s: float = TEST_TIMEOUT_S, flash_attn: Path = FLASH_ATTN_DIR) -> list[Step]:
+    """Every step of a full run, in priority order, writing its files under ``work``
+    (``flash_attn``: the staged FlashAttention files)."""
     bench = ROOT / "benchmarks"
     selftest = [python, "-m", "cudnn_attn", "selftest", "--case-timeout", f"{CASE_TIMEOUT_S:g}"]
 
@@ -134,6 +174,7 @@ def plan(work: Path, python: str = sys.executable, workers: int = 8,
         steps.append(Step(f"sanitize-{tool}", [python, str(bench / "sanitize.py"), "--tools", tool,
                                                "--json", str(work / f"sanitize-{tool}.json"),
                                                "--timeout", "300"], 1, 330.0))
+    steps.append(flash_attn_step(work, flash_attn, python))
     # In order of importance, each keeping its share however long the one before it takes.
     for suite, share in (("cudnn", 85.0), ("neighborhood", 65.0)):
         steps.append(Step(f"bench-{suite}", [python, str(bench / f"{suite}.py"), "--quick",
@@ -263,7 +304,8 @@ def run(args: argparse.Namespace) -> int:
     env = {**os.environ, "CUDNN_ATTN_CUBIN_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
     if args.commit:  # every record (this one, the benchmarks' JSON) names the commit passed in
         os.environ[_report.COMMIT_ENV] = env[_report.COMMIT_ENV] = args.commit
-    steps = select(plan(work, workers=args.workers), args.steps, args.skip)
+    steps = select(plan(work, workers=args.workers, flash_attn=Path(args.flash_attn).resolve()),
+                   args.steps, args.skip)
     budget = budget_facts(args, begin_wall)
     stop_at = begin + budget["budget_s"]
     cubins_for = None
@@ -340,6 +382,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", help="only these steps (comma-separated names or prefixes)")
     parser.add_argument("--skip", help="not these steps (comma-separated names or prefixes)")
     parser.add_argument("--workers", type=int, default=8, help="pytest-xdist workers")
+    parser.add_argument("--flash-attn", default=str(FLASH_ATTN_DIR), metavar="DIR",
+                        help="FlashAttention 2.8.3's test file and bert_padding.py, staged with "
+                             "tests/peer/run_flash_attn_suite.py CHECKOUT --stage DIR "
+                             "(default %(default)s)")
     parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (smoke)")
     parser.add_argument("--prebuild", metavar="DIR",
                         help="compile every kernel program into DIR and exit (no GPU needed)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tarfile
 import xml.etree.ElementTree as ET
 from collections import Counter
@@ -27,10 +28,20 @@ TARBALL = "gpu_proof-files.tar.gz"
 SKIP_REASONS_SHOWN = 20
 
 
+CAUSES_SHOWN = 20
+FLASH_ATTN_STEP = "flash-attn-suite"
+
+
+def _cause(message: str) -> str:
+    """A failure's cause: its message with the numbers that differ per case taken out."""
+    return re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "N", message)[:200]
+
+
 def _count(outcomes: dict[str, str], messages: dict[str, tuple[str, str]], marker: str,
            failures_shown: int) -> dict[str, Any]:
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     skips: Counter = Counter()
+    causes: Counter = Counter()
     failures = []
     for test_id, outcome in outcomes.items():
         counts[outcome] += 1
@@ -39,9 +50,11 @@ def _count(outcomes: dict[str, str], messages: dict[str, tuple[str, str]], marke
             skips[message or "(no reason given)"] += 1
         elif outcome in ("failed", "errors"):
             failures.append({"test": test_id, "outcome": outcome, "message": message[:300]})
+            causes[_cause(message) or "(no message)"] += 1
     return {marker: counts, "failures": failures[:failures_shown],
             "failures_total": len(failures),
-            "skip_reasons": dict(skips.most_common(SKIP_REASONS_SHOWN))}
+            "skip_reasons": dict(skips.most_common(SKIP_REASONS_SHOWN)),
+            "causes": dict(causes.most_common(CAUSES_SHOWN))}
 
 
 def junit_counts(path: Path, marker: str = "gpu", failures_shown: int = 40) -> dict[str, Any]:
@@ -99,20 +112,20 @@ def _newest(work: Path, suite: str) -> Path | None:
     return found[-1] if found else None
 
 
-def _tests_summary(result: StepResult, work: Path) -> dict[str, Any]:
+def _tests_summary(result: StepResult, work: Path, marker: str = "gpu") -> dict[str, Any]:
     xml, stream = work / f"{result.name}.xml", work / f"{result.name}.jsonl"
     found = []
     if xml.exists():
         try:
-            found.append({**junit_counts(xml), "source": "junit"})
+            found.append({**junit_counts(xml, marker), "source": "junit"})
         except ET.ParseError:  # written while the kill came
             pass
     if stream.exists():
-        found.append({**stream_counts(stream), "source": "outcome stream"})
+        found.append({**stream_counts(stream, marker), "source": "outcome stream"})
     if not found:
         return {}
     # The file that saw the most tests (a cut run's junit lacks what its workers were running).
-    best = max(found, key=lambda s: sum(s["gpu"].values()))
+    best = max(found, key=lambda s: sum(s[marker].values()))
     return {**best, "partial": result.timed_out}
 
 
@@ -139,6 +152,10 @@ def summarize(result: StepResult, work: Path) -> dict[str, Any]:
     name = result.name
     if name == "gpu-tests":
         return _tests_summary(result, work)
+    if name == FLASH_ATTN_STEP:  # FlashAttention's own tests, with the runner's sample
+        summary = _tests_summary(result, work, marker="flash_attn")
+        run = _load_json(work / f"{name}.json") or {}
+        return {**summary, **{k: run[k] for k in ("per_test", "seed", "device") if k in run}}
     if name.startswith("selftest-"):
         return _selftest_summary(result, work)
     if name.startswith("sanitize-"):
@@ -201,6 +218,12 @@ def summary_lines(results: list[StepResult]) -> list[str]:
             lines.append(f"{pad} gpu: {s['gpu']}{partial}")
             lines += [f"{pad} {f['outcome']}: {f['test']}: {f['message'][:160]}"
                       for f in s["failures"][:15]]
+            lines += [f"{pad} skipped {n}: {why[:140]}"
+                      for why, n in list((s.get("skip_reasons") or {}).items())[:5]]
+        elif r.name == FLASH_ATTN_STEP and s:
+            lines.append(f"{pad} flash_attn: {s['flash_attn']}{partial}")
+            lines += [f"{pad} {n} x {cause[:150]}" for cause, n in
+                      list((s.get("causes") or {}).items())[:8]]
             lines += [f"{pad} skipped {n}: {why[:140]}"
                       for why, n in list((s.get("skip_reasons") or {}).items())[:5]]
         elif r.name.startswith("selftest-") and s.get("counts"):

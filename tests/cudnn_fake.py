@@ -31,7 +31,6 @@ from cudnn_attn.core import dispatch
 from cudnn_attn.core.caches import clear_caches
 from cudnn_attn.graphs import _emit, _runtime
 from cudnn_attn.graphs import backend as cudnn_backend
-from cudnn_attn.graphs._spec import analyze
 from cudnn_attn.model.score_mods import ScoreMod
 
 
@@ -286,6 +285,6 @@ def install(monkeypatch):
     monkeypatch.setattr(_runtime, "_raw_stream", lambda index: 0)
     monkeypatch.setattr(_runtime, "_current_device", lambda: 0)
     monkeypatch.setattr(_runtime, "capturing", lambda: False)
-    monkeypatch.setattr(engine, "supports", lambda problem: analyze(problem)[1])
+    monkeypatch.setattr(engine, "supports", engine.graph_reasons)  # every rule but the device
     clear_caches()  # no plan, call or decline from before the fake engine
     return fresh, built

@@ -26,6 +26,7 @@ from . import dispatch
 from ..errors import NotSupportedError
 from ..model.problem import AttnProblem
 from ..model.inputs import Inputs, hide_padded_rows, hide_padding
+from ..model.storage import Ragged
 
 __all__ = ["plan_call", "plan_on", "plan_stored", "dropout_engine", "forward", "backward", "run", "direct_runner",
            "lse_from_flash"]
@@ -74,8 +75,12 @@ def plan_stored(problem: AttnProblem, backend: str = "auto", *, required: bool =
         if required or backend != "auto":
             raise
         return None
-    if not engine.runs_stored:  # it would read a dense cache whole: the dense-batch path gives
-        return None             # it only the prefix in use
+    packed_dropout = problem.dropout_p > 0 and isinstance(problem.storage, Ragged)
+    if not engine.runs_stored and not packed_dropout:
+        # It would read a dense cache whole: the dense-batch path gives it only the prefix in
+        # use. A packed call with dropout stays (the torch engine's padded batch): its forward
+        # and backward then draw the mask over the same batch, whichever runs first.
+        return None
     return engine, problem, plan
 
 

@@ -22,13 +22,12 @@ from ..model.masks import alibi_slopes, band_of
 from ..model.score_mods import ScoreMod
 from ..model.problem import AttnProblem
 from ..model.storage import Paged, Ragged
-from . import decode_rows
+from . import cache_files, decode_rows
 from .limits import BACKWARD_HEAD_DIM, LIMITS, MAX_HEAD_DIM
 from .score_mod_masks import mask_program, neighborhood_as_band
 
 __all__ = ["Band", "PagedKV", "GraphOptions", "GraphSpec", "analyze", "cudnn_reasons", "empty_rows",
-           "with_storage",
-           "device_sm", "MAX_HEAD_DIM", "BACKWARD_HEAD_DIM", "LIMITS"]
+           "with_storage", "device_sm", "MAX_HEAD_DIM", "BACKWARD_HEAD_DIM", "LIMITS"]
 
 @dataclass(frozen=True)
 class Band:
@@ -175,9 +174,12 @@ def _contiguous_strides(dims: tuple) -> tuple:
     return tuple(out)
 
 
-def cudnn_band(problem: AttnProblem, padding: bool, alibi: bool, reasons: list) -> Optional[Band]:
+def cudnn_band(problem: AttnProblem, padding: bool, alibi: bool, reasons: list,
+               restricted: bool = False) -> Optional[Band]:
     """The diagonal band cuDNN is given for ``problem``'s mask (``masks.band_of`` plus cuDNN's
-    own alignment and bound rules), or None; why it cannot be one goes to ``reasons``."""
+    own alignment and bound rules), or None; why it cannot be one goes to ``reasons``.
+    ``restricted`` (a bias or dropout, which cuDNN's bottom-right diagonal excludes): without
+    padding the static offset moves into a top-left band's bounds."""
     mask = problem.mask
     hood_band = neighborhood_as_band(problem.neighborhood)  # a causal 1-D neighborhood
     if hood_band is not None:
@@ -205,16 +207,26 @@ def cudnn_band(problem: AttnProblem, padding: bool, alibi: bool, reasons: list) 
             left = None  # even the last row reaches key 0
     if left is None and right is None:
         return None
-    return Band(alignment, None if left is None else left + 1, right)
+    band_left = None if left is None else left + 1
+    if restricted and alignment == "bottom_right" and not padding and not alibi \
+            and s_q <= s_kv:
+        offset = s_kv - s_q  # i' = i + offset on every row: the same pairs (left bound >= 1)
+        if band_left is None or band_left - offset >= 1:
+            return Band("top_left", None if band_left is None else band_left - offset,
+                        None if right is None else right + offset)
+    return Band(alignment, band_left, right)
 
 
 def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
             options: Optional[GraphOptions] = None,
-            backward: Optional[bool] = None) -> tuple[Optional[GraphSpec], list[str]]:
+            backward: Optional[bool] = None,
+            version: Optional[int] = None) -> tuple[Optional[GraphSpec], list[str]]:
     """``(spec, [])`` for a problem cuDNN can run, else ``(None, reasons)``.
 
     ``backward`` (default: ``problem.requires_grad``) adds the backward graph's rules;
-    ``target_sm`` (default: the problem's CUDA device, if any) adds the architecture's.
+    ``target_sm`` (default: the problem's CUDA device, if any) adds the architecture's;
+    ``version`` (default: the installed ``cudnn.backend_version()`` where there is an
+    architecture) adds that backend's floors.
     """
     if decode_rows.needed(problem):  # a repeatable S_q = 1 call runs as a two-row graph
         declined = decode_rows.reasons(problem)
@@ -228,6 +240,8 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
     backward = problem.requires_grad if backward is None else backward
     if target_sm is None:
         target_sm = device_sm(problem.device)
+    if version is None and target_sm is not None:
+        version = cache_files.cudnn_versions()[0]  # None when cudnn is not installed
     reasons: list[str] = []
     lim = LIMITS
     dtype = lim.io_dtypes.get(problem.dtype)
@@ -257,7 +271,9 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
 
     padding = problem.padding is not None or options.ragged
     alibi = problem.alibi is not None
-    band = cudnn_band(problem, padding, alibi, reasons)
+    band = cudnn_band(problem, padding, alibi, reasons, restricted=(
+        problem.bias is not None or problem.dropout_p > 0 or options.dropout_mask
+        or problem.dropout_mask is not None))
     score_mod = None
     hood = problem.neighborhood
     if hood is not None and neighborhood_as_band(hood) is not None:
@@ -336,7 +352,11 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
     if target_sm is not None:
         _arch_reasons(problem, target_sm, backward, deterministic, options.ragged,
                       dict(dbias=problem.bias_requires_grad, dropout=dropout, alibi=alibi),
-                      reasons)
+                      version, reasons)
+    if version is not None:
+        reasons += lim.version_reasons(version, score_mod=score_mod is not None,
+                                       score_mod_constants=bool(score_mod and
+                                                                score_mod.has_constants))
     if reasons:
         return None, reasons
 
@@ -355,7 +375,7 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
         max_total_seq_len_kv=options.max_total_seq_len_kv, paged=options.paged,
         score_mod=score_mod, block_mask=bool(
             hood is not None and score_mod is not None and target_sm is not None
-            and target_sm // 10 >= lim.block_mask_min_major))
+            and lim.block_mask_ok(target_sm // 10, version)))
     return spec, []
 
 
@@ -419,7 +439,7 @@ def _option_reasons(problem, options: GraphOptions, mask_dropout: bool, backward
 
 
 def _arch_reasons(problem, sm: int, backward: bool, deterministic: bool, ragged: bool,
-                  features: dict, reasons: list) -> None:
+                  features: dict, version: Optional[int], reasons: list) -> None:
     lim = LIMITS
     major = sm // 10
     if major < lim.min_sm_major:
@@ -427,9 +447,8 @@ def _arch_reasons(problem, sm: int, backward: bool, deterministic: bool, ragged:
                        f"sm_{lim.min_sm_major}0 or newer, target is sm_{sm}")
         return
     d_qk, d_v = problem.dim_qk, problem.dim_v
-    if backward and not lim.backward_head_dims_ok(major, d_qk, d_v):
-        reasons.append(f"cuDNN's SDPA backward on sm_{sm} serves head dims up to "
-                       f"{lim.backward_head_dim_limit(major)}, got D_qk={d_qk}, D_v={d_v}")
+    if backward:
+        reasons += lim.backward_head_dim_reasons(sm, d_qk, d_v, version)
     if backward and ragged and major in lim.ragged_backward_lse_majors:
         reasons.append(f"cuDNN's packed (ragged) backward on sm_{sm} cannot read a packed LSE")
     if backward and ragged and major in lim.ragged_dbias_excluded_majors and features["dbias"]:
@@ -447,11 +466,12 @@ def _arch_reasons(problem, sm: int, backward: bool, deterministic: bool, ragged:
 
 def cudnn_reasons(problem: AttnProblem, target_sm: Optional[int] = None, *,
                   options: Optional[GraphOptions] = None,
-                  backward: Optional[bool] = None) -> list[str]:
+                  backward: Optional[bool] = None, version: Optional[int] = None) -> list[str]:
     """Every reason, knowable without a GPU, why cuDNN cannot run ``problem`` (empty: it can
-    try). ``target_sm`` (e.g. 90) adds that architecture's limits; by default the problem's
-    CUDA device's, or none on a CPU problem. Each reason is one readable sentence."""
-    return analyze(problem, target_sm=target_sm, options=options, backward=backward)[1]
+    try), one sentence each. ``target_sm`` (e.g. 90) and ``version`` (e.g. 91900) as
+    ``analyze``'s: that architecture's limits and that cuDNN backend's floors."""
+    return analyze(problem, target_sm=target_sm, options=options, backward=backward,
+                   version=version)[1]
 
 
 def empty_rows(band: Optional[Band], i: torch.Tensor, lq: torch.Tensor,

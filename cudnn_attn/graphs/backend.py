@@ -28,6 +28,7 @@ from ..model.problem import AttnProblem
 from ..model.storage import Paged, Ragged
 from . import _runtime, autotune, decode_rows
 from ..core import roofline
+from .head_pad import HeadPadPlan, needs_padding, padded_problem
 from .score_mod_masks import mask_program, neighborhood_as_band, tile_bitmask
 from ._spec import GraphSpec, analyze, problem_lengths
 from .sdpa import UID, BuiltGraph, build_graph
@@ -69,7 +70,12 @@ class CudnnBackend:
         reasons = self.availability()
         if problem.device.type != "cuda":
             reasons.append(f"cuDNN runs CUDA tensors; these are on {problem.device}")
-        return reasons + analyze(problem)[1]  # pure Python: every rule knowable without a GPU
+        return reasons + self.graph_reasons(problem)
+
+    def graph_reasons(self, problem: AttnProblem) -> list[str]:
+        """Every rule knowable without a GPU (pure Python), for the graph this engine builds:
+        head dims cuDNN does not take are zero-padded first (``head_pad``)."""
+        return analyze(padded_problem(problem) if needs_padding(problem) else problem)[1]
 
     def predicted_ms(self, problem: AttnProblem) -> Optional[float]:
         """Predicted ms of a NATTEN neighborhood run as dense attention with the exact mask (a
@@ -85,9 +91,11 @@ class CudnnBackend:
                                  problem.dtype, hood, problem.softcap, problem.requires_grad,
                                  roofline.ceilings_for(problem.device))
 
-    def plan(self, problem: AttnProblem) -> "CudnnPlan":
+    def plan(self, problem: AttnProblem) -> "CudnnPlan | HeadPadPlan":
         """The plan with every graph ``problem``'s calls need built; ``NotSupportedError`` when
         cuDNN declines one (at any build stage)."""
+        if needs_padding(problem):
+            return HeadPadPlan(self.plan(padded_problem(problem)))
         spec, reasons = analyze(problem)
         if reasons:
             raise NotSupportedError(problem, {self.name: reasons}, forced=self.name)
@@ -120,6 +128,8 @@ class CudnnBackend:
         """``{tag: EngineChoice}`` of the graphs ``problem`` needs that ``graph_cache`` already
         holds with a plan (built by an earlier call, or loaded from a warmed cache and used);
         builds, loads and counts nothing."""
+        if needs_padding(problem):
+            problem = padded_problem(problem)
         spec, reasons = analyze(problem)
         if reasons:
             return {}

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
+
+from ..core.env import cudnn_version_text as version_text
 
 __all__ = ["CudnnLimits", "LIMITS", "MAX_HEAD_DIM", "BACKWARD_HEAD_DIM"]
 
@@ -81,14 +83,78 @@ class CudnnLimits:
     # create_execution_plans, "KERNEL_CFG knob must be set"; with stats, engine 3 serves it)
     philox_dropout_needs_stats_majors: tuple = (10,)
 
+    # -- cuDNN backend versions (``cudnn.backend_version()``: 10000 * major + 100 * minor + patch).
+    # The oldest backend the engine runs on: the ``[cu12]``/``[cu13]`` extras' floor, and the
+    # oldest a GPU run has verified (an H200, cuDNN 9.19.0). Below it the frontend has gates this
+    # table does not model (SDPA broken on 9.10.0/9.10.1, deterministic backward from 9.11, ...).
+    min_backend_version: int = 91900
+    # The floors of graph features above ``min_backend_version`` (the frontend 1.32's checks):
+    # a score_mod needs the unified SDPA node ("Attention score modifier for unified SDPA node
+    # requires cuDNN 9.21.0 or above") ...
+    score_mod_min_version: int = 92100
+    # ... and its numeric constants (``tensor_scalar(v, COMPILE_TIME_CONST)``: softcap, every
+    # neighborhood window) are constant tensors ("SetAttribute CUDNN_ATTR_TENSOR_CONSTANT_VALUE
+    # requires cudnn version 9.22.0"; an H200 with 9.19 declined a 2-D neighborhood at build).
+    score_mod_constant_min_version: int = 92200
+    # "Unified SDPA with Block_mask on SM10x requires cuDNN 9.26.0 or newer due to a masked-tile
+    # initialization bug in older backends": older backends run the neighborhood without one.
+    block_mask_min_version: Mapping = field(default_factory=lambda: _frozen({10: 92600}))
+    # the dedicated backward kernels of ``backward_head_dim_extra``: "d_qk == 192 and d_v == 128
+    # (requires cuDNN 9.19+) or d_qk == d_v == 256 (requires cuDNN 9.26+)"
+    backward_head_dim_extra_min_version: Mapping = field(default_factory=lambda: _frozen(
+        {(192, 128): 91900, (256, 256): 92600}))
+
     def backward_head_dim_limit(self, major: int) -> int:
         return self.backward_head_dim.get(major, self.default_backward_head_dim)
 
-    def backward_head_dims_ok(self, major: int, d_qk: int, d_v: int) -> bool:
+    def backward_head_dims_ok(self, major: int, d_qk: int, d_v: int,
+                              version: Optional[int] = None) -> bool:
+        """Whether sm major ``major``'s backward serves ``(d_qk, d_v)`` on cuDNN ``version``
+        (``None``: the newest)."""
         if max(d_qk, d_v) <= self.backward_head_dim_limit(major):
             return True
-        return (d_qk, d_v) in self.backward_head_dim_extra.get(major, ())
+        if (d_qk, d_v) not in self.backward_head_dim_extra.get(major, ()):
+            return False
+        floor = self.backward_head_dim_extra_min_version.get((d_qk, d_v), 0)
+        return version is None or version >= floor
 
+    def backward_head_dim_reasons(self, sm: int, d_qk: int, d_v: int,
+                                  version: Optional[int] = None) -> list[str]:
+        """Why the backward on ``sm`` (e.g. 90) and cuDNN ``version`` cannot take the head dims."""
+        major = sm // 10
+        if self.backward_head_dims_ok(major, d_qk, d_v, version):
+            return []
+        if self.backward_head_dims_ok(major, d_qk, d_v):  # a dedicated kernel of a later cuDNN
+            floor = self.backward_head_dim_extra_min_version[(d_qk, d_v)]
+            return [f"cuDNN's SDPA backward on sm_{sm} with D_qk={d_qk}, D_v={d_v} needs cuDNN "
+                    f">= {version_text(floor)}, have {version_text(version)}"]
+        return [f"cuDNN's SDPA backward on sm_{sm} serves head dims up to "
+                f"{self.backward_head_dim_limit(major)}, got D_qk={d_qk}, D_v={d_v}"]
+
+    def block_mask_ok(self, major: int, version: Optional[int] = None) -> bool:
+        """Whether graphs on sm major ``major`` carry a block mask on cuDNN ``version``."""
+        if major < self.block_mask_min_major:
+            return False
+        return version is None or version >= self.block_mask_min_version.get(major, 0)
+
+    def version_reasons(self, version: int, **features: bool) -> list[str]:
+        """Why cuDNN ``version`` cannot build a graph using ``features`` (name -> used:
+        ``score_mod``, ``score_mod_constants``): the package floor, then each feature's."""
+        have = version_text(version)
+        reasons = []
+        if version < self.min_backend_version:
+            reasons.append(f"cudnn_attn's cuDNN engine needs cuDNN >= "
+                           f"{version_text(self.min_backend_version)}, have {have}")
+        floors = {"score_mod": (self.score_mod_min_version, "a score_mod (softcap, a "
+                                "neighborhood, the builder's score_mod)"),
+                  "score_mod_constants": (self.score_mod_constant_min_version,
+                                          "a score_mod with numeric constants (constant "
+                                          "tensors, CUDNN_ATTR_TENSOR_CONSTANT_VALUE)")}
+        for name, used in features.items():
+            floor, what = floors[name]
+            if used and version < floor:
+                reasons.append(f"{what} needs cuDNN >= {version_text(floor)}, have {have}")
+        return reasons
 
 LIMITS = CudnnLimits()
 

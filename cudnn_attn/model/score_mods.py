@@ -193,6 +193,12 @@ class ScoreMod:
     bprop: Optional[int] = None
     label: str = "score_mod"
 
+    @property
+    def has_constants(self) -> bool:
+        """Whether the program holds a numeric constant (cuDNN: a constant tensor, which has a
+        backend-version floor of its own)."""
+        return any(isinstance(a, tuple) for _, inputs, _ in self.ops for a in inputs)
+
     # -- evaluation in torch --------------------------------------------------------------------
     def _run(self, wanted: int, env: dict, index: Callable[[int], torch.Tensor], like):
         if wanted in env:

@@ -21,6 +21,8 @@ from .layouts import cols, compute_dtype, lse_dtype, lse_layout, lse_rows, rows_
 from .tiles import Tiles, Visibility, build_tiles, choose_tile_shape, neighborhood_axis, sequence_axis
 from ..model.masks import Causal, Neighborhood, SlidingWindow, alibi_distance, mask_parts
 from ..model.problem import AttnProblem
+from ..model.storage import Ragged
+from .ragged import RaggedPlan
 
 __all__ = ["TorchBackend", "TorchPlan"]
 
@@ -48,11 +50,16 @@ class TorchBackend:
         return []
 
     def supports(self, problem: AttnProblem) -> list[str]:
-        if problem.storage is not None:  # attention_varlen / _with_kvcache run it as dense batches
+        # Packed sequences run as their padded batch (``ragged``); a paged cache is left to
+        # attention_with_kvcache's dense batches (its pools would be gathered whole).
+        if problem.storage is not None and not isinstance(problem.storage, Ragged):
             return [f"the torch engine addresses dense batches, not {problem.storage!r} storage"]
         return []
 
-    def plan(self, problem: AttnProblem) -> "TorchPlan":
+    def plan(self, problem: AttnProblem):
+        if isinstance(problem.storage, Ragged):
+            return self._plans.get_or_create(problem.plan_key,
+                                             lambda: RaggedPlan(self, problem))
         return self._plans.get_or_create(problem.plan_key, lambda: TorchPlan(problem))
 
 

@@ -145,6 +145,30 @@ def test_explain_selects_cudnn_for_supported_calls():
     assert any("float16 or bfloat16" in r for r in verdict)
 
 
+def test_explain_agrees_with_the_engine_on_this_cudnn():
+    # Issue 36: on cuDNN 9.19 explain() selected cuDNN for a 2-D neighborhood whose build then
+    # failed (constant tensors need 9.22) and the call ran on CuPy. The version floors
+    # (graphs/limits.py) now decline it in explain(), before any build.
+    import cudnn
+    import cudnn_attn as ca
+
+    q, k, v = (torch.randn(1, 2, 64, 32, device="cuda", dtype=torch.float16) for _ in range(3))
+    hood = ca.Neighborhood((8, 8), (3, 3))
+    verdict = ca.explain(q, k, v, mask=hood, backend="cudnn")["cudnn"]
+    if cudnn.backend_version() < 92200:
+        assert any("needs cuDNN >= 9.22.0" in r for r in verdict), verdict
+        with pytest.raises(ca.NotSupportedError, match="needs cuDNN >= 9.22.0"):
+            ca.attention(q, k, v, mask=hood, backend="cudnn")
+    else:
+        assert verdict == "selected"
+        out = ca.attention(q, k, v, mask=hood, backend="cudnn")  # builds: no decline
+        want = ca.attention(q.double(), k.double(), v.double(), mask=hood, backend="torch")
+        torch.testing.assert_close(out.double(), want, atol=2e-3, rtol=2e-3)
+    auto = ca.attention(q, k, v, mask=hood)  # auto: whatever explain() selected runs
+    want = ca.attention(q.double(), k.double(), v.double(), mask=hood, backend="torch")
+    torch.testing.assert_close(auto.double(), want, atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("variant", ["bias", "padding"])
 def test_seq_len_mod_128_is_64_with_a_mask_and_tiny_lse(variant):
     # PyTorch #196678: NaN in dQ when S % 128 == 64, a mask is given and a row's LSE < -88.7.

@@ -358,9 +358,12 @@ REJECTED = [  # (id, tensors, kwargs, options, backward, target_sm, reason fragm
      None, "S_q <= S_kv without padding"),
     ("window-sq>skv", qkv(Sq=192, Skv=64), {"mask": ca.SlidingWindow(8, 0)}, None, False, None,
      "sliding window needs S_q <= S_kv"),
-    ("br-bias", qkv(Sq=64, Skv=128), {"mask": ca.Causal("bottom_right"), "bias": meta(1, 4, 64, 128)},
+    # per-batch (padded) bottom-right offsets: without padding the offset is a top-left band's
+    ("br-bias", qkv(Sq=64, Skv=128), {"mask": ca.Causal("bottom_right") & ca.Padding(
+        [64, 30], [128, 100]), "bias": meta(1, 4, 64, 128)},
      None, False, None, "bottom-right diagonal cannot be combined with a bias"),
-    ("br-dropout", qkv(Sq=64, Skv=128), {"mask": ca.Causal("bottom_right"), "dropout_p": 0.1}, None,
+    ("br-dropout", qkv(Sq=64, Skv=128), {"mask": ca.Causal("bottom_right") & ca.Padding(
+        [64, 30], [128, 100]), "dropout_p": 0.1}, None,
      False, None, "cannot be combined with dropout"),
     ("br-alibi", qkv(Sq=64, Skv=128), {"mask": ca.Causal("bottom_right"), "bias": ca.Alibi()}, None,
      False, None, "cannot be combined with ALiBi"),

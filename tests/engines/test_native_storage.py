@@ -271,8 +271,9 @@ def test_ragged_problems_are_declined_by_engines_that_address_dense_batches():
     q = torch.randn(10, 2, 16, dtype=F16)
     problem = varlen_problem(q, q, q, cu((4, 6)), cu((4, 6)), 6, 6, read=False)
     verdicts = dispatch.verdicts(problem)
-    assert any("dense batches" in r for r in verdicts["torch"])
     assert any("dense batches" in r for r in verdicts["cupy"])
+    # the torch engine runs them as their padded batch (tests/engines/test_torch_ragged.py)
+    assert verdicts["torch"] in ([], "selected")
 
 
 def test_device_only_tensors_do_refuse_host_reads():
@@ -293,8 +294,8 @@ def test_flash_attn_varlen_func_runs_the_ragged_graph(causal, same_cu, fake, mon
     from cudnn_attn.flash_attn_interface import flash_attn_varlen_func
 
     # This CPU plays the accelerator for the route decision too.
-    monkeypatch.setattr(native, "takes", lambda q, paged, slopes, probs: not (paged or probs)
-                        and slopes is None)
+    monkeypatch.setattr(native, "takes", lambda q, paged, slopes, probs, p_dropout=0.0: not paged
+                        and slopes is None and (not probs or p_dropout > 0))
     lens_q = (9, 1, 0, 30)
     lens_k = lens_q if same_cu else (4, 12, 3, 30)
     q, k, v = _varlen_inputs(lens_q, lens_k, Hq=4, Hkv=2, D=16, Dv=16, grad=True)

@@ -21,7 +21,11 @@ def counts(summary: str) -> dict:
 def run_pytest(workdir: Path, tests: list, extra_args: list, json_path, record: dict) -> int:
     """Run ``tests`` in ``workdir`` with ``workdir`` and this repository first on the path; print
     pytest's output, write ``record`` plus the counts to ``json_path`` (if given)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(workdir), str(REPO)]))
+    # The caller's path stays behind ours (a GPU host's .pysite holds the cuDNN frontend; the
+    # GPU proof's pytest plugins sit there too).
+    path = [str(workdir), str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(
+        os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs",
            *map(str, tests), *extra_args]
     # Streamed line by line (a long run shows its progress, and a killed one what it reached).

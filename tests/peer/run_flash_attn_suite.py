@@ -13,7 +13,14 @@ The parameter grid is sampled: ``--per-test`` cases of each test function, chose
     python tests/peer/run_flash_attn_suite.py /tmp/fa --per-test 10 --json fa-suite.json
 
 Prints pytest's output as it runs and exits with pytest's status; ``--json`` also writes the
-counts. The full ``--per-test 10`` sample needs about 17 GB of free memory (its largest case,
+counts.
+
+``--device cuda`` runs the file as FlashAttention ships it (its own device, capability flags and
+loops: ``benchmarks/gpu_proof.py``'s ``flash-attn-suite`` step) and orders the sample round-robin
+over the test functions (drawn from the grid before collection, which for the whole grid takes
+minutes), so a run that stops at ``--time-budget`` has reached every function. ``--stage DIR``
+copies the two files the runner reads from a checkout into ``DIR`` (a small folder a device call
+can carry) and exits. The full ``--per-test 10`` sample needs about 17 GB of free memory (its largest case,
 ``test_flash_attn_splitkv`` with 100000 keys, peaks at 16.4 GB with its references) and ran 44
 minutes on 2 shared cores (``benchmarks/results/flash_attn_suite-2026-11-26.json``).
 """
@@ -84,10 +91,45 @@ def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offse
 '''
 
 SAMPLING_CONFTEST = '''import random
+import time
 from collections import defaultdict
+
+import pytest
 
 PER_TEST = int({per_test})
 SEED = int({seed})
+ROUND_ROBIN = {round_robin}
+THIN_GRID = {thin_grid}
+TIME_BUDGET_S = {time_budget}
+STOPPED = "time budget reached"
+START = time.monotonic()
+
+
+def _draw(calls, keep, salt):
+    rng = random.Random(f"{{SEED}}:{{salt}}:{{len(calls)}}")
+    return [calls[i] for i in sorted(rng.sample(range(len(calls)), keep))]
+
+
+if THIN_GRID and PER_TEST > 0:
+    # Sample the parameter grid while pytest builds it, not its items afterwards: FlashAttention's
+    # whole grid is 508,772 items, 80 s and 3 GB to collect. After each parametrize mark a
+    # seeded subset of the combinations goes on (pytest keeps them in Metafunc._calls, its own
+    # attribute: this runner's pytest, not cudnn_attn, depends on it).
+    _parametrize = pytest.Metafunc.parametrize
+
+    def _thinned(self, *args, **kwargs):
+        _parametrize(self, *args, **kwargs)
+        if len(self._calls) > 4 * PER_TEST:
+            self._calls = _draw(self._calls, 4 * PER_TEST, self.function.__name__)
+
+    pytest.Metafunc.parametrize = _thinned
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_generate_tests(metafunc):
+    calls = getattr(metafunc, "_calls", None)
+    if THIN_GRID and PER_TEST > 0 and calls and len(calls) > PER_TEST:
+        metafunc._calls = _draw(calls, PER_TEST, metafunc.function.__name__)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -103,7 +145,33 @@ def pytest_collection_modifyitems(config, items):
         keep.update(id(i) for i in chosen)
     config.hook.pytest_deselected(items=[i for i in items if id(i) not in keep])
     items[:] = [i for i in items if id(i) in keep]
+    if ROUND_ROBIN:  # one case of each function, then the second of each, ...
+        queues = defaultdict(list)
+        for item in items:
+            queues[item.originalname].append(item)
+        depth = max((len(q) for q in queues.values()), default=0)
+        items[:] = [q[i] for i in range(depth) for q in queues.values() if i < len(q)]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    # Past the budget no case starts; the run ends as a finished one (its counts are whole).
+    if TIME_BUDGET_S and time.monotonic() - START > TIME_BUDGET_S:
+        item.session.shouldstop = STOPPED
+        return True
+    return None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    if session.shouldstop == STOPPED and exitstatus == pytest.ExitCode.INTERRUPTED:
+        print(f"\\n{{STOPPED}} ({{TIME_BUDGET_S:g}} s): the cases not started are not counted")
+        session.exitstatus = (pytest.ExitCode.TESTS_FAILED if session.testsfailed
+                              else pytest.ExitCode.OK)
 '''
+
+# What the runner reads from a FlashAttention checkout (``--stage`` copies exactly these).
+SOURCE_FILES = ("tests/test_flash_attn.py", "flash_attn/bert_padding.py")
 
 
 def adapt(text: str) -> str:
@@ -115,8 +183,31 @@ def adapt(text: str) -> str:
     return text
 
 
-def build(source: Path, work: Path, per_test: int, seed: int) -> Path:
-    """Write the adapted test file, the stand-in package and the sampling conftest to ``work``."""
+def missing(source: Path) -> list[str]:
+    """Why ``source`` cannot be run (no checkout, no einops), as sentences; empty when it can."""
+    gaps = [f"{source / name} is missing (a FlashAttention 2.8.x checkout, or a folder made "
+            f"with --stage)" for name in SOURCE_FILES if not (source / name).is_file()]
+    try:
+        import einops  # noqa: F401  (FlashAttention's tests and bert_padding import it)
+    except ImportError:
+        gaps.append("einops is not installed (FlashAttention's tests import it; on the GPU "
+                    "host, bring its wheel: ../shared/gpu/fetch-wheels einops)")
+    return gaps
+
+
+def stage(source: Path, target: Path) -> None:
+    """Copy ``SOURCE_FILES`` from the checkout ``source`` into ``target``."""
+    for name in SOURCE_FILES:
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source / name, target / name)
+
+
+def build(source: Path, work: Path, per_test: int, seed: int, device: str = "cpu",
+          time_budget: float = 0.0) -> Path:
+    """Write the test file (adapted for the CPU, or as shipped for ``device="cuda"``), the
+    stand-in package and the sampling conftest to ``work``. On ``cuda`` the sample is drawn
+    from the grid before collection (seconds, not minutes) and run round-robin; a
+    ``time_budget`` (s) starts no case after it."""
     package = work / "flash_attn"
     (package / "layers").mkdir(parents=True)
     (package / "__init__.py").write_text(FLASH_ATTN_SHIM)
@@ -124,25 +215,45 @@ def build(source: Path, work: Path, per_test: int, seed: int) -> Path:
     (package / "layers" / "__init__.py").write_text("")
     (package / "layers" / "rotary.py").write_text(ROTARY_REFERENCE)
     shutil.copy(source / "flash_attn" / "bert_padding.py", package / "bert_padding.py")
-    (work / "conftest.py").write_text(SAMPLING_CONFTEST.format(per_test=per_test, seed=seed))
+    gpu = device == "cuda"
+    (work / "conftest.py").write_text(SAMPLING_CONFTEST.format(
+        per_test=per_test, seed=seed, round_robin=gpu, thin_grid=gpu, time_budget=time_budget))
     test = work / "test_flash_attn.py"
-    test.write_text(adapt((source / "tests" / "test_flash_attn.py").read_text()))
+    text = (source / "tests" / "test_flash_attn.py").read_text()
+    test.write_text(adapt(text) if device == "cpu" else text)
     return test
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("source", type=Path, help="a FlashAttention 2.8.x checkout")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: the file with the CPU edits; cuda: as shipped")
+    parser.add_argument("--time-budget", type=float, default=0.0, metavar="S",
+                        help="start no case after S seconds (0: no limit); the run then ends "
+                             "with the counts of the cases it ran")
+    parser.add_argument("--stage", type=Path, metavar="DIR",
+                        help="copy the files the runner reads into DIR and exit")
     parser.add_argument("--per-test", type=int, default=10,
                         help="sampled cases per test function (0: the whole grid)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--json", type=Path, help="write the counts here")
     args, pytest_args = parser.parse_known_args()  # the rest goes to pytest (e.g. -k NAME)
+    if args.stage is not None:
+        stage(args.source, args.stage)
+        print(f"staged {', '.join(SOURCE_FILES)} into {args.stage}")
+        return 0
+    gaps = missing(args.source)
+    if gaps:
+        print("run_flash_attn_suite: cannot run: " + "; ".join(gaps), file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="fa-suite-") as tmp:
-        test = build(args.source.resolve(), Path(tmp), args.per_test, args.seed)
+        test = build(args.source.resolve(), Path(tmp), args.per_test, args.seed, args.device,
+                     args.time_budget)
         return run_pytest(Path(tmp), [test], pytest_args, args.json,
                           {"source": str(args.source), "per_test": args.per_test,
-                           "seed": args.seed})
+                           "seed": args.seed, "device": args.device,
+                           "time_budget_s": args.time_budget})
 
 
 if __name__ == "__main__":

@@ -763,20 +763,21 @@ def test_softmax_weights_come_from_the_call_itself_on_the_torch_engine(monkeypat
 
 def test_dropout_softmax_needs_the_mask_engine(monkeypatch):
     # Dropout with return_softmax needs the engine that makes (and replays) the mask to also run
-    # the widened call; an engine that cannot is a NotSupportedError, never a different mask.
+    # the weights' calls; an engine that cannot is a NotSupportedError, never a different mask.
     # (The torch engine hands its weights back directly: this engine is another one.)
     class Declines:
         name = "an_engine_without_weights"
         plan = dispatch.get_backend("torch").plan
 
         def supports(self, problem):
-            return ["declines for the test"] if problem.dim_v != problem.dim_qk else []
+            # the weights' calls: identity columns as values, broadcast over batch and heads
+            return ["declines for the test"] if 0 in problem.v.stride else []
 
     from cudnn_attn.core import execution
 
     monkeypatch.setattr(execution, "dropout_engine", lambda probe, backend="auto": Declines())
     q, k, v = _dense()
-    with pytest.raises(NotSupportedError, match="return_softmax with dropout"):
+    with pytest.raises(NotSupportedError, match="weights with dropout must come from"):
         fwd(q, k, v, p=0.2, gen=gen(0), return_softmax=True)
     fwd(q, k, v, p=0.2, gen=gen(0))  # without the weights it runs
 

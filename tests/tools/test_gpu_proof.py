@@ -126,7 +126,7 @@ def test_step_selection_by_prefix(G, tmp_path):
     assert [s.name for s in G.select(steps, "sanitize", "sanitize-racecheck")] == \
         ["sanitize-memcheck", "sanitize-initcheck"]
     assert [s.name for s in G.select(steps, None, "bench,sanitize")] == \
-        ["gpu-tests", "selftest-full", "selftest-plain"]
+        ["gpu-tests", "selftest-full", "selftest-plain", "flash-attn-suite"]
     with pytest.raises(ValueError, match="'benchmark'"):
         G.select(steps, "benchmark", None)
     assert all(s.phase == (3 if s.name.endswith("-more") else 2)
@@ -290,3 +290,154 @@ def test_a_commit_passed_in_names_every_record(G, tmp_path, monkeypatch):
     monkeypatch.delenv(report.COMMIT_ENV)
     assert report._git_describe() != "7cfa5f7"
 
+
+
+# -- FlashAttention's own suite on the GPU (issue 36, item 7) ------------------------------------
+
+# A stand-in for FlashAttention's checkout: its test file imports flash_attn (the runner's shim
+# of cudnn_attn's drop-in) and einops, as FA's does; one test of each outcome.
+FAKE_FA_TESTS = """
+import pytest
+import torch
+from einops import rearrange
+from flash_attn import flash_attn_func
+
+
+@pytest.mark.parametrize("seqlen", [17, 64, 113])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_output(seqlen, causal):
+    g = torch.Generator().manual_seed(seqlen)
+    q, k, v = (torch.randn(2, seqlen, 3, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    out = flash_attn_func(q, k, v, causal=causal)
+    mask = torch.ones(seqlen, seqlen).tril() if causal else torch.ones(seqlen, seqlen)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / 4.0
+    p = torch.softmax(s.masked_fill(mask == 0, float("-inf")), -1)
+    want = rearrange(torch.einsum("bhqk,bkhd->bhqd", p, v), "b h s d -> b s h d")
+    torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("d", [8, 16])
+def test_flash_attn_cannot_run(d):
+    raise NotImplementedError(f"no backend can run this call (d={d})")
+
+
+def test_flash_attn_skips():
+    pytest.skip("FA's own skip")
+"""
+
+
+@pytest.fixture
+def fake_flash_attn(tmp_path):
+    pytest.importorskip("einops")
+    checkout = tmp_path / "flash-attention"
+    (checkout / "tests").mkdir(parents=True)
+    (checkout / "flash_attn").mkdir()
+    (checkout / "tests" / "test_flash_attn.py").write_text(FAKE_FA_TESTS)
+    (checkout / "flash_attn" / "bert_padding.py").write_text("# FA's helpers\n")
+    return checkout
+
+
+def test_the_flash_attn_step_runs_the_peer_runner_as_shipped(G, tmp_path):
+    [step] = [s for s in G.plan(tmp_path, flash_attn=tmp_path / "fa") if s.name == "flash-attn-suite"]
+    assert step.phase == 1 and step.cap_s == G.FLASH_ATTN_CAP_S <= 150 and not step.optional
+    argv = step.argv
+    assert argv[1].endswith("tests/peer/run_flash_attn_suite.py") and argv[2] == str(tmp_path / "fa")
+    assert argv[argv.index("--device") + 1] == "cuda"
+    assert int(argv[argv.index("--per-test") + 1]) == G.FLASH_ATTN_PER_TEST
+    budget = float(argv[argv.index("--time-budget") + 1])
+    assert budget + 20 <= step.cap_s  # the runner stops itself before the step's deadline
+    assert f"--junitxml={tmp_path / 'flash-attn-suite.xml'}" in argv
+    assert f"--outcome-stream={tmp_path / 'flash-attn-suite.jsonl'}" in argv
+    assert str(G.PLUGINS) in step.env["PYTHONPATH"]
+    assert G.parse_args(["--out", "x"]).flash_attn == str(G.FLASH_ATTN_DIR)
+
+
+def test_the_runner_stages_what_it_reads_and_says_what_is_missing(fake_flash_attn, tmp_path):
+    runner = ROOT / "tests" / "peer" / "run_flash_attn_suite.py"
+    staged = tmp_path / "staged"
+    done = subprocess.run([sys.executable, str(runner), str(fake_flash_attn), "--stage",
+                           str(staged)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(str(p.relative_to(staged)) for p in staged.rglob("*.py")) == [
+        "flash_attn/bert_padding.py", "tests/test_flash_attn.py"]
+    missing = subprocess.run([sys.executable, str(runner), str(tmp_path / "nowhere"),
+                              "--device", "cuda"], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "test_flash_attn.py is missing" in missing.stderr
+
+
+def test_the_runner_starts_no_case_after_its_time_budget(fake_flash_attn, tmp_path):
+    slow = fake_flash_attn / "tests" / "test_flash_attn.py"
+    slow.write_text(slow.read_text() + textwrap.dedent("""
+        @pytest.mark.parametrize("i", range(30))
+        def test_flash_attn_slow(i):
+            import time
+            time.sleep(0.5)
+    """))
+    runner = ROOT / "tests" / "peer" / "run_flash_attn_suite.py"
+    record = tmp_path / "run.json"
+    done = subprocess.run([sys.executable, str(runner), str(fake_flash_attn), "--device", "cuda",
+                           "--per-test", "30", "--time-budget", "8", "--json", str(record),
+                           "-k", "slow or skips"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "time budget reached" in done.stdout
+    counts = json.loads(record.read_text())["counts"]
+    # round-robin: the skip ran second, whatever the budget; then slow cases until 8 s (from
+    # the runner's start: collection counts too)
+    assert counts["skipped"] == 1 and 1 <= counts["passed"] < 30, counts
+
+
+def test_smoke_run_of_the_flash_attn_step_records_counts_and_causes(G, fake_flash_attn,
+                                                                    tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the smoke run is the CPU's; a GPU host runs the real thing")
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--allow-cpu",
+                           "--steps", "flash-attn-suite", "--flash-attn", str(fake_flash_attn)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stdout + done.stderr  # the failing case fails the run
+    [record] = out.glob("gpu_proof-*.json")
+    [step] = json.loads(record.read_text())["steps"]
+    summary = step["summary"]
+    # 6 cases of the first function (all of them: fewer than --per-test), 2 + 1 of the others
+    assert summary["flash_attn"] == {"passed": 6, "failed": 2, "errors": 0, "skipped": 1}, step
+    assert summary["causes"] == {"NotImplementedError: no backend can run this call (d=N)": 2}
+    assert summary["skip_reasons"] and not summary["partial"]
+    assert (summary["per_test"], summary["seed"], summary["device"]) == (
+        G.FLASH_ATTN_PER_TEST, 0, "cuda")
+    lines = done.stdout.strip().splitlines()
+    assert any("2 x NotImplementedError: no backend can run" in line for line in lines)
+    with tarfile.open(out / "gpu_proof-files.tar.gz") as tar:
+        assert {"flash-attn-suite.xml", "flash-attn-suite.jsonl", "flash-attn-suite.log",
+                "flash-attn-suite.json"} <= set(tar.getnames())
+
+
+def test_the_gpu_sample_reaches_every_test_function_first(tmp_path):
+    """Round-robin order (``--device cuda``): a run cut at its deadline has run each function."""
+    sys.path.insert(0, str(ROOT / "tests" / "peer"))
+    try:
+        import run_flash_attn_suite as runner
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "peer"))
+    namespace: dict = {}
+    exec(runner.SAMPLING_CONFTEST.format(per_test=2, seed=0, round_robin=True, thin_grid=False,
+                                         time_budget=0), namespace)
+
+    class Item:
+        def __init__(self, name, i):
+            self.originalname, self.i = name, i
+
+    class Hook:
+        def pytest_deselected(self, items):
+            self.dropped = items
+
+    class Config:
+        hook = Hook()
+
+    items = [Item("a", i) for i in range(5)] + [Item("b", i) for i in range(3)] + [Item("c", 0)]
+    namespace["pytest_collection_modifyitems"](Config(), items)
+    names = [i.originalname for i in items]
+    assert names[:3] == ["a", "b", "c"] and sorted(names) == ["a", "a", "b", "b", "c"]
+    assert len(Config.hook.dropped) == 4

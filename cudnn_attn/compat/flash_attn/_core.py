@@ -79,35 +79,47 @@ def forward(q, k, v, mask, alibi, opts: Options, return_softmax, gen_):
         probs = weights["probs"]
         keep = None if opts.p_dropout == 0 else (weights["dropped"] != 0) | (probs == 0)
         return out, lse, dropout, probs, keep
-    # Other engines: one call computes out and the weights, p @ [v | I] = [out | p] (O(S_k)
-    # more value columns).
-    seq_k, dim_v = k.shape[1], v.shape[3]
-    eye = _identity(v, seq_k)
-    inputs.v = torch.cat([v, eye], dim=-1)
-    aug = _problem(q, k, inputs.v, mask, alibi, opts)
-    if opts.p_dropout > 0:  # the weights must come from the engine that replays the mask
-        _, aug, plan = execution.plan_on(engine, aug, (
-            "return_softmax with dropout appends the identity to v (D_v + S_k columns) and must "
-            f"run on {engine.name!r}, the engine that replays the dropout mask in mha_bwd"))
-    else:
-        _, aug, plan = execution.plan_call(aug)
-    out_aug, lse = execution.forward(aug, plan, inputs)
-    probs = out_aug[..., dim_v:].permute(0, 2, 1, 3)
+    # Other engines: the call itself, then its weights as the output of calls with identity
+    # columns as values, WEIGHT_COLUMNS keys at a time (any S_k: each is a call every engine
+    # takes). A DropoutState draws its mask per (query, key) position whatever the values are,
+    # so on the engine that drew the call's mask (the one its backward replays) the same state
+    # gives back the weights it dropped.
+    out, lse = execution.forward(problem, plan, inputs)
+    plain = dataclasses.replace(opts, p_dropout=0.0)
+    probs = _weights(q, k, v, mask, alibi, plain, None, None)
     keep = None
     if opts.p_dropout > 0:
-        # The dropped weights themselves: the same call without dropout, v = I.
-        _, plain, plan = execution.plan_call(
-            _problem(q, k, eye, mask, alibi, dataclasses.replace(opts, p_dropout=0.0)))
-        dropped, _ = execution.forward(plain, plan, Inputs(q, k, eye))
-        kept_values, probs = probs, dropped.permute(0, 2, 1, 3)
-        keep = (kept_values != 0) | (probs == 0)
-    return out_aug[..., :dim_v], lse, dropout, probs, keep
+        dropped = _weights(q, k, v, mask, alibi, opts, dropout, engine)
+        keep = (dropped != 0) | (probs == 0)
+    return out, lse, dropout, probs, keep
 
 
-def _identity(v: torch.Tensor, seq_k: int) -> torch.Tensor:
-    """``[B, S_k, H_kv, S_k]`` with ``I`` in each head: as values, attention returns its weights."""
+# Keys per weights call: a head dim every engine serves (a multiple of 8, as cuDNN needs).
+WEIGHT_COLUMNS = 128
+
+
+def _weights(q, k, v, mask, alibi, opts: Options, dropout, engine):
+    """The call's attention weights ``[B, H, S_q, S_k]`` (with ``dropout``: as applied, kept
+    entries scaled by ``1 / (1 - p)``), from calls whose values are ``WEIGHT_COLUMNS`` columns
+    of the identity; with dropout they run on ``engine``, the one that replays the mask."""
+    batch, seq_k, heads_kv = k.shape[0], k.shape[1], k.shape[2]
     eye = torch.eye(seq_k, dtype=v.dtype, device=v.device)
-    return eye[None, :, None, :].expand(v.shape[0], seq_k, v.shape[2], seq_k)
+    parts = []
+    for start in range(0, seq_k, WEIGHT_COLUMNS):
+        width = min(WEIGHT_COLUMNS, seq_k - start)
+        cols = eye.new_zeros(seq_k, -(-width // 8) * 8)  # zero columns up to a multiple of 8
+        cols[:, :width] = eye[:, start:start + width]
+        values = cols[None, :, None, :].expand(batch, seq_k, heads_kv, cols.shape[1])
+        problem = _problem(q, k, values, mask, alibi, opts)
+        if dropout is None:
+            _, problem, plan = execution.plan_call(problem)
+        else:
+            _, problem, plan = execution.plan_on(engine, problem, (
+                f"the attention weights with dropout must come from {engine.name!r}, the "
+                f"engine that drew the call's dropout mask"))
+        got, _ = execution.forward(problem, plan, Inputs(q, k, values, None, dropout))
+        parts.append(got[..., :width])
+    return torch.cat(parts, dim=-1).permute(0, 2, 1, 3)
 
 
 def backward(dout, q, k, v, out, lse, mask, alibi, opts: Options, deterministic, dropout):

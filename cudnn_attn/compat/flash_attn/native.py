@@ -32,10 +32,11 @@ from .rotary import apply_rotary
 __all__ = ["takes", "forward", "backward", "takes_kvcache", "kvcache"]
 
 
-def takes(q, paged: bool, alibi_slopes, return_softmax: bool) -> bool:
-    """Whether a varlen call tries the packed engines first."""
+def takes(q, paged: bool, alibi_slopes, return_softmax: bool, p_dropout: float = 0.0) -> bool:
+    """Whether a varlen call tries the packed engines first (returned weights: with dropout
+    only, whose mask the packed call's backward replays)."""
     return (calls.on_accelerator(q) and not paged and alibi_slopes is None
-            and not return_softmax)
+            and (not return_softmax or p_dropout > 0))
 
 
 def _problem(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts: Options, grad: bool,
@@ -48,18 +49,21 @@ def _problem(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts: Options, grad: 
                                repeatable=True)  # FlashAttention's forward is repeatable
 
 
-def forward(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts: Options, gen_):
+def forward(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts: Options, gen_,
+            weights: Optional[dict] = None):
     """``(out [total_q, H, D_v], lse [H, total_q], dropout state)``, or ``None`` when no engine
-    runs the packed problem."""
+    runs the packed problem. A ``weights`` dict asks for the attention weights (the torch
+    engine's, of its padded batch ``[B, H, S_q, S_k]``); another engine leaves them to the
+    caller's dense batches (``None``)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     found = execution.plan_stored(_problem(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts,
                                            grad=False))
-    if found is None:  # the caller builds dense batches
-        return None
+    if found is None or (weights is not None and found[0].name != "torch"):
+        return None  # the caller builds dense batches
     _, problem, plan = found
     dropout = DropoutState.draw(gen_) if opts.p_dropout > 0 else DropoutState(0, 0)
     inputs = Inputs(q, k, v, None, dropout if opts.p_dropout > 0 else None)
-    out, lse = execution.forward(problem, plan, inputs)
+    out, lse = execution.forward(problem, plan, inputs, weights=weights)
     return out, lse, dropout
 
 

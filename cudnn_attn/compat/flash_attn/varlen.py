@@ -153,16 +153,19 @@ def mha_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_: torc
     paged = block_table_ is not None
     q, k, v = _varlen_heads(q, k, v, paged)
     return_softmax = flag("return_softmax", return_softmax)
-    if native.takes(q, paged, alibi_slopes_, return_softmax):
+    if native.takes(q, paged, alibi_slopes_, return_softmax, p_dropout):
         opts = Options.of(q.shape[-1], p_dropout, softmax_scale, is_causal, window_size_left,
                            window_size_right, softcap)
         flag("zero_tensors", zero_tensors)
         like("out_", out_, (q.shape[0], q.shape[1], v.shape[-1]), q, optional=True)
+        weights: dict | None = {} if return_softmax else None
         res = native.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                             max_seqlen_k, opts, generator_arg(gen_))
+                             max_seqlen_k, opts, generator_arg(gen_), weights)
         if res is not None:
             out, lse, dropout = res
-            return (into(out_, out), q, k, v, lse, *seed_tensors(dropout), q.new_empty(0))
+            p = q.new_empty(0) if weights is None else _packed_weights(
+                weights, max_seqlen_q, max_seqlen_k, q, opts)
+            return (into(out_, out), q, k, v, lse, *seed_tensors(dropout), p)
     lens_q, full_k = _batch_lengths(q, k, cu_seqlens_q, cu_seqlens_k, paged)
     lens_k = full_k if seqused_k is None else _used_lengths(seqused_k, full_k, paged, q.device)
     table = _block_table(block_table_, lens_k, k.shape[1], q.device) if paged else None
@@ -190,6 +193,15 @@ def mha_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_: torc
                           opts.causal, q.dtype)
     return (into(out_, pack.unpad(out, pack.slots_q)), q, k, v, pack.lse_packed(lse),
             *seed_tensors(dropout), p)
+
+
+def _packed_weights(weights: dict, max_seqlen_q, max_seqlen_k, q, opts: Options):
+    """``S_dmask`` from the weights of a packed call's padded batch (its bounds may exceed
+    ``max_seqlen_q/k``: FlashAttention's tensor spans those)."""
+    max_q, max_k = check_maxima(max_seqlen_q, max_seqlen_k, None, None)
+    window = (slice(None), slice(None), slice(max_q), slice(max_k))
+    probs, dropped = weights["probs"][window], weights["dropped"][window]
+    return _probs.encode(probs, (dropped != 0) | (probs == 0), q.shape[-1], opts.causal, q.dtype)
 
 
 @runtime_errors
