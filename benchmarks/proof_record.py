@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import _report
+import proof_extras
 
 from proof_steps import StepResult
 
@@ -137,6 +138,9 @@ def summarize(result: StepResult, work: Path) -> dict[str, Any]:
     """The figures a step's own files hold (empty when it wrote none); ``partial`` when the
     step was cut short and the counts are what it judged until then."""
     name = result.name
+    extra = proof_extras.summarize(name, work)
+    if extra is not None:
+        return extra
     if name == "gpu-tests":
         return _tests_summary(result, work)
     if name.startswith("selftest-"):
@@ -219,4 +223,5 @@ def summary_lines(results: list[StepResult]) -> list[str]:
                 lines.append(f"{pad} {mark} {what}" + ("" if value is None else f": {value:.3g}"))
             if "target" in s:
                 lines.append(f"{pad} {s['target'].get('text')}")
+        lines += proof_extras.summary_lines(r, pad)
     return lines
