@@ -18,8 +18,10 @@ process gets ``cores // processes`` threads):
   sanitize-<tool>   benchmarks/sanitize.py, one process per compute-sanitizer tool
 Phase 2, speed, alone on the GPU, in order of importance, each with its own share of the time:
 benchmarks/cudnn.py --quick, then benchmarks/neighborhood.py --quick, each writing its JSON into
-the run's folder, with the machine's ceilings. Phase 3, only with time left: the rest of the bf16
-D=128 rows into ``more/``; ``gpu_report.py`` merges them with phase 2's.
+the run's folder, with the machine's ceilings; then the warm start of the graph caches carried
+in ``.graphs`` (``proof_extras``). Phase 3, only with time left: the fused neighborhood kernels'
+profile, then the rest of the bf16 D=128 rows into ``more/``; ``gpu_report.py`` merges them with
+phase 2's.
 
 A step's deadline (its cap, its share, never past the budget) sends its process group SIGINT,
 then SIGTERM, then SIGKILL (``proof_steps``); whatever is left of the group when the step ends

@@ -4,7 +4,7 @@ record keeps of their files, and their lines in the printed summary.
 * ``warm-start`` (phase 2, its own share): ``warm_start.py`` loads the graph caches warmed ahead
   on the CPU for the H100 and the H200 (``.graphs``, carried like ``.cubins``) and times every
   problem's first call against a cold build: plans built on the device (the goal is 0), loaded,
-  files rejected (``warm-start.json``).
+  files rejected (``warm_start-<date>.json``).
 * ``profile-na`` (phase 3, with the time left, before the extra benchmark rows): ``profile_na.py``
   records the fused neighborhood kernels' GPU time per kernel (``torch.profiler``) and, where
   the image has Nsight Compute, its headline figures per launch; the ``.ncu-rep`` stays in the
@@ -30,7 +30,7 @@ TOP_KERNELS = 3
 def warm_start_step(work: Path, python: str, carried: Path = GRAPHS) -> Step:
     """The warm start, alone on the GPU, with a share of its own (``WARM_SHARE_S``)."""
     return Step(WARM_START, [python, str(BENCH / "warm_start.py"), "--carried", str(carried),
-                             "--json", str(work / f"{WARM_START}.json"),
+                             "--results-dir", str(work),
                              "--time-limit", f"{WARM_ROUNDS_S:g}"],
                 2, WARM_CAP_S, share_s=WARM_SHARE_S)
 
@@ -42,24 +42,27 @@ def profile_na_step(work: Path, python: str) -> Step:
                 3, PROFILE_CAP_S, optional=True)
 
 
-def _load(path: Path | None) -> dict[str, Any] | None:
+def _newest(work: Path, suite: str) -> tuple[Path | None, dict[str, Any] | None]:
+    """The newest ``<suite>-<date>.json`` in ``work`` and its content (None when unreadable)."""
+    found = sorted(work.glob(f"{suite}-*.json"))
+    if not found:
+        return None, None
     try:
-        return json.loads(path.read_text()) if path is not None else None
+        return found[-1], json.loads(found[-1].read_text())
     except (OSError, ValueError):
-        return None
+        return found[-1], None
 
 
 def summarize(name: str, work: Path) -> dict[str, Any] | None:
     """What the record keeps of an evidence step's files ({} when it wrote none); None for a
     step that is not one of these."""
     if name == WARM_START:
-        data = _load(work / f"{WARM_START}.json")
+        path, data = _newest(work, "warm_start")
         keep = ("target", "cudnn_mismatch", "verdict", "error")
-        return {} if data is None else {k: data[k] for k in keep if k in data}
+        return {} if data is None else {"file": path.name, **{k: data[k] for k in keep if k in data}}
     if name == PROFILE_NA:
-        found = sorted(work.glob("profile_na-*.json"))
-        data = _load(found[-1] if found else None)
-        if data is None:
+        path, data = _newest(work, "profile_na")
+        if path is None or data is None:
             return {}
         kernels = {}
         for problem in data.get("problems", []):
@@ -71,7 +74,7 @@ def summarize(name: str, work: Path) -> dict[str, Any] | None:
                      "top": [{k: r[k] for k in ("kernel", "calls", "mean_us")}
                              for r in entry.get("kernels", [])[:TOP_KERNELS]]})
         ncu = data.get("ncu") or {}
-        return {"file": found[-1].name, "kernels": kernels,
+        return {"file": path.name, "kernels": kernels,
                 "ncu": {k: ncu[k] for k in ("skipped", "error", "report", "launches") if k in ncu}}
     return None
 

@@ -13,7 +13,7 @@ target). The device call carries ``.graphs`` like ``.cubins``.
 
 On the device (``gpu_proof``'s ``warm-start`` step):
 
-    python benchmarks/warm_start.py --carried .graphs --json OUT/warm-start.json
+    python benchmarks/warm_start.py --carried .graphs --results-dir OUT
 
 copies the carried files and key into private folders of its own (the cache's trust model wants
 them owned by this user, mode 0600/0700), picks the target whose GPU name, compute capability
@@ -28,7 +28,8 @@ for ``"backward": true``) in rounds, each after ``cudnn_attn.clear_caches()``:
   cold        built again, kernels loaded: the cold figure the warm ones are compared with
 
 The JSON gives, per round, plans built / loaded / files accepted and rejected
-(``graph_cache.info()``) and per problem the first call's milliseconds. Without CUDA it says so,
+(``graph_cache.info()``) and per problem the first call's milliseconds:
+<--results-dir>/warm_start-<date>.json (default benchmarks/results/). Without CUDA it says so,
 exits 0 and writes nothing.
 """
 
@@ -277,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, default=CONFIG, help="problems (--prepare)")
     parser.add_argument("--carried", type=Path, default=ROOT / ".graphs",
                         help="the folder --prepare wrote (default .graphs)")
-    parser.add_argument("--json", type=Path, help="the record (default: printed only)")
+    parser.add_argument("--results-dir", type=Path, default=_report.RESULTS_DIR,
+                        help="where the JSON goes (default benchmarks/results)")
     parser.add_argument("--time-limit", type=float, default=35.0,
                         help="seconds for the rounds; the later ones are skipped past it")
     args = parser.parse_args(argv)
@@ -301,9 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         record = on_device(args.carried, work, args.time_limit)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    text = json.dumps(record, indent=2, default=str)
-    if args.json is not None:
-        args.json.write_text(text + "\n")
+    print(f"wrote {_report.write_json('warm_start', record, results_dir=args.results_dir)}")
     print(json.dumps({"target": record.get("target"), "verdict": record.get("verdict"),
                       "error": record.get("error"), "cudnn_mismatch": record.get("cudnn_mismatch")},
                      indent=2))

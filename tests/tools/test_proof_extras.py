@@ -198,7 +198,7 @@ def test_without_cuda_the_scripts_write_nothing(script, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     argv = (["--results-dir", str(tmp_path)] if script == "profile_na.py"
-            else ["--carried", str(tmp_path), "--json", str(tmp_path / "w.json")])
+            else ["--carried", str(tmp_path), "--results-dir", str(tmp_path)])
     done = subprocess.run([sys.executable, str(BENCH / script), *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -344,9 +344,10 @@ def test_the_record_and_summary_lines_of_the_step(warm, extras, stand_in, tmp_pa
                                 cache=device, clear=device.clear, clock=stand_in)}
     work = tmp_path / "proof"
     work.mkdir()
-    (work / "warm-start.json").write_text(json.dumps(record))
+    (work / "warm_start-2026-11-28.json").write_text(json.dumps(record))
     summary = extras.summarize("warm-start", work)
     assert summary["target"] == "h100" and summary["verdict"]["carried"]["builds"] == 0
+    assert summary["file"] == "warm_start-2026-11-28.json"
     result = extras.StepResult("warm-start", "cmd", returncode=0, summary=summary)
     lines = extras.summary_lines(result, " ")
     assert lines[0] == "  target h100"
@@ -381,7 +382,7 @@ def test_plan_entries_have_bounded_shares(extras, tmp_path):
     assert start.cap_s <= 45 and "--time-limit" in start.argv
     assert float(start.argv[start.argv.index("--time-limit") + 1]) < start.cap_s
     assert start.argv[start.argv.index("--carried") + 1] == str(ROOT / ".graphs")
-    assert start.argv[start.argv.index("--json") + 1] == str(tmp_path / "warm-start.json")
+    assert start.argv[start.argv.index("--results-dir") + 1] == str(tmp_path)
     assert (profile.phase, profile.optional) == (3, True) and profile.cap_s <= 45
     assert float(profile.argv[profile.argv.index("--time-limit") + 1]) < profile.cap_s
     assert profile.argv[profile.argv.index("--results-dir") + 1] == str(tmp_path)
