@@ -6,7 +6,7 @@ first ``launch_count`` launches of the kernels whose (demangled) name matches ``
 sections named, and exports them to a ``.ncu-rep`` file (kept with the record, for the GUI);
 ``import_command`` prints that file's details page as CSV, one line per metric::
 
-    "ID","Process ID",...,"Kernel Name",...,"Section Name","Metric Name","Metric Unit","Metric Value"
+    "ID",...,"Kernel Name",...,"Section Name","Metric Name","Metric Unit","Metric Value"
 
 (the columns between vary with the version; only these five named ones are read).
 ``parse_csv`` turns it into one record per profiled launch, and ``headline`` picks the figures

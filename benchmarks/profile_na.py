@@ -36,6 +36,8 @@ NEIGHBORHOOD = _report.load_sibling("neighborhood")  # its problem shapes, not a
 _report.unshadow_cudnn()  # this folder's cudnn.py is not the cuDNN frontend (and off the path)
 BACKEND = "cupy"  # the fused kernels
 DTYPE = "bf16"
+# Module constants so a CPU smoke run can swap them (the torch engine, CPU events).
+DEVICE, ACTIVITY = "cuda", "CUDA"
 
 
 def _problem(name: str, spatial, kernel, heads: int, dim: int) -> dict[str, Any]:
@@ -89,7 +91,14 @@ def profiler_events(prof, device_type=None) -> list[tuple[str, float]]:
             if e.device_type == device_type]
 
 
-def make_call(problem: dict[str, Any], direction: str, device: str = "cuda"):
+def _sync() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_call(problem: dict[str, Any], direction: str):
     """A closure running ``problem`` once in ``direction`` on the fused engine."""
     import torch
 
@@ -97,6 +106,7 @@ def make_call(problem: dict[str, Any], direction: str, device: str = "cuda"):
 
     rank = len(problem["spatial"])
     shape = (problem["batch"], *problem["spatial"], problem["heads"], problem["dim"])
+    device = DEVICE
     q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16,
                            requires_grad=direction != "fwd") for _ in range(3))
     na = getattr(neighborhood, f"na{rank}d")
@@ -121,12 +131,13 @@ def profile_problem(problem: dict[str, Any], repeats: int) -> dict[str, Any]:
         try:
             call = make_call(problem, direction)
             call()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _sync()
+            with profile(activities=[getattr(ProfilerActivity, ACTIVITY)]) as prof:
                 for _ in range(repeats):
                     call()
-                torch.cuda.synchronize()
-            table = kernel_table(profiler_events(prof))
+                _sync()
+            table = kernel_table(profiler_events(prof, getattr(torch.autograd.DeviceType,
+                                                               ACTIVITY)))
             fused = sum(r["total_us"] for r in table if ncu_report.KERNEL_REGEX in r["kernel"])
             result[direction] = {"kernels": table,
                                  "fused_us_per_call": round(fused / repeats, 3),
@@ -134,7 +145,8 @@ def profile_problem(problem: dict[str, Any], repeats: int) -> dict[str, Any]:
                                                           / repeats, 3)}
         except Exception as exc:  # noqa: BLE001 - a failed problem is a result, not a crash
             result[direction] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     tokens, window = math.prod(problem["spatial"]), math.prod(problem["kernel"])
     result["useful_flop_fwd"] = 4.0 * problem["heads"] * tokens * window * problem["dim"]
     return result
@@ -175,11 +187,9 @@ def run_ncu(ncu: str, out_dir: Path, problems: list[str], launch_count: int,
 
 def child(problems: list[dict[str, Any]]) -> int:
     """Under ncu: each problem forward + backward once (the launches ncu replays)."""
-    import torch
-
     for problem in problems:
         make_call(problem, "fwd+bwd")()
-        torch.cuda.synchronize()
+        _sync()
     return 0
 
 
@@ -238,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         record["ncu"] = run_ncu(ncu, args.results_dir, [p["name"] for p in ncu_problems],
                                 args.launch_count, left - 3)
-    print(f"ncu: {record['ncu'].get('skipped') or record['ncu'].get('error') or 'ok, %d launches' % len(record['ncu'].get('launches', []))}")
+    ncu_state = record["ncu"]
+    print("ncu: " + (ncu_state.get("skipped") or ncu_state.get("error")
+                     or f"ok, {len(ncu_state.get('launches', []))} launches"))
     print(f"wrote {save()}")
     return 0
 

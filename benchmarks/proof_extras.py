@@ -59,7 +59,9 @@ def summarize(name: str, work: Path) -> dict[str, Any] | None:
     if name == WARM_START:
         path, data = _newest(work, "warm_start")
         keep = ("target", "cudnn_mismatch", "verdict", "error")
-        return {} if data is None else {"file": path.name, **{k: data[k] for k in keep if k in data}}
+        if path is None or data is None:
+            return {}
+        return {"file": path.name, **{k: data[k] for k in keep if k in data}}
     if name == PROFILE_NA:
         path, data = _newest(work, "profile_na")
         if path is None or data is None:

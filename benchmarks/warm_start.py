@@ -61,6 +61,7 @@ MANIFEST, KEY, PROBLEMS = "manifest.json", "graph-cache.key", "problems.json"
 DEVICE_CUDNN = 91900  # the H100/H200 image's cuDNN backend (../shared/gpu.md)
 ROUNDS = ("cold-first", "carried", "saved", "cold")
 MATCH_KEYS = ("gpu_name", "compute_capability", "sm_count")
+DEVICE, BACKEND = "cuda", "cudnn"  # module constants so a CPU smoke run can swap them
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,6 +177,11 @@ def run_rounds(calls: dict[str, Callable[[], Any]], work: Path, carried: Path | 
                                  sync=sync, clock=clock)
         if name == "cold-first":
             rounds[name]["files_saved"] = cache.save(saved)
+        got = rounds[name]
+        firsts = [f"{p} {r['first_call_ms']:.1f} ms" if "first_call_ms" in r else f"{p} {r['error']}"
+                  for p, r in got["problems"].items()]
+        print(f"{name}: {got['builds']} built, {got['loads']} loaded, {got['rejected_files']} "
+              f"rejected; first calls {', '.join(firsts)}", flush=True)
     return {"rounds": rounds, "verdict": verdict(rounds)}
 
 
@@ -210,13 +216,13 @@ def make_call(spec: dict[str, Any]) -> Callable[[], Any]:
     import cudnn_attn as ca
     from cudnn_attn.cli.specs import build_inputs
 
-    q, k, v, kwargs = build_inputs(spec, "cuda")
+    q, k, v, kwargs = build_inputs(spec, DEVICE)
     q, k, v = (torch.randn_like(t).requires_grad_(t.requires_grad) for t in (q, k, v))
     if not q.requires_grad:
-        return lambda: ca.attention(q, k, v, **kwargs, backend="cudnn")
+        return lambda: ca.attention(q, k, v, **kwargs, backend=BACKEND)
 
     def train():
-        out = ca.attention(q, k, v, **kwargs, backend="cudnn")
+        out = ca.attention(q, k, v, **kwargs, backend=BACKEND)
         return torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     return train
 
@@ -301,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="warm_start_"))
     try:
         record = on_device(args.carried, work, args.time_limit)
+    except Exception as exc:  # noqa: BLE001 - the record says what failed; the proof goes on
+        record = {"carried": str(args.carried), "error": f"{type(exc).__name__}: {exc}"[:500]}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"wrote {_report.write_json('warm_start', record, results_dir=args.results_dir)}")

@@ -145,7 +145,8 @@ def test_ncu_csv_without_its_columns_is_refused(ncu):
     with pytest.raises(ValueError, match="no Nsight Compute CSV header"):
         ncu.parse_csv("==ERROR== ERR_NVGPUCTRPERM - The user does not have permission\n")
     with pytest.raises(ValueError, match="Metric Value"):
-        ncu.parse_csv('"ID","Kernel Name","Section Name","Metric Name","Metric Unit"\n"0","k","s","m","u"\n')
+        ncu.parse_csv('"ID","Kernel Name","Section Name","Metric Name","Metric Unit"\n'
+                      '"0","k","s","m","u"\n')
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,3 +445,49 @@ def test_prepare_warms_both_targets_and_the_device_takes_its_own(warm, tmp_path,
 def test_nothing_carried_is_an_error_that_says_what_to_run(warm, tmp_path):
     record, files, specs = warm.carried_setup(tmp_path / "absent", tmp_path / "work", {})
     assert "--prepare" in record["error"] and files is None and specs == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The device-side calls, run on the CPU with the torch engine (the code the GPU runs, no GPU)
+# ---------------------------------------------------------------------------------------------
+
+def test_profile_problem_runs_the_neighborhood_calls(profile, monkeypatch):
+    monkeypatch.setattr(profile, "DEVICE", "cpu")
+    monkeypatch.setattr(profile, "BACKEND", "torch")
+    monkeypatch.setattr(profile, "ACTIVITY", "CPU")
+    problem = profile._problem("tiny", (6, 5), (3, 3), heads=2, dim=16)
+    result = profile.profile_problem(problem, repeats=2)
+    for direction in profile.DIRECTIONS:
+        entry = result[direction]
+        assert "error" not in entry, entry
+        assert entry["kernels"] and all(r["calls"] >= 1 for r in entry["kernels"])
+        assert entry["fused_us_per_call"] == 0  # the torch engine launches no na_fused kernel
+        assert entry["all_us_per_call"] > 0
+    backward = {r["kernel"] for r in result["fwd+bwd"]["kernels"]}
+    assert any("Backward" in name for name in backward)  # the gradients ran
+    assert result["useful_flop_fwd"] == 4.0 * 2 * 30 * 9 * 16
+    monkeypatch.setattr(profile, "BACKEND", "no-such-engine")
+    failed = profile.profile_problem(problem, repeats=1)
+    assert set(failed["fwd"]) == {"error"} and "no-such-engine" in failed["fwd"]["error"]
+
+
+def test_the_shipped_warm_config_and_its_calls(warm, monkeypatch):
+    from cudnn_attn.cli.cache import read_config
+    from cudnn_attn.cli.specs import build_inputs
+
+    specs = read_config(str(warm.CONFIG))
+    assert [s["name"] for s in specs] == ["prefill-causal-gqa", "decode-step", "train-causal"]
+    for spec in specs:  # every problem is one the CLI builds (on "meta": no memory)
+        q, k, v, _ = build_inputs(spec, "meta")
+        assert q.dtype == torch.bfloat16 and q.requires_grad == bool(spec.get("backward"))
+    monkeypatch.setattr(warm, "DEVICE", "cpu")
+    monkeypatch.setattr(warm, "BACKEND", "torch")
+    small = {"defaults": {"dtype": "fp32"}}
+    infer = warm.make_call({**small["defaults"], "shape": [1, 4, 3, 8], "heads_kv": 2,
+                            "seq_kv": 16})
+    assert infer().shape == (1, 4, 3, 8)
+    train = warm.make_call({**small["defaults"], "shape": [1, 2, 8, 8], "mask": "causal",
+                            "backward": True})
+    grads = train()
+    assert [tuple(g.shape) for g in grads] == [(1, 2, 8, 8)] * 3
+    assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
