@@ -157,6 +157,7 @@ def run_ncu(ncu: str, out_dir: Path, problems: list[str], launch_count: int,
     """Profile the ``na_fused`` launches of ``problems`` (this script as ``--child``) and read
     the report back as CSV; ``{"report", "launches"}`` or ``{"error"}`` (with what ncu said)."""
     report = out_dir / "profile_na.ncu-rep"
+    report.unlink(missing_ok=True)  # an earlier run's report is not this one's
     child = [sys.executable, str(Path(__file__).resolve()), "--child", "--problems", *problems]
     command = ncu_report.profile_command(ncu, report, child, launch_count=launch_count)
     found: dict[str, Any] = {"ncu": ncu, "command": command, "timeout_s": round(timeout_s, 1)}
@@ -194,6 +195,7 @@ def child(problems: list[dict[str, Any]]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    start = time.monotonic()  # --time-limit counts the imports too
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", nargs="+", help="problem names (default: all)")
     parser.add_argument("--repeats", type=int, default=3, help="profiled calls per direction")
@@ -220,7 +222,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.child:
         return child(problems)
-    start = time.monotonic()
     record: dict[str, Any] = {"device": torch.cuda.get_device_name(), "backend": BACKEND,
                               "dtype": DTYPE, "options": vars(args), "problems": []}
 

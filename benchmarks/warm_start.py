@@ -178,8 +178,8 @@ def run_rounds(calls: dict[str, Callable[[], Any]], work: Path, carried: Path | 
         if name == "cold-first":
             rounds[name]["files_saved"] = cache.save(saved)
         got = rounds[name]
-        firsts = [f"{p} {r['first_call_ms']:.1f} ms" if "first_call_ms" in r else f"{p} {r['error']}"
-                  for p, r in got["problems"].items()]
+        firsts = [f"{p} {r['first_call_ms']:.1f} ms" if "first_call_ms" in r
+                  else f"{p} {r['error']}" for p, r in got["problems"].items()]
         print(f"{name}: {got['builds']} built, {got['loads']} loaded, {got['rejected_files']} "
               f"rejected; first calls {', '.join(firsts)}", flush=True)
     return {"rounds": rounds, "verdict": verdict(rounds)}

@@ -491,3 +491,63 @@ def test_the_shipped_warm_config_and_its_calls(warm, monkeypatch):
     grads = train()
     assert [tuple(g.shape) for g in grads] == [(1, 2, 8, 8)] * 3
     assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
+def test_profile_main_writes_the_record_and_reads_ncu_back(profile, monkeypatch, tmp_path):
+    """The whole script as the device runs it, on the CPU: the torch engine and CPU events stand
+    in for the fused kernels, a fake ``ncu`` (writes the report, prints the CSV sample) for
+    Nsight Compute; the record holds both, and the report, CSV and log sit beside it."""
+    fake = tmp_path / "bin" / "ncu"
+    fake.parent.mkdir()
+    (tmp_path / "sample.csv").write_text(NCU_CSV)
+    fake.write_text(f"""#!{sys.executable}
+import sys
+argv = sys.argv[1:]
+if "--import" in argv:
+    print(open({str(tmp_path / "sample.csv")!r}).read())
+else:
+    assert argv[argv.index("--kernel-name") + 1] == "regex:na_fused", argv
+    assert "--child" in argv, argv
+    open(argv[argv.index("--export") + 1], "wb").write(b"NCU-REP")
+    print("==PROF== Report: written")
+""")
+    fake.chmod(0o755)
+    monkeypatch.setattr(profile.ncu_report, "find_ncu", lambda: str(fake))
+    monkeypatch.setattr(profile, "DEVICE", "cpu")
+    monkeypatch.setattr(profile, "BACKEND", "torch")
+    monkeypatch.setattr(profile, "ACTIVITY", "CPU")
+    monkeypatch.setattr(profile, "PROBLEMS", [profile._problem("tiny", (6, 5), (3, 3), 2, 16)])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "CPU stand-in")
+    from cudnn_attn.core import env  # its GPU facts would ask the CUDA that is not here
+
+    monkeypatch.setattr(env, "collect", lambda: {"date": "2026-11-28T10:00:00+00:00"})
+    out = tmp_path / "out"
+    assert profile.main(["--results-dir", str(out), "--repeats", "1", "--ncu-problems", "tiny",
+                         "--time-limit", "600"]) == 0
+    [path] = out.glob("profile_na-*.json")
+    record = json.loads(path.read_text())
+    assert record["device"] == "CPU stand-in" and record["backend"] == "torch"
+    assert [p["name"] for p in record["problems"]] == ["tiny"]
+    assert record["problems"][0]["fwd"]["kernels"]
+    found = record["ncu"]
+    assert "error" not in found, found
+    assert found.get("report") == "profile_na.ncu-rep", found
+    assert found["command"][0] == str(fake)
+    assert [launch["kernel"] for launch in found["launches"]] == [
+        "void na_fused_forward<__nv_bfloat16, 128>(NaParams)",
+        "void na_fused_backward_dq<__nv_bfloat16, 128>(NaParams)"]
+    assert found["launches"][0]["headline"]["achieved_occupancy_pct"]["value"] == 12.31
+    assert (out / "profile_na.ncu-rep").read_bytes() == b"NCU-REP"
+    assert (out / "profile_na-ncu.csv").read_text().strip() == NCU_CSV.strip()
+    assert "Report: written" in (out / "profile_na-ncu.log").read_text()
+
+    fake.write_text("#!/bin/sh\necho '==ERROR== ERR_NVGPUCTRPERM - no permission' >&2\nexit 1\n")
+    assert profile.main(["--results-dir", str(out), "--repeats", "1", "--ncu-problems", "tiny",
+                         "--time-limit", "600"]) == 0
+    refused = json.loads(path.read_text())["ncu"]
+    assert "ncu wrote no report (exit 1" in refused["error"]
+    assert "ERR_NVGPUCTRPERM" in refused["output_tail"]
+    assert profile.main(["--results-dir", str(out), "--repeats", "1", "--ncu-problems", "tiny",
+                         "--time-limit", "5"]) == 0
+    assert "left of --time-limit 5" in json.loads(path.read_text())["ncu"]["skipped"]
