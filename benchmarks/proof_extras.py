@@ -94,7 +94,7 @@ def summary_lines(result: StepResult, pad: str) -> list[str]:
                 continue
             lines.append(f"{pad} {'ok  ' if v['goal_met'] else 'MISS'} {which}: {v['builds']} "
                          f"built, {v['loads']} loaded, {v['rejected_files']} rejected; first calls "
-                         f"{v['first_calls_ms']:.1f} ms vs cold {v['cold_first_calls_ms']:.1f} ms")
+                         f"{v['first_calls_ms']:.1f} ms vs cold {v['cold_calls_ms']:.1f} ms")
         return lines
     if result.name == PROFILE_NA and s:
         lines = []

@@ -288,7 +288,7 @@ def test_carried_files_serve_every_first_call_without_a_build(warm, stand_in, tm
     assert rounds["cold"]["problems"]["train"]["first_call_ms"] == 250.0
     assert record["verdict"]["carried"] == {
         "ran": True, "builds": 0, "loads": 3, "files_accepted": 3, "rejected_files": 0,
-        "goal_met": True, "first_calls_ms": 15.0, "cold_first_calls_ms": 750.0, "speedup": 50.0}
+        "goal_met": True, "first_calls_ms": 15.0, "cold_calls_ms": 750.0, "speedup": 50.0}
 
 
 def test_another_environments_files_are_rejected_and_rebuilt(warm, stand_in, tmp_path):
@@ -551,3 +551,19 @@ else:
     assert profile.main(["--results-dir", str(out), "--repeats", "1", "--ncu-problems", "tiny",
                          "--time-limit", "5"]) == 0
     assert "left of --time-limit 5" in json.loads(path.read_text())["ncu"]["skipped"]
+
+
+def test_a_failed_save_on_the_device_is_recorded(warm, stand_in, tmp_path):
+    from cudnn_attn.graphs.cache import GraphCache
+
+    class Unsaveable(GraphCache):
+        def save(self, directory):
+            raise PermissionError(f"{directory}: read-only file system")
+
+    device = Unsaveable(environment=lambda: H100_ENV)
+    record = warm.run_rounds(_calls(device, stand_in), tmp_path / "work", None, cache=device,
+                             clear=device.clear, clock=stand_in)
+    assert "read-only file system" in record["rounds"]["cold-first"]["save_error"]
+    saved = record["rounds"]["saved"]
+    assert saved["files_accepted"] == 0 and saved["builds"] == 3
+    assert record["verdict"]["saved"]["goal_met"] is False
