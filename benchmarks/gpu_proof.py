@@ -25,8 +25,10 @@ process gets ``cores // processes`` threads):
                     needs einops (``fetch-wheels einops``)
 Phase 2, speed, alone on the GPU, in order of importance, each with its own share of the time:
 benchmarks/cudnn.py --quick, then benchmarks/neighborhood.py --quick, each writing its JSON into
-the run's folder, with the machine's ceilings. Phase 3, only with time left: the rest of the bf16
-D=128 rows into ``more/``; ``gpu_report.py`` merges them with phase 2's.
+the run's folder, with the machine's ceilings; then the warm start of the graph caches carried
+in ``.graphs`` (``proof_extras``). Phase 3, only with time left: the fused neighborhood kernels'
+profile, then the rest of the bf16 D=128 rows into ``more/``; ``gpu_report.py`` merges them with
+phase 2's.
 
 A step's deadline (its cap, its share, never past the budget) sends its process group SIGINT,
 then SIGTERM, then SIGKILL (``proof_steps``); whatever is left of the group when the step ends
@@ -62,6 +64,7 @@ from typing import Any
 # cudnn.py took this folder off sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _report  # noqa: E402  benchmarks/_report.py
+import proof_extras  # noqa: E402
 import proof_record  # noqa: E402
 import proof_steps  # noqa: E402
 from proof_record import (MORE, NAME_WIDTH, junit_counts, stream_counts, summarize,  # noqa: E402,F401
@@ -180,10 +183,12 @@ def plan(work: Path, python: str = sys.executable, workers: int = 8,
         steps.append(Step(f"bench-{suite}", [python, str(bench / f"{suite}.py"), "--quick",
                                              "--results-dir", str(work)], 2, 150.0,
                           share_s=share))
+    steps.append(proof_extras.warm_start_step(work, python))  # graph caches warmed ahead
     # With time left: the rest of the bf16 D=128 rows (the cuDNN curve's other sequence lengths,
     # the 1-D and 3-D neighborhoods), in a folder of their own; gpu_report merges them.
     more = ["--no-ceilings", "--results-dir", str(work / MORE)]
     steps += [
+        proof_extras.profile_na_step(work, python),  # the fused kernels' profile first
         Step("bench-cudnn-more", [python, str(bench / "cudnn.py"), "--quick", "--seqs", "512",
                                   "2048", "4096", "16384", *more], 3, 240.0, optional=True),
         Step("bench-neighborhood-more", [python, str(bench / "neighborhood.py"), "--dims", "1", "3",

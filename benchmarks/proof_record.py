@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import _report
+import proof_extras
 
 from proof_steps import StepResult
 
@@ -150,6 +151,9 @@ def summarize(result: StepResult, work: Path) -> dict[str, Any]:
     """The figures a step's own files hold (empty when it wrote none); ``partial`` when the
     step was cut short and the counts are what it judged until then."""
     name = result.name
+    extra = proof_extras.summarize(name, work)
+    if extra is not None:
+        return extra
     if name == "gpu-tests":
         return _tests_summary(result, work)
     if name == FLASH_ATTN_STEP:  # FlashAttention's own tests, with the runner's sample
@@ -242,4 +246,5 @@ def summary_lines(results: list[StepResult]) -> list[str]:
                 lines.append(f"{pad} {mark} {what}" + ("" if value is None else f": {value:.3g}"))
             if "target" in s:
                 lines.append(f"{pad} {s['target'].get('text')}")
+        lines += proof_extras.summary_lines(r, pad)
     return lines

@@ -10,6 +10,7 @@ import math
 import operator
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import oracle
 import torch
@@ -263,3 +264,15 @@ def load_script(path, module_name: str):
     sys.modules[module_name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` imported as ``bench_<name>``, with its folder on the path while
+    it loads (the scripts import their siblings: ``_report``, ``proof_steps``, ...)."""
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        return load_script(Path(folder) / f"{name}.py", f"bench_{name}")
+    finally:
+        if folder in sys.path:  # a script may take its folder off the path itself
+            sys.path.remove(folder)

@@ -26,16 +26,19 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from ..core.caches import LRU
 
+if TYPE_CHECKING:  # annotations only: _spec imports the runtime's users
+    from ._spec import Band, GraphSpec
+
 __all__ = ["DeviceHandle", "StreamContext", "stream_context", "handle_for", "workspace",
            "capturing", "ScalarCache", "LengthCache", "device_lengths", "ragged_offsets",
            "token_rows", "page_tables", "aligned", "philox_tensors", "positive_scale",
-           "scaled_same_strides"]
+           "scaled_same_strides", "empty_rows", "padded_rows"]
 
 # device index -> DeviceHandle: the device's one cuDNN handle.
 _HANDLES = LRU("cudnn.handles", 64)
@@ -255,7 +258,6 @@ class LengthCache:
         return found
 
     def _make(self, lens_q, lens_kv, device):
-        from ._spec import padded_rows
 
         b = self._spec.batch
         host = torch.tensor([lens_q, lens_kv], dtype=torch.int32).view(2, b, 1, 1, 1)
@@ -282,7 +284,6 @@ def _int32(t: torch.Tensor, shape: tuple) -> torch.Tensor:
 def device_lengths(spec, padding, device):
     """``(seq_len_q, seq_len_kv, empty)`` of a ``Padding`` with runtime (device) lengths:
     ``[B, 1, 1, 1]`` int32 graph inputs and the ``[B, S_q]`` bool of rows that see no key."""
-    from ._spec import padded_rows
 
     b = spec.batch
     lens_q, lens_kv = padding.tensors(device)
@@ -321,3 +322,28 @@ def page_tables(spec, storage) -> tuple[torch.Tensor, torch.Tensor]:
     table_k = _int32(storage.block_table, shape)
     table_v = table_k if storage.v_table is None else _int32(storage.v_table, shape)
     return table_k, table_v
+
+
+def empty_rows(band: Optional[Band], i: torch.Tensor, lq: torch.Tensor,
+               lkv: torch.Tensor) -> torch.Tensor:
+    """Whether query row ``i`` of a sequence with ``lq`` queries and ``lkv`` keys sees no key
+    (past its length, no keys, or a band that misses every key); broadcasts elementwise."""
+    empty = (i >= lq) | (lkv == 0)
+    if band is not None:
+        aligned = i + (lkv - lq if band.alignment == "bottom_right" else 0)
+        lo = torch.clamp(aligned - band.left + 1, min=0) if band.left is not None else 0
+        hi = torch.minimum(aligned + band.right, lkv - 1) if band.right is not None else lkv - 1
+        empty = empty | ((hi < lo) if isinstance(lo, torch.Tensor) else (hi < 0))
+    return empty
+
+
+def padded_rows(spec: GraphSpec, lens_q, lens_kv) -> torch.Tensor:
+    """Bool ``[B, S_q]``: query rows that see no key (padding, or a band with per-batch
+    bottom-right alignment that misses every valid key). Host lengths give a CPU tensor; length
+    tensors stay on their device (never read)."""
+    b = spec.batch
+    device = lens_q.device if isinstance(lens_q, torch.Tensor) else None
+    # Compared against an int64 arange as they are (int32 device lengths need no cast kernel).
+    lq, lkv = (torch.as_tensor(n, device=device).view(b, 1) for n in (lens_q, lens_kv))
+    i = torch.arange(spec.seq_q, dtype=torch.int64, device=device).view(1, -1)
+    return empty_rows(spec.band, i, lq, lkv)

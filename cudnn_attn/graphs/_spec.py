@@ -26,7 +26,7 @@ from . import cache_files, decode_rows
 from .limits import BACKWARD_HEAD_DIM, LIMITS, MAX_HEAD_DIM
 from .score_mod_masks import mask_program, neighborhood_as_band
 
-__all__ = ["Band", "PagedKV", "GraphOptions", "GraphSpec", "analyze", "cudnn_reasons", "empty_rows",
+__all__ = ["Band", "PagedKV", "GraphOptions", "GraphSpec", "analyze", "cudnn_reasons",
            "with_storage", "device_sm", "MAX_HEAD_DIM", "BACKWARD_HEAD_DIM", "LIMITS"]
 
 @dataclass(frozen=True)
@@ -472,31 +472,6 @@ def cudnn_reasons(problem: AttnProblem, target_sm: Optional[int] = None, *,
     ``analyze``'s: that architecture's limits and that cuDNN backend's floors."""
     return analyze(problem, target_sm=target_sm, options=options, backward=backward,
                    version=version)[1]
-
-
-def empty_rows(band: Optional[Band], i: torch.Tensor, lq: torch.Tensor,
-               lkv: torch.Tensor) -> torch.Tensor:
-    """Whether query row ``i`` of a sequence with ``lq`` queries and ``lkv`` keys sees no key
-    (past its length, no keys, or a band that misses every key); broadcasts elementwise."""
-    empty = (i >= lq) | (lkv == 0)
-    if band is not None:
-        aligned = i + (lkv - lq if band.alignment == "bottom_right" else 0)
-        lo = torch.clamp(aligned - band.left + 1, min=0) if band.left is not None else 0
-        hi = torch.minimum(aligned + band.right, lkv - 1) if band.right is not None else lkv - 1
-        empty = empty | ((hi < lo) if isinstance(lo, torch.Tensor) else (hi < 0))
-    return empty
-
-
-def padded_rows(spec: GraphSpec, lens_q, lens_kv) -> torch.Tensor:
-    """Bool ``[B, S_q]``: query rows that see no key (padding, or a band with per-batch
-    bottom-right alignment that misses every valid key). Host lengths give a CPU tensor; length
-    tensors stay on their device (never read)."""
-    b = spec.batch
-    device = lens_q.device if isinstance(lens_q, torch.Tensor) else None
-    # Compared against an int64 arange as they are (int32 device lengths need no cast kernel).
-    lq, lkv = (torch.as_tensor(n, device=device).view(b, 1) for n in (lens_q, lens_kv))
-    i = torch.arange(spec.seq_q, dtype=torch.int64, device=device).view(1, -1)
-    return empty_rows(spec.band, i, lq, lkv)
 
 
 def problem_lengths(problem: AttnProblem) -> tuple[tuple, tuple]:

@@ -26,7 +26,8 @@ import cudnn_attn as ca
 from cudnn_attn.core import dispatch
 from cudnn_attn.core.caches import cache_sizes, clear_caches
 from cudnn_attn.graphs import _runtime
-from cudnn_attn.graphs._spec import GraphOptions, PagedKV, analyze, padded_rows
+from cudnn_attn.graphs._runtime import padded_rows
+from cudnn_attn.graphs._spec import GraphOptions, PagedKV, analyze
 from cudnn_attn.graphs.sdpa import UID, describe, validate_for
 
 needs_fe = pytest.mark.skipif(importlib.util.find_spec("cudnn") is None,

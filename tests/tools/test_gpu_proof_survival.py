@@ -183,9 +183,10 @@ def test_a_slow_first_benchmark_leaves_the_next_its_share(G, tmp_path, short_lad
     assert results[1].ok and results[1].log_tail[-1] == "ran"
     steps = G.plan(tmp_path)
     shares = [s.share_s for s in steps if s.phase == 2]
-    assert [s.name for s in steps if s.phase == 2] == ["bench-cudnn", "bench-neighborhood"]
+    assert [s.name for s in steps if s.phase == 2] == ["bench-cudnn", "bench-neighborhood",
+                                                       "warm-start"]
     assert all(share > 0 for share in shares)
-    assert G.phase_reserve(steps, 1) == pytest.approx(sum(shares) + 2 * G.LADDER_S)
+    assert G.phase_reserve(steps, 1) == pytest.approx(sum(shares) + 3 * G.LADDER_S)
 
 
 def test_side_by_side_steps_split_the_cores(G, tmp_path):
