@@ -184,14 +184,16 @@ def plan(work: Path, python: str = sys.executable, workers: int = 8,
                                              "--results-dir", str(work)], 2, 150.0,
                           share_s=share))
     steps.append(proof_extras.warm_start_step(work, python))  # graph caches warmed ahead
-    # With time left: the rest of the bf16 D=128 rows (the cuDNN curve's other sequence lengths,
-    # the 1-D and 3-D neighborhoods), in a folder of their own; gpu_report merges them.
+    # With time left: the rest of the bf16 rows (the cuDNN curve's other sequence lengths; issue
+    # 34's 2-D k7 and 64x64 k13 problems, then the 1-D and 3-D neighborhoods at D=128), in a
+    # folder of their own; gpu_report merges them.
     more = ["--no-ceilings", "--results-dir", str(work / MORE)]
     steps += [
         proof_extras.profile_na_step(work, python),  # the fused kernels' profile first
         Step("bench-cudnn-more", [python, str(bench / "cudnn.py"), "--quick", "--seqs", "512",
                                   "2048", "4096", "16384", *more], 3, 240.0, optional=True),
-        Step("bench-neighborhood-more", [python, str(bench / "neighborhood.py"), "--dims", "1", "3",
+        Step("bench-neighborhood-more", [python, str(bench / "neighborhood.py"), "--issue-rows",
+                                         "--dims", "1", "3",
                                          "--dtypes", "bf16", "--head-dims", "128", "--repeats", "3",
                                          "--warmup", "2", *more], 3, 240.0, optional=True),
     ]

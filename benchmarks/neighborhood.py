@@ -63,6 +63,14 @@ ISSUE_PROBLEMS = [((128, 128), (31, 31), 8, 128, 2.55, 1.70),
                   ((64, 64), (13, 13), 16, 64, 0.53, 0.23),
                   ((32768,), (2048,), 16, 128, 8.87, 14.4),
                   ((32, 32, 32), (7, 7, 7), 16, 128, 6.87, 14.4)]
+
+
+def issue_only_problems() -> list:
+    """``ISSUE_PROBLEMS`` whose (spatial, kernel) ``PROBLEMS`` does not measure already."""
+    measured = set(PROBLEMS.values())
+    return [p for p in ISSUE_PROBLEMS if (p[0], p[1]) not in measured]
+
+
 MODEL_COLUMNS = ["model_boxes", "model_useful_%", "model_pairs", "model_unmasked_%",
                  "model_fused_ms", "model_dense_ms", "model_dense_mask_ms", "model_pick"]
 
@@ -288,11 +296,12 @@ def engines(rank, spatial, kernel, q, k, v):
             "flex": flex, "natten-flex": natten_flex}
 
 
-def bench_problem(rank, dtype_name, dim, args, on_rows=None):
-    """One row per direction for problem ``rank`` in ``dtype_name`` with head dim ``dim``;
+def bench_problem(rank, dtype_name, dim, args, on_rows=None, problem=None):
+    """One row per direction for problem ``rank`` (``PROBLEMS``, H = HIDDEN / dim) or for
+    ``problem`` = (spatial, kernel, heads), in ``dtype_name`` with head dim ``dim``;
     ``on_rows(rows)`` after each engine (the caller saves them: no peer can lose ours)."""
-    spatial, kernel = PROBLEMS[rank]
-    batch, heads, tokens = 1, HIDDEN // dim, math.prod(spatial)
+    spatial, kernel, heads = problem or (*PROBLEMS[rank], HIDDEN // dim)
+    batch, tokens = 1, math.prod(spatial)
     dtype = DTYPES[dtype_name]
     q, k, v = (torch.randn(batch, *spatial, heads, dim, device=DEVICE, dtype=dtype)
                for _ in range(3))
@@ -379,7 +388,7 @@ def target_verdict(rows):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dims", type=int, nargs="+", choices=(1, 2, 3), default=[1, 2, 3],
+    parser.add_argument("--dims", type=int, nargs="*", choices=(1, 2, 3), default=[1, 2, 3],
                         help="problem ranks (default 1 2 3)")
     parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=list(DTYPES))
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
@@ -395,6 +404,9 @@ def main() -> int:
     parser.add_argument("--peer-timeout", type=float, default=PEER_SETUP_S,
                         help="seconds a compiled peer (flex, natten-flex) may take to set up, "
                              f"compile and make its first call (default {PEER_SETUP_S:.0f})")
+    parser.add_argument("--issue-rows", action="store_true",
+                        help="also measure issue 34's problems that --dims does not (2-D "
+                             "128x128 k7 H8 D128, 64x64 k13 H16 D64; bf16); --dims may be empty")
     parser.add_argument("--model-only", action="store_true",
                         help="print the tile model for issue 34's problems (no GPU) and exit")
     parser.add_argument("--model-ceilings", default="H200",
@@ -429,6 +441,10 @@ def main() -> int:
             "target": {"tflops >=": TARGET_TFLOPS, "vs flex >=": TARGET_VS_FLEX, "met": met,
                        "text": text}}, results_dir=args.results_dir)
 
+    if args.issue_rows:  # issue 34's problems PROBLEMS lacks (their own heads and head dims)
+        for spatial, kernel, heads, dim, _, _ in issue_only_problems():
+            rows += bench_problem(len(spatial), "bf16", dim, args, on_rows=save,
+                                  problem=(spatial, kernel, heads))
     for rank in args.dims:
         for dtype_name in args.dtypes:
             for dim in args.head_dims:

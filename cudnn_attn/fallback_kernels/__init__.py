@@ -29,7 +29,7 @@ from .tile_shapes import check_tile_sizes, valid_tile_sizes
 
 # Modules that launch kernels; each exposes SOURCE, DEFINES and variants() (and MIN_ARCH, the
 # oldest sm it compiles for, when it has one).
-KERNEL_MODULES = ("fused", "fused_pipelined", "unfused")
+KERNEL_MODULES = ("fused", "fused_pipelined", "fused_wide", "unfused")
 
 __all__ = ["compile_all", "default_jobs", "kernel_programs", "kernel_variants", "kernel_reasons",
            "LIMITS", "CompileRecord", "KernelBuild", "KernelCompileError", "FUSED_DTYPES",

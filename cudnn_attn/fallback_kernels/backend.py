@@ -133,8 +133,8 @@ class CupyPlan:
             raise ValueError("; ".join(reasons))
         self.table = tuple(table)
         hood = problem.neighborhood
-        rank = hood.ndim if hood is not None else 1
-        self.boxes = fused.choose_tiles(self.table, rank)
+        self.rank = hood.ndim if hood is not None else 1
+        self.boxes = fused.choose_tiles(self.table, self.rank)  # the backward's
         self.o_shape = ((problem.batch, problem.heads_q, problem.seq_q, problem.dim_v)
                         if problem.layout == "bhsd"
                         else (problem.batch, problem.seq_q, problem.heads_q, problem.dim_v))
@@ -161,7 +161,8 @@ class CupyPlan:
         if problem.rpb is not None:  # the kernel reads a contiguous fp32 table
             rpb = inputs.bias.detach().to(torch.float32).contiguous()
         fused.run_forward(tok(q), tok(k), tok(v), tok(out), lse.transpose(1, 2), self.table,
-                          self.boxes, problem.scale, problem.softcap or 0.0, rpb)
+                          fused.forward_boxes(self.table, self.rank, problem.dtype, q.device),
+                          problem.scale, problem.softcap or 0.0, rpb)
         return out, lse
 
     def backward(self, problem, inputs, out, lse, dout, dlse=None):

@@ -14,6 +14,7 @@ heads-last (NATTEN, ``bshd``) and heads-first (``bhsd``) inputs run without copi
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -22,13 +23,13 @@ from ..core.caches import memoize
 from ..model.geometry import MAX_AXES, axis_dilation, axis_window, group_len, neighborhood_table, table_axes
 from . import _loader, launch
 from .limits import MAX_HEAD_DIM
-from .tile_model import choose_tiles
-from .tile_shapes import FUSED_KEY_TILE, FUSED_QUERY_TILE, check_tile_sizes
+from .tile_model import choose_tiles, forward_tiles
+from .tile_shapes import FUSED_KEY_TILE, FUSED_QUERY_TILE, WIDE_QUERY_TILE, check_tile_sizes
 
 __all__ = ["SOURCE", "DEFINES", "variants", "na_forward", "na_backward", "run_forward",
            "run_backward", "choose_tiles", "launch_grid", "head_dim_bucket", "smem_bytes",
            "forward_tokens", "pipelined", "pipelined_variants", "PIPELINED_DEFINES",
-           "backward_delta"]
+           "backward_delta", "forward_boxes", "WIDE_FORWARD", "wide", "wide_variants"]
 
 SOURCE = "fused_attention.cu"
 DEFINES = {"QUERY_TILE": FUSED_QUERY_TILE, "KEY_TILE": FUSED_KEY_TILE}
@@ -55,6 +56,10 @@ PIPELINED_DEFINES = {**DEFINES, "NA_PIPELINED": 1}
 PIPELINED_MIN_ARCH = 80
 PIPELINED_DTYPES = (torch.float16, torch.bfloat16)
 _QUERY_MAJOR = ("na_fused_forward", "na_fused_backward_dq")
+# The pipelined build's forward over 128-query boxes (4 warps of 32 rows: every K/V fragment feeds
+# two mma); launched when the query box holds WIDE_QUERY_TILE slots (``tile_model.forward_tiles``).
+WIDE_FORWARD = "na_fused_forward_wide"
+WIDE_MIN_ARCH = 90
 _QUERY_SLOT_BYTES = 32  # NaQuerySlot
 _DKDV_STEP_SLOT_BYTES = 32 + 8  # NaQuerySlot, lse, delta
 
@@ -76,6 +81,21 @@ def pipelined_variants() -> list:
                                   f"{k}<{CTYPES[dt]},{hd}>/pipelined", THREADS,
                                   smem_bytes(k, dt, hd, pipelined=True))
             for k in KERNELS for dt in PIPELINED_DTYPES for hd in HEAD_DIMS]
+
+
+def wide_variants() -> list:
+    """The wide forward's instances (the pipelined build's text, sm_90+: at 32 rows per warp its
+    accumulators fit sm_90's register allocation but spill on sm_80's)."""
+    return [_loader.KernelVariant(SOURCE, _expression(WIDE_FORWARD, dt, hd),
+                                  f"{WIDE_FORWARD}<{CTYPES[dt]},{hd}>/pipelined", THREADS,
+                                  smem_bytes(WIDE_FORWARD, dt, hd, pipelined=True))
+            for dt in PIPELINED_DTYPES for hd in HEAD_DIMS]
+
+
+def wide(dtype: torch.dtype, capability: tuple[int, int]) -> bool:
+    """Whether launches of ``dtype`` on a device of ``capability`` may use the wide forward."""
+    major, minor = capability
+    return pipelined(dtype, capability) and major * 10 + minor >= WIDE_MIN_ARCH
 
 
 def pipelined(dtype: torch.dtype, capability: tuple[int, int]) -> bool:
@@ -120,6 +140,14 @@ def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool =
     the sm_80+ build, whose query-major kernels hold a ring of K/V stages."""
     if kernel == "na_fused_backward_delta":
         return 0  # registers and shuffles only
+    if kernel == WIDE_FORWARD:
+        # The 128-query Q tile, a ring of three (K, V) steps of 64 keys (32 at head dim 128),
+        # one record per query slot (NaWide in the .cu). The pipelined build only.
+        key_step = 32 if head_dim >= 128 else 64
+        total = ((WIDE_QUERY_TILE + 2 * 3 * key_step) * (head_dim + 8) * 2
+                 + _QUERY_SLOT_BYTES * WIDE_QUERY_TILE)
+        assert pipelined and total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
+        return total
     elem = 2 if dtype in (torch.float16, torch.bfloat16) else 4
     ld = head_dim + 8 if elem == 2 else head_dim
     if pipelined and kernel in _QUERY_MAJOR:
@@ -257,7 +285,8 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
 def run_forward(q, k, v, out, lse, table, boxes, scale, softcap=0.0, rpb=None) -> None:
     """Launch the forward on token-major views: q/k/v/out ``[B, S, H, D]``, lse ``[B, S, H]``
     fp32 (any strides, last dim contiguous). ``table``: the geometry table (``geometry``);
-    ``boxes`` = (query box, key box)."""
+    ``boxes`` = (query box, key box); a query box of ``WIDE_QUERY_TILE`` slots runs the wide
+    forward (the pipelined build only)."""
     import numpy as np
 
     B, _, Hq, Dqk = q.shape
@@ -273,7 +302,14 @@ def run_forward(q, k, v, out, lse, table, boxes, scale, softcap=0.0, rpb=None) -
                 *(np.int32(x) for x in qb), *(np.int32(x) for x in kb),
                 np.float32(scale), np.float32(softcap or 0.0),
                 np.int32(_aligned((q, k, v, out), q.dtype))]
-        _launch("na_fused_forward", q.dtype, hd, grid, tensors, scalars, ctx)
+        kernel = "na_fused_forward"
+        if math.prod(qb) == WIDE_QUERY_TILE:
+            if not wide(q.dtype, _capability(ctx.index)):
+                raise ValueError(f"a {WIDE_QUERY_TILE}-query box {tuple(boxes[0])} runs the wide "
+                                 f"forward (fp16/bf16, sm_90+, the pipelined build); this "
+                                 f"launch is {q.dtype} on sm_{''.join(map(str, _capability(ctx.index)))}")
+            kernel = WIDE_FORWARD
+        _launch(kernel, q.dtype, hd, grid, tensors, scalars, ctx)
 
 
 def backward_delta(out: torch.Tensor, dout: torch.Tensor, like: torch.Tensor,
@@ -355,8 +391,21 @@ def _tokens(t: torch.Tensor, rank: int, name: str) -> torch.Tensor:
     return _last_contiguous(flat)
 
 
-def _boxes_for(rank, head_dim, dtype, table, query_tile, key_tile):
+def forward_boxes(table: Sequence[int], rank: int, dtype: torch.dtype,
+                  device: torch.device) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The forward's default boxes on ``device``: ``tile_model.forward_tiles`` (which may name the
+    wide kernel) where the wide forward can run (``wide``), else :func:`choose_tiles`."""
+    index = device.index if device.index is not None else (
+        torch.cuda.current_device() if device.type == "cuda" else 0)
+    if wide(dtype, _capability(index)):
+        return forward_tiles(tuple(table), rank)
+    return choose_tiles(tuple(table), rank)
+
+
+def _boxes_for(rank, head_dim, dtype, table, query_tile, key_tile, device=None):
     if query_tile is None and key_tile is None:
+        if device is not None:
+            return forward_boxes(table, rank, dtype, device)
         return choose_tiles(tuple(table), rank)
     default = choose_tiles(tuple(table), rank)
     return check_tile_sizes(rank, head_dim, dtype,
@@ -384,7 +433,7 @@ def na_forward(query, key, value, *, kernel_size, stride, dilation, is_causal, s
                         f"{query.dtype}, {key.dtype}, {value.dtype}")
     table = _table_for(spatial, kernel_size, stride, dilation, is_causal)
     boxes = _boxes_for(rank, max(q.shape[-1], v.shape[-1]), q.dtype, table, query_tile,
-                       key_tile)
+                       key_tile, q.device)
     B, _, H, _ = q.shape
     out_shape = (*query.shape[:-1], value.shape[-1])
     if out is None:

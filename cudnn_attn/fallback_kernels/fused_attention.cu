@@ -787,7 +787,8 @@ template <int NT, bool MASKED>
 __device__ __forceinline__ void na_forward_logits(float (&s)[NT][4], const NaQuerySlot* slots,
                                                   const NaBox& kbox, const int* klo,
                                                   float scale, float cap, float inv_cap,
-                                                  const float* rpb, const int* rmul) {
+                                                  const float* rpb, const int* rmul,
+                                                  int first = 0) {
     const float scale_log2 = scale * NA_LOG2E;
     const int t = threadIdx.x & 3;
     NaQuerySlot rows[2];
@@ -799,7 +800,7 @@ __device__ __forceinline__ void na_forward_logits(float (&s)[NT][4], const NaQue
     for (int n = 0; n < NT; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int r = e >> 1, j = n * 8 + 2 * t + (e & 1);
+            const int r = e >> 1, j = first + n * 8 + 2 * t + (e & 1);
             float x = cap > 0.f ? cap * NA_LOG2E * tanhf(s[n][e] * scale * inv_cap)
                                 : s[n][e] * scale_log2;
             int kc[3];
@@ -875,53 +876,62 @@ __device__ __forceinline__ bool na_key_tile(const NaForwardGeo& geo, const int* 
     return whole;
 }
 
-// The ring of K/V stages both query-major kernels stream key tiles through: tile `it` lives in
-// stage it % STAGES (its K rows, then its V rows). Tiles are copied in walk order (an odometer,
-// no division), so `issue` is called once per tile, in order; every call commits one cp.async
-// group, empty past the last tile, which keeps the group count of a wait a constant.
-template <typename T, int HD> struct NaKeyRing {
-    static constexpr int LD = HD + 8, STAGES = NaForwardStages<HD>::N, STAGE = 2 * NA_TILE * LD;
+// The ring of K/V stages the query-major kernels stream key tiles through, KSTEP keys (a whole
+// 64-slot tile, or a part of one) per step: step `it` lives in stage it % STAGES (its K rows,
+// then its V rows). Steps are copied in walk order (an odometer over the tiles, the part inside
+// a tile), so `issue` is called once per step, in order; every call commits one cp.async group,
+// empty past the last step, which keeps the group count of a wait a constant.
+template <typename T, int HD, int KSTEP = NA_TILE, int NSTAGES = NaForwardStages<HD>::N>
+struct NaKeyRing {
+    static constexpr int LD = HD + 8, STAGES = NSTAGES, STAGE = 2 * KSTEP * LD;
+    static constexpr int PARTS = NA_TILE / KSTEP;  // steps per key tile
     T* smem;
     const T* k;
     const T* v;
     long long k_st, v_st;
-    int d_qk, d_v, vec, ntiles;
-    int idx[3];
+    int d_qk, d_v, vec, nsteps;
+    int idx[3], part;
 
     __device__ __forceinline__ const T* keys(int it) const { return smem + (it % STAGES) * STAGE; }
-    __device__ __forceinline__ const T* values(int it) const { return keys(it) + NA_TILE * LD; }
+    __device__ __forceinline__ const T* values(int it) const { return keys(it) + KSTEP * LD; }
 
     __device__ __forceinline__ void issue(int it, const NaForwardGeo& geo, const NaBox& kbox,
                                           const int* kside) {
-        if (it < ntiles) {
+        if (it < nsteps) {
             int klo[3];
             na_key_tile(geo, idx, kside, klo);
             T* stage = smem + (it % STAGES) * STAGE;
-            na_copy_box<T, HD, NA_TILE, NA_THREADS>(stage, k, k_st, d_qk, stage + NA_TILE * LD, v,
-                                                    v_st, d_v, geo.ktok, kbox, klo, geo.hi, vec);
-            na_odometer_step(idx, geo.tiles);
+            na_copy_box<T, HD, KSTEP, NA_THREADS>(stage, k, k_st, d_qk, stage + KSTEP * LD, v,
+                                                  v_st, d_v, geo.ktok, kbox, klo, geo.hi, vec,
+                                                  part * KSTEP);
+            if (++part == PARTS) {
+                part = 0;
+                na_odometer_step(idx, geo.tiles);
+            }
         }
         na_cp_async_commit();
     }
 };
 
-// Threads 0..63 write the block's query slots (windows, bias index bases, tokens); the caller's
-// next barrier publishes them.
+// Threads 0..ROWS-1 write the block's ROWS query slots (windows, bias index bases, tokens); the
+// caller's next barrier publishes them.
+template <int ROWS = NA_TILE>
 __device__ __forceinline__ void na_publish_query_slots(NaQuerySlot* s_slot, const NaAxis* ax,
                                                        const NaForwardGeo& geo, const NaBox& qbox,
                                                        const int* rmul) {
-    if (threadIdx.x >= NA_TILE) return;
+    const int r = threadIdx.x;
+    if (r >= ROWS) return;
     NaQuerySlot slot;
-    slot.tok = na_slot_token(geo.qtok, qbox, geo.own_lo, geo.own_hi, threadIdx.x);
+    slot.tok = na_slot_token(geo.qtok, qbox, geo.own_lo, geo.own_hi, r);
     slot.rpb = 0;
 #pragma unroll
     for (int a = 0; a < 3; ++a) {
-        const int c = geo.own_lo[a] + ((threadIdx.x >> qbox.shift[a]) & qbox.mask[a]);
+        const int c = geo.own_lo[a] + ((r >> qbox.shift[a]) & qbox.mask[a]);
         slot.lo[a] = slot.hi[a] = 0;
         if (slot.tok >= 0) na_group_window(ax[a], c, geo.glen_q[a], &slot.lo[a], &slot.hi[a]);
         slot.rpb += (geo.kern[a] - 1 - c) * rmul[a];
     }
-    s_slot[threadIdx.x] = slot;
+    s_slot[r] = slot;
 }
 
 // The warp's 16 rows of A fragments (Q or dO) from shared memory, for the whole head dim.
@@ -960,9 +970,9 @@ __device__ __forceinline__ void na_store_fragment_rows(T* base, long long stride
     }
 }
 
-#define NA_QUERY_MAJOR_SETUP                                                                   \
+#define NA_QUERY_MAJOR_SETUP(Ring, WARP_ROWS)                                                 \
     const int qside[3] = {qt0, qt1, qt2}, kside[3] = {kt0, kt1, kt2};                          \
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = warp * 16;              \
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = warp * (WARP_ROWS);     \
     const int b = blockIdx.z, h = blockIdx.y, hk = h / (heads_q / heads_kv);                   \
     NaAxis ax[3];                                                                              \
     na_load_axes(table, ax);                                                                   \
@@ -972,9 +982,9 @@ __device__ __forceinline__ void na_store_fragment_rows(T* base, long long stride
     int rmul[3];                                                                               \
     na_rpb_multipliers(geo.kern, rmul);                                                        \
     const float inv_cap = softcap > 0.f ? __frcp_rn(softcap) : 0.f;                            \
-    NaKeyRing<T, HD> ring = {nullptr, k + b * k_sb + hk * k_sh, v + b * v_sb + hk * v_sh,      \
-                             k_st, v_st, d_qk, d_v, vec,                                       \
-                             geo.tiles[0] * geo.tiles[1] * geo.tiles[2], {0, 0, 0}};           \
+    Ring ring = {nullptr, k + b * k_sb + hk * k_sh, v + b * v_sb + hk * v_sh, k_st, v_st, d_qk,   \
+                 d_v, vec, geo.tiles[0] * geo.tiles[1] * geo.tiles[2] * Ring::PARTS, {0, 0, 0}, \
+                 0};                                                                            \
     int kidx[3] = {0, 0, 0};
 
 template <typename T, int HD>
@@ -991,7 +1001,8 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
                  int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
                  float scale, float softcap, int vec) {
     constexpr int LD = HD + 8, NT = NA_TILE / 8, STAGES = NaForwardStages<HD>::N;
-    NA_QUERY_MAJOR_SETUP
+    using Ring = NaKeyRing<T, HD>;
+    NA_QUERY_MAJOR_SETUP(Ring, 16)
     // Shared memory: the Q tile, the ring, the query slots.
     extern __shared__ __align__(16) unsigned char na_smem[];
     T* sQ = reinterpret_cast<T*>(na_smem);
@@ -1025,7 +1036,7 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
     unsigned int qf[HD / 16][4];
     float acc[HD / 8][4], m[2] = {-NA_INF, -NA_INF}, l[2] = {0.f, 0.f};
     na_zero(acc);
-    for (int it = 0; it < ring.ntiles; ++it) {
+    for (int it = 0; it < ring.nsteps; ++it) {
         na_cp_async_wait_n<STAGES - 2>();  // this thread's copies of tile it (and Q) landed
         __syncthreads();  // everyone's; and everyone is done with tile it - 1, whose stage we refill
         ring.issue(it + STAGES - 1, geo, kbox, kside);
@@ -1065,6 +1076,191 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 }
 
 // ---------------------------------------------------------------------------------------------
+// The wide forward, sm_80+ build: 128-query boxes, each of the 4 warps owning 32 rows (two m16
+// tiles), so every K and V fragment loaded from shared memory feeds two mma and every key step
+// serves twice the queries of the 64-query kernel. Keys stream in steps of KSTEP (a whole 64-slot
+// tile, or half of one at head dim 128, whose two 32-row accumulators leave no registers for
+// more); Q stays in registers up to head dim 64 and is read from shared memory at 128.
+// ---------------------------------------------------------------------------------------------
+#define NA_WIDE_QUERIES 128
+
+template <int HD> struct NaWide {
+    static constexpr int KSTEP = HD >= 128 ? 32 : 64;
+    static constexpr int STAGES = 3;
+    static constexpr bool Q_IN_REGS = HD <= 64;
+};
+
+// s[mt] = Q K^T for the warp's two m16 tiles; each K fragment pair serves both.
+template <typename T, int HD, int NT, bool QREG>
+__device__ __forceinline__ void na_qk_wide(float (&s)[2][NT][4],
+                                           const unsigned int (&qf)[2][QREG ? HD / 16 : 1][4],
+                                           const T* Q, const T* K) {
+    constexpr int LD = HD + 8;
+    const int lane = threadIdx.x & 31;
+    na_zero(s[0]);
+    na_zero(s[1]);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        unsigned int a[2][4];
+        if constexpr (QREG) {
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) a[mt][i] = qf[mt][kk][i];
+        } else {
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+                na_ldsm_x4(a[mt], Q + (16 * mt + lane % 16) * LD + kk * 16 + (lane / 16) * 8);
+        }
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            unsigned int b[4];
+            na_ldsm_x4(b, K + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 +
+                              ((lane / 8) % 2) * 8);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                na_mma16816(s[mt][n], a[mt], b, T());
+                na_mma16816(s[mt][n + 1], a[mt], b + 2, T());
+            }
+        }
+    }
+}
+
+// o[mt] += P[mt] V for the warp's two m16 tiles; each V fragment pair serves both.
+template <typename T, int HD, int NT>
+__device__ __forceinline__ void na_pv_wide(float (&o)[2][HD / 8][4], const float (&p)[2][NT][4],
+                                           const T* V) {
+    constexpr int LD = HD + 8;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < NT / 2; ++j) {
+        unsigned int a[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            a[mt][0] = na_pack2(p[mt][2 * j][0], p[mt][2 * j][1], T());
+            a[mt][1] = na_pack2(p[mt][2 * j][2], p[mt][2 * j][3], T());
+            a[mt][2] = na_pack2(p[mt][2 * j + 1][0], p[mt][2 * j + 1][1], T());
+            a[mt][3] = na_pack2(p[mt][2 * j + 1][2], p[mt][2 * j + 1][3], T());
+        }
+#pragma unroll
+        for (int n = 0; n < HD / 8; n += 2) {
+            unsigned int b[4];
+            na_ldsm_x4_trans(b, V + (16 * j + ((lane / 8) % 2) * 8 + lane % 8) * LD +
+                                    (n + lane / 16) * 8);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                na_mma16816(o[mt][n], a[mt], b, T());
+                na_mma16816(o[mt][n + 1], a[mt], b + 2, T());
+            }
+        }
+    }
+}
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(NA_THREADS, 1)
+na_fused_forward_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                      T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ table,
+                      const float* __restrict__ rpb,
+                      long long q_sb, long long q_st, long long q_sh,
+                      long long k_sb, long long k_st, long long k_sh,
+                      long long v_sb, long long v_st, long long v_sh,
+                      long long o_sb, long long o_st, long long o_sh,
+                      long long l_sb, long long l_st, long long l_sh,
+                      int heads_q, int heads_kv, int d_qk, int d_v,
+                      int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
+                      float scale, float softcap, int vec) {
+    constexpr int LD = HD + 8, KSTEP = NaWide<HD>::KSTEP, NT = KSTEP / 8;
+    constexpr int STAGES = NaWide<HD>::STAGES;
+    constexpr bool QREG = NaWide<HD>::Q_IN_REGS;
+    using Ring = NaKeyRing<T, HD, KSTEP, STAGES>;
+    NA_QUERY_MAJOR_SETUP(Ring, 32)
+    // Shared memory: the Q tile, the ring, the query slots.
+    extern __shared__ __align__(16) unsigned char na_smem[];
+    T* sQ = reinterpret_cast<T*>(na_smem);
+    ring.smem = sQ + NA_WIDE_QUERIES * LD;
+    NaQuerySlot* s_slot = reinterpret_cast<NaQuerySlot*>(ring.smem + STAGES * Ring::STAGE);
+
+    na_copy_box<T, HD, NA_WIDE_QUERIES, NA_THREADS>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk,
+                                                    nullptr, nullptr, 0, 0, geo.qtok, qbox,
+                                                    geo.own_lo, geo.own_hi, vec);
+#pragma unroll
+    for (int it = 0; it < STAGES - 1; ++it) ring.issue(it, geo, kbox, kside);
+    na_publish_query_slots<NA_WIDE_QUERIES>(s_slot, ax, geo, qbox, rmul);
+    const NaQuerySlot* my_slots = s_slot + row0 + (lane >> 2);  // rows g, g + 8 of each m-tile
+    __shared__ int s_rmul[3];
+    __shared__ const float* s_bias;
+    if (threadIdx.x == 0) {
+        s_rmul[0] = rmul[0];
+        s_rmul[1] = rmul[1];
+        s_rmul[2] = rmul[2];
+        s_bias = rpb ? rpb + (long long)h * ((2 * geo.kern[0] - 1) * (2 * geo.kern[1] - 1) *
+                                             (2 * geo.kern[2] - 1))
+                     : nullptr;
+    }
+
+    const bool fold = scale > 0.f && softcap <= 0.f && rpb == nullptr;
+    unsigned int qf[2][QREG ? HD / 16 : 1][4];
+    float acc[2][HD / 8][4], m[2][2], l[2][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+        na_zero(acc[mt]);
+        m[mt][0] = m[mt][1] = -NA_INF;
+        l[mt][0] = l[mt][1] = 0.f;
+    }
+    const T* sQw = sQ + row0 * LD;
+    for (int it = 0; it < ring.nsteps; ++it) {
+        na_cp_async_wait_n<STAGES - 2>();  // this thread's copies of step it (and Q) landed
+        __syncthreads();  // everyone's; and everyone is done with step it - 1, whose stage we refill
+        ring.issue(it + STAGES - 1, geo, kbox, kside);
+        if constexpr (QREG) {
+            if (it == 0) {
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) na_load_a_fragments<T, HD>(qf[mt], sQw + 16 * mt * LD);
+            }
+        }
+        const int first = (it % Ring::PARTS) * KSTEP;  // the step's first slot of its key tile
+        int klo[3];
+        const bool whole = na_key_tile(geo, kidx, kside, klo);
+        float s[2][NT][4], mul = 1.f;
+        na_qk_wide<T, HD, NT, QREG>(s, qf, sQw, ring.keys(it));
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            if (!whole)
+                na_forward_logits<NT, true>(s[mt], my_slots + 16 * mt, kbox, klo, scale, softcap,
+                                            inv_cap, rpb ? s_bias : nullptr, s_rmul, first);
+            else if (!fold)
+                na_forward_logits<NT, false>(s[mt], my_slots + 16 * mt, kbox, klo, scale, softcap,
+                                             inv_cap, rpb ? s_bias : nullptr, s_rmul, first);
+        }
+        if (whole && fold) mul = scale * NA_LOG2E;  // the softmax takes the raw scores
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) na_online_softmax_log2<NT, HD>(s[mt], m[mt], l[mt], acc[mt], mul);
+        na_pv_wide<T, HD, NT>(acc, s, ring.values(it));
+        if ((it + 1) % Ring::PARTS == 0) na_odometer_step(kidx, geo.tiles);
+    }
+    na_cp_async_wait_all();
+    __syncthreads();  // the query slots are published even when no key was visited
+
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+        float inv[2];
+        int tok[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float sum = l[mt][r];
+            sum += __shfl_xor_sync(NA_FULL, sum, 1);
+            sum += __shfl_xor_sync(NA_FULL, sum, 2);
+            inv[r] = sum > 0.f ? __frcp_rn(sum) : 0.f;
+            tok[r] = my_slots[16 * mt + 8 * r].tok;
+            if ((lane & 3) == 0 && tok[r] >= 0)
+                lse[b * l_sb + tok[r] * l_st + h * l_sh] =
+                    sum > 0.f ? (m[mt][r] + log2f(sum)) * NA_LN2 : -NA_INF;
+        }
+        na_store_fragment_rows<T, HD>(o + b * o_sb + h * o_sh, o_st, acc[mt], tok, inv, d_v, vec);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Backward dQ, sm_80+ build: the forward's walk (same geometry, ring and mask paths). Q is held
 // as A fragments, dO stays in shared memory; P = ex2(x - lse * log2 e), dS = P * (dP - delta)
 // (* (1 - tanh^2) under softcap), dQ = scale * dS K.
@@ -1085,7 +1281,8 @@ na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
                      float scale, float softcap, int vec) {
     constexpr int LD = HD + 8, NT = NA_TILE / 8, STAGES = NaForwardStages<HD>::N;
-    NA_QUERY_MAJOR_SETUP
+    using Ring = NaKeyRing<T, HD>;
+    NA_QUERY_MAJOR_SETUP(Ring, 16)
     // Shared memory: the dO tile, the ring, the query slots. Q waits in the ring's last stage
     // until its fragments are read (before that stage's first tile is issued).
     extern __shared__ __align__(16) unsigned char na_smem[];
@@ -1118,7 +1315,7 @@ na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* 
     unsigned int qf[HD / 16][4];
     float acc[HD / 8][4];
     na_zero(acc);
-    for (int it = 0; it < ring.ntiles; ++it) {
+    for (int it = 0; it < ring.nsteps; ++it) {
         na_cp_async_wait_n<STAGES - 2>();
         __syncthreads();  // tile it (and Q, dO) landed for all; tile it - 1 is done everywhere
         if (it == 0) {

@@ -34,7 +34,7 @@ from ..model.geometry import (MODE_BAND, axis_dilation, axis_window, group_len,
 from . import tile_shapes
 
 __all__ = ["AxisCounts", "TileFigures", "axis_counts", "pair_unmasked", "axis_pair_unmasked",
-           "tile_figures", "neighborhood_figures", "element_bytes", "choose_tiles",
+           "tile_figures", "neighborhood_figures", "element_bytes", "choose_tiles", "forward_tiles",
            "FUSED_EFFICIENCY", "predicted_ms"]
 
 BACKWARD_FLOP_FACTOR = roofline.BACKWARD_FLOP_FACTOR
@@ -237,16 +237,38 @@ def choose_tiles(table: Sequence[int], rank: int) -> tuple[tuple[int, ...], tupl
 
 @memoize("fallback_kernels.tile_model.choose_tiles", maxsize=512)
 def _choose(table: tuple, rank: int, query_tile: int, key_tile: int):
-    axes = table_axes(table)
     best = None
     for qt in tile_shapes.box_shapes(query_tile, rank):
         for kt in tile_shapes.box_shapes(key_tile, rank):
-            cost = math.prod(axis_counts(tuple(ax), q, k).pairs
-                             for ax, q, k in zip(axes, _pad(qt), _pad(kt)))
+            cost = _pairs(table, qt, kt)
             if best is None or cost < best[0]:
                 best = (cost, qt, kt)
     assert best is not None  # box_shapes is never empty
     return best[1], best[2]
+
+
+def _pairs(table: tuple, query_box: Sequence[int], key_box: Sequence[int]) -> int:
+    return math.prod(axis_counts(tuple(ax), q, k).pairs
+                     for ax, q, k in zip(table_axes(table), _pad(query_box), _pad(key_box)))
+
+
+# The wide forward (128-query boxes, 32 rows per warp) loads each K/V fragment once for two mma
+# and each key tile once for twice the queries; its larger boxes compute more masked scores. It
+# is taken while it computes at most this many times the score elements of the 64-query choice:
+# a guess until a GPU record measures both kernels on the same problems (benchmarks/neighborhood).
+WIDE_COMPUTE_ALLOWANCE = 1.25
+
+
+@memoize("fallback_kernels.tile_model.forward_tiles", maxsize=512)
+def forward_tiles(table: tuple, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The forward's (query box, key box) where the pipelined build runs: the wide kernel's best
+    pair (``tile_shapes.WIDE_QUERY_TILE`` queries) when its computed score elements stay within
+    ``WIDE_COMPUTE_ALLOWANCE`` of :func:`choose_tiles`' pair, else that pair. The query box's
+    volume names the kernel (``fused.run_forward``)."""
+    narrow = choose_tiles(table, rank)
+    wide = _choose(tuple(table), rank, tile_shapes.WIDE_QUERY_TILE, tile_shapes.FUSED_KEY_TILE)
+    computed = {boxes: _pairs(tuple(table), *boxes) * math.prod(boxes[0]) for boxes in (narrow, wide)}
+    return wide if computed[wide] <= WIDE_COMPUTE_ALLOWANCE * computed[narrow] else narrow
 
 
 def predicted_ms(figures: TileFigures, direction: str, ceilings: roofline.Ceilings,

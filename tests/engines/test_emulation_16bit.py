@@ -36,6 +36,9 @@ HEAD_DIMS = (32, 64)
 IDS = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+PIPELINED_KERNELS = (*F.KERNELS, F.WIDE_FORWARD)
+
+
 def fused_expressions(dtypes=DTYPES, head_dims=HEAD_DIMS, kernels=F.KERNELS):
     return [F._expression(k, dt, hd) for k in kernels for dt in dtypes for hd in head_dims]
 
@@ -50,7 +53,7 @@ def lib16_pipelined(request, tmp_path_factory):
     """The sm_80+ build (ldmatrix, cp.async double buffering): the text NVRTC compiles with
     ``fused.PIPELINED_DEFINES``."""
     return build.host_library(request, tmp_path_factory, F,
-                              fused_expressions(head_dims=F.HEAD_DIMS),
+                              fused_expressions(head_dims=F.HEAD_DIMS, kernels=PIPELINED_KERNELS),
                               source=_loader.source_text(F.SOURCE, F.PIPELINED_DEFINES))
 
 
@@ -427,7 +430,24 @@ def test_fused_pipelined_16bit(lib16_pipelined, monkeypatch, name, dtype):
     failures = (band_failures(name, dtype) if name in BAND_CASES
                 else neighborhood_failures(name, dtype))
     assert failures == []
-    assert set(calls) == set(F.KERNELS)
+    # The forward: the 64-query kernel or the wide one, as the tile model chose.
+    assert set(calls) - {F.WIDE_FORWARD, "na_fused_forward"} == set(F.KERNELS[1:])
+    assert len(set(calls) & {F.WIDE_FORWARD, "na_fused_forward"}) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("name", list(NA_CASES) + list(PIPELINED_EXTRA))
+def test_wide_forward_16bit(lib16_pipelined, monkeypatch, name, dtype):
+    """The wide forward (128-query boxes, 32 rows per warp, key steps of 32 at head dim 128) on
+    every neighborhood case, chosen whatever the tile model would say; the backward keeps its
+    64-query boxes."""
+    from cudnn_attn.fallback_kernels import tile_model
+
+    calls = route_fused(monkeypatch, lib16_pipelined, pipelined=True)
+    monkeypatch.setattr(F, "forward_tiles", lambda table, rank: tile_model._choose(
+        tuple(table), rank, F.WIDE_QUERY_TILE, F.FUSED_KEY_TILE))
+    assert neighborhood_failures(name, dtype) == []
+    assert F.WIDE_FORWARD in calls and "na_fused_forward" not in calls
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,6 +542,12 @@ def test_pipelined_build_selection(monkeypatch):
         assert dkdv <= 99 * 1024
     assert {v.expression for v in F.pipelined_variants()} == set(
         fused_expressions(head_dims=F.HEAD_DIMS))
+    assert {v.expression for v in F.wide_variants()} == set(
+        fused_expressions(head_dims=F.HEAD_DIMS, kernels=(F.WIDE_FORWARD,)))
+    assert not F.wide(torch.bfloat16, (9, 0))  # the switch above: no pipelined build at all
+    monkeypatch.delenv("CUDNN_ATTN_FUSED_PIPELINED")
+    assert F.wide(torch.bfloat16, (9, 0)) and not F.wide(torch.bfloat16, (8, 0))
+    assert not F.wide(torch.float32, (9, 0))
 
 
 @pytest.mark.parametrize("name", ["2d-gqa-dv-causal", "1d-hd128-gqa-dv"])

@@ -47,6 +47,13 @@ RING_BARRIER = ("__syncthreads();  // everyone's; and everyone is done with tile
 ALL_WHOLE = ("if (!whole)\n            na_forward_logits<NT, true>",
              "if (false)\n            na_forward_logits<NT, true>")
 
+# The wide forward (128-query boxes), run on every case (``WIDE``): its mask skipped on every
+# tile; its one barrier per key step removed.
+WIDE_ALL_WHOLE = ("if (!whole)\n                na_forward_logits<NT, true>(s[mt]",
+                  "if (false)\n                na_forward_logits<NT, true>(s[mt]")
+WIDE_RING_BARRIER = ("__syncthreads();  // everyone's; and everyone is done with step it - 1",
+                     "/* no barrier */  // everyone's; and everyone is done with step it - 1")
+
 DKDV_BARRIER = ("__syncthreads();  // step `step` landed for all; step - 1 is done everywhere",
                 "/* no barrier */  // step `step` landed for all; step - 1 is done everywhere")
 # dK/dV taking every query tile as seeing the whole key box.
@@ -58,15 +65,20 @@ MUTATIONS = {
     "swapped-fragment-register": (SWAP, 2, torch.float16, False),
     "wrong-lane-mapping": (LANES, 2, torch.bfloat16, False),
     "wrong-bf16-rounding": (BF16_ROUND, 1, torch.bfloat16, False),
-    "pipelined-missing-cp-async-wait": (NO_WAIT, 1, torch.float16, True),
+    "pipelined-missing-cp-async-wait": (NO_WAIT, 2, torch.float16, True),
     "pipelined-wrong-ldmatrix-rows": (LDSM_ROWS, 1, torch.bfloat16, True),
     "pipelined-dkdv-missing-barrier": (DKDV_BARRIER, 1, torch.float16, True),
     "pipelined-forward-missing-ring-barrier": (RING_BARRIER, 1, torch.bfloat16, True),
     "pipelined-query-major-mask-skipped": (ALL_WHOLE, 2, torch.float16, True),
     "pipelined-dkdv-mask-skipped": (DKDV_ALL_WHOLE, 1, torch.bfloat16, True),
+    "wide-forward-mask-skipped": (WIDE_ALL_WHOLE, 1, torch.float16, True),
+    "wide-forward-missing-ring-barrier": (WIDE_RING_BARRIER, 1, torch.bfloat16, True),
 }
 # Copies land at once for these (a buffer overwritten too early only shows then).
-EAGER = {"pipelined-dkdv-missing-barrier", "pipelined-forward-missing-ring-barrier"}
+EAGER = {"pipelined-dkdv-missing-barrier", "pipelined-forward-missing-ring-barrier",
+         "wide-forward-missing-ring-barrier"}
+# The forward takes the wide kernel's boxes for these, whatever the tile model would say.
+WIDE = {"wide-forward-mask-skipped", "wide-forward-missing-ring-barrier"}
 CASES = ("1d-rpb", "3d-causal", "2d-gqa-dv-causal", "1d-long-window")
 
 
@@ -81,10 +93,17 @@ def test_mutation_fails_the_oracle_comparison(request, tmp_path_factory, monkeyp
     source, count = mutated_source(old, new, pipelined)
     assert count == expected, f"the kernel text changed: {count} sites for {mutation}"
     lib = build.host_library(request, tmp_path_factory, F,
-                             E.fused_expressions(dtypes=(dtype,), head_dims=(32,)), source=source)
+                             E.fused_expressions(dtypes=(dtype,), head_dims=(32,),
+                                                 kernels=E.PIPELINED_KERNELS if pipelined
+                                                 else F.KERNELS), source=source)
     E.route_fused(monkeypatch, lib, pipelined)
     if mutation in EAGER:
         monkeypatch.setenv("NA_EMU_CP_ASYNC_EAGER", "1")
+    if mutation in WIDE:
+        from cudnn_attn.fallback_kernels import tile_model
+
+        monkeypatch.setattr(F, "forward_tiles", lambda table, rank: tile_model._choose(
+            tuple(table), rank, F.WIDE_QUERY_TILE, F.FUSED_KEY_TILE))
     failing = {name: E.neighborhood_failures(name, dtype) for name in CASES}
     report = {name: len(f) for name, f in failing.items()}
     print(f"{mutation}: {count} site(s) replaced; failing outputs per case {report}: "

@@ -132,3 +132,25 @@ def test_model_ratios_are_measured_over_predicted():
     row = {"model_fused_ms": 2.0}
     bench.add_model_ratios(row)
     assert "ours/model" not in row
+
+
+def test_issue_rows_measure_the_problems_the_ranks_lack(monkeypatch):
+    """``--issue-rows``: issue 34's 2-D k7 and 64x64 k13 problems, with their own heads and head
+    dims (the ranks' problems use H = HIDDEN / D), measured by the same ``bench_problem``."""
+    import argparse
+
+    bench = _load_script()
+    only = bench.issue_only_problems()
+    assert [(p[0], p[1], p[2], p[3]) for p in only] == [((128, 128), (7, 7), 8, 128),
+                                                      ((64, 64), (13, 13), 16, 64)]
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "OURS_BACKEND", "torch")
+    monkeypatch.setattr(bench, "DTYPES", {"bf16": torch.float32})
+    monkeypatch.setattr(bench, "timed", lambda fn, args: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench, "PEERS", ())
+    monkeypatch.setattr(bench, "ENGINES", ("ours",))
+    args = argparse.Namespace(peer_timeout=0.5, warmup=0, repeats=1)
+    rows = bench.bench_problem(2, "bf16", 8, args, problem=((6, 7), (3, 5), 3))
+    fwd = next(r for r in rows if r["dir"] == "fwd")
+    assert fwd["problem"] == "2-D 6x7 k=3x5" and fwd["H"] == 3 and fwd["D"] == 8
+    assert fwd["ours_ms"] == 1.0
