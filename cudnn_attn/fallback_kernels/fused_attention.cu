@@ -627,24 +627,39 @@ struct NaForwardGeo {
     NaTokens qtok, ktok;
 };
 
-__device__ __forceinline__ void na_forward_geometry(const NaAxis* ax, const int* qside,
-                                                    const int* kside, NaForwardGeo& geo) {
+// The block's own box (blockIdx.x, row-major over the own side's per-axis tile counts: queries
+// when `own_is_query`, keys otherwise): per axis its dilation group and first position, and the
+// token arithmetic of both sides.
+__device__ __forceinline__ void na_place_own_box(const NaAxis* ax, const int* side,
+                                                 bool own_is_query, int* group, int* start,
+                                                 NaTokens& qtok, NaTokens& ktok) {
     int t = blockIdx.x, idx[3];
 #pragma unroll
     for (int a = 2; a >= 0; --a) {
-        const int n = na_axis_tiles(ax[a].len_q, na_axis_dilation(ax[a]), qside[a]);
+        const int len = own_is_query ? ax[a].len_q : ax[a].len_kv;
+        const int n = na_axis_tiles(len, na_axis_dilation(ax[a]), side[a]);
         idx[a] = t % n;
         t /= n;
     }
     int mult_q = 1, mult_kv = 1;
-    geo.qtok.base = geo.ktok.base = 0;
+    qtok.base = ktok.base = 0;
 #pragma unroll
     for (int a = 2; a >= 0; --a) {
         const int d = na_axis_dilation(ax[a]);
-        int g, start;
-        na_axis_tile(ax[a].len_q, d, qside[a], idx[a], &g, &start);
-        na_add_axis(geo.qtok, a, g, d, ax[a].len_q, mult_q);
-        na_add_axis(geo.ktok, a, g, d, ax[a].len_kv, mult_kv);
+        na_axis_tile(own_is_query ? ax[a].len_q : ax[a].len_kv, d, side[a], idx[a], &group[a],
+                     &start[a]);
+        na_add_axis(qtok, a, group[a], d, ax[a].len_q, mult_q);
+        na_add_axis(ktok, a, group[a], d, ax[a].len_kv, mult_kv);
+    }
+}
+
+__device__ __forceinline__ void na_forward_geometry(const NaAxis* ax, const int* qside,
+                                                    const int* kside, NaForwardGeo& geo) {
+    int group[3], first[3];
+    na_place_own_box(ax, qside, true, group, first, geo.qtok, geo.ktok);
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+        const int d = na_axis_dilation(ax[a]), g = group[a], start = first[a];
         geo.kern[a] = ax[a].kernel;
         geo.glen_q[a] = na_group_len(ax[a].len_q, d, g);
         geo.own_lo[a] = start;
@@ -1568,22 +1583,11 @@ struct NaKeyMajorGeo {
 
 __device__ __forceinline__ void na_key_major_geometry(const NaAxis* ax, const int* qside,
                                                       const int* kside, NaKeyMajorGeo& geo) {
-    int t = blockIdx.x, idx[3];
+    int group[3], first[3];
+    na_place_own_box(ax, kside, false, group, first, geo.qtok, geo.ktok);
 #pragma unroll
-    for (int a = 2; a >= 0; --a) {
-        const int n = na_axis_tiles(ax[a].len_kv, na_axis_dilation(ax[a]), kside[a]);
-        idx[a] = t % n;
-        t /= n;
-    }
-    int mult_q = 1, mult_kv = 1;
-    geo.qtok.base = geo.ktok.base = 0;
-#pragma unroll
-    for (int a = 2; a >= 0; --a) {
-        const int d = na_axis_dilation(ax[a]);
-        int g, start;
-        na_axis_tile(ax[a].len_kv, d, kside[a], idx[a], &g, &start);
-        na_add_axis(geo.qtok, a, g, d, ax[a].len_q, mult_q);
-        na_add_axis(geo.ktok, a, g, d, ax[a].len_kv, mult_kv);
+    for (int a = 0; a < 3; ++a) {
+        const int d = na_axis_dilation(ax[a]), g = group[a], start = first[a];
         geo.glen_q[a] = na_group_len(ax[a].len_q, d, g);
         geo.own_lo[a] = start;
         geo.own_hi[a] = min(start + kside[a], na_group_len(ax[a].len_kv, d, g));
