@@ -541,6 +541,38 @@ __device__ __forceinline__ void na_store_rows(T* __restrict__ dst, const float (
     }
 }
 
+// The kernels' parameter lists, one per kernel: each kernel has a definition in both builds (and
+// the forward a wide one), all with the launcher's argument order (fused.py).
+#define NA_FORWARD_PARAMS                                                                     \
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,              \
+    T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ table,              \
+    const float* __restrict__ rpb, long long q_sb, long long q_st, long long q_sh,          \
+    long long k_sb, long long k_st, long long k_sh, long long v_sb, long long v_st,         \
+    long long v_sh, long long o_sb, long long o_st, long long o_sh, long long l_sb,         \
+    long long l_st, long long l_sh, int heads_q, int heads_kv, int d_qk, int d_v, int qt0,  \
+    int qt1, int qt2, int kt0, int kt1, int kt2, float scale, float softcap, int vec
+#define NA_DQ_PARAMS                                                                          \
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,                  \
+    const T* __restrict__ dout, const float* __restrict__ lse,                                  \
+    const float* __restrict__ delta, T* __restrict__ dq, const int* __restrict__ table,         \
+    long long q_sb, long long q_st, long long q_sh, long long k_sb, long long k_st,             \
+    long long k_sh, long long v_sb, long long v_st, long long v_sh, long long do_sb,            \
+    long long do_st, long long do_sh, long long dq_sb, long long dq_st, long long dq_sh,        \
+    long long l_sb, long long l_st, long long l_sh, int heads_q, int heads_kv, int d_qk,        \
+    int d_v, int qt0, int qt1, int qt2, int kt0, int kt1, int kt2, float scale, float softcap,  \
+    int vec
+#define NA_DKDV_PARAMS                                                                        \
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,                  \
+    const T* __restrict__ dout, const float* __restrict__ lse,                                  \
+    const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,                    \
+    const int* __restrict__ table, long long q_sb, long long q_st, long long q_sh,              \
+    long long k_sb, long long k_st, long long k_sh, long long v_sb, long long v_st,             \
+    long long v_sh, long long do_sb, long long do_st, long long do_sh, long long dk_sb,         \
+    long long dk_st, long long dk_sh, long long dv_sb, long long dv_st, long long dv_sh,        \
+    long long l_sb, long long l_st, long long l_sh, int heads_q, int heads_kv, int d_qk,        \
+    int d_v, int qt0, int qt1, int qt2, int kt0, int kt1, int kt2, float scale, float softcap,  \
+    int vec
+
 #define NA_LOAD_SHAPES                                                                         \
     const int qbox[3] = {qt0, qt1, qt2};                                                       \
     const int kbox[3] = {kt0, kt1, kt2};                                                       \
@@ -1004,17 +1036,7 @@ __device__ __forceinline__ void na_store_fragment_rows(T* base, long long stride
 
 template <typename T, int HD>
 __global__ void __launch_bounds__(NA_THREADS, NaForwardStages<HD>::MIN_BLOCKS)
-na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                 T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ table,
-                 const float* __restrict__ rpb,
-                 long long q_sb, long long q_st, long long q_sh,
-                 long long k_sb, long long k_st, long long k_sh,
-                 long long v_sb, long long v_st, long long v_sh,
-                 long long o_sb, long long o_st, long long o_sh,
-                 long long l_sb, long long l_st, long long l_sh,
-                 int heads_q, int heads_kv, int d_qk, int d_v,
-                 int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
-                 float scale, float softcap, int vec) {
+na_fused_forward(NA_FORWARD_PARAMS) {
     constexpr int LD = HD + 8, NT = NA_TILE / 8, STAGES = NaForwardStages<HD>::N;
     using Ring = NaKeyRing<T, HD>;
     NA_QUERY_MAJOR_SETUP(Ring, 16)
@@ -1173,17 +1195,7 @@ __device__ __forceinline__ void na_pv_wide(float (&o)[2][HD / 8][4], const float
 
 template <typename T, int HD>
 __global__ void __launch_bounds__(NA_THREADS, 1)
-na_fused_forward_wide(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                      T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ table,
-                      const float* __restrict__ rpb,
-                      long long q_sb, long long q_st, long long q_sh,
-                      long long k_sb, long long k_st, long long k_sh,
-                      long long v_sb, long long v_st, long long v_sh,
-                      long long o_sb, long long o_st, long long o_sh,
-                      long long l_sb, long long l_st, long long l_sh,
-                      int heads_q, int heads_kv, int d_qk, int d_v,
-                      int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
-                      float scale, float softcap, int vec) {
+na_fused_forward_wide(NA_FORWARD_PARAMS) {
     constexpr int LD = HD + 8, KSTEP = NaWide<HD>::KSTEP, NT = KSTEP / 8;
     constexpr int STAGES = NaWide<HD>::STAGES;
     constexpr bool QREG = NaWide<HD>::Q_IN_REGS;
@@ -1282,19 +1294,7 @@ na_fused_forward_wide(const T* __restrict__ q, const T* __restrict__ k, const T*
 // ---------------------------------------------------------------------------------------------
 template <typename T, int HD>
 __global__ void __launch_bounds__(NA_THREADS, NaForwardStages<HD>::MIN_BLOCKS_DQ)
-na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     const T* __restrict__ dout, const float* __restrict__ lse,
-                     const float* __restrict__ delta, T* __restrict__ dq,
-                     const int* __restrict__ table,
-                     long long q_sb, long long q_st, long long q_sh,
-                     long long k_sb, long long k_st, long long k_sh,
-                     long long v_sb, long long v_st, long long v_sh,
-                     long long do_sb, long long do_st, long long do_sh,
-                     long long dq_sb, long long dq_st, long long dq_sh,
-                     long long l_sb, long long l_st, long long l_sh,
-                     int heads_q, int heads_kv, int d_qk, int d_v,
-                     int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
-                     float scale, float softcap, int vec) {
+na_fused_backward_dq(NA_DQ_PARAMS) {
     constexpr int LD = HD + 8, NT = NA_TILE / 8, STAGES = NaForwardStages<HD>::N;
     using Ring = NaKeyRing<T, HD>;
     NA_QUERY_MAJOR_SETUP(Ring, 16)
@@ -1379,17 +1379,7 @@ na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* 
 // ---------------------------------------------------------------------------------------------
 template <typename T, int HD>
 __global__ void
-na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                 T* __restrict__ o, float* __restrict__ lse, const int* __restrict__ table,
-                 const float* __restrict__ rpb,
-                 long long q_sb, long long q_st, long long q_sh,
-                 long long k_sb, long long k_st, long long k_sh,
-                 long long v_sb, long long v_st, long long v_sh,
-                 long long o_sb, long long o_st, long long o_sh,
-                 long long l_sb, long long l_st, long long l_sh,
-                 int heads_q, int heads_kv, int d_qk, int d_v,
-                 int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
-                 float scale, float softcap, int vec) {
+na_fused_forward(NA_FORWARD_PARAMS) {
     constexpr int LD = NaRows<T, HD>::LD, CH = NaChunk<T>::FWD, NT = CH / 8;
     NA_LOAD_SHAPES
     const float inv_cap = softcap > 0.f ? __frcp_rn(softcap) : 0.f;
@@ -1467,19 +1457,7 @@ na_fused_forward(const T* __restrict__ q, const T* __restrict__ k, const T* __re
 // ---------------------------------------------------------------------------------------------
 template <typename T, int HD>
 __global__ void
-na_fused_backward_dq(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                     const T* __restrict__ dout, const float* __restrict__ lse,
-                     const float* __restrict__ delta, T* __restrict__ dq,
-                     const int* __restrict__ table,
-                     long long q_sb, long long q_st, long long q_sh,
-                     long long k_sb, long long k_st, long long k_sh,
-                     long long v_sb, long long v_st, long long v_sh,
-                     long long do_sb, long long do_st, long long do_sh,
-                     long long dq_sb, long long dq_st, long long dq_sh,
-                     long long l_sb, long long l_st, long long l_sh,
-                     int heads_q, int heads_kv, int d_qk, int d_v,
-                     int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
-                     float scale, float softcap, int vec) {
+na_fused_backward_dq(NA_DQ_PARAMS) {
     constexpr int LD = NaRows<T, HD>::LD, CH = NaChunk<T>::DQ, NT = CH / 8;
     NA_LOAD_SHAPES
     const float inv_cap = softcap > 0.f ? __frcp_rn(softcap) : 0.f;
@@ -1617,20 +1595,7 @@ __device__ __forceinline__ void na_key_major_geometry(const NaAxis* ax, const in
 
 template <typename T, int HD>
 __global__ void __launch_bounds__(NA_THREADS, NaDkdvSteps<HD>::MIN_BLOCKS)
-na_fused_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                       const T* __restrict__ dout, const float* __restrict__ lse,
-                       const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                       const int* __restrict__ table,
-                       long long q_sb, long long q_st, long long q_sh,
-                       long long k_sb, long long k_st, long long k_sh,
-                       long long v_sb, long long v_st, long long v_sh,
-                       long long do_sb, long long do_st, long long do_sh,
-                       long long dk_sb, long long dk_st, long long dk_sh,
-                       long long dv_sb, long long dv_st, long long dv_sh,
-                       long long l_sb, long long l_st, long long l_sh,
-                       int heads_q, int heads_kv, int d_qk, int d_v,
-                       int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
-                       float scale, float softcap, int vec) {
+na_fused_backward_dkdv(NA_DKDV_PARAMS) {
     constexpr int LD = HD + 8, QSTEP = NaDkdvSteps<HD>::QSTEP, NT = QSTEP / 8;
     constexpr int STAGES = NaDkdvSteps<HD>::STAGES, CHUNKS = NA_TILE / QSTEP;
     // A stage: Q rows, dO rows, query slots, lse, delta.
@@ -1804,20 +1769,7 @@ na_fused_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T
 // ---------------------------------------------------------------------------------------------
 template <typename T, int HD>
 __global__ void
-na_fused_backward_dkdv(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                       const T* __restrict__ dout, const float* __restrict__ lse,
-                       const float* __restrict__ delta, T* __restrict__ dk, T* __restrict__ dv,
-                       const int* __restrict__ table,
-                       long long q_sb, long long q_st, long long q_sh,
-                       long long k_sb, long long k_st, long long k_sh,
-                       long long v_sb, long long v_st, long long v_sh,
-                       long long do_sb, long long do_st, long long do_sh,
-                       long long dk_sb, long long dk_st, long long dk_sh,
-                       long long dv_sb, long long dv_st, long long dv_sh,
-                       long long l_sb, long long l_st, long long l_sh,
-                       int heads_q, int heads_kv, int d_qk, int d_v,
-                       int qt0, int qt1, int qt2, int kt0, int kt1, int kt2,
-                       float scale, float softcap, int vec) {
+na_fused_backward_dkdv(NA_DKDV_PARAMS) {
     constexpr int LD = NaRows<T, HD>::LD, CH = NaChunk<T>::DKDV, NT = CH / 8;
     NA_LOAD_SHAPES
     const float inv_cap = softcap > 0.f ? __frcp_rn(softcap) : 0.f;
