@@ -981,6 +981,19 @@ __device__ __forceinline__ void na_publish_query_slots(NaQuerySlot* s_slot, cons
     s_slot[r] = slot;
 }
 
+// Thread 0 writes the bias table's multipliers and head `h`'s table (null without a bias) for
+// the tiles that add the bias; the caller's next barrier publishes them.
+__device__ __forceinline__ void na_publish_bias(int* s_rmul, const float** s_bias,
+                                                const int* rmul, const float* rpb, int h,
+                                                const int* kern) {
+    if (threadIdx.x != 0) return;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) s_rmul[a] = rmul[a];
+    *s_bias = rpb ? rpb + (long long)h * ((2 * kern[0] - 1) * (2 * kern[1] - 1) *
+                                          (2 * kern[2] - 1))
+                  : nullptr;
+}
+
 // The warp's 16 rows of A fragments (Q or dO) from shared memory, for the whole head dim.
 template <typename T, int HD>
 __device__ __forceinline__ void na_load_a_fragments(unsigned int (&f)[HD / 16][4], const T* rows) {
@@ -1058,14 +1071,7 @@ na_fused_forward(NA_FORWARD_PARAMS) {
     // add the bias read them; registers are for the accumulators).
     __shared__ int s_rmul[3];
     __shared__ const float* s_bias;
-    if (threadIdx.x == 0) {
-        s_rmul[0] = rmul[0];
-        s_rmul[1] = rmul[1];
-        s_rmul[2] = rmul[2];
-        s_bias = rpb ? rpb + (long long)h * ((2 * geo.kern[0] - 1) * (2 * geo.kern[1] - 1) *
-                                             (2 * geo.kern[2] - 1))
-                     : nullptr;
-    }
+    na_publish_bias(s_rmul, &s_bias, rmul, rpb, h, geo.kern);
 
     // Whole tiles of a plain call (positive scale, no softcap, no bias) fold the scale into the
     // softmax's FMA (the row max of the raw scores is the max of the logits only when scale > 0).
@@ -1214,16 +1220,11 @@ na_fused_forward_wide(NA_FORWARD_PARAMS) {
     for (int it = 0; it < STAGES - 1; ++it) ring.issue(it, geo, kbox, kside);
     na_publish_query_slots<NA_WIDE_QUERIES>(s_slot, ax, geo, qbox, rmul);
     const NaQuerySlot* my_slots = s_slot + row0 + (lane >> 2);  // rows g, g + 8 of each m-tile
+    // The bias table's multipliers and this head's table wait in shared memory (only tiles that
+    // add the bias read them; registers are for the accumulators).
     __shared__ int s_rmul[3];
     __shared__ const float* s_bias;
-    if (threadIdx.x == 0) {
-        s_rmul[0] = rmul[0];
-        s_rmul[1] = rmul[1];
-        s_rmul[2] = rmul[2];
-        s_bias = rpb ? rpb + (long long)h * ((2 * geo.kern[0] - 1) * (2 * geo.kern[1] - 1) *
-                                             (2 * geo.kern[2] - 1))
-                     : nullptr;
-    }
+    na_publish_bias(s_rmul, &s_bias, rmul, rpb, h, geo.kern);
 
     const bool fold = scale > 0.f && softcap <= 0.f && rpb == nullptr;
     unsigned int qf[2][QREG ? HD / 16 : 1][4];
