@@ -153,6 +153,21 @@ class _Recorded(torch.autograd.Function):
         return None, dq, dk, dv, dbias
 
 
+def _direct_apply(function):
+    """``function.apply`` without the Python layer of ``torch.autograd.Function.apply`` (a
+    fifth of a tiny call's host time): that layer only binds default arguments for a
+    ``setup_context`` (``_Recorded`` has none) and unwraps functorch's dead wrappers, so it is
+    skipped when no functorch transform is active (``run`` checks). ``None`` when this torch
+    lacks the C entry point."""
+    base = getattr(torch._C, "_FunctionBase", None)
+    entry = getattr(base, "__dict__", {}).get("apply")
+    return entry.__get__(None, function) if entry is not None else None
+
+
+_RECORD_DIRECT = _direct_apply(_Recorded)
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
 def run(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool):
     """``(out, lse)`` of one call, differentiable when the problem needs it (the dropout state
     and the plan kept for the backward). Positions past ``Padding`` lengths never reach the
@@ -161,8 +176,10 @@ def run(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool):
     if padded:
         inputs = hide_padding(problem, inputs)
     if problem.requires_grad and torch.is_grad_enabled():
-        out, lse = _Recorded.apply((problem, plan, inputs.dropout, inputs.dropout_mask),
-                                   inputs.q, inputs.k, inputs.v, inputs.bias)
+        record = _Recorded.apply if _RECORD_DIRECT is None or _functorch_active() \
+            else _RECORD_DIRECT
+        out, lse = record((problem, plan, inputs.dropout, inputs.dropout_mask),
+                          inputs.q, inputs.k, inputs.v, inputs.bias)
         return (hide_padded_rows(problem, out) if padded else out), lse
     return plan.forward(problem, inputs, need_lse=need_lse)
 

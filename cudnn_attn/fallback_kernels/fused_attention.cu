@@ -827,48 +827,166 @@ __device__ __forceinline__ void na_rpb_multipliers(const int* kern, int* mul) {
     mul[0] = mul[1] * (2 * kern[1] - 1);
 }
 
+// Masked key tiles test visibility as bits: bit j of a 64-bit word is slot j of the tile (the
+// tile's box has NA_TILE = 64 slots). A query's window is a range per axis, so the slots it sees
+// are, per axis, a run of bits over one period of that axis (its side times the span of the axes
+// below it), repeated across the tile; the AND over the axes. Built once per row and tile (some
+// 20 integer operations per axis) instead of per score element (a shift, mask, add and two
+// compares per axis), so that a masked element costs one bit test.
+
+// period_ones[a]: a 1 at the start of every period of axis a of `kbox` (the multiplier that
+// repeats a run of bits across the tile); block-constant, published to shared memory by the
+// first threads (the loop's first barrier makes it visible).
+__device__ __forceinline__ void na_publish_key_periods(unsigned long long* period_ones,
+                                                       const NaBox& kbox) {
+    const int a = threadIdx.x;
+    if (a >= 3) return;
+    const int period = (kbox.mask[a] + 1) << kbox.shift[a];
+    unsigned long long ones = 1ull;
+    for (int w = period; w < 64; w <<= 1) ones |= ones << w;
+    period_ones[a] = ones;
+}
+
+// The word that holds the bits of KEYS slots: 32 bits where they fit (two fewer registers per
+// row, which the wide kernel at head dim 128 does not have), else 64.
+template <int KEYS> struct NaSlotWord { using T = unsigned long long; };
+template <> struct NaSlotWord<32> { using T = unsigned int; };
+
+// Bits [lo, hi) of a word W (none when hi <= lo); 0 <= lo, hi <= the width of W.
+template <typename W>
+__device__ __forceinline__ W na_bit_run(int lo, int hi) {
+    constexpr int BITS = 8 * sizeof(W);
+    return hi > lo ? (~W(0) >> (BITS - (hi - lo))) << lo : W(0);
+}
+
+// The slots first, first + 1, ... of the key tile at `klo` that the query of `row` sees, as the
+// bits of a word W (bit i: slot first + i; `first` a multiple of W's width). An axis whose period
+// fits in W repeats whole in it (whatever `first`); the one period wider than W (the outermost
+// axis of a 64-slot tile in a 32-bit word) is cut to the word's part of it.
+template <typename W>
+__device__ __forceinline__ W na_seen_slots(const NaQuerySlot& row, const NaBox& kbox,
+                                           const int* klo,
+                                           const unsigned long long* period_ones, int first) {
+    constexpr int BITS = 8 * sizeof(W);
+    W seen = ~W(0);
+#pragma unroll
+    for (int a = 0; a < 3; ++a) {
+        const int side = kbox.mask[a] + 1, period = side << kbox.shift[a];
+        const int off = first & (period - 1);
+        const int lo = min(max(row.lo[a] - klo[a], 0), side) << kbox.shift[a];
+        const int hi = min(max(row.hi[a] - klo[a], 0), side) << kbox.shift[a];
+        seen &= na_bit_run<W>(min(max(lo - off, 0), BITS), min(max(hi - off, 0), BITS)) *
+                W(period_ones[a]);
+    }
+    return seen;
+}
+
+// The group coordinates of slot j of the key tile at `klo`.
+__device__ __forceinline__ void na_slot_coords(const NaBox& kbox, const int* klo, int j, int* kc) {
+#pragma unroll
+    for (int a = 0; a < 3; ++a) kc[a] = klo[a] + ((j >> kbox.shift[a]) & kbox.mask[a]);
+}
+
+// The bias table entry of a query row (its part, `row_rpb`) and the key at coordinates kc.
+__device__ __forceinline__ int na_rpb_index(int row_rpb, const int* kc, const int* rmul) {
+    int idx = row_rpb;
+#pragma unroll
+    for (int a = 0; a < 3; ++a) idx += kc[a] * rmul[a];
+    return idx;
+}
+
 // Logits in log2 units: x = s * scale * log2(e) (softcap: cap * tanh(s * scale / cap) * log2(e)),
 // plus the positional bias, -inf where the mask hides the key (MASKED tiles only). Columns are the
 // key tile's slots, whose group coordinates are (j >> shift) & mask past `klo`.
-template <int NT, bool MASKED>
+//
+// BITS (the 64-query kernels): one pass per step over the thread's elements, each behind one
+// uniform branch (a test per element would put a branch around every element of a plain tile),
+// the mask as the rows' bits (`na_seen_slots`). Otherwise (the wide kernel, whose 32-row warps at
+// head dim 128 have no register left for the passes: they spill) one fused pass testing each
+// slot's coordinates against the row's window.
+template <int NT, bool MASKED, bool BITS = true>
 __device__ __forceinline__ void na_forward_logits(float (&s)[NT][4], const NaQuerySlot* slots,
                                                   const NaBox& kbox, const int* klo,
                                                   float scale, float cap, float inv_cap,
                                                   const float* rpb, const int* rmul,
+                                                  const unsigned long long* period_ones,
                                                   int first = 0) {
-    const float scale_log2 = scale * NA_LOG2E;
     const int t = threadIdx.x & 3;
-    NaQuerySlot rows[2];
-    if (MASKED || rpb != nullptr) {
-        rows[0] = slots[0];
-        rows[1] = slots[8];
-    }
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int r = e >> 1, j = first + n * 8 + 2 * t + (e & 1);
-            float x = cap > 0.f ? cap * NA_LOG2E * tanhf(s[n][e] * scale * inv_cap)
-                                : s[n][e] * scale_log2;
-            int kc[3];
-#pragma unroll
-            for (int a = 0; a < 3; ++a) kc[a] = klo[a] + ((j >> kbox.shift[a]) & kbox.mask[a]);
-            bool seen = true;
-            if (MASKED) {
-#pragma unroll
-                for (int a = 0; a < 3; ++a)
-                    seen &= kc[a] >= rows[r].lo[a] && kc[a] < rows[r].hi[a];
-            }
-            if (!seen) {
-                x = -NA_INF;
-            } else if (rpb != nullptr && rows[r].tok >= 0) {  // a clipped row has no bias entry
-                int idx = rows[r].rpb;
-#pragma unroll
-                for (int a = 0; a < 3; ++a) idx += kc[a] * rmul[a];
-                x += rpb[idx] * NA_LOG2E;
-            }
-            s[n][e] = x;
+    if constexpr (!BITS) {
+        const float scale_log2 = scale * NA_LOG2E;
+        NaQuerySlot rows[2];
+        if (MASKED || rpb != nullptr) {
+            rows[0] = slots[0];
+            rows[1] = slots[8];
         }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1, j = first + n * 8 + 2 * t + (e & 1);
+                float x = cap > 0.f ? cap * NA_LOG2E * tanhf(s[n][e] * scale * inv_cap)
+                                    : s[n][e] * scale_log2;
+                int kc[3];
+                na_slot_coords(kbox, klo, j, kc);
+                bool seen = true;
+                if (MASKED) {
+#pragma unroll
+                    for (int a = 0; a < 3; ++a)
+                        seen &= kc[a] >= rows[r].lo[a] && kc[a] < rows[r].hi[a];
+                }
+                if (!seen) {
+                    x = -NA_INF;
+                } else if (rpb != nullptr && rows[r].tok >= 0) {  // a clipped row: no bias entry
+                    x += rpb[na_rpb_index(rows[r].rpb, kc, rmul)] * NA_LOG2E;
+                }
+                s[n][e] = x;
+            }
+        }
+        return;
+    }
+    if (cap > 0.f) {
+        const float outer = cap * NA_LOG2E, inner = scale * inv_cap;
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = outer * tanhf(s[n][e] * inner);
+    } else {
+        const float scale_log2 = scale * NA_LOG2E;
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;
+    }
+    // Row by row, so that one row's bits are live at a time; the bias pass, off the plain path,
+    // builds them again.
+    using W = typename NaSlotWord<NT * 8>::T;
+    if (MASKED) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const W seen = na_seen_slots<W>(slots[8 * r], kbox, klo, period_ones, first) >> (2 * t);
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int c = 0; c < 2; ++c)
+                    if (!((seen >> (n * 8 + c)) & 1u)) s[n][2 * r + c] = -NA_INF;
+        }
+    }
+    if (rpb == nullptr) return;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const NaQuerySlot& row = slots[8 * r];
+        if (row.tok < 0) continue;  // a clipped row has no bias entry
+        const W seen = MASKED ? na_seen_slots<W>(row, kbox, klo, period_ones, first) >> (2 * t)
+                              : ~W(0);
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                if (!((seen >> (n * 8 + c)) & 1u)) continue;
+                int kc[3];
+                na_slot_coords(kbox, klo, first + n * 8 + 2 * t + c, kc);
+                s[n][2 * r + c] += rpb[na_rpb_index(row.rpb, kc, rmul)] * NA_LOG2E;
+            }
     }
 }
 
@@ -1039,6 +1157,8 @@ __device__ __forceinline__ void na_store_fragment_rows(T* base, long long stride
     NaForwardGeo geo;                                                                          \
     na_forward_geometry(ax, qside, kside, geo);                                                \
     const NaBox qbox = na_make_box(qside), kbox = na_make_box(kside);                          \
+    __shared__ unsigned long long s_period_ones[3];                                            \
+    na_publish_key_periods(s_period_ones, kbox);                                               \
     int rmul[3];                                                                               \
     na_rpb_multipliers(geo.kern, rmul);                                                        \
     const float inv_cap = softcap > 0.f ? __frcp_rn(softcap) : 0.f;                            \
@@ -1090,12 +1210,12 @@ na_fused_forward(NA_FORWARD_PARAMS) {
         na_qk<T, HD, NT>(s, qf, ring.keys(it));
         if (!whole)
             na_forward_logits<NT, true>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
-                                        rpb ? s_bias : nullptr, s_rmul);
+                                        rpb ? s_bias : nullptr, s_rmul, s_period_ones);
         else if (fold)
             mul = scale * NA_LOG2E;  // nothing to add or hide: the softmax takes the raw scores
         else
             na_forward_logits<NT, false>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
-                                         rpb ? s_bias : nullptr, s_rmul);
+                                         rpb ? s_bias : nullptr, s_rmul, s_period_ones);
         na_online_softmax_log2<NT, HD>(s, m, l, acc, mul);
         na_pv<T, HD, NT>(acc, s, ring.values(it));
         na_odometer_step(kidx, geo.tiles);
@@ -1254,11 +1374,13 @@ na_fused_forward_wide(NA_FORWARD_PARAMS) {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
             if (!whole)
-                na_forward_logits<NT, true>(s[mt], my_slots + 16 * mt, kbox, klo, scale, softcap,
-                                            inv_cap, rpb ? s_bias : nullptr, s_rmul, first);
+                na_forward_logits<NT, true, false>(s[mt], my_slots + 16 * mt, kbox, klo, scale,
+                                                   softcap, inv_cap, rpb ? s_bias : nullptr,
+                                                   s_rmul, s_period_ones, first);
             else if (!fold)
-                na_forward_logits<NT, false>(s[mt], my_slots + 16 * mt, kbox, klo, scale, softcap,
-                                             inv_cap, rpb ? s_bias : nullptr, s_rmul, first);
+                na_forward_logits<NT, false, false>(s[mt], my_slots + 16 * mt, kbox, klo, scale,
+                                                    softcap, inv_cap, rpb ? s_bias : nullptr,
+                                                    s_rmul, s_period_ones, first);
         }
         if (whole && fold) mul = scale * NA_LOG2E;  // the softmax takes the raw scores
 #pragma unroll
@@ -1347,10 +1469,10 @@ na_fused_backward_dq(NA_DQ_PARAMS) {
         const float mul = whole && softcap <= 0.f ? scale * NA_LOG2E : 1.f;
         if (!whole)
             na_forward_logits<NT, true>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
-                                        nullptr, rmul);
+                                        nullptr, rmul, s_period_ones);
         else if (softcap > 0.f)
             na_forward_logits<NT, false>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
-                                         nullptr, rmul);
+                                         nullptr, rmul, s_period_ones);
         na_zero(dp);
         na_mma_abt<T, HD, NT>(dp, sDO + row0 * LD, ring.values(it), HD);
 #pragma unroll

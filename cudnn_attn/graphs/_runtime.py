@@ -329,7 +329,9 @@ def empty_rows(band: Optional[Band], i: torch.Tensor, lq: torch.Tensor,
     """Whether query row ``i`` of a sequence with ``lq`` queries and ``lkv`` keys sees no key
     (past its length, no keys, or a band that misses every key); broadcasts elementwise."""
     empty = (i >= lq) | (lkv == 0)
-    if band is not None:
+    # A top-left band unbounded on the left (causal) keeps key 0 for every row: it empties no
+    # row of a sequence with keys (the common runtime-padding call skips six tensor ops).
+    if band is not None and not (band.left is None and band.alignment == "top_left"):
         aligned = i + (lkv - lq if band.alignment == "bottom_right" else 0)
         lo = torch.clamp(aligned - band.left + 1, min=0) if band.left is not None else 0
         hi = torch.minimum(aligned + band.right, lkv - 1) if band.right is not None else lkv - 1

@@ -47,10 +47,17 @@ RING_BARRIER = ("__syncthreads();  // everyone's; and everyone is done with tile
 ALL_WHOLE = ("if (!whole)\n            na_forward_logits<NT, true>",
              "if (false)\n            na_forward_logits<NT, true>")
 
+# The bit masks of masked tiles (forward, dQ, wide forward): a run of seen slots not repeated
+# across its axis' periods; every thread's columns read from the first thread's bits.
+PERIOD_NOT_REPEATED = ("for (int w = period; w < 64; w <<= 1) ones |= ones << w;",
+                       "/* one period only */")
+COLUMNS_UNSHIFTED = ("period_ones, first) >> (2 * t);\n#pragma unroll",
+                     "period_ones, first);\n#pragma unroll")
+
 # The wide forward (128-query boxes), run on every case (``WIDE``): its mask skipped on every
 # tile; its one barrier per key step removed.
-WIDE_ALL_WHOLE = ("if (!whole)\n                na_forward_logits<NT, true>(s[mt]",
-                  "if (false)\n                na_forward_logits<NT, true>(s[mt]")
+WIDE_ALL_WHOLE = ("if (!whole)\n                na_forward_logits<NT, true, false>(s[mt]",
+                  "if (false)\n                na_forward_logits<NT, true, false>(s[mt]")
 WIDE_RING_BARRIER = ("__syncthreads();  // everyone's; and everyone is done with step it - 1",
                      "/* no barrier */  // everyone's; and everyone is done with step it - 1")
 
@@ -71,6 +78,8 @@ MUTATIONS = {
     "pipelined-forward-missing-ring-barrier": (RING_BARRIER, 1, torch.bfloat16, True),
     "pipelined-query-major-mask-skipped": (ALL_WHOLE, 2, torch.float16, True),
     "pipelined-dkdv-mask-skipped": (DKDV_ALL_WHOLE, 1, torch.bfloat16, True),
+    "pipelined-mask-period-not-repeated": (PERIOD_NOT_REPEATED, 1, torch.float16, True),
+    "pipelined-mask-columns-unshifted": (COLUMNS_UNSHIFTED, 1, torch.bfloat16, True),
     "wide-forward-mask-skipped": (WIDE_ALL_WHOLE, 1, torch.float16, True),
     "wide-forward-missing-ring-barrier": (WIDE_RING_BARRIER, 1, torch.bfloat16, True),
 }
