@@ -29,7 +29,8 @@ from .tile_shapes import FUSED_KEY_TILE, FUSED_QUERY_TILE, WIDE_QUERY_TILE, chec
 __all__ = ["SOURCE", "DEFINES", "variants", "na_forward", "na_backward", "run_forward",
            "run_backward", "choose_tiles", "launch_grid", "head_dim_bucket", "smem_bytes",
            "forward_tokens", "pipelined", "pipelined_variants", "PIPELINED_DEFINES",
-           "backward_delta", "forward_boxes", "WIDE_FORWARD", "wide", "wide_variants"]
+           "backward_delta", "forward_boxes", "WIDE_FORWARD", "WIDE_DQ", "WIDE_KERNELS", "wide",
+           "wide_variants", "wide_steps"]
 
 SOURCE = "fused_attention.cu"
 DEFINES = {"QUERY_TILE": FUSED_QUERY_TILE, "KEY_TILE": FUSED_KEY_TILE}
@@ -56,9 +57,13 @@ PIPELINED_DEFINES = {**DEFINES, "NA_PIPELINED": 1}
 PIPELINED_MIN_ARCH = 80
 PIPELINED_DTYPES = (torch.float16, torch.bfloat16)
 _QUERY_MAJOR = ("na_fused_forward", "na_fused_backward_dq")
-# The pipelined build's forward over 128-query boxes (4 warps of 32 rows: every K/V fragment feeds
-# two mma); launched when the query box holds WIDE_QUERY_TILE slots (``tile_model.forward_tiles``).
+# The pipelined build's query-major kernels over 128-query boxes (4 warps of 32 rows: every K/V
+# fragment feeds two mma): the forward and dQ, launched when their query box holds
+# WIDE_QUERY_TILE slots (``tile_model.forward_tiles``, one rule for both).
 WIDE_FORWARD = "na_fused_forward_wide"
+WIDE_DQ = "na_fused_backward_dq_wide"
+WIDE_KERNELS = (WIDE_FORWARD, WIDE_DQ)
+_NARROW = {WIDE_FORWARD: "na_fused_forward", WIDE_DQ: "na_fused_backward_dq"}
 WIDE_MIN_ARCH = 90
 _QUERY_SLOT_BYTES = 32  # NaQuerySlot
 _DKDV_STEP_SLOT_BYTES = 32 + 8  # NaQuerySlot, lse, delta
@@ -84,16 +89,16 @@ def pipelined_variants() -> list:
 
 
 def wide_variants() -> list:
-    """The wide forward's instances (the pipelined build's text, sm_90+: at 32 rows per warp its
-    accumulators fit sm_90's register allocation but spill on sm_80's)."""
-    return [_loader.KernelVariant(SOURCE, _expression(WIDE_FORWARD, dt, hd),
-                                  f"{WIDE_FORWARD}<{CTYPES[dt]},{hd}>/pipelined", THREADS,
-                                  smem_bytes(WIDE_FORWARD, dt, hd, pipelined=True))
-            for dt in PIPELINED_DTYPES for hd in HEAD_DIMS]
+    """The wide kernels' instances (forward and dQ; the pipelined build's text, sm_90+: at 32
+    rows per warp their accumulators fit sm_90's register allocation but spill on sm_80's)."""
+    return [_loader.KernelVariant(SOURCE, _expression(k, dt, hd),
+                                  f"{k}<{CTYPES[dt]},{hd}>/pipelined", THREADS,
+                                  smem_bytes(k, dt, hd, pipelined=True))
+            for k in WIDE_KERNELS for dt in PIPELINED_DTYPES for hd in HEAD_DIMS]
 
 
 def wide(dtype: torch.dtype, capability: tuple[int, int]) -> bool:
-    """Whether launches of ``dtype`` on a device of ``capability`` may use the wide forward."""
+    """Whether launches of ``dtype`` on a device of ``capability`` may use the wide kernels."""
     major, minor = capability
     return pipelined(dtype, capability) and major * 10 + minor >= WIDE_MIN_ARCH
 
@@ -135,16 +140,30 @@ def dkdv_steps(head_dim: int) -> tuple[int, int]:
     return 64, 2 if head_dim >= 64 else 3
 
 
+def wide_steps(kernel: str, head_dim: int) -> tuple[int, int]:
+    """(keys per step, stages) of a wide kernel's K/V ring (``NaWide`` / ``NaWideDq`` in the
+    .cu). The forward: whole 64-key tiles, half tiles at head dim 128 (its two 32-row
+    accumulators leave no registers for more). dQ holds two score-sized fragments (S and dP) per
+    m16 tile beside its accumulators: 64 keys at head dim 32, 32 at 64, 16 at 128 (where its Q
+    and dO tiles fill most of the 99 KB)."""
+    if kernel == WIDE_FORWARD:
+        return (32 if head_dim >= 128 else 64), 3
+    if kernel == WIDE_DQ:
+        return (16 if head_dim >= 128 else 32 if head_dim >= 64 else 64), 3
+    raise ValueError(f"kernel must be one of {WIDE_KERNELS}, got {kernel!r}")
+
+
 def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool = False) -> int:
     """Dynamic shared memory of one variant (mirrors the carve-up in the .cu); ``pipelined``:
     the sm_80+ build, whose query-major kernels hold a ring of K/V stages."""
     if kernel == "na_fused_backward_delta":
         return 0  # registers and shuffles only
-    if kernel == WIDE_FORWARD:
-        # The 128-query Q tile, a ring of three (K, V) steps of 64 keys (32 at head dim 128),
-        # one record per query slot (NaWide in the .cu). The pipelined build only.
-        key_step = 32 if head_dim >= 128 else 64
-        total = ((WIDE_QUERY_TILE + 2 * 3 * key_step) * (head_dim + 8) * 2
+    if kernel in WIDE_KERNELS:
+        # The 128-query own tiles (forward: Q; dQ: dO and Q), the ring of (K, V) steps
+        # (``wide_steps``), one record per query slot. The pipelined build only.
+        key_step, stages = wide_steps(kernel, head_dim)
+        own = 1 if kernel == WIDE_FORWARD else 2
+        total = ((own * WIDE_QUERY_TILE + 2 * stages * key_step) * (head_dim + 8) * 2
                  + _QUERY_SLOT_BYTES * WIDE_QUERY_TILE)
         assert pipelined and total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
         return total
@@ -302,14 +321,21 @@ def run_forward(q, k, v, out, lse, table, boxes, scale, softcap=0.0, rpb=None) -
                 *(np.int32(x) for x in qb), *(np.int32(x) for x in kb),
                 np.float32(scale), np.float32(softcap or 0.0),
                 np.int32(_aligned((q, k, v, out), q.dtype))]
-        kernel = "na_fused_forward"
-        if math.prod(qb) == WIDE_QUERY_TILE:
-            if not wide(q.dtype, _capability(ctx.index)):
-                raise ValueError(f"a {WIDE_QUERY_TILE}-query box {tuple(boxes[0])} runs the wide "
-                                 f"forward (fp16/bf16, sm_90+, the pipelined build); this "
-                                 f"launch is {q.dtype} on sm_{''.join(map(str, _capability(ctx.index)))}")
-            kernel = WIDE_FORWARD
-        _launch(kernel, q.dtype, hd, grid, tensors, scalars, ctx)
+        _launch(_query_major(WIDE_FORWARD, qb, q.dtype, ctx), q.dtype, hd, grid, tensors,
+                scalars, ctx)
+
+
+def _query_major(wide_kernel: str, query_box: Sequence[int], dtype: torch.dtype,
+                 ctx: "launch.TorchStream") -> str:
+    """The query-major kernel a query box names: ``wide_kernel`` for ``WIDE_QUERY_TILE`` slots
+    (fp16/bf16, sm_90+, the pipelined build), its 64-query kernel otherwise."""
+    if math.prod(query_box) != WIDE_QUERY_TILE:
+        return _NARROW[wide_kernel]
+    if not wide(dtype, _capability(ctx.index)):
+        raise ValueError(f"a {WIDE_QUERY_TILE}-query box {tuple(query_box)} runs {wide_kernel} "
+                         f"(fp16/bf16, sm_90+, the pipelined build); this launch is {dtype} on "
+                         f"sm_{''.join(map(str, _capability(ctx.index)))}")
+    return wide_kernel
 
 
 def backward_delta(out: torch.Tensor, dout: torch.Tensor, like: torch.Tensor,
@@ -342,18 +368,26 @@ def backward_delta(out: torch.Tensor, dout: torch.Tensor, like: torch.Tensor,
 
 
 def run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale,
-                 softcap=0.0) -> None:
-    """Launch dQ and dK/dV on token-major views (see ``run_forward``); ``delta`` like ``lse``."""
+                 softcap=0.0, dq_boxes=None) -> None:
+    """Launch dQ and dK/dV on token-major views (see ``run_forward``); ``delta`` like ``lse``.
+    ``boxes``: dK/dV's (query box, key box), 64-query boxes; ``dq_boxes``: dQ's (default
+    ``boxes``), where a query box of ``WIDE_QUERY_TILE`` slots runs the wide dQ (the forward's
+    boxes, ``forward_boxes``). Every gradient row is written by one block: no atomics."""
     import numpy as np
 
     B, _, Hq, Dqk = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
     hd = head_dim_bucket(Dqk, Dv)
-    qb, kb = pad3(boxes[0]), pad3(boxes[1])
-    tail = [np.int32(Hq), np.int32(Hkv), np.int32(Dqk), np.int32(Dv),
-            *(np.int32(x) for x in qb), *(np.int32(x) for x in kb),
-            np.float32(scale), np.float32(softcap or 0.0),
-            np.int32(_aligned((q, k, v, dout, dq, dk, dv), q.dtype))]
+    if math.prod(boxes[0]) != FUSED_QUERY_TILE:
+        raise ValueError(f"dK/dV walks {FUSED_QUERY_TILE}-query boxes, got {tuple(boxes[0])}")
+    dq_boxes = boxes if dq_boxes is None else dq_boxes
+
+    def tail(pair):
+        return [np.int32(Hq), np.int32(Hkv), np.int32(Dqk), np.int32(Dv),
+                *(np.int32(x) for x in pad3(pair[0])), *(np.int32(x) for x in pad3(pair[1])),
+                np.float32(scale), np.float32(softcap or 0.0),
+                np.int32(_aligned((q, k, v, dout, dq, dk, dv), q.dtype))]
+
     common = [*_strides(q), *_strides(k), *_strides(v), *_strides(dout)]
     table_dev = launch.device_table(table, q.device)
     # Only dimensions longer than 1 are indexed, so only their strides must agree (torch keeps
@@ -361,14 +395,14 @@ def run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale,
     if any(a != b for a, b, n in zip(delta.stride(), lse.stride(), lse.shape) if n > 1):
         raise ValueError("delta must have lse's strides")
     with launch.TorchStream(q.device) as ctx:
-        grid = launch_grid(table, qb, Hq, B, True)
-        _launch("na_fused_backward_dq", q.dtype, hd, grid,
+        grid = launch_grid(table, pad3(dq_boxes[0]), Hq, B, True)
+        _launch(_query_major(WIDE_DQ, dq_boxes[0], q.dtype, ctx), q.dtype, hd, grid,
                 [q, k, v, dout, lse, delta, dq, table_dev],
-                [*common, *_strides(dq), *_strides(lse), *tail], ctx)
-        grid = launch_grid(table, kb, Hkv, B, False)
+                [*common, *_strides(dq), *_strides(lse), *tail(dq_boxes)], ctx)
+        grid = launch_grid(table, pad3(boxes[1]), Hkv, B, False)
         _launch("na_fused_backward_dkdv", q.dtype, hd, grid,
                 [q, k, v, dout, lse, delta, dk, dv, table_dev],
-                [*common, *_strides(dk), *_strides(dv), *_strides(lse), *tail], ctx)
+                [*common, *_strides(dk), *_strides(dv), *_strides(lse), *tail(boxes)], ctx)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,8 +427,9 @@ def _tokens(t: torch.Tensor, rank: int, name: str) -> torch.Tensor:
 
 def forward_boxes(table: Sequence[int], rank: int, dtype: torch.dtype,
                   device: torch.device) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The forward's default boxes on ``device``: ``tile_model.forward_tiles`` (which may name the
-    wide kernel) where the wide forward can run (``wide``), else :func:`choose_tiles`."""
+    """The query-major kernels' (forward and dQ) default boxes on ``device``:
+    ``tile_model.forward_tiles`` (which may name the wide kernels) where they can run
+    (``wide``), else :func:`choose_tiles`."""
     index = device.index if device.index is not None else (
         torch.cuda.current_device() if device.type == "cuda" else 0)
     if wide(dtype, _capability(index)):
@@ -465,8 +500,10 @@ def na_backward(query, key, value, out, lse, dout, *, kernel_size, stride, dilat
     q, k, v = (_tokens(t, rank, n) for t, n in ((query, "query"), (key, "key"), (value, "value")))
     o4, do4 = _tokens(out, rank, "out"), _tokens(dout, rank, "dout")
     table = _table_for(spatial, kernel_size, stride, dilation, is_causal)
-    boxes = _boxes_for(rank, max(q.shape[-1], v.shape[-1]), q.dtype, table, query_tile,
-                       key_tile)
+    head_dim = max(q.shape[-1], v.shape[-1])
+    boxes = _boxes_for(rank, head_dim, q.dtype, table, query_tile, key_tile)
+    # dQ takes the forward's boxes (maybe the wide kernel's); dK/dV the 64-query pair.
+    dq_boxes = _boxes_for(rank, head_dim, q.dtype, table, query_tile, key_tile, q.device)
     B, _, H, _ = q.shape
     l3 = lse.reshape(B, -1, H).to(torch.float32).contiguous()
     delta = backward_delta(o4, do4, l3)
@@ -474,5 +511,5 @@ def na_backward(query, key, value, out, lse, dout, *, kernel_size, stride, dilat
     dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     run_backward(q, k, v, do4, l3, delta, dq.view(q.shape), dk.view(k.shape), dv.view(v.shape),
-                 table, boxes, scale, softcap or 0.0)
+                 table, boxes, scale, softcap or 0.0, dq_boxes)
     return dq, dk, dv

@@ -1288,6 +1288,30 @@ na_fused_forward_wide(NA_FORWARD_PARAMS) {
     }
 }
 
+// dQ's elementwise step on one key step's fragments: s holds the logits in log2 units times
+// 1 / mul (-inf where masked), dp = dO V^T; dp becomes dS = P (dP - delta) (* (1 - tanh^2) under
+// softcap), P = ex2(s * mul - lse * log2 e). Rows r: the fragment rows g, g + 8.
+template <int NT>
+__device__ __forceinline__ void na_dq_scores(float (&dp)[NT][4], const float (&s)[NT][4],
+                                             float mul, const float* row_lse,
+                                             const float* row_delta, float softcap,
+                                             float inv_cap) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            const float x = s[n][e];
+            float ds = na_ex2(fmaf(x, mul, -row_lse[r])) * (dp[n][e] - row_delta[r]);
+            if (softcap > 0.f) {
+                const float th = x * (NA_LN2 * inv_cap);  // x = cap * log2(e) * tanh(.)
+                ds = x == -NA_INF ? 0.f : ds * (1.f - th * th);
+            }
+            dp[n][e] = ds;
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Backward dQ, sm_80+ build: the forward's walk (same geometry, ring and mask paths). Q is held
 // as A fragments, dO stays in shared memory; P = ex2(x - lse * log2 e), dS = P * (dP - delta)
@@ -1353,26 +1377,118 @@ na_fused_backward_dq(NA_DQ_PARAMS) {
                                          nullptr, rmul);
         na_zero(dp);
         na_mma_abt<T, HD, NT>(dp, sDO + row0 * LD, ring.values(it), HD);
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = e >> 1;
-                const float x = s[n][e];
-                float ds = na_ex2(fmaf(x, mul, -row_lse[r])) * (dp[n][e] - row_delta[r]);
-                if (softcap > 0.f) {
-                    const float th = x * (NA_LN2 * inv_cap);  // x = cap * log2(e) * tanh(.)
-                    ds = x == -NA_INF ? 0.f : ds * (1.f - th * th);
-                }
-                dp[n][e] = ds;
-            }
-        }
+        na_dq_scores<NT>(dp, s, mul, row_lse, row_delta, softcap, inv_cap);
         na_pv<T, HD, NT>(acc, dp, ring.keys(it));
         na_odometer_step(kidx, geo.tiles);
     }
     na_cp_async_wait_all();
     const float mul[2] = {scale, scale};
     na_store_fragment_rows<T, HD>(dq + b * dq_sb + h * dq_sh, dq_st, acc, tok, mul, d_qk, vec);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The wide dQ, sm_80+ build (launched on sm_90+): the wide forward's 128-query boxes, each of
+// the 4 warps owning 32 rows (two m16 tiles), so every K and V fragment loaded from shared
+// memory feeds two mma (S = Q K^T, dP = dO V^T, dQ += dS K). Keys stream through the ring in
+// steps of KSTEP: two score-sized fragments (S and dP) per m16 tile are live beside the dQ
+// accumulators, so the steps are half the forward's (a quarter at head dim 128, whose Q and dO
+// tiles fill shared memory). Q and dO stay in registers where they fit, else are read from
+// shared memory at every step. No atomics: each block writes its own query rows.
+// ---------------------------------------------------------------------------------------------
+template <int HD> struct NaWideDq {
+    static constexpr int KSTEP = HD >= 128 ? 16 : HD >= 64 ? 32 : 64;
+    static constexpr int STAGES = 3;
+    static constexpr bool Q_IN_REGS = HD <= 64;
+    static constexpr bool DO_IN_REGS = HD <= 64;
+};
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(NA_THREADS, 1)
+na_fused_backward_dq_wide(NA_DQ_PARAMS) {
+    constexpr int LD = HD + 8, KSTEP = NaWideDq<HD>::KSTEP, NT = KSTEP / 8;
+    constexpr int STAGES = NaWideDq<HD>::STAGES;
+    constexpr bool QREG = NaWideDq<HD>::Q_IN_REGS, DOREG = NaWideDq<HD>::DO_IN_REGS;
+    using Ring = NaKeyRing<T, HD, KSTEP, STAGES>;
+    NA_QUERY_MAJOR_SETUP(Ring, 32)
+    // Shared memory: the dO tile, the Q tile, the ring, the query slots.
+    extern __shared__ __align__(16) unsigned char na_smem[];
+    T* sDO = reinterpret_cast<T*>(na_smem);
+    T* sQ = sDO + NA_WIDE_QUERIES * LD;
+    ring.smem = sQ + NA_WIDE_QUERIES * LD;
+    NaQuerySlot* s_slot = reinterpret_cast<NaQuerySlot*>(ring.smem + STAGES * Ring::STAGE);
+
+    // Q and dO join the first step's cp.async group; the ring is primed with STAGES - 1 steps.
+    na_copy_box<T, HD, NA_WIDE_QUERIES, NA_THREADS>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk, sDO,
+                                                    dout + b * do_sb + h * do_sh, do_st, d_v,
+                                                    geo.qtok, qbox, geo.own_lo, geo.own_hi, vec);
+#pragma unroll
+    for (int it = 0; it < STAGES - 1; ++it) ring.issue(it, geo, kbox, kside);
+    na_publish_query_slots<NA_WIDE_QUERIES>(s_slot, ax, geo, qbox, rmul);
+    const NaQuerySlot* my_slots = s_slot + row0 + (lane >> 2);  // rows g, g + 8 of each m-tile
+
+    // Row statistics of the thread's four rows (g, g + 8 of each m16 tile) in log2 units; a row
+    // that saw nothing (lse = -inf) or is clipped gets +inf, so its P is 0.
+    int tok[2][2];
+    float row_lse[2][2], row_delta[2][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tok[mt][r] = na_slot_token(geo.qtok, qbox, geo.own_lo, geo.own_hi,
+                                       row0 + 16 * mt + (lane >> 2) + 8 * r);
+            const long long at = b * l_sb + (long long)tok[mt][r] * l_st + h * l_sh;
+            const float x = tok[mt][r] >= 0 ? lse[at] : NA_INF;
+            row_lse[mt][r] = x == -NA_INF ? NA_INF : x * NA_LOG2E;
+            row_delta[mt][r] = tok[mt][r] >= 0 ? delta[at] : 0.f;
+        }
+    }
+
+    unsigned int qf[2][QREG ? HD / 16 : 1][4], dof[2][DOREG ? HD / 16 : 1][4];
+    float acc[2][HD / 8][4];
+    na_zero(acc[0]);
+    na_zero(acc[1]);
+    const T* sQw = sQ + row0 * LD;
+    const T* sDOw = sDO + row0 * LD;
+    for (int it = 0; it < ring.nsteps; ++it) {
+        na_cp_async_wait_n<STAGES - 2>();  // this thread's copies of step it (and Q, dO) landed
+        __syncthreads();  // step it (and Q, dO) landed for all; step it - 1 is done everywhere
+        ring.issue(it + STAGES - 1, geo, kbox, kside);
+        if (it == 0) {
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                if constexpr (QREG) na_load_a_fragments<T, HD>(qf[mt], sQw + 16 * mt * LD);
+                if constexpr (DOREG) na_load_a_fragments<T, HD>(dof[mt], sDOw + 16 * mt * LD);
+            }
+        }
+        const int first = (it % Ring::PARTS) * KSTEP;  // the step's first slot of its key tile
+        int klo[3];
+        const bool whole = na_key_tile(geo, kidx, kside, klo);
+        float s[2][NT][4], dp[2][NT][4];
+        na_qk_wide<T, HD, NT, QREG>(s, qf, sQw, ring.keys(it));
+        // Whole tiles without softcap keep the raw scores: P takes the scale in its FMA.
+        const float mul = whole && softcap <= 0.f ? scale * NA_LOG2E : 1.f;
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            if (!whole)
+                na_forward_logits<NT, true>(s[mt], my_slots + 16 * mt, kbox, klo, scale, softcap,
+                                            inv_cap, nullptr, rmul, first);
+            else if (softcap > 0.f)
+                na_forward_logits<NT, false>(s[mt], my_slots + 16 * mt, kbox, klo, scale, softcap,
+                                             inv_cap, nullptr, rmul, first);
+        }
+        na_qk_wide<T, HD, NT, DOREG>(dp, dof, sDOw, ring.values(it));
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+            na_dq_scores<NT>(dp[mt], s[mt], mul, row_lse[mt], row_delta[mt], softcap, inv_cap);
+        na_pv_wide<T, HD, NT>(acc, dp, ring.keys(it));
+        if ((it + 1) % Ring::PARTS == 0) na_odometer_step(kidx, geo.tiles);
+    }
+    na_cp_async_wait_all();
+    const float mul[2] = {scale, scale};
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+        na_store_fragment_rows<T, HD>(dq + b * dq_sb + h * dq_sh, dq_st, acc[mt], tok[mt], mul,
+                                      d_qk, vec);
 }
 #else
 // ---------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from . import tile_shapes
 
 __all__ = ["AxisCounts", "TileFigures", "axis_counts", "pair_unmasked", "axis_pair_unmasked",
            "tile_figures", "neighborhood_figures", "element_bytes", "choose_tiles", "forward_tiles",
+           "wide_tiles",
            "FUSED_EFFICIENCY", "predicted_ms"]
 
 BACKWARD_FLOP_FACTOR = roofline.BACKWARD_FLOP_FACTOR
@@ -252,21 +253,29 @@ def _pairs(table: tuple, query_box: Sequence[int], key_box: Sequence[int]) -> in
                      for ax, q, k in zip(table_axes(table), _pad(query_box), _pad(key_box)))
 
 
-# The wide forward (128-query boxes, 32 rows per warp) loads each K/V fragment once for two mma
-# and each key tile once for twice the queries; its larger boxes compute more masked scores. It
-# is taken while it computes at most this many times the score elements of the 64-query choice:
-# a guess until a GPU record measures both kernels on the same problems (benchmarks/neighborhood).
+# The wide query-major kernels (forward and dQ: 128-query boxes, 32 rows per warp) load each K/V
+# fragment once for two mma and each key tile once for twice the queries; their larger boxes
+# compute more masked scores. They are taken while they compute at most this many times the
+# score elements of the 64-query choice: a guess until a GPU record measures both kernels on the
+# same problems (benchmarks/neighborhood).
 WIDE_COMPUTE_ALLOWANCE = 1.25
+
+
+def wide_tiles(table: Sequence[int], rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The wide kernels' best (query box, key box): ``tile_shapes.WIDE_QUERY_TILE`` queries, the
+    fewest score elements computed (``choose_tiles``' rule at that volume)."""
+    return _choose(tuple(table), rank, tile_shapes.WIDE_QUERY_TILE, tile_shapes.FUSED_KEY_TILE)
 
 
 @memoize("fallback_kernels.tile_model.forward_tiles", maxsize=512)
 def forward_tiles(table: tuple, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The forward's (query box, key box) where the pipelined build runs: the wide kernel's best
-    pair (``tile_shapes.WIDE_QUERY_TILE`` queries) when its computed score elements stay within
+    """The query-major kernels' (forward and dQ) (query box, key box) where the pipelined build
+    runs: :func:`wide_tiles` when its computed score elements stay within
     ``WIDE_COMPUTE_ALLOWANCE`` of :func:`choose_tiles`' pair, else that pair. The query box's
-    volume names the kernel (``fused.run_forward``)."""
+    volume names the kernel (``fused.run_forward``, ``fused.run_backward``); dK/dV keeps
+    :func:`choose_tiles`' pair."""
     narrow = choose_tiles(table, rank)
-    wide = _choose(tuple(table), rank, tile_shapes.WIDE_QUERY_TILE, tile_shapes.FUSED_KEY_TILE)
+    wide = wide_tiles(table, rank)
     computed = {boxes: _pairs(tuple(table), *boxes) * math.prod(boxes[0]) for boxes in (narrow, wide)}
     return wide if computed[wide] <= WIDE_COMPUTE_ALLOWANCE * computed[narrow] else narrow
 

@@ -36,7 +36,7 @@ HEAD_DIMS = (32, 64)
 IDS = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-PIPELINED_KERNELS = (*F.KERNELS, F.WIDE_FORWARD)
+PIPELINED_KERNELS = (*F.KERNELS, *F.WIDE_KERNELS)
 
 
 def fused_expressions(dtypes=DTYPES, head_dims=HEAD_DIMS, kernels=F.KERNELS):
@@ -430,24 +430,27 @@ def test_fused_pipelined_16bit(lib16_pipelined, monkeypatch, name, dtype):
     failures = (band_failures(name, dtype) if name in BAND_CASES
                 else neighborhood_failures(name, dtype))
     assert failures == []
-    # The forward: the 64-query kernel or the wide one, as the tile model chose.
-    assert set(calls) - {F.WIDE_FORWARD, "na_fused_forward"} == set(F.KERNELS[1:])
-    assert len(set(calls) & {F.WIDE_FORWARD, "na_fused_forward"}) == 1
+    # The forward and dQ: both the 64-query kernels or both the wide ones, as the tile model
+    # chose (one rule); dK/dV and delta always.
+    wide = {F.WIDE_FORWARD, F.WIDE_DQ} & set(calls)
+    narrow = {"na_fused_forward", "na_fused_backward_dq"} & set(calls)
+    assert set(calls) - wide - narrow == set(F.KERNELS[2:])
+    assert wide in (set(), set(F.WIDE_KERNELS)) and len(wide) + len(narrow) == 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("name", list(NA_CASES) + list(PIPELINED_EXTRA))
 def test_wide_forward_16bit(lib16_pipelined, monkeypatch, name, dtype):
-    """The wide forward (128-query boxes, 32 rows per warp, key steps of 32 at head dim 128) on
-    every neighborhood case, chosen whatever the tile model would say; the backward keeps its
-    64-query boxes."""
+    """The wide forward and dQ (128-query boxes, 32 rows per warp; key steps of 32 at head dim
+    128 for the forward, of 64/32/16 at 32/64/128 for dQ) on every neighborhood case, chosen
+    whatever the tile model would say; dK/dV keeps its 64-query boxes."""
     from cudnn_attn.fallback_kernels import tile_model
 
     calls = route_fused(monkeypatch, lib16_pipelined, pipelined=True)
-    monkeypatch.setattr(F, "forward_tiles", lambda table, rank: tile_model._choose(
-        tuple(table), rank, F.WIDE_QUERY_TILE, F.FUSED_KEY_TILE))
+    monkeypatch.setattr(F, "forward_tiles", tile_model.wide_tiles)
     assert neighborhood_failures(name, dtype) == []
-    assert F.WIDE_FORWARD in calls and "na_fused_forward" not in calls
+    assert set(F.WIDE_KERNELS) <= set(calls)
+    assert not {"na_fused_forward", "na_fused_backward_dq"} & set(calls)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,7 +546,13 @@ def test_pipelined_build_selection(monkeypatch):
     assert {v.expression for v in F.pipelined_variants()} == set(
         fused_expressions(head_dims=F.HEAD_DIMS))
     assert {v.expression for v in F.wide_variants()} == set(
-        fused_expressions(head_dims=F.HEAD_DIMS, kernels=(F.WIDE_FORWARD,)))
+        fused_expressions(head_dims=F.HEAD_DIMS, kernels=F.WIDE_KERNELS))
+    for hd, (fwd_step, dq_step) in {32: (64, 64), 64: (64, 32), 128: (32, 16)}.items():
+        # The wide kernels: 128-query own tiles (forward: Q; dQ: dO and Q), three (K, V) steps.
+        for kernel, own, step in ((F.WIDE_FORWARD, 1, fwd_step), (F.WIDE_DQ, 2, dq_step)):
+            total = (own * 128 + 2 * 3 * step) * (hd + 8) * 2 + 128 * 32
+            assert F.smem_bytes(kernel, torch.bfloat16, hd, pipelined=True) == total
+            assert total <= 99 * 1024
     assert not F.wide(torch.bfloat16, (9, 0))  # the switch above: no pipelined build at all
     monkeypatch.delenv("CUDNN_ATTN_FUSED_PIPELINED")
     assert F.wide(torch.bfloat16, (9, 0)) and not F.wide(torch.bfloat16, (8, 0))
