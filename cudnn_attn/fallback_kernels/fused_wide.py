@@ -1,9 +1,10 @@
-"""The wide fused forward (128-query boxes, 32 rows per warp), as a kernel module for ``compile_all``.
+"""The wide fused forward and dQ (128-query boxes, 32 rows per warp), as a kernel module for
+``compile_all``.
 
 The pipelined build's text (``fused_attention.cu`` with ``NA_PIPELINED=1``), its
-``na_fused_forward_wide`` instances only, compiled for sm_90 and newer (``fused.wide``); ``fused``
-launches it when the forward's query box holds ``tile_shapes.WIDE_QUERY_TILE`` slots. Nothing here
-launches: the definitions live in ``fused``.
+``na_fused_forward_wide`` and ``na_fused_backward_dq_wide`` instances only, compiled for sm_90 and
+newer (``fused.wide``); ``fused`` launches them when the query box holds
+``tile_shapes.WIDE_QUERY_TILE`` slots. Nothing here launches: the definitions live in ``fused``.
 """
 
 from __future__ import annotations

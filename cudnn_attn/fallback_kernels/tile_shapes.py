@@ -21,9 +21,9 @@ __all__ = ["FUSED_QUERY_TILE", "FUSED_KEY_TILE", "WIDE_QUERY_TILE", "FUSED_DTYPE
 
 FUSED_QUERY_TILE = 64
 FUSED_KEY_TILE = 64
-# The pipelined build's wide forward: 128-query boxes against the same 64-key boxes. Chosen by
-# ``tile_model.forward_tiles``, never asked for by a user's tile sizes (those name the kernels
-# above, which every build has).
+# The pipelined build's wide forward and dQ: 128-query boxes against the same 64-key boxes.
+# Chosen by ``tile_model.forward_tiles``, never asked for by a user's tile sizes (those name the
+# kernels above, which every build has).
 WIDE_QUERY_TILE = 128
 
 
