@@ -331,11 +331,19 @@ PIPELINED_EXTRA = {
 }
 
 
+# The wide kernels' part-tile key steps (16 keys at head dim 128, 32 at 64) over several key
+# tiles, whole ones among them: the odometer and the whole-tile path past the first part.
+WIDE_EXTRA = {
+    "1d-hd64-whole-tiles": ((400,), (255,), (1,), (1,), (False,), 1, 1, 64, 48, {}),
+    "1d-hd128-whole-tiles": ((300,), (201,), (1,), (1,), (False,), 1, 1, 128, 112, {}),
+}
+
+
 def neighborhood_failures(name, dtype, backward=True, scale=None) -> list[str]:
     """Run case ``name`` through na_forward/na_backward (routed to a host library) in ``dtype``;
     the oracle comparison's failures."""
     spatial, kernel, stride, dilation, causal, H, Hkv, Dqk, Dv, extra = {
-        **NA_CASES, **PIPELINED_EXTRA}[name]
+        **NA_CASES, **PIPELINED_EXTRA, **WIDE_EXTRA}[name]
     g = torch.Generator().manual_seed(len(name))
     B, N = 2, math.prod(spatial)
     rnd = lambda *s: FH.rand(s, g).to(dtype)
@@ -439,7 +447,7 @@ def test_fused_pipelined_16bit(lib16_pipelined, monkeypatch, name, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
-@pytest.mark.parametrize("name", list(NA_CASES) + list(PIPELINED_EXTRA))
+@pytest.mark.parametrize("name", list(NA_CASES) + list(PIPELINED_EXTRA) + list(WIDE_EXTRA))
 def test_wide_forward_16bit(lib16_pipelined, monkeypatch, name, dtype):
     """The wide forward and dQ (128-query boxes, 32 rows per warp; key steps of 32 at head dim
     128 for the forward, of 64/32/16 at 32/64/128 for dQ) on every neighborhood case, chosen
