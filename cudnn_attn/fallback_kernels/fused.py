@@ -23,14 +23,15 @@ from ..core.caches import memoize
 from ..model.geometry import MAX_AXES, axis_dilation, axis_window, group_len, neighborhood_table, table_axes
 from . import _loader, launch
 from .limits import MAX_HEAD_DIM
-from .tile_model import choose_tiles, forward_tiles
-from .tile_shapes import FUSED_KEY_TILE, FUSED_QUERY_TILE, WIDE_QUERY_TILE, check_tile_sizes
+from .tile_model import choose_tiles, dkdv_tiles, forward_tiles
+from .tile_shapes import (FUSED_KEY_TILE, FUSED_QUERY_TILE, WIDE_KEY_TILE, WIDE_QUERY_TILE,
+                          check_tile_sizes)
 
 __all__ = ["SOURCE", "DEFINES", "variants", "na_forward", "na_backward", "run_forward",
            "run_backward", "choose_tiles", "launch_grid", "head_dim_bucket", "smem_bytes",
            "forward_tokens", "pipelined", "pipelined_variants", "PIPELINED_DEFINES",
-           "backward_delta", "forward_boxes", "WIDE_FORWARD", "WIDE_DQ", "WIDE_KERNELS", "wide",
-           "wide_variants", "wide_steps"]
+           "backward_delta", "forward_boxes", "dkdv_boxes", "WIDE_FORWARD", "WIDE_DQ", "WIDE_DKDV",
+           "WIDE_KERNELS", "WIDE_DKDV_HEAD_DIMS", "wide", "wide_variants", "wide_steps"]
 
 SOURCE = "fused_attention.cu"
 DEFINES = {"QUERY_TILE": FUSED_QUERY_TILE, "KEY_TILE": FUSED_KEY_TILE}
@@ -62,14 +63,22 @@ _QUERY_MAJOR = ("na_fused_forward", "na_fused_backward_dq")
 # WIDE_QUERY_TILE slots (``tile_model.forward_tiles``, one rule for both).
 WIDE_FORWARD = "na_fused_forward_wide"
 WIDE_DQ = "na_fused_backward_dq_wide"
-WIDE_KERNELS = (WIDE_FORWARD, WIDE_DQ)
-_NARROW = {WIDE_FORWARD: "na_fused_forward", WIDE_DQ: "na_fused_backward_dq"}
+# dK/dV over 128-key boxes (4 warps of 32 key rows: every Q/dO fragment feeds two mma), the
+# template instance ``na_fused_backward_dkdv<T, HD, 128>``; head dims up to 64 (at 128 the dK and
+# dV accumulators of 32 rows alone would fill the register file). ``tile_model.dkdv_tiles``.
+WIDE_DKDV = "na_fused_backward_dkdv_wide"
+WIDE_DKDV_HEAD_DIMS = (32, 64)
+WIDE_KERNELS = (WIDE_FORWARD, WIDE_DQ, WIDE_DKDV)
+_NARROW = {WIDE_FORWARD: "na_fused_forward", WIDE_DQ: "na_fused_backward_dq",
+           WIDE_DKDV: "na_fused_backward_dkdv"}
 WIDE_MIN_ARCH = 90
 _QUERY_SLOT_BYTES = 32  # NaQuerySlot
 _DKDV_STEP_SLOT_BYTES = 32 + 8  # NaQuerySlot, lse, delta
 
 
 def _expression(kernel: str, dtype: torch.dtype, head_dim: int) -> str:
+    if kernel == WIDE_DKDV:
+        return f"na_fused_backward_dkdv<{CTYPES[dtype]}, {head_dim}, {WIDE_KEY_TILE}>"
     return f"{kernel}<{CTYPES[dtype]}, {head_dim}>"
 
 
@@ -94,7 +103,8 @@ def wide_variants() -> list:
     return [_loader.KernelVariant(SOURCE, _expression(k, dt, hd),
                                   f"{k}<{CTYPES[dt]},{hd}>/pipelined", THREADS,
                                   smem_bytes(k, dt, hd, pipelined=True))
-            for k in WIDE_KERNELS for dt in PIPELINED_DTYPES for hd in HEAD_DIMS]
+            for k in WIDE_KERNELS for dt in PIPELINED_DTYPES
+            for hd in (WIDE_DKDV_HEAD_DIMS if k == WIDE_DKDV else HEAD_DIMS)]
 
 
 def wide(dtype: torch.dtype, capability: tuple[int, int]) -> bool:
@@ -131,10 +141,13 @@ def forward_stages(head_dim: int) -> int:
     return 2 if head_dim >= 128 else 3
 
 
-def dkdv_steps(head_dim: int) -> tuple[int, int]:
+def dkdv_steps(head_dim: int, keys: int = FUSED_KEY_TILE) -> tuple[int, int]:
     """(queries per step, stages) of the pipelined dK/dV ring (``NaDkdvSteps`` in the .cu): a
     whole 64-query tile per step up to head dim 64, 32-query chunks at 128 so that three stages
-    fit beside the block's K and V; two stages at 64."""
+    fit beside the block's K and V; two stages at 64. The wide dK/dV (``keys`` = 128): three
+    stages of 64 queries at head dim 32, of 32 at 64."""
+    if keys == WIDE_KEY_TILE:
+        return (16 if head_dim >= 64 else 32), 3
     if head_dim >= 128:
         return 32, 3
     return 64, 2 if head_dim >= 64 else 3
@@ -158,6 +171,14 @@ def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool =
     the sm_80+ build, whose query-major kernels hold a ring of K/V stages."""
     if kernel == "na_fused_backward_delta":
         return 0  # registers and shuffles only
+    if kernel == WIDE_DKDV:
+        # The 128-key box's K and V, then the ring of query steps (``dkdv_steps``).
+        assert pipelined and head_dim in WIDE_DKDV_HEAD_DIMS, (kernel, head_dim)
+        qstep, stages = dkdv_steps(head_dim, WIDE_KEY_TILE)
+        total = (2 * WIDE_KEY_TILE * (head_dim + 8) * 2
+                 + stages * (2 * qstep * (head_dim + 8) * 2 + _DKDV_STEP_SLOT_BYTES * qstep))
+        assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
+        return total
     if kernel in WIDE_KERNELS:
         # The 128-query own tiles (forward: Q; dQ: dO and Q), the ring of (K, V) steps
         # (``wide_steps``), one record per query slot. The pipelined build only.
@@ -325,17 +346,27 @@ def run_forward(q, k, v, out, lse, table, boxes, scale, softcap=0.0, rpb=None) -
                 scalars, ctx)
 
 
-def _query_major(wide_kernel: str, query_box: Sequence[int], dtype: torch.dtype,
-                 ctx: "launch.TorchStream") -> str:
-    """The query-major kernel a query box names: ``wide_kernel`` for ``WIDE_QUERY_TILE`` slots
-    (fp16/bf16, sm_90+, the pipelined build), its 64-query kernel otherwise."""
-    if math.prod(query_box) != WIDE_QUERY_TILE:
+def _query_major(wide_kernel: str, own_box: Sequence[int], dtype: torch.dtype,
+                 ctx: "launch.TorchStream", wide_volume: int = WIDE_QUERY_TILE) -> str:
+    """The kernel the block's own box names: ``wide_kernel`` for ``wide_volume`` slots
+    (fp16/bf16, sm_90+, the pipelined build), its 64-slot kernel otherwise."""
+    if math.prod(own_box) != wide_volume:
         return _NARROW[wide_kernel]
     if not wide(dtype, _capability(ctx.index)):
-        raise ValueError(f"a {WIDE_QUERY_TILE}-query box {tuple(query_box)} runs {wide_kernel} "
+        raise ValueError(f"a {wide_volume}-slot box {tuple(own_box)} runs {wide_kernel} "
                          f"(fp16/bf16, sm_90+, the pipelined build); this launch is {dtype} on "
                          f"sm_{''.join(map(str, _capability(ctx.index)))}")
     return wide_kernel
+
+
+def _key_major(key_box: Sequence[int], dtype: torch.dtype, head_dim: int,
+               ctx: "launch.TorchStream") -> str:
+    """dK/dV's kernel for a key box: the wide one for ``WIDE_KEY_TILE`` slots (fp16/bf16, sm_90+,
+    head dims up to 64), the 64-key one otherwise."""
+    if math.prod(key_box) == WIDE_KEY_TILE and head_dim not in WIDE_DKDV_HEAD_DIMS:
+        raise ValueError(f"a {WIDE_KEY_TILE}-key box {tuple(key_box)} runs {WIDE_DKDV}, whose "
+                         f"head dims are {WIDE_DKDV_HEAD_DIMS}; this launch has {head_dim}")
+    return _query_major(WIDE_DKDV, key_box, dtype, ctx, WIDE_KEY_TILE)
 
 
 def backward_delta(out: torch.Tensor, dout: torch.Tensor, like: torch.Tensor,
@@ -370,7 +401,8 @@ def backward_delta(out: torch.Tensor, dout: torch.Tensor, like: torch.Tensor,
 def run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale,
                  softcap=0.0, dq_boxes=None) -> None:
     """Launch dQ and dK/dV on token-major views (see ``run_forward``); ``delta`` like ``lse``.
-    ``boxes``: dK/dV's (query box, key box), 64-query boxes; ``dq_boxes``: dQ's (default
+    ``boxes``: dK/dV's (query box, key box), 64-query boxes, where a key box of
+    ``WIDE_KEY_TILE`` slots runs the wide dK/dV (``dkdv_boxes``); ``dq_boxes``: dQ's (default
     ``boxes``), where a query box of ``WIDE_QUERY_TILE`` slots runs the wide dQ (the forward's
     boxes, ``forward_boxes``). Every gradient row is written by one block: no atomics."""
     import numpy as np
@@ -400,7 +432,7 @@ def run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale,
                 [q, k, v, dout, lse, delta, dq, table_dev],
                 [*common, *_strides(dq), *_strides(lse), *tail(dq_boxes)], ctx)
         grid = launch_grid(table, pad3(boxes[1]), Hkv, B, False)
-        _launch("na_fused_backward_dkdv", q.dtype, hd, grid,
+        _launch(_key_major(boxes[1], q.dtype, hd, ctx), q.dtype, hd, grid,
                 [q, k, v, dout, lse, delta, dk, dv, table_dev],
                 [*common, *_strides(dk), *_strides(dv), *_strides(lse), *tail(boxes)], ctx)
 
@@ -434,6 +466,18 @@ def forward_boxes(table: Sequence[int], rank: int, dtype: torch.dtype,
         torch.cuda.current_device() if device.type == "cuda" else 0)
     if wide(dtype, _capability(index)):
         return forward_tiles(tuple(table), rank)
+    return choose_tiles(tuple(table), rank)
+
+
+def dkdv_boxes(table: Sequence[int], rank: int, dtype: torch.dtype, head_dim: int,
+               device: torch.device) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """dK/dV's default boxes on ``device``: ``tile_model.dkdv_tiles`` (which may name the wide
+    dK/dV) where it can run (``wide`` and a head dim bucket in ``WIDE_DKDV_HEAD_DIMS``), else
+    :func:`choose_tiles`."""
+    index = device.index if device.index is not None else (
+        torch.cuda.current_device() if device.type == "cuda" else 0)
+    if wide(dtype, _capability(index)) and head_dim in WIDE_DKDV_HEAD_DIMS:
+        return dkdv_tiles(tuple(table), rank)
     return choose_tiles(tuple(table), rank)
 
 
@@ -501,9 +545,10 @@ def na_backward(query, key, value, out, lse, dout, *, kernel_size, stride, dilat
     o4, do4 = _tokens(out, rank, "out"), _tokens(dout, rank, "dout")
     table = _table_for(spatial, kernel_size, stride, dilation, is_causal)
     head_dim = max(q.shape[-1], v.shape[-1])
-    boxes = _boxes_for(rank, head_dim, q.dtype, table, query_tile, key_tile)
-    # dQ takes the forward's boxes (maybe the wide kernel's); dK/dV the 64-query pair.
+    # dQ takes the forward's boxes, dK/dV its own (either maybe a wide kernel's).
     dq_boxes = _boxes_for(rank, head_dim, q.dtype, table, query_tile, key_tile, q.device)
+    boxes = (dkdv_boxes(table, rank, q.dtype, head_dim_bucket(q.shape[-1], v.shape[-1]), q.device)
+             if query_tile is None and key_tile is None else dq_boxes)
     B, _, H, _ = q.shape
     l3 = lse.reshape(B, -1, H).to(torch.float32).contiguous()
     delta = backward_delta(o4, do4, l3)

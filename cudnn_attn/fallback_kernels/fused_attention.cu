@@ -1660,11 +1660,16 @@ na_fused_backward_dq(NA_DQ_PARAMS) {
 // ---------------------------------------------------------------------------------------------
 
 // Queries per step (one ring stage) and stages: a 64-query tile in one step up to head dim 64,
-// in two of 32 at 128 (so three stages fit beside K and V); two stages at 64.
-template <int HD> struct NaDkdvSteps {
-    static constexpr int QSTEP = HD >= 128 ? 32 : 64;
-    static constexpr int STAGES = HD >= 128 ? 3 : HD >= 64 ? 2 : 3;
-    static constexpr int MIN_BLOCKS = HD >= 64 ? 1 : 2;
+// in two of 32 at 128 (so three stages fit beside K and V); two stages at 64. KEYS: the block's
+// key box, 64 keys (4 warps of 16 key rows) or, for the wide dK/dV (sm_90+, head dims up to 64:
+// at 128 dK and dV of 32 rows alone would take every register), 128 keys in 4 warps of 32 rows
+// (MT = 2 m16 tiles), so every Q and dO fragment feeds two mma; its score fragments take 32
+// queries per step at head dim 64.
+template <int HD, int KEYS = NA_TILE> struct NaDkdvSteps {
+    static constexpr int MT = KEYS / NA_TILE;
+    static constexpr int QSTEP = MT > 1 ? (HD >= 64 ? 16 : 32) : HD >= 128 ? 32 : 64;
+    static constexpr int STAGES = MT > 1 ? 3 : HD >= 128 ? 3 : HD >= 64 ? 2 : 3;
+    static constexpr int MIN_BLOCKS = MT > 1 || HD >= 64 ? 1 : 2;
 };
 
 struct NaKeyMajorGeo {
@@ -1710,21 +1715,22 @@ __device__ __forceinline__ void na_key_major_geometry(const NaAxis* ax, const in
     }
 }
 
-template <typename T, int HD>
-__global__ void __launch_bounds__(NA_THREADS, NaDkdvSteps<HD>::MIN_BLOCKS)
+template <typename T, int HD, int KEYS = NA_TILE>
+__global__ void __launch_bounds__(NA_THREADS, NaDkdvSteps<HD, KEYS>::MIN_BLOCKS)
 na_fused_backward_dkdv(NA_DKDV_PARAMS) {
-    constexpr int LD = HD + 8, QSTEP = NaDkdvSteps<HD>::QSTEP, NT = QSTEP / 8;
-    constexpr int STAGES = NaDkdvSteps<HD>::STAGES, CHUNKS = NA_TILE / QSTEP;
+    using Steps = NaDkdvSteps<HD, KEYS>;
+    constexpr int LD = HD + 8, QSTEP = Steps::QSTEP, NT = QSTEP / 8, MT = Steps::MT;
+    constexpr int STAGES = Steps::STAGES, CHUNKS = NA_TILE / QSTEP;
     // A stage: Q rows, dO rows, query slots, lse, delta.
     constexpr int STAGE_BYTES = 2 * QSTEP * LD * (int)sizeof(T) + QSTEP * (32 + 8);
     const int qside[3] = {qt0, qt1, qt2}, kside[3] = {kt0, kt1, kt2};
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = warp * 16;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = warp * 16 * MT;
     const int b = blockIdx.z, hk = blockIdx.y, group = heads_q / heads_kv;
     const float inv_cap = softcap > 0.f ? __frcp_rn(softcap) : 0.f;
     extern __shared__ __align__(16) unsigned char na_smem[];
     T* sK = reinterpret_cast<T*>(na_smem);
-    T* sV = sK + NA_TILE * LD;
-    unsigned char* ring = reinterpret_cast<unsigned char*>(sV + NA_TILE * LD);
+    T* sV = sK + KEYS * LD;
+    unsigned char* ring = reinterpret_cast<unsigned char*>(sV + KEYS * LD);
 
     // The block's geometry is read once per step, so it waits in shared memory rather than in
     // registers the accumulators need (thread 0 writes it once; every thread derived it).
@@ -1747,9 +1753,9 @@ na_fused_backward_dkdv(NA_DKDV_PARAMS) {
     const NaBox qbox = na_make_box(qside), kbox = na_make_box(kside);
 
     // K and V join the first step's cp.async group.
-    na_copy_box<T, HD, NA_TILE, NA_THREADS>(sK, k + b * k_sb + hk * k_sh, k_st, d_qk, sV,
-                                            v + b * v_sb + hk * v_sh, v_st, d_v, geo.ktok, kbox,
-                                            geo.own_lo, geo.own_hi, vec);
+    na_copy_box<T, HD, KEYS, NA_THREADS>(sK, k + b * k_sb + hk * k_sh, k_st, d_qk, sV,
+                                         v + b * v_sb + hk * v_sh, v_st, d_v, geo.ktok, kbox,
+                                         geo.own_lo, geo.own_hi, vec);
 
     // Steps go (query tile, head, chunk), chunk fastest, tiles row-major over the per-axis counts.
     const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
@@ -1803,21 +1809,29 @@ na_fused_backward_dkdv(NA_DKDV_PARAMS) {
 #pragma unroll
     for (int step = 0; step < STAGES - 1; ++step) issue(step);
 
-    // The thread's two key rows (g, g + 8 of the warp's 16): group coordinates and tokens.
-    int kc[2][3], ktok[2];
+    // The thread's key rows (g, g + 8 of each of the warp's m16 tiles): group coordinates and
+    // tokens.
+    int kc[MT][2][3], ktok[MT][2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int slot = row0 + (lane >> 2) + 8 * r;
-        ktok[r] = na_slot_token(geo.ktok, kbox, geo.own_lo, geo.own_hi, slot);
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int a = 0; a < 3; ++a) kc[r][a] = geo.own_lo[a] + ((slot >> kbox.shift[a]) & kbox.mask[a]);
+        for (int r = 0; r < 2; ++r) {
+            const int slot = row0 + 16 * mt + (lane >> 2) + 8 * r;
+            ktok[mt][r] = na_slot_token(geo.ktok, kbox, geo.own_lo, geo.own_hi, slot);
+#pragma unroll
+            for (int a = 0; a < 3; ++a)
+                kc[mt][r][a] = geo.own_lo[a] + ((slot >> kbox.shift[a]) & kbox.mask[a]);
+        }
     }
 
     const float scale_log2 = scale * NA_LOG2E;
     const int t = lane & 3;
-    float dk_acc[HD / 8][4], dv_acc[HD / 8][4];
-    na_zero(dk_acc);
-    na_zero(dv_acc);
+    float dk_acc[MT][HD / 8][4], dv_acc[MT][HD / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        na_zero(dk_acc[mt]);
+        na_zero(dv_acc[mt]);
+    }
     int tile[3] = {0, 0, 0}, sub = 0;
     for (int step = 0; step < nsteps; ++step) {
         na_cp_async_wait_n<STAGES - 2>();
@@ -1833,11 +1847,19 @@ na_fused_backward_dkdv(NA_DKDV_PARAMS) {
 #pragma unroll
         for (int a = 0; a < 3; ++a) whole &= geo.whole_lo[a] <= tile[a] && tile[a] < geo.whole_hi[a];
 
-        float s[NT][4], dp[NT][4];
-        na_zero(s);
-        na_mma_abt<T, HD, NT>(s, sK + row0 * LD, sQ, HD);
-        na_zero(dp);
-        na_mma_abt<T, HD, NT>(dp, sV + row0 * LD, sDO, HD);
+        float s[MT][NT][4], dp[MT][NT][4];
+        if constexpr (MT == 1) {
+            na_zero(s[0]);
+            na_mma_abt<T, HD, NT>(s[0], sK + row0 * LD, sQ, HD);
+            na_zero(dp[0]);
+            na_mma_abt<T, HD, NT>(dp[0], sV + row0 * LD, sDO, HD);
+        } else {  // K and V rows as the A operands of both m16 tiles, from shared memory
+            const unsigned int none[2][1][4] = {};
+            na_qk_wide<T, HD, NT, false>(s, none, sK + row0 * LD, sQ);
+            na_qk_wide<T, HD, NT, false>(dp, none, sV + row0 * LD, sDO);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
 #pragma unroll
@@ -1847,26 +1869,33 @@ na_fused_backward_dkdv(NA_DKDV_PARAMS) {
                 if (!whole) {
                     const NaQuerySlot& qs = slots[col];
 #pragma unroll
-                    for (int a = 0; a < 3; ++a) seen &= kc[r][a] >= qs.lo[a] && kc[r][a] < qs.hi[a];
+                    for (int a = 0; a < 3; ++a)
+                        seen &= kc[mt][r][a] >= qs.lo[a] && kc[mt][r][a] < qs.hi[a];
                 }
                 const float l = s_lse[col];
                 // A query that saw nothing has lse = -inf: its P is 0 (it sees no key here).
                 const float lse2 = l == -NA_INF ? NA_INF : l * NA_LOG2E;
                 float p, ds;
                 if (softcap > 0.f) {
-                    const float th = tanhf(s[n][e] * scale * inv_cap);
+                    const float th = tanhf(s[mt][n][e] * scale * inv_cap);
                     p = seen ? na_ex2(softcap * NA_LOG2E * th - lse2) : 0.f;
-                    ds = seen ? p * (dp[n][e] - s_delta[col]) * (1.f - th * th) : 0.f;
+                    ds = seen ? p * (dp[mt][n][e] - s_delta[col]) * (1.f - th * th) : 0.f;
                 } else {
-                    p = seen ? na_ex2(fmaf(s[n][e], scale_log2, -lse2)) : 0.f;
-                    ds = p * (dp[n][e] - s_delta[col]);
+                    p = seen ? na_ex2(fmaf(s[mt][n][e], scale_log2, -lse2)) : 0.f;
+                    ds = p * (dp[mt][n][e] - s_delta[col]);
                 }
-                s[n][e] = p;
-                dp[n][e] = ds;
+                s[mt][n][e] = p;
+                dp[mt][n][e] = ds;
             }
         }
-        na_pv<T, HD, NT>(dv_acc, s, sDO);
-        na_pv<T, HD, NT>(dk_acc, dp, sQ);
+        }
+        if constexpr (MT == 1) {
+            na_pv<T, HD, NT>(dv_acc[0], s[0], sDO);
+            na_pv<T, HD, NT>(dk_acc[0], dp[0], sQ);
+        } else {  // each dO and Q fragment feeds both m16 tiles
+            na_pv_wide<T, HD, NT>(dv_acc, s, sDO);
+            na_pv_wide<T, HD, NT>(dk_acc, dp, sQ);
+        }
         if (++sub == group * CHUNKS) {
             sub = 0;
             na_odometer_step(tile, geo.tiles);
@@ -1874,10 +1903,13 @@ na_fused_backward_dkdv(NA_DKDV_PARAMS) {
     }
     na_cp_async_wait_all();
     const float dk_mul[2] = {scale, scale}, dv_mul[2] = {1.f, 1.f};
-    na_store_fragment_rows<T, HD>(dk + b * dk_sb + hk * dk_sh, dk_st, dk_acc, ktok, dk_mul, d_qk,
-                                  vec);
-    na_store_fragment_rows<T, HD>(dv + b * dv_sb + hk * dv_sh, dv_st, dv_acc, ktok, dv_mul, d_v,
-                                  vec);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        na_store_fragment_rows<T, HD>(dk + b * dk_sb + hk * dk_sh, dk_st, dk_acc[mt], ktok[mt],
+                                      dk_mul, d_qk, vec);
+        na_store_fragment_rows<T, HD>(dv + b * dv_sb + hk * dv_sh, dv_st, dv_acc[mt], ktok[mt],
+                                      dv_mul, d_v, vec);
+    }
 }
 #else
 // ---------------------------------------------------------------------------------------------

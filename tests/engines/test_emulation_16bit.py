@@ -40,7 +40,8 @@ PIPELINED_KERNELS = (*F.KERNELS, *F.WIDE_KERNELS)
 
 
 def fused_expressions(dtypes=DTYPES, head_dims=HEAD_DIMS, kernels=F.KERNELS):
-    return [F._expression(k, dt, hd) for k in kernels for dt in dtypes for hd in head_dims]
+    return [F._expression(k, dt, hd) for k in kernels for dt in dtypes for hd in head_dims
+            if k != F.WIDE_DKDV or hd in F.WIDE_DKDV_HEAD_DIMS]
 
 
 @pytest.fixture(scope="module")
@@ -438,27 +439,32 @@ def test_fused_pipelined_16bit(lib16_pipelined, monkeypatch, name, dtype):
     failures = (band_failures(name, dtype) if name in BAND_CASES
                 else neighborhood_failures(name, dtype))
     assert failures == []
-    # The forward and dQ: both the 64-query kernels or both the wide ones, as the tile model
-    # chose (one rule); dK/dV and delta always.
-    wide = {F.WIDE_FORWARD, F.WIDE_DQ} & set(calls)
-    narrow = {"na_fused_forward", "na_fused_backward_dq"} & set(calls)
-    assert set(calls) - wide - narrow == set(F.KERNELS[2:])
-    assert wide in (set(), set(F.WIDE_KERNELS)) and len(wide) + len(narrow) == 2
+    # Forward, dQ and dK/dV: each the 64-slot kernel or the wide one, as the tile model chose
+    # (the forward and dQ by one rule); delta always.
+    launched = set(calls)
+    assert "na_fused_backward_delta" in launched
+    for kernel in F.KERNELS[:3]:
+        assert len(launched & {kernel, *(w for w in F.WIDE_KERNELS if F._NARROW[w] == kernel)}) == 1
+    assert (F.WIDE_FORWARD in launched) == (F.WIDE_DQ in launched)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("name", list(NA_CASES) + list(PIPELINED_EXTRA) + list(WIDE_EXTRA))
-def test_wide_forward_16bit(lib16_pipelined, monkeypatch, name, dtype):
-    """The wide forward and dQ (128-query boxes, 32 rows per warp; key steps of 32 at head dim
-    128 for the forward, of 64/32/16 at 32/64/128 for dQ) on every neighborhood case, chosen
-    whatever the tile model would say; dK/dV keeps its 64-query boxes."""
+def test_wide_kernels_16bit(lib16_pipelined, monkeypatch, name, dtype):
+    """The wide kernels on every neighborhood case, chosen whatever the tile model would say:
+    forward and dQ over 128-query boxes (key steps of 32 at head dim 128 for the forward, of
+    64/32/16 at 32/64/128 for dQ), dK/dV over 128-key boxes up to head dim 64 (query steps of 32
+    and 16 at 32 and 64; at 128 the 64-key kernel)."""
     from cudnn_attn.fallback_kernels import tile_model
 
     calls = route_fused(monkeypatch, lib16_pipelined, pipelined=True)
     monkeypatch.setattr(F, "forward_tiles", tile_model.wide_tiles)
+    monkeypatch.setattr(F, "dkdv_tiles", tile_model.wide_key_tiles)
     assert neighborhood_failures(name, dtype) == []
-    assert set(F.WIDE_KERNELS) <= set(calls)
-    assert not {"na_fused_forward", "na_fused_backward_dq"} & set(calls)
+    _, _, _, _, _, _, _, Dqk, Dv, _ = {**NA_CASES, **PIPELINED_EXTRA, **WIDE_EXTRA}[name]
+    wide_dkdv = F.head_dim_bucket(Dqk, Dv) in F.WIDE_DKDV_HEAD_DIMS
+    assert set(calls) == {F.WIDE_FORWARD, F.WIDE_DQ, "na_fused_backward_delta",
+                          F.WIDE_DKDV if wide_dkdv else "na_fused_backward_dkdv"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -561,6 +567,10 @@ def test_pipelined_build_selection(monkeypatch):
             total = (own * 128 + 2 * 3 * step) * (hd + 8) * 2 + 128 * 32
             assert F.smem_bytes(kernel, torch.bfloat16, hd, pipelined=True) == total
             assert total <= 99 * 1024
+    for hd, qstep in {32: 32, 64: 16}.items():
+        # The wide dK/dV: K and V of 128 keys, three stages of (Q, dO) rows and 40 bytes a query.
+        total = 2 * 128 * (hd + 8) * 2 + 3 * (2 * qstep * (hd + 8) * 2 + 40 * qstep)
+        assert F.smem_bytes(F.WIDE_DKDV, torch.float16, hd, pipelined=True) == total
     assert not F.wide(torch.bfloat16, (9, 0))  # the switch above: no pipelined build at all
     monkeypatch.delenv("CUDNN_ATTN_FUSED_PIPELINED")
     assert F.wide(torch.bfloat16, (9, 0)) and not F.wide(torch.bfloat16, (8, 0))

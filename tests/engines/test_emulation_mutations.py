@@ -13,7 +13,8 @@ that ``test_emulation_16bit.py`` passes must then fail. The unmutated text passe
   ldmatrix row addresses taken from the wrong lanes, the one barrier per step of the forward's and
   dK/dV's rings removed (caught with copies landing at once), and every kernel skipping the mask
   on every tile (the whole-tile tests bypassed); the same two for the wide forward and the wide
-  dQ (128-query boxes), whose dQ mutations must show in dQ alone.
+  dQ (128-query boxes) and the wide dK/dV (128-key boxes), whose backward mutations must show
+  in that kernel's outputs alone.
 """
 
 import pytest
@@ -82,15 +83,20 @@ MUTATIONS = {
     "wide-forward-missing-ring-barrier": (WIDE_RING_BARRIER, 1, torch.bfloat16, True),
     "wide-dq-mask-skipped": (WIDE_DQ_ALL_WHOLE, 1, torch.bfloat16, True),
     "wide-dq-missing-ring-barrier": (WIDE_DQ_RING_BARRIER, 1, torch.float16, True),
+    # dK/dV's text serves the 64- and 128-key instances: here the wide one (128-key boxes).
+    "wide-dkdv-mask-skipped": (DKDV_ALL_WHOLE, 1, torch.float16, True),
+    "wide-dkdv-missing-barrier": (DKDV_BARRIER, 1, torch.bfloat16, True),
 }
 # Copies land at once for these (a buffer overwritten too early only shows then).
 EAGER = {"pipelined-dkdv-missing-barrier", "pipelined-forward-missing-ring-barrier",
-         "wide-forward-missing-ring-barrier", "wide-dq-missing-ring-barrier"}
-# The forward and dQ take the wide kernels' boxes for these, whatever the tile model would say.
+         "wide-forward-missing-ring-barrier", "wide-dq-missing-ring-barrier",
+         "wide-dkdv-missing-barrier"}
+# Every kernel takes the wide kernels' boxes for these, whatever the tile model would say.
 WIDE = {"wide-forward-mask-skipped", "wide-forward-missing-ring-barrier", "wide-dq-mask-skipped",
-        "wide-dq-missing-ring-barrier"}
-# Mutations of dQ alone: caught in dQ, the forward's outputs untouched.
-DQ_ONLY = {"wide-dq-mask-skipped", "wide-dq-missing-ring-barrier"}
+        "wide-dq-missing-ring-barrier", "wide-dkdv-mask-skipped", "wide-dkdv-missing-barrier"}
+# Mutations of one backward kernel: caught in its outputs alone.
+CAUGHT_IN = {"wide-dq-mask-skipped": {"dq"}, "wide-dq-missing-ring-barrier": {"dq"},
+             "wide-dkdv-mask-skipped": {"dk", "dv"}, "wide-dkdv-missing-barrier": {"dk", "dv"}}
 CASES = ("1d-rpb", "3d-causal", "2d-gqa-dv-causal", "1d-long-window")
 
 
@@ -108,14 +114,16 @@ def test_mutation_fails_the_oracle_comparison(request, tmp_path_factory, monkeyp
                              E.fused_expressions(dtypes=(dtype,), head_dims=(32,),
                                                  kernels=E.PIPELINED_KERNELS if pipelined
                                                  else F.KERNELS), source=source)
-    E.route_fused(monkeypatch, lib, pipelined)
+    calls = E.route_fused(monkeypatch, lib, pipelined)
     if mutation in EAGER:
         monkeypatch.setenv("NA_EMU_CP_ASYNC_EAGER", "1")
     if mutation in WIDE:
         from cudnn_attn.fallback_kernels import tile_model
 
         monkeypatch.setattr(F, "forward_tiles", tile_model.wide_tiles)
+        monkeypatch.setattr(F, "dkdv_tiles", tile_model.wide_key_tiles)
     failing = {name: E.neighborhood_failures(name, dtype) for name in CASES}
+    assert mutation not in WIDE or set(F.WIDE_KERNELS) <= set(calls)  # head dim 32: every one
     report = {name: len(f) for name, f in failing.items()}
     print(f"{mutation}: {count} site(s) replaced; failing outputs per case {report}: "
           + "; ".join(f[0] for f in failing.values() if f))
@@ -123,6 +131,6 @@ def test_mutation_fails_the_oracle_comparison(request, tmp_path_factory, monkeyp
     # query head per kv head gives dK/dV few steps), so: caught by at least one case.
     assert any(failing.values()), f"{mutation} went unnoticed in {report}"
     assert failing["1d-rpb"] or failing["2d-gqa-dv-causal"]
-    if mutation in DQ_ONLY:
+    if mutation in CAUGHT_IN:
         names = {f.split(":")[0] for fs in failing.values() for f in fs}
-        assert "dq" in names and not names & {"out", "lse"}, names
+        assert names and names <= CAUGHT_IN[mutation], names
