@@ -1861,33 +1861,33 @@ na_fused_backward_dkdv(NA_DKDV_PARAMS) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
+            for (int n = 0; n < NT; ++n) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = e >> 1, col = n * 8 + 2 * t + (e & 1);
-                bool seen = true;
-                if (!whole) {
-                    const NaQuerySlot& qs = slots[col];
+                for (int e = 0; e < 4; ++e) {
+                    const int r = e >> 1, col = n * 8 + 2 * t + (e & 1);
+                    bool seen = true;
+                    if (!whole) {
+                        const NaQuerySlot& qs = slots[col];
 #pragma unroll
-                    for (int a = 0; a < 3; ++a)
-                        seen &= kc[mt][r][a] >= qs.lo[a] && kc[mt][r][a] < qs.hi[a];
+                        for (int a = 0; a < 3; ++a)
+                            seen &= kc[mt][r][a] >= qs.lo[a] && kc[mt][r][a] < qs.hi[a];
+                    }
+                    const float l = s_lse[col];
+                    // A query that saw nothing has lse = -inf: its P is 0 (it sees no key here).
+                    const float lse2 = l == -NA_INF ? NA_INF : l * NA_LOG2E;
+                    float p, ds;
+                    if (softcap > 0.f) {
+                        const float th = tanhf(s[mt][n][e] * scale * inv_cap);
+                        p = seen ? na_ex2(softcap * NA_LOG2E * th - lse2) : 0.f;
+                        ds = seen ? p * (dp[mt][n][e] - s_delta[col]) * (1.f - th * th) : 0.f;
+                    } else {
+                        p = seen ? na_ex2(fmaf(s[mt][n][e], scale_log2, -lse2)) : 0.f;
+                        ds = p * (dp[mt][n][e] - s_delta[col]);
+                    }
+                    s[mt][n][e] = p;
+                    dp[mt][n][e] = ds;
                 }
-                const float l = s_lse[col];
-                // A query that saw nothing has lse = -inf: its P is 0 (it sees no key here).
-                const float lse2 = l == -NA_INF ? NA_INF : l * NA_LOG2E;
-                float p, ds;
-                if (softcap > 0.f) {
-                    const float th = tanhf(s[mt][n][e] * scale * inv_cap);
-                    p = seen ? na_ex2(softcap * NA_LOG2E * th - lse2) : 0.f;
-                    ds = seen ? p * (dp[mt][n][e] - s_delta[col]) * (1.f - th * th) : 0.f;
-                } else {
-                    p = seen ? na_ex2(fmaf(s[mt][n][e], scale_log2, -lse2)) : 0.f;
-                    ds = p * (dp[mt][n][e] - s_delta[col]);
-                }
-                s[mt][n][e] = p;
-                dp[mt][n][e] = ds;
             }
-        }
         }
         if constexpr (MT == 1) {
             na_pv<T, HD, NT>(dv_acc[0], s[0], sDO);

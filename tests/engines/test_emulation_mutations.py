@@ -65,8 +65,8 @@ WIDE_DQ_RING_BARRIER = ("__syncthreads();  // step it (and Q, dO) landed for all
 DKDV_BARRIER = ("__syncthreads();  // step `step` landed for all; step - 1 is done everywhere",
                 "/* no barrier */  // step `step` landed for all; step - 1 is done everywhere")
 # dK/dV taking every query tile as seeing the whole key box.
-DKDV_ALL_WHOLE = ("if (!whole) {\n                    const NaQuerySlot& qs",
-                  "if (false) {\n                    const NaQuerySlot& qs")
+DKDV_ALL_WHOLE = ("if (!whole) {\n                        const NaQuerySlot& qs",
+                  "if (false) {\n                        const NaQuerySlot& qs")
 
 # name -> ((old, new), replacements expected, dtype, pipelined build)
 MUTATIONS = {
