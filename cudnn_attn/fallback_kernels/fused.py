@@ -4,8 +4,8 @@ One kernel family serves every mask the CuPy backend runs: up to three axes, eac
 0.21 neighborhood (kernel, stride, dilation, causal) or a 1-D band (dense, causal, sliding window;
 ``S_q != S_kv`` allowed). The mask travels as a *geometry table* (``cudnn_attn.model.geometry``: 3 axes x
 10 int32 in ``NaAxis`` field order). Tiles are boxes of ``FUSED_QUERY_TILE`` queries /
-``FUSED_KEY_TILE`` keys inside one dilation group per axis; this module mirrors the kernels' tile
-walk (key and query ranges, tile enumeration) in Python on top of ``geometry.axis_window``, which
+``FUSED_KEY_TILE`` keys inside one dilation group per axis (on sm_90+ the wide kernels' 128-query
+or 128-key boxes); ``tile_walk`` mirrors the kernels' tile walk in Python (re-exported here), which
 is what the CPU tests check the skipping rule with. Launches go through ``launch``.
 
 Tensors are token-major views ``[B, S, H, D]`` with any strides (last dim contiguous), so both
@@ -20,18 +20,21 @@ from typing import Sequence
 import torch
 
 from ..core.caches import memoize
-from ..model.geometry import MAX_AXES, axis_dilation, axis_window, group_len, neighborhood_table, table_axes
+from ..model.geometry import neighborhood_table
 from . import _loader, launch
 from .limits import MAX_HEAD_DIM
 from .tile_model import choose_tiles, dkdv_tiles, forward_tiles
 from .tile_shapes import (FUSED_KEY_TILE, FUSED_QUERY_TILE, WIDE_KEY_TILE, WIDE_QUERY_TILE,
                           check_tile_sizes)
+from .tile_walk import (axis_tile_list, axis_tiles, forward_tokens, group_key_range,
+                        group_query_range, launch_grid, pad3)
 
 __all__ = ["SOURCE", "DEFINES", "variants", "na_forward", "na_backward", "run_forward",
            "run_backward", "choose_tiles", "launch_grid", "head_dim_bucket", "smem_bytes",
            "forward_tokens", "pipelined", "pipelined_variants", "PIPELINED_DEFINES",
            "backward_delta", "forward_boxes", "dkdv_boxes", "WIDE_FORWARD", "WIDE_DQ", "WIDE_DKDV",
-           "WIDE_KERNELS", "WIDE_DKDV_HEAD_DIMS", "wide", "wide_variants", "wide_steps"]
+           "WIDE_KERNELS", "WIDE_DKDV_HEAD_DIMS", "wide", "wide_variants", "wide_steps",
+           "group_key_range", "group_query_range", "axis_tiles", "axis_tile_list", "pad3"]
 
 SOURCE = "fused_attention.cu"
 DEFINES = {"QUERY_TILE": FUSED_QUERY_TILE, "KEY_TILE": FUSED_KEY_TILE}
@@ -209,69 +212,6 @@ def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool =
     total = rows * ld * elem + _META_BYTES[kernel]
     assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
     return total
-
-
-# ---------------------------------------------------------------------------------------------
-# Python mirror of the kernels' tile walk (the window rule itself is geometry.axis_window)
-# ---------------------------------------------------------------------------------------------
-
-def group_key_range(ax, glen: int, q0: int, q1: int) -> tuple[int, int]:
-    """Keys [lo, hi) of a group that the queries [q0, q1) see (na_group_key_range)."""
-    lo0, _ = axis_window(ax, q0, glen)
-    _, hi1 = axis_window(ax, q1 - 1, glen)
-    return lo0, max(hi1, lo0)
-
-
-def group_query_range(ax, glen_q: int, k0: int, k1: int) -> tuple[int, int]:
-    """Queries [lo, hi) of a group that see any key of [k0, k1) (monotone windows;
-    na_group_query_range)."""
-    lo = next((i for i in range(glen_q) if axis_window(ax, i, glen_q)[1] > k0), glen_q)
-    hi = next((i for i in range(lo, glen_q) if axis_window(ax, i, glen_q)[0] >= k1), glen_q)
-    return lo, hi
-
-
-def axis_tiles(length: int, d: int, tile: int) -> int:
-    r, q = length % d, length // d
-    return r * -(-(q + 1) // tile) + (d - r) * -(-q // tile)
-
-
-def axis_tile_list(length: int, d: int, tile: int) -> list[tuple[int, int, int]]:
-    """(group, first, end) of every tile of an axis, in the kernels' enumeration order."""
-    out = []
-    for g in range(d):
-        glen = group_len(length, d, g)
-        out.extend((g, s, min(s + tile, glen)) for s in range(0, glen, tile))
-    return out
-
-
-def launch_grid(table: Sequence[int], box: Sequence[int], heads: int, batch: int,
-                own_queries: bool = True) -> tuple[int, int, int]:
-    """Blocks of a launch: tiles (product over axes) x heads x batch. ``box`` is the own tile
-    shape (rank-sized or 3 entries); ``own_queries`` False for the dK/dV kernel (key tiles)."""
-    box = pad3(box)
-    n = 1
-    for ax, t in zip(table_axes(table), box):
-        n *= axis_tiles(ax[1] if own_queries else ax[2], axis_dilation(ax), t)
-    return (n, heads, batch)
-
-
-def pad3(box: Sequence[int]) -> tuple[int, int, int]:
-    """A rank-sized box as the kernels' three sides (missing axes 1)."""
-    return tuple(box) + (1,) * (MAX_AXES - len(box))
-
-
-def forward_tokens(table: Sequence[int], query_box: Sequence[int],
-                   key_box: Sequence[int]) -> int:
-    """Key slots the forward visits over all query tiles (per batch and head): the per-axis
-    sums of visited key tiles multiply, because the boxes factorise over axes."""
-    total = 1
-    for ax, qt, kt in zip(table_axes(table), pad3(query_box), pad3(key_box)):
-        d, axis_sum = axis_dilation(ax), 0
-        for g, q0, q1 in axis_tile_list(ax[1], d, qt):
-            lo, hi = group_key_range(ax, group_len(ax[1], d, g), q0, q1)
-            axis_sum += -(-(hi - lo) // kt)
-        total *= axis_sum * kt
-    return total * FUSED_QUERY_TILE
 
 
 # ---------------------------------------------------------------------------------------------
