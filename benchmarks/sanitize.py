@@ -130,7 +130,29 @@ def _fused_cases():
         if dtype != torch.float32:  # on sm_80+ the above ran the pipelined build; the plain one:
             cases[f"fused-{dname}-plain-build-hd64-2d"] = _plain_build(neighborhood(
                 dtype, 64, 56, (9, 10), (3, 5), (1, 2), (2, 1), (False, True)))
+            # On sm_90+ the wide kernels (forward and dQ over 128-query boxes, dK/dV over
+            # 128-key boxes up to head dim 64), whatever the tile model says.
+            for hd in F.HEAD_DIMS:
+                cases[f"fused-{dname}-wide-hd{hd}-2d"] = _wide_boxes(neighborhood(
+                    dtype, hd, hd if hd == 32 else hd - 8, (12, 20), (5, 9), (1, 1), (1, 2),
+                    (True, False)))
     return cases
+
+
+def _wide_boxes(run):
+    """``run`` with every kernel on the wide kernels' boxes (``tile_model.wide_tiles``,
+    ``wide_key_tiles``) where the device runs them (sm_90+; elsewhere the 64-slot kernels)."""
+    def wrapped():
+        from cudnn_attn.fallback_kernels import fused as F
+        from cudnn_attn.fallback_kernels import tile_model
+
+        chosen = F.forward_tiles, F.dkdv_tiles
+        F.forward_tiles, F.dkdv_tiles = tile_model.wide_tiles, tile_model.wide_key_tiles
+        try:
+            run()
+        finally:
+            F.forward_tiles, F.dkdv_tiles = chosen
+    return wrapped
 
 
 def _plain_build(run):

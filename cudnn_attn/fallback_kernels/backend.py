@@ -134,7 +134,6 @@ class CupyPlan:
         self.table = tuple(table)
         hood = problem.neighborhood
         self.rank = hood.ndim if hood is not None else 1
-        self.boxes = fused.choose_tiles(self.table, self.rank)  # the backward's
         self.o_shape = ((problem.batch, problem.heads_q, problem.seq_q, problem.dim_v)
                         if problem.layout == "bhsd"
                         else (problem.batch, problem.seq_q, problem.heads_q, problem.dim_v))
@@ -177,5 +176,9 @@ class CupyPlan:
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
         fused.run_backward(tok(q), tok(k), tok(v), do_t, lse.transpose(1, 2),
                            delta, tok(dq), tok(dk), tok(dv), self.table,
-                           self.boxes, problem.scale, problem.softcap or 0.0)
+                           fused.dkdv_boxes(self.table, self.rank, problem.dtype,
+                                            fused.head_dim_bucket(problem.dim_qk, problem.dim_v),
+                                            q.device),
+                           problem.scale, problem.softcap or 0.0,
+                           fused.forward_boxes(self.table, self.rank, problem.dtype, q.device))
         return dq, dk, dv, None

@@ -4,8 +4,8 @@ One kernel family serves every mask the CuPy backend runs: up to three axes, eac
 0.21 neighborhood (kernel, stride, dilation, causal) or a 1-D band (dense, causal, sliding window;
 ``S_q != S_kv`` allowed). The mask travels as a *geometry table* (``cudnn_attn.model.geometry``: 3 axes x
 10 int32 in ``NaAxis`` field order). Tiles are boxes of ``FUSED_QUERY_TILE`` queries /
-``FUSED_KEY_TILE`` keys inside one dilation group per axis; this module mirrors the kernels' tile
-walk (key and query ranges, tile enumeration) in Python on top of ``geometry.axis_window``, which
+``FUSED_KEY_TILE`` keys inside one dilation group per axis (on sm_90+ the wide kernels' 128-query
+or 128-key boxes); ``tile_walk`` mirrors the kernels' tile walk in Python (re-exported here), which
 is what the CPU tests check the skipping rule with. Launches go through ``launch``.
 
 Tensors are token-major views ``[B, S, H, D]`` with any strides (last dim contiguous), so both
@@ -20,16 +20,21 @@ from typing import Sequence
 import torch
 
 from ..core.caches import memoize
-from ..model.geometry import MAX_AXES, axis_dilation, axis_window, group_len, neighborhood_table, table_axes
+from ..model.geometry import neighborhood_table
 from . import _loader, launch
 from .limits import MAX_HEAD_DIM
-from .tile_model import choose_tiles, forward_tiles
-from .tile_shapes import FUSED_KEY_TILE, FUSED_QUERY_TILE, WIDE_QUERY_TILE, check_tile_sizes
+from .tile_model import choose_tiles, dkdv_tiles, forward_tiles
+from .tile_shapes import (FUSED_KEY_TILE, FUSED_QUERY_TILE, WIDE_KEY_TILE, WIDE_QUERY_TILE,
+                          check_tile_sizes)
+from .tile_walk import (axis_tile_list, axis_tiles, forward_tokens, group_key_range,
+                        group_query_range, launch_grid, pad3)
 
 __all__ = ["SOURCE", "DEFINES", "variants", "na_forward", "na_backward", "run_forward",
            "run_backward", "choose_tiles", "launch_grid", "head_dim_bucket", "smem_bytes",
            "forward_tokens", "pipelined", "pipelined_variants", "PIPELINED_DEFINES",
-           "backward_delta", "forward_boxes", "WIDE_FORWARD", "wide", "wide_variants"]
+           "backward_delta", "forward_boxes", "dkdv_boxes", "WIDE_FORWARD", "WIDE_DQ", "WIDE_DKDV",
+           "WIDE_KERNELS", "WIDE_DKDV_HEAD_DIMS", "wide", "wide_variants", "wide_steps",
+           "group_key_range", "group_query_range", "axis_tiles", "axis_tile_list", "pad3"]
 
 SOURCE = "fused_attention.cu"
 DEFINES = {"QUERY_TILE": FUSED_QUERY_TILE, "KEY_TILE": FUSED_KEY_TILE}
@@ -56,15 +61,27 @@ PIPELINED_DEFINES = {**DEFINES, "NA_PIPELINED": 1}
 PIPELINED_MIN_ARCH = 80
 PIPELINED_DTYPES = (torch.float16, torch.bfloat16)
 _QUERY_MAJOR = ("na_fused_forward", "na_fused_backward_dq")
-# The pipelined build's forward over 128-query boxes (4 warps of 32 rows: every K/V fragment feeds
-# two mma); launched when the query box holds WIDE_QUERY_TILE slots (``tile_model.forward_tiles``).
+# The pipelined build's query-major kernels over 128-query boxes (4 warps of 32 rows: every K/V
+# fragment feeds two mma): the forward and dQ, launched when their query box holds
+# WIDE_QUERY_TILE slots (``tile_model.forward_tiles``, one rule for both).
 WIDE_FORWARD = "na_fused_forward_wide"
+WIDE_DQ = "na_fused_backward_dq_wide"
+# dK/dV over 128-key boxes (4 warps of 32 key rows: every Q/dO fragment feeds two mma), the
+# template instance ``na_fused_backward_dkdv<T, HD, 128>``; head dims up to 64 (at 128 the dK and
+# dV accumulators of 32 rows alone would fill the register file). ``tile_model.dkdv_tiles``.
+WIDE_DKDV = "na_fused_backward_dkdv_wide"
+WIDE_DKDV_HEAD_DIMS = (32, 64)
+WIDE_KERNELS = (WIDE_FORWARD, WIDE_DQ, WIDE_DKDV)
+_NARROW = {WIDE_FORWARD: "na_fused_forward", WIDE_DQ: "na_fused_backward_dq",
+           WIDE_DKDV: "na_fused_backward_dkdv"}
 WIDE_MIN_ARCH = 90
 _QUERY_SLOT_BYTES = 32  # NaQuerySlot
 _DKDV_STEP_SLOT_BYTES = 32 + 8  # NaQuerySlot, lse, delta
 
 
 def _expression(kernel: str, dtype: torch.dtype, head_dim: int) -> str:
+    if kernel == WIDE_DKDV:
+        return f"na_fused_backward_dkdv<{CTYPES[dtype]}, {head_dim}, {WIDE_KEY_TILE}>"
     return f"{kernel}<{CTYPES[dtype]}, {head_dim}>"
 
 
@@ -84,16 +101,17 @@ def pipelined_variants() -> list:
 
 
 def wide_variants() -> list:
-    """The wide forward's instances (the pipelined build's text, sm_90+: at 32 rows per warp its
-    accumulators fit sm_90's register allocation but spill on sm_80's)."""
-    return [_loader.KernelVariant(SOURCE, _expression(WIDE_FORWARD, dt, hd),
-                                  f"{WIDE_FORWARD}<{CTYPES[dt]},{hd}>/pipelined", THREADS,
-                                  smem_bytes(WIDE_FORWARD, dt, hd, pipelined=True))
-            for dt in PIPELINED_DTYPES for hd in HEAD_DIMS]
+    """The wide kernels' instances (forward and dQ; the pipelined build's text, sm_90+: at 32
+    rows per warp their accumulators fit sm_90's register allocation but spill on sm_80's)."""
+    return [_loader.KernelVariant(SOURCE, _expression(k, dt, hd),
+                                  f"{k}<{CTYPES[dt]},{hd}>/pipelined", THREADS,
+                                  smem_bytes(k, dt, hd, pipelined=True))
+            for k in WIDE_KERNELS for dt in PIPELINED_DTYPES
+            for hd in (WIDE_DKDV_HEAD_DIMS if k == WIDE_DKDV else HEAD_DIMS)]
 
 
 def wide(dtype: torch.dtype, capability: tuple[int, int]) -> bool:
-    """Whether launches of ``dtype`` on a device of ``capability`` may use the wide forward."""
+    """Whether launches of ``dtype`` on a device of ``capability`` may use the wide kernels."""
     major, minor = capability
     return pipelined(dtype, capability) and major * 10 + minor >= WIDE_MIN_ARCH
 
@@ -126,13 +144,29 @@ def forward_stages(head_dim: int) -> int:
     return 2 if head_dim >= 128 else 3
 
 
-def dkdv_steps(head_dim: int) -> tuple[int, int]:
+def dkdv_steps(head_dim: int, keys: int = FUSED_KEY_TILE) -> tuple[int, int]:
     """(queries per step, stages) of the pipelined dK/dV ring (``NaDkdvSteps`` in the .cu): a
     whole 64-query tile per step up to head dim 64, 32-query chunks at 128 so that three stages
-    fit beside the block's K and V; two stages at 64."""
+    fit beside the block's K and V; two stages at 64. The wide dK/dV (``keys`` = 128): three
+    stages of 64 queries at head dim 32, of 32 at 64."""
+    if keys == WIDE_KEY_TILE:
+        return (16 if head_dim >= 64 else 32), 3
     if head_dim >= 128:
         return 32, 3
     return 64, 2 if head_dim >= 64 else 3
+
+
+def wide_steps(kernel: str, head_dim: int) -> tuple[int, int]:
+    """(keys per step, stages) of a wide kernel's K/V ring (``NaWide`` / ``NaWideDq`` in the
+    .cu). The forward: whole 64-key tiles, half tiles at head dim 128 (its two 32-row
+    accumulators leave no registers for more). dQ holds two score-sized fragments (S and dP) per
+    m16 tile beside its accumulators: 64 keys at head dim 32, 32 at 64, 16 at 128 (where its Q
+    and dO tiles fill most of the 99 KB)."""
+    if kernel == WIDE_FORWARD:
+        return (32 if head_dim >= 128 else 64), 3
+    if kernel == WIDE_DQ:
+        return (16 if head_dim >= 128 else 32 if head_dim >= 64 else 64), 3
+    raise ValueError(f"kernel must be one of {WIDE_KERNELS}, got {kernel!r}")
 
 
 def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool = False) -> int:
@@ -140,11 +174,20 @@ def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool =
     the sm_80+ build, whose query-major kernels hold a ring of K/V stages."""
     if kernel == "na_fused_backward_delta":
         return 0  # registers and shuffles only
-    if kernel == WIDE_FORWARD:
-        # The 128-query Q tile, a ring of three (K, V) steps of 64 keys (32 at head dim 128),
-        # one record per query slot (NaWide in the .cu). The pipelined build only.
-        key_step = 32 if head_dim >= 128 else 64
-        total = ((WIDE_QUERY_TILE + 2 * 3 * key_step) * (head_dim + 8) * 2
+    if kernel == WIDE_DKDV:
+        # The 128-key box's K and V, then the ring of query steps (``dkdv_steps``).
+        assert pipelined and head_dim in WIDE_DKDV_HEAD_DIMS, (kernel, head_dim)
+        qstep, stages = dkdv_steps(head_dim, WIDE_KEY_TILE)
+        total = (2 * WIDE_KEY_TILE * (head_dim + 8) * 2
+                 + stages * (2 * qstep * (head_dim + 8) * 2 + _DKDV_STEP_SLOT_BYTES * qstep))
+        assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
+        return total
+    if kernel in WIDE_KERNELS:
+        # The 128-query own tiles (forward: Q; dQ: dO and Q), the ring of (K, V) steps
+        # (``wide_steps``), one record per query slot. The pipelined build only.
+        key_step, stages = wide_steps(kernel, head_dim)
+        own = 1 if kernel == WIDE_FORWARD else 2
+        total = ((own * WIDE_QUERY_TILE + 2 * stages * key_step) * (head_dim + 8) * 2
                  + _QUERY_SLOT_BYTES * WIDE_QUERY_TILE)
         assert pipelined and total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
         return total
@@ -169,69 +212,6 @@ def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool =
     total = rows * ld * elem + _META_BYTES[kernel]
     assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
     return total
-
-
-# ---------------------------------------------------------------------------------------------
-# Python mirror of the kernels' tile walk (the window rule itself is geometry.axis_window)
-# ---------------------------------------------------------------------------------------------
-
-def group_key_range(ax, glen: int, q0: int, q1: int) -> tuple[int, int]:
-    """Keys [lo, hi) of a group that the queries [q0, q1) see (na_group_key_range)."""
-    lo0, _ = axis_window(ax, q0, glen)
-    _, hi1 = axis_window(ax, q1 - 1, glen)
-    return lo0, max(hi1, lo0)
-
-
-def group_query_range(ax, glen_q: int, k0: int, k1: int) -> tuple[int, int]:
-    """Queries [lo, hi) of a group that see any key of [k0, k1) (monotone windows;
-    na_group_query_range)."""
-    lo = next((i for i in range(glen_q) if axis_window(ax, i, glen_q)[1] > k0), glen_q)
-    hi = next((i for i in range(lo, glen_q) if axis_window(ax, i, glen_q)[0] >= k1), glen_q)
-    return lo, hi
-
-
-def axis_tiles(length: int, d: int, tile: int) -> int:
-    r, q = length % d, length // d
-    return r * -(-(q + 1) // tile) + (d - r) * -(-q // tile)
-
-
-def axis_tile_list(length: int, d: int, tile: int) -> list[tuple[int, int, int]]:
-    """(group, first, end) of every tile of an axis, in the kernels' enumeration order."""
-    out = []
-    for g in range(d):
-        glen = group_len(length, d, g)
-        out.extend((g, s, min(s + tile, glen)) for s in range(0, glen, tile))
-    return out
-
-
-def launch_grid(table: Sequence[int], box: Sequence[int], heads: int, batch: int,
-                own_queries: bool = True) -> tuple[int, int, int]:
-    """Blocks of a launch: tiles (product over axes) x heads x batch. ``box`` is the own tile
-    shape (rank-sized or 3 entries); ``own_queries`` False for the dK/dV kernel (key tiles)."""
-    box = pad3(box)
-    n = 1
-    for ax, t in zip(table_axes(table), box):
-        n *= axis_tiles(ax[1] if own_queries else ax[2], axis_dilation(ax), t)
-    return (n, heads, batch)
-
-
-def pad3(box: Sequence[int]) -> tuple[int, int, int]:
-    """A rank-sized box as the kernels' three sides (missing axes 1)."""
-    return tuple(box) + (1,) * (MAX_AXES - len(box))
-
-
-def forward_tokens(table: Sequence[int], query_box: Sequence[int],
-                   key_box: Sequence[int]) -> int:
-    """Key slots the forward visits over all query tiles (per batch and head): the per-axis
-    sums of visited key tiles multiply, because the boxes factorise over axes."""
-    total = 1
-    for ax, qt, kt in zip(table_axes(table), pad3(query_box), pad3(key_box)):
-        d, axis_sum = axis_dilation(ax), 0
-        for g, q0, q1 in axis_tile_list(ax[1], d, qt):
-            lo, hi = group_key_range(ax, group_len(ax[1], d, g), q0, q1)
-            axis_sum += -(-(hi - lo) // kt)
-        total *= axis_sum * kt
-    return total * FUSED_QUERY_TILE
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,14 +282,31 @@ def run_forward(q, k, v, out, lse, table, boxes, scale, softcap=0.0, rpb=None) -
                 *(np.int32(x) for x in qb), *(np.int32(x) for x in kb),
                 np.float32(scale), np.float32(softcap or 0.0),
                 np.int32(_aligned((q, k, v, out), q.dtype))]
-        kernel = "na_fused_forward"
-        if math.prod(qb) == WIDE_QUERY_TILE:
-            if not wide(q.dtype, _capability(ctx.index)):
-                raise ValueError(f"a {WIDE_QUERY_TILE}-query box {tuple(boxes[0])} runs the wide "
-                                 f"forward (fp16/bf16, sm_90+, the pipelined build); this "
-                                 f"launch is {q.dtype} on sm_{''.join(map(str, _capability(ctx.index)))}")
-            kernel = WIDE_FORWARD
-        _launch(kernel, q.dtype, hd, grid, tensors, scalars, ctx)
+        _launch(_query_major(WIDE_FORWARD, qb, q.dtype, ctx), q.dtype, hd, grid, tensors,
+                scalars, ctx)
+
+
+def _query_major(wide_kernel: str, own_box: Sequence[int], dtype: torch.dtype,
+                 ctx: "launch.TorchStream", wide_volume: int = WIDE_QUERY_TILE) -> str:
+    """The kernel the block's own box names: ``wide_kernel`` for ``wide_volume`` slots
+    (fp16/bf16, sm_90+, the pipelined build), its 64-slot kernel otherwise."""
+    if math.prod(own_box) != wide_volume:
+        return _NARROW[wide_kernel]
+    if not wide(dtype, _capability(ctx.index)):
+        raise ValueError(f"a {wide_volume}-slot box {tuple(own_box)} runs {wide_kernel} "
+                         f"(fp16/bf16, sm_90+, the pipelined build); this launch is {dtype} on "
+                         f"sm_{''.join(map(str, _capability(ctx.index)))}")
+    return wide_kernel
+
+
+def _key_major(key_box: Sequence[int], dtype: torch.dtype, head_dim: int,
+               ctx: "launch.TorchStream") -> str:
+    """dK/dV's kernel for a key box: the wide one for ``WIDE_KEY_TILE`` slots (fp16/bf16, sm_90+,
+    head dims up to 64), the 64-key one otherwise."""
+    if math.prod(key_box) == WIDE_KEY_TILE and head_dim not in WIDE_DKDV_HEAD_DIMS:
+        raise ValueError(f"a {WIDE_KEY_TILE}-key box {tuple(key_box)} runs {WIDE_DKDV}, whose "
+                         f"head dims are {WIDE_DKDV_HEAD_DIMS}; this launch has {head_dim}")
+    return _query_major(WIDE_DKDV, key_box, dtype, ctx, WIDE_KEY_TILE)
 
 
 def backward_delta(out: torch.Tensor, dout: torch.Tensor, like: torch.Tensor,
@@ -342,18 +339,27 @@ def backward_delta(out: torch.Tensor, dout: torch.Tensor, like: torch.Tensor,
 
 
 def run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale,
-                 softcap=0.0) -> None:
-    """Launch dQ and dK/dV on token-major views (see ``run_forward``); ``delta`` like ``lse``."""
+                 softcap=0.0, dq_boxes=None) -> None:
+    """Launch dQ and dK/dV on token-major views (see ``run_forward``); ``delta`` like ``lse``.
+    ``boxes``: dK/dV's (query box, key box), 64-query boxes, where a key box of
+    ``WIDE_KEY_TILE`` slots runs the wide dK/dV (``dkdv_boxes``); ``dq_boxes``: dQ's (default
+    ``boxes``), where a query box of ``WIDE_QUERY_TILE`` slots runs the wide dQ (the forward's
+    boxes, ``forward_boxes``). Every gradient row is written by one block: no atomics."""
     import numpy as np
 
     B, _, Hq, Dqk = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
     hd = head_dim_bucket(Dqk, Dv)
-    qb, kb = pad3(boxes[0]), pad3(boxes[1])
-    tail = [np.int32(Hq), np.int32(Hkv), np.int32(Dqk), np.int32(Dv),
-            *(np.int32(x) for x in qb), *(np.int32(x) for x in kb),
-            np.float32(scale), np.float32(softcap or 0.0),
-            np.int32(_aligned((q, k, v, dout, dq, dk, dv), q.dtype))]
+    if math.prod(boxes[0]) != FUSED_QUERY_TILE:
+        raise ValueError(f"dK/dV walks {FUSED_QUERY_TILE}-query boxes, got {tuple(boxes[0])}")
+    dq_boxes = boxes if dq_boxes is None else dq_boxes
+
+    def tail(pair):
+        return [np.int32(Hq), np.int32(Hkv), np.int32(Dqk), np.int32(Dv),
+                *(np.int32(x) for x in pad3(pair[0])), *(np.int32(x) for x in pad3(pair[1])),
+                np.float32(scale), np.float32(softcap or 0.0),
+                np.int32(_aligned((q, k, v, dout, dq, dk, dv), q.dtype))]
+
     common = [*_strides(q), *_strides(k), *_strides(v), *_strides(dout)]
     table_dev = launch.device_table(table, q.device)
     # Only dimensions longer than 1 are indexed, so only their strides must agree (torch keeps
@@ -361,14 +367,14 @@ def run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale,
     if any(a != b for a, b, n in zip(delta.stride(), lse.stride(), lse.shape) if n > 1):
         raise ValueError("delta must have lse's strides")
     with launch.TorchStream(q.device) as ctx:
-        grid = launch_grid(table, qb, Hq, B, True)
-        _launch("na_fused_backward_dq", q.dtype, hd, grid,
+        grid = launch_grid(table, pad3(dq_boxes[0]), Hq, B, True)
+        _launch(_query_major(WIDE_DQ, dq_boxes[0], q.dtype, ctx), q.dtype, hd, grid,
                 [q, k, v, dout, lse, delta, dq, table_dev],
-                [*common, *_strides(dq), *_strides(lse), *tail], ctx)
-        grid = launch_grid(table, kb, Hkv, B, False)
-        _launch("na_fused_backward_dkdv", q.dtype, hd, grid,
+                [*common, *_strides(dq), *_strides(lse), *tail(dq_boxes)], ctx)
+        grid = launch_grid(table, pad3(boxes[1]), Hkv, B, False)
+        _launch(_key_major(boxes[1], q.dtype, hd, ctx), q.dtype, hd, grid,
                 [q, k, v, dout, lse, delta, dk, dv, table_dev],
-                [*common, *_strides(dk), *_strides(dv), *_strides(lse), *tail], ctx)
+                [*common, *_strides(dk), *_strides(dv), *_strides(lse), *tail(boxes)], ctx)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,12 +399,25 @@ def _tokens(t: torch.Tensor, rank: int, name: str) -> torch.Tensor:
 
 def forward_boxes(table: Sequence[int], rank: int, dtype: torch.dtype,
                   device: torch.device) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The forward's default boxes on ``device``: ``tile_model.forward_tiles`` (which may name the
-    wide kernel) where the wide forward can run (``wide``), else :func:`choose_tiles`."""
+    """The query-major kernels' (forward and dQ) default boxes on ``device``:
+    ``tile_model.forward_tiles`` (which may name the wide kernels) where they can run
+    (``wide``), else :func:`choose_tiles`."""
     index = device.index if device.index is not None else (
         torch.cuda.current_device() if device.type == "cuda" else 0)
     if wide(dtype, _capability(index)):
         return forward_tiles(tuple(table), rank)
+    return choose_tiles(tuple(table), rank)
+
+
+def dkdv_boxes(table: Sequence[int], rank: int, dtype: torch.dtype, head_dim: int,
+               device: torch.device) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """dK/dV's default boxes on ``device``: ``tile_model.dkdv_tiles`` (which may name the wide
+    dK/dV) where it can run (``wide`` and a head dim bucket in ``WIDE_DKDV_HEAD_DIMS``), else
+    :func:`choose_tiles`."""
+    index = device.index if device.index is not None else (
+        torch.cuda.current_device() if device.type == "cuda" else 0)
+    if wide(dtype, _capability(index)) and head_dim in WIDE_DKDV_HEAD_DIMS:
+        return dkdv_tiles(tuple(table), rank)
     return choose_tiles(tuple(table), rank)
 
 
@@ -465,8 +484,11 @@ def na_backward(query, key, value, out, lse, dout, *, kernel_size, stride, dilat
     q, k, v = (_tokens(t, rank, n) for t, n in ((query, "query"), (key, "key"), (value, "value")))
     o4, do4 = _tokens(out, rank, "out"), _tokens(dout, rank, "dout")
     table = _table_for(spatial, kernel_size, stride, dilation, is_causal)
-    boxes = _boxes_for(rank, max(q.shape[-1], v.shape[-1]), q.dtype, table, query_tile,
-                       key_tile)
+    head_dim = max(q.shape[-1], v.shape[-1])
+    # dQ takes the forward's boxes, dK/dV its own (either maybe a wide kernel's).
+    dq_boxes = _boxes_for(rank, head_dim, q.dtype, table, query_tile, key_tile, q.device)
+    boxes = (dkdv_boxes(table, rank, q.dtype, head_dim_bucket(q.shape[-1], v.shape[-1]), q.device)
+             if query_tile is None and key_tile is None else dq_boxes)
     B, _, H, _ = q.shape
     l3 = lse.reshape(B, -1, H).to(torch.float32).contiguous()
     delta = backward_delta(o4, do4, l3)
@@ -474,5 +496,5 @@ def na_backward(query, key, value, out, lse, dout, *, kernel_size, stride, dilat
     dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
     run_backward(q, k, v, do4, l3, delta, dq.view(q.shape), dk.view(k.shape), dv.view(v.shape),
-                 table, boxes, scale, softcap or 0.0)
+                 table, boxes, scale, softcap or 0.0, dq_boxes)
     return dq, dk, dv

@@ -1410,6 +1410,30 @@ na_fused_forward_wide(NA_FORWARD_PARAMS) {
     }
 }
 
+// dQ's elementwise step on one key step's fragments: s holds the logits in log2 units times
+// 1 / mul (-inf where masked), dp = dO V^T; dp becomes dS = P (dP - delta) (* (1 - tanh^2) under
+// softcap), P = ex2(s * mul - lse * log2 e). Rows r: the fragment rows g, g + 8.
+template <int NT>
+__device__ __forceinline__ void na_dq_scores(float (&dp)[NT][4], const float (&s)[NT][4],
+                                             float mul, const float* row_lse,
+                                             const float* row_delta, float softcap,
+                                             float inv_cap) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            const float x = s[n][e];
+            float ds = na_ex2(fmaf(x, mul, -row_lse[r])) * (dp[n][e] - row_delta[r]);
+            if (softcap > 0.f) {
+                const float th = x * (NA_LN2 * inv_cap);  // x = cap * log2(e) * tanh(.)
+                ds = x == -NA_INF ? 0.f : ds * (1.f - th * th);
+            }
+            dp[n][e] = ds;
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Backward dQ, sm_80+ build: the forward's walk (same geometry, ring and mask paths). Q is held
 // as A fragments, dO stays in shared memory; P = ex2(x - lse * log2 e), dS = P * (dP - delta)
@@ -1475,26 +1499,120 @@ na_fused_backward_dq(NA_DQ_PARAMS) {
                                          nullptr, rmul, s_period_ones);
         na_zero(dp);
         na_mma_abt<T, HD, NT>(dp, sDO + row0 * LD, ring.values(it), HD);
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = e >> 1;
-                const float x = s[n][e];
-                float ds = na_ex2(fmaf(x, mul, -row_lse[r])) * (dp[n][e] - row_delta[r]);
-                if (softcap > 0.f) {
-                    const float th = x * (NA_LN2 * inv_cap);  // x = cap * log2(e) * tanh(.)
-                    ds = x == -NA_INF ? 0.f : ds * (1.f - th * th);
-                }
-                dp[n][e] = ds;
-            }
-        }
+        na_dq_scores<NT>(dp, s, mul, row_lse, row_delta, softcap, inv_cap);
         na_pv<T, HD, NT>(acc, dp, ring.keys(it));
         na_odometer_step(kidx, geo.tiles);
     }
     na_cp_async_wait_all();
     const float mul[2] = {scale, scale};
     na_store_fragment_rows<T, HD>(dq + b * dq_sb + h * dq_sh, dq_st, acc, tok, mul, d_qk, vec);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The wide dQ, sm_80+ build (launched on sm_90+): the wide forward's 128-query boxes, each of
+// the 4 warps owning 32 rows (two m16 tiles), so every K and V fragment loaded from shared
+// memory feeds two mma (S = Q K^T, dP = dO V^T, dQ += dS K). Keys stream through the ring in
+// steps of KSTEP: two score-sized fragments (S and dP) per m16 tile are live beside the dQ
+// accumulators, so the steps are half the forward's (a quarter at head dim 128, whose Q and dO
+// tiles fill shared memory). Q and dO stay in registers where they fit, else are read from
+// shared memory at every step. No atomics: each block writes its own query rows.
+// ---------------------------------------------------------------------------------------------
+template <int HD> struct NaWideDq {
+    static constexpr int KSTEP = HD >= 128 ? 16 : HD >= 64 ? 32 : 64;
+    static constexpr int STAGES = 3;
+    static constexpr bool Q_IN_REGS = HD <= 64;
+    static constexpr bool DO_IN_REGS = HD <= 64;
+};
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(NA_THREADS, 1)
+na_fused_backward_dq_wide(NA_DQ_PARAMS) {
+    constexpr int LD = HD + 8, KSTEP = NaWideDq<HD>::KSTEP, NT = KSTEP / 8;
+    constexpr int STAGES = NaWideDq<HD>::STAGES;
+    constexpr bool QREG = NaWideDq<HD>::Q_IN_REGS, DOREG = NaWideDq<HD>::DO_IN_REGS;
+    using Ring = NaKeyRing<T, HD, KSTEP, STAGES>;
+    NA_QUERY_MAJOR_SETUP(Ring, 32)
+    // Shared memory: the dO tile, the Q tile, the ring, the query slots.
+    extern __shared__ __align__(16) unsigned char na_smem[];
+    T* sDO = reinterpret_cast<T*>(na_smem);
+    T* sQ = sDO + NA_WIDE_QUERIES * LD;
+    ring.smem = sQ + NA_WIDE_QUERIES * LD;
+    NaQuerySlot* s_slot = reinterpret_cast<NaQuerySlot*>(ring.smem + STAGES * Ring::STAGE);
+
+    // Q and dO join the first step's cp.async group; the ring is primed with STAGES - 1 steps.
+    na_copy_box<T, HD, NA_WIDE_QUERIES, NA_THREADS>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk, sDO,
+                                                    dout + b * do_sb + h * do_sh, do_st, d_v,
+                                                    geo.qtok, qbox, geo.own_lo, geo.own_hi, vec);
+#pragma unroll
+    for (int it = 0; it < STAGES - 1; ++it) ring.issue(it, geo, kbox, kside);
+    na_publish_query_slots<NA_WIDE_QUERIES>(s_slot, ax, geo, qbox, rmul);
+    const NaQuerySlot* my_slots = s_slot + row0 + (lane >> 2);  // rows g, g + 8 of each m-tile
+
+    // Row statistics of the thread's four rows (g, g + 8 of each m16 tile) in log2 units; a row
+    // that saw nothing (lse = -inf) or is clipped gets +inf, so its P is 0.
+    int tok[2][2];
+    float row_lse[2][2], row_delta[2][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            tok[mt][r] = na_slot_token(geo.qtok, qbox, geo.own_lo, geo.own_hi,
+                                       row0 + 16 * mt + (lane >> 2) + 8 * r);
+            const long long at = b * l_sb + (long long)tok[mt][r] * l_st + h * l_sh;
+            const float x = tok[mt][r] >= 0 ? lse[at] : NA_INF;
+            row_lse[mt][r] = x == -NA_INF ? NA_INF : x * NA_LOG2E;
+            row_delta[mt][r] = tok[mt][r] >= 0 ? delta[at] : 0.f;
+        }
+    }
+
+    unsigned int qf[2][QREG ? HD / 16 : 1][4], dof[2][DOREG ? HD / 16 : 1][4];
+    float acc[2][HD / 8][4];
+    na_zero(acc[0]);
+    na_zero(acc[1]);
+    const T* sQw = sQ + row0 * LD;
+    const T* sDOw = sDO + row0 * LD;
+    for (int it = 0; it < ring.nsteps; ++it) {
+        na_cp_async_wait_n<STAGES - 2>();  // this thread's copies of step it (and Q, dO) landed
+        __syncthreads();  // step it (and Q, dO) landed for all; step it - 1 is done everywhere
+        ring.issue(it + STAGES - 1, geo, kbox, kside);
+        if (it == 0) {
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                if constexpr (QREG) na_load_a_fragments<T, HD>(qf[mt], sQw + 16 * mt * LD);
+                if constexpr (DOREG) na_load_a_fragments<T, HD>(dof[mt], sDOw + 16 * mt * LD);
+            }
+        }
+        const int first = (it % Ring::PARTS) * KSTEP;  // the step's first slot of its key tile
+        int klo[3];
+        const bool whole = na_key_tile(geo, kidx, kside, klo);
+        float s[2][NT][4], dp[2][NT][4];
+        na_qk_wide<T, HD, NT, QREG>(s, qf, sQw, ring.keys(it));
+        // Whole tiles without softcap keep the raw scores: P takes the scale in its FMA.
+        const float mul = whole && softcap <= 0.f ? scale * NA_LOG2E : 1.f;
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            if (!whole)
+                na_forward_logits<NT, true, false>(s[mt], my_slots + 16 * mt, kbox, klo, scale,
+                                                   softcap, inv_cap, nullptr, rmul,
+                                                   s_period_ones, first);
+            else if (softcap > 0.f)
+                na_forward_logits<NT, false, false>(s[mt], my_slots + 16 * mt, kbox, klo, scale,
+                                                    softcap, inv_cap, nullptr, rmul,
+                                                    s_period_ones, first);
+        }
+        na_qk_wide<T, HD, NT, DOREG>(dp, dof, sDOw, ring.values(it));
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+            na_dq_scores<NT>(dp[mt], s[mt], mul, row_lse[mt], row_delta[mt], softcap, inv_cap);
+        na_pv_wide<T, HD, NT>(acc, dp, ring.keys(it));
+        if ((it + 1) % Ring::PARTS == 0) na_odometer_step(kidx, geo.tiles);
+    }
+    na_cp_async_wait_all();
+    const float mul[2] = {scale, scale};
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+        na_store_fragment_rows<T, HD>(dq + b * dq_sb + h * dq_sh, dq_st, acc[mt], tok[mt], mul,
+                                      d_qk, vec);
 }
 #else
 // ---------------------------------------------------------------------------------------------
@@ -1666,11 +1784,16 @@ na_fused_backward_dq(NA_DQ_PARAMS) {
 // ---------------------------------------------------------------------------------------------
 
 // Queries per step (one ring stage) and stages: a 64-query tile in one step up to head dim 64,
-// in two of 32 at 128 (so three stages fit beside K and V); two stages at 64.
-template <int HD> struct NaDkdvSteps {
-    static constexpr int QSTEP = HD >= 128 ? 32 : 64;
-    static constexpr int STAGES = HD >= 128 ? 3 : HD >= 64 ? 2 : 3;
-    static constexpr int MIN_BLOCKS = HD >= 64 ? 1 : 2;
+// in two of 32 at 128 (so three stages fit beside K and V); two stages at 64. KEYS: the block's
+// key box, 64 keys (4 warps of 16 key rows) or, for the wide dK/dV (sm_90+, head dims up to 64:
+// at 128 dK and dV of 32 rows alone would take every register), 128 keys in 4 warps of 32 rows
+// (MT = 2 m16 tiles), so every Q and dO fragment feeds two mma; its score fragments take 32
+// queries per step at head dim 64.
+template <int HD, int KEYS = NA_TILE> struct NaDkdvSteps {
+    static constexpr int MT = KEYS / NA_TILE;
+    static constexpr int QSTEP = MT > 1 ? (HD >= 64 ? 16 : 32) : HD >= 128 ? 32 : 64;
+    static constexpr int STAGES = MT > 1 ? 3 : HD >= 128 ? 3 : HD >= 64 ? 2 : 3;
+    static constexpr int MIN_BLOCKS = MT > 1 || HD >= 64 ? 1 : 2;
 };
 
 struct NaKeyMajorGeo {
@@ -1716,21 +1839,22 @@ __device__ __forceinline__ void na_key_major_geometry(const NaAxis* ax, const in
     }
 }
 
-template <typename T, int HD>
-__global__ void __launch_bounds__(NA_THREADS, NaDkdvSteps<HD>::MIN_BLOCKS)
+template <typename T, int HD, int KEYS = NA_TILE>
+__global__ void __launch_bounds__(NA_THREADS, NaDkdvSteps<HD, KEYS>::MIN_BLOCKS)
 na_fused_backward_dkdv(NA_DKDV_PARAMS) {
-    constexpr int LD = HD + 8, QSTEP = NaDkdvSteps<HD>::QSTEP, NT = QSTEP / 8;
-    constexpr int STAGES = NaDkdvSteps<HD>::STAGES, CHUNKS = NA_TILE / QSTEP;
+    using Steps = NaDkdvSteps<HD, KEYS>;
+    constexpr int LD = HD + 8, QSTEP = Steps::QSTEP, NT = QSTEP / 8, MT = Steps::MT;
+    constexpr int STAGES = Steps::STAGES, CHUNKS = NA_TILE / QSTEP;
     // A stage: Q rows, dO rows, query slots, lse, delta.
     constexpr int STAGE_BYTES = 2 * QSTEP * LD * (int)sizeof(T) + QSTEP * (32 + 8);
     const int qside[3] = {qt0, qt1, qt2}, kside[3] = {kt0, kt1, kt2};
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = warp * 16;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = warp * 16 * MT;
     const int b = blockIdx.z, hk = blockIdx.y, group = heads_q / heads_kv;
     const float inv_cap = softcap > 0.f ? __frcp_rn(softcap) : 0.f;
     extern __shared__ __align__(16) unsigned char na_smem[];
     T* sK = reinterpret_cast<T*>(na_smem);
-    T* sV = sK + NA_TILE * LD;
-    unsigned char* ring = reinterpret_cast<unsigned char*>(sV + NA_TILE * LD);
+    T* sV = sK + KEYS * LD;
+    unsigned char* ring = reinterpret_cast<unsigned char*>(sV + KEYS * LD);
 
     // The block's geometry is read once per step, so it waits in shared memory rather than in
     // registers the accumulators need (thread 0 writes it once; every thread derived it).
@@ -1753,9 +1877,9 @@ na_fused_backward_dkdv(NA_DKDV_PARAMS) {
     const NaBox qbox = na_make_box(qside), kbox = na_make_box(kside);
 
     // K and V join the first step's cp.async group.
-    na_copy_box<T, HD, NA_TILE, NA_THREADS>(sK, k + b * k_sb + hk * k_sh, k_st, d_qk, sV,
-                                            v + b * v_sb + hk * v_sh, v_st, d_v, geo.ktok, kbox,
-                                            geo.own_lo, geo.own_hi, vec);
+    na_copy_box<T, HD, KEYS, NA_THREADS>(sK, k + b * k_sb + hk * k_sh, k_st, d_qk, sV,
+                                         v + b * v_sb + hk * v_sh, v_st, d_v, geo.ktok, kbox,
+                                         geo.own_lo, geo.own_hi, vec);
 
     // Steps go (query tile, head, chunk), chunk fastest, tiles row-major over the per-axis counts.
     const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
@@ -1809,21 +1933,29 @@ na_fused_backward_dkdv(NA_DKDV_PARAMS) {
 #pragma unroll
     for (int step = 0; step < STAGES - 1; ++step) issue(step);
 
-    // The thread's two key rows (g, g + 8 of the warp's 16): group coordinates and tokens.
-    int kc[2][3], ktok[2];
+    // The thread's key rows (g, g + 8 of each of the warp's m16 tiles): group coordinates and
+    // tokens.
+    int kc[MT][2][3], ktok[MT][2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int slot = row0 + (lane >> 2) + 8 * r;
-        ktok[r] = na_slot_token(geo.ktok, kbox, geo.own_lo, geo.own_hi, slot);
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int a = 0; a < 3; ++a) kc[r][a] = geo.own_lo[a] + ((slot >> kbox.shift[a]) & kbox.mask[a]);
+        for (int r = 0; r < 2; ++r) {
+            const int slot = row0 + 16 * mt + (lane >> 2) + 8 * r;
+            ktok[mt][r] = na_slot_token(geo.ktok, kbox, geo.own_lo, geo.own_hi, slot);
+#pragma unroll
+            for (int a = 0; a < 3; ++a)
+                kc[mt][r][a] = geo.own_lo[a] + ((slot >> kbox.shift[a]) & kbox.mask[a]);
+        }
     }
 
     const float scale_log2 = scale * NA_LOG2E;
     const int t = lane & 3;
-    float dk_acc[HD / 8][4], dv_acc[HD / 8][4];
-    na_zero(dk_acc);
-    na_zero(dv_acc);
+    float dk_acc[MT][HD / 8][4], dv_acc[MT][HD / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        na_zero(dk_acc[mt]);
+        na_zero(dv_acc[mt]);
+    }
     int tile[3] = {0, 0, 0}, sub = 0;
     for (int step = 0; step < nsteps; ++step) {
         na_cp_async_wait_n<STAGES - 2>();
@@ -1839,40 +1971,55 @@ na_fused_backward_dkdv(NA_DKDV_PARAMS) {
 #pragma unroll
         for (int a = 0; a < 3; ++a) whole &= geo.whole_lo[a] <= tile[a] && tile[a] < geo.whole_hi[a];
 
-        float s[NT][4], dp[NT][4];
-        na_zero(s);
-        na_mma_abt<T, HD, NT>(s, sK + row0 * LD, sQ, HD);
-        na_zero(dp);
-        na_mma_abt<T, HD, NT>(dp, sV + row0 * LD, sDO, HD);
+        float s[MT][NT][4], dp[MT][NT][4];
+        if constexpr (MT == 1) {
+            na_zero(s[0]);
+            na_mma_abt<T, HD, NT>(s[0], sK + row0 * LD, sQ, HD);
+            na_zero(dp[0]);
+            na_mma_abt<T, HD, NT>(dp[0], sV + row0 * LD, sDO, HD);
+        } else {  // K and V rows as the A operands of both m16 tiles, from shared memory
+            const unsigned int none[2][1][4] = {};
+            na_qk_wide<T, HD, NT, false>(s, none, sK + row0 * LD, sQ);
+            na_qk_wide<T, HD, NT, false>(dp, none, sV + row0 * LD, sDO);
+        }
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = e >> 1, col = n * 8 + 2 * t + (e & 1);
-                bool seen = true;
-                if (!whole) {
-                    const NaQuerySlot& qs = slots[col];
+            for (int n = 0; n < NT; ++n) {
 #pragma unroll
-                    for (int a = 0; a < 3; ++a) seen &= kc[r][a] >= qs.lo[a] && kc[r][a] < qs.hi[a];
+                for (int e = 0; e < 4; ++e) {
+                    const int r = e >> 1, col = n * 8 + 2 * t + (e & 1);
+                    bool seen = true;
+                    if (!whole) {
+                        const NaQuerySlot& qs = slots[col];
+#pragma unroll
+                        for (int a = 0; a < 3; ++a)
+                            seen &= kc[mt][r][a] >= qs.lo[a] && kc[mt][r][a] < qs.hi[a];
+                    }
+                    const float l = s_lse[col];
+                    // A query that saw nothing has lse = -inf: its P is 0 (it sees no key here).
+                    const float lse2 = l == -NA_INF ? NA_INF : l * NA_LOG2E;
+                    float p, ds;
+                    if (softcap > 0.f) {
+                        const float th = tanhf(s[mt][n][e] * scale * inv_cap);
+                        p = seen ? na_ex2(softcap * NA_LOG2E * th - lse2) : 0.f;
+                        ds = seen ? p * (dp[mt][n][e] - s_delta[col]) * (1.f - th * th) : 0.f;
+                    } else {
+                        p = seen ? na_ex2(fmaf(s[mt][n][e], scale_log2, -lse2)) : 0.f;
+                        ds = p * (dp[mt][n][e] - s_delta[col]);
+                    }
+                    s[mt][n][e] = p;
+                    dp[mt][n][e] = ds;
                 }
-                const float l = s_lse[col];
-                // A query that saw nothing has lse = -inf: its P is 0 (it sees no key here).
-                const float lse2 = l == -NA_INF ? NA_INF : l * NA_LOG2E;
-                float p, ds;
-                if (softcap > 0.f) {
-                    const float th = tanhf(s[n][e] * scale * inv_cap);
-                    p = seen ? na_ex2(softcap * NA_LOG2E * th - lse2) : 0.f;
-                    ds = seen ? p * (dp[n][e] - s_delta[col]) * (1.f - th * th) : 0.f;
-                } else {
-                    p = seen ? na_ex2(fmaf(s[n][e], scale_log2, -lse2)) : 0.f;
-                    ds = p * (dp[n][e] - s_delta[col]);
-                }
-                s[n][e] = p;
-                dp[n][e] = ds;
             }
         }
-        na_pv<T, HD, NT>(dv_acc, s, sDO);
-        na_pv<T, HD, NT>(dk_acc, dp, sQ);
+        if constexpr (MT == 1) {
+            na_pv<T, HD, NT>(dv_acc[0], s[0], sDO);
+            na_pv<T, HD, NT>(dk_acc[0], dp[0], sQ);
+        } else {  // each dO and Q fragment feeds both m16 tiles
+            na_pv_wide<T, HD, NT>(dv_acc, s, sDO);
+            na_pv_wide<T, HD, NT>(dk_acc, dp, sQ);
+        }
         if (++sub == group * CHUNKS) {
             sub = 0;
             na_odometer_step(tile, geo.tiles);
@@ -1880,10 +2027,13 @@ na_fused_backward_dkdv(NA_DKDV_PARAMS) {
     }
     na_cp_async_wait_all();
     const float dk_mul[2] = {scale, scale}, dv_mul[2] = {1.f, 1.f};
-    na_store_fragment_rows<T, HD>(dk + b * dk_sb + hk * dk_sh, dk_st, dk_acc, ktok, dk_mul, d_qk,
-                                  vec);
-    na_store_fragment_rows<T, HD>(dv + b * dv_sb + hk * dv_sh, dv_st, dv_acc, ktok, dv_mul, d_v,
-                                  vec);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        na_store_fragment_rows<T, HD>(dk + b * dk_sb + hk * dk_sh, dk_st, dk_acc[mt], ktok[mt],
+                                      dk_mul, d_qk, vec);
+        na_store_fragment_rows<T, HD>(dv + b * dv_sb + hk * dv_sh, dv_st, dv_acc[mt], ktok[mt],
+                                      dv_mul, d_v, vec);
+    }
 }
 #else
 // ---------------------------------------------------------------------------------------------

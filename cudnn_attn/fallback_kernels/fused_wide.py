@@ -1,9 +1,10 @@
-"""The wide fused forward (128-query boxes, 32 rows per warp), as a kernel module for ``compile_all``.
+"""The wide fused kernels (32 rows per warp), as a kernel module for ``compile_all``.
 
-The pipelined build's text (``fused_attention.cu`` with ``NA_PIPELINED=1``), its
-``na_fused_forward_wide`` instances only, compiled for sm_90 and newer (``fused.wide``); ``fused``
-launches it when the forward's query box holds ``tile_shapes.WIDE_QUERY_TILE`` slots. Nothing here
-launches: the definitions live in ``fused``.
+The pipelined build's text (``fused_attention.cu`` with ``NA_PIPELINED=1``), its wide instances
+only (``fused.WIDE_KERNELS``: the forward and dQ over 128-query boxes, dK/dV over 128-key boxes),
+compiled for sm_90 and newer (``fused.wide``); ``fused`` launches them when the block's own box
+holds ``tile_shapes.WIDE_QUERY_TILE`` queries or ``WIDE_KEY_TILE`` keys. Nothing here launches:
+the definitions live in ``fused``.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from . import tile_shapes
 
 __all__ = ["AxisCounts", "TileFigures", "axis_counts", "pair_unmasked", "axis_pair_unmasked",
            "tile_figures", "neighborhood_figures", "element_bytes", "choose_tiles", "forward_tiles",
+           "wide_tiles", "wide_key_tiles", "dkdv_tiles",
            "FUSED_EFFICIENCY", "predicted_ms"]
 
 BACKWARD_FLOP_FACTOR = roofline.BACKWARD_FLOP_FACTOR
@@ -252,22 +253,50 @@ def _pairs(table: tuple, query_box: Sequence[int], key_box: Sequence[int]) -> in
                      for ax, q, k in zip(table_axes(table), _pad(query_box), _pad(key_box)))
 
 
-# The wide forward (128-query boxes, 32 rows per warp) loads each K/V fragment once for two mma
-# and each key tile once for twice the queries; its larger boxes compute more masked scores. It
-# is taken while it computes at most this many times the score elements of the 64-query choice:
-# a guess until a GPU record measures both kernels on the same problems (benchmarks/neighborhood).
+# The wide kernels (forward and dQ: 128-query boxes; dK/dV: 128-key boxes; 32 rows per warp)
+# load each fragment of the other side once for two mma and each tile of it once for twice the
+# rows; their larger boxes compute more masked scores. They are taken while they compute at most
+# this many times the score elements of the 64-slot choice: a guess until a GPU record measures
+# both kernels on the same problems (benchmarks/neighborhood).
 WIDE_COMPUTE_ALLOWANCE = 1.25
+
+
+def wide_tiles(table: Sequence[int], rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The wide kernels' best (query box, key box): ``tile_shapes.WIDE_QUERY_TILE`` queries, the
+    fewest score elements computed (``choose_tiles``' rule at that volume)."""
+    return _choose(tuple(table), rank, tile_shapes.WIDE_QUERY_TILE, tile_shapes.FUSED_KEY_TILE)
 
 
 @memoize("fallback_kernels.tile_model.forward_tiles", maxsize=512)
 def forward_tiles(table: tuple, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The forward's (query box, key box) where the pipelined build runs: the wide kernel's best
-    pair (``tile_shapes.WIDE_QUERY_TILE`` queries) when its computed score elements stay within
+    """The query-major kernels' (forward and dQ) (query box, key box) where the pipelined build
+    runs: :func:`wide_tiles` when its computed score elements stay within
     ``WIDE_COMPUTE_ALLOWANCE`` of :func:`choose_tiles`' pair, else that pair. The query box's
-    volume names the kernel (``fused.run_forward``)."""
-    narrow = choose_tiles(table, rank)
-    wide = _choose(tuple(table), rank, tile_shapes.WIDE_QUERY_TILE, tile_shapes.FUSED_KEY_TILE)
-    computed = {boxes: _pairs(tuple(table), *boxes) * math.prod(boxes[0]) for boxes in (narrow, wide)}
+    volume names the kernel (``fused.run_forward``, ``fused.run_backward``); dK/dV keeps
+    :func:`choose_tiles`' pair."""
+    return _wide_if_allowed(table, choose_tiles(table, rank), wide_tiles(table, rank))
+
+
+def wide_key_tiles(table: Sequence[int], rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The wide dK/dV's best (query box, key box): 64 queries, ``tile_shapes.WIDE_KEY_TILE``
+    keys, the fewest score elements computed."""
+    return _choose(tuple(table), rank, tile_shapes.FUSED_QUERY_TILE, tile_shapes.WIDE_KEY_TILE)
+
+
+@memoize("fallback_kernels.tile_model.dkdv_tiles", maxsize=512)
+def dkdv_tiles(table: tuple, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """dK/dV's (query box, key box) where the wide dK/dV can run (``fused.dkdv_boxes``): the
+    best pair of 64-query and ``tile_shapes.WIDE_KEY_TILE``-key boxes under the rule of
+    :func:`forward_tiles` (within ``WIDE_COMPUTE_ALLOWANCE`` of :func:`choose_tiles`' pair), else
+    that pair. The key box's volume names the kernel (``fused.run_backward``)."""
+    return _wide_if_allowed(table, choose_tiles(table, rank), wide_key_tiles(table, rank))
+
+
+def _wide_if_allowed(table: tuple, narrow: tuple, wide: tuple) -> tuple:
+    """``wide`` when its computed score elements stay within ``WIDE_COMPUTE_ALLOWANCE`` of
+    ``narrow``'s, else ``narrow`` (the one rule for every wide kernel)."""
+    computed = {boxes: _pairs(tuple(table), *boxes) * math.prod(boxes[0]) * math.prod(boxes[1])
+                for boxes in (narrow, wide)}
     return wide if computed[wide] <= WIDE_COMPUTE_ALLOWANCE * computed[narrow] else narrow
 
 

@@ -16,15 +16,19 @@ import torch
 from ..core.caches import memoize
 from .limits import FUSED_DTYPES, MAX_HEAD_DIM
 
-__all__ = ["FUSED_QUERY_TILE", "FUSED_KEY_TILE", "WIDE_QUERY_TILE", "FUSED_DTYPES", "MAX_HEAD_DIM", "box_shapes",
+__all__ = ["FUSED_QUERY_TILE", "FUSED_KEY_TILE", "WIDE_QUERY_TILE", "WIDE_KEY_TILE",
+           "FUSED_DTYPES", "MAX_HEAD_DIM", "box_shapes",
            "valid_tile_sizes", "check_tile_sizes"]
 
 FUSED_QUERY_TILE = 64
 FUSED_KEY_TILE = 64
-# The pipelined build's wide forward: 128-query boxes against the same 64-key boxes. Chosen by
-# ``tile_model.forward_tiles``, never asked for by a user's tile sizes (those name the kernels
-# above, which every build has).
+# The pipelined build's wide forward and dQ: 128-query boxes against the same 64-key boxes.
+# Chosen by ``tile_model.forward_tiles``, never asked for by a user's tile sizes (those name the
+# kernels above, which every build has).
 WIDE_QUERY_TILE = 128
+# The wide dK/dV (sm_90+, head dims up to 64): 128-key boxes against 64-query boxes. Chosen by
+# ``tile_model.dkdv_tiles``.
+WIDE_KEY_TILE = 128
 
 
 @memoize("fallback_kernels.box_shapes")

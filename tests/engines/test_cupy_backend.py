@@ -310,3 +310,80 @@ def test_variants_name_every_instance():
     names = {v.expression for v in fused.variants()}
     assert len(names) == 36 and "na_fused_backward_dkdv<na_bf16, 128>" in names
     assert "na_fused_backward_delta<float, 32>" in names
+
+
+@pytest.mark.parametrize("capability, spatial, kernel, D, wide", [
+    ((9, 0), (1024,), (255,), 32, True), ((9, 0), (32, 32), (7, 7), 64, False),
+    ((9, 0), (1024,), (255,), 128, True), ((8, 0), (1024,), (255,), 32, False)])
+def test_plan_backward_takes_the_tile_rules_boxes(monkeypatch, capability, spatial, kernel, D,
+                                                   wide):
+    """One rule for the query-major kernels: the plan's dQ launches with the boxes its forward
+    takes (``fused.forward_boxes``: the wide kernels' on sm_90+ where the tile model prefers
+    them); dK/dV with ``tile_model.dkdv_tiles``' pair on sm_90+ up to head dim 64 (maybe 128-key
+    boxes), else ``choose_tiles``' 64-slot pair."""
+    from types import SimpleNamespace
+
+    from cudnn_attn.fallback_kernels import backend, tile_model
+
+    monkeypatch.setattr(fused, "_capability", lambda index: capability)
+    monkeypatch.setattr(fused, "backward_delta", lambda out, dout, like, dlse=None: like)
+    seen = {}
+    monkeypatch.setattr(fused, "run_backward", lambda *args: seen.update(
+        boxes=args[10], dq_boxes=args[13]))
+    problem = _problem(S=int(np.prod(spatial)), D=D, mask=Neighborhood(spatial, kernel))
+    plan = backend.CupyPlan(problem)
+    q, k, v = (torch.empty(1, 2, problem.seq_q, D, dtype=torch.float16, device="meta")
+               for _ in range(3))
+    lse = torch.empty(1, 2, problem.seq_q, device="meta")
+    plan.backward(problem, SimpleNamespace(q=q, k=k, v=v), q, lse, q)
+    table, rank = plan.table, len(spatial)
+    assert seen["boxes"] == (tile_model.dkdv_tiles(table, rank)
+                             if capability >= (9, 0) and D <= 64 else
+                             tile_model.choose_tiles(table, rank))
+    assert seen["dq_boxes"] == (tile_model.wide_tiles(table, rank) if wide
+                                else tile_model.choose_tiles(table, rank))
+    assert (np.prod(seen["dq_boxes"][0]) == tile_shapes.WIDE_QUERY_TILE) == wide
+
+
+def test_run_backward_launches_the_kernel_its_boxes_name(monkeypatch):
+    """dQ: the wide kernel for a 128-query box (sm_90+ only), over that box's grid; dK/dV: its
+    64-query pair, never a 128-query one, the wide kernel for a 128-key box (sm_90+, head dims
+    up to 64)."""
+    from cudnn_attn.fallback_kernels import launch
+
+    launched = []
+    monkeypatch.setattr(fused, "_launch", lambda kernel, dtype, hd, grid, *rest: launched.append(
+        (kernel, grid)))
+    monkeypatch.setattr(launch, "device_table", lambda table, device: None)
+    monkeypatch.setattr(launch, "TorchStream", lambda device: _Stream())
+    table = tuple(geometry.neighborhood_table((1000,), (255,), (1,), (1,), (False,)))
+    t = torch.zeros(1, 1000, 1, 32, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 1000, 1)
+    args = (t, t, t, t, lse, lse, t, t, t, table, ((64,), (64,)), 0.1)
+    monkeypatch.setattr(fused, "_capability", lambda index: (9, 0))
+    fused.run_backward(*args, dq_boxes=((128,), (64,)))
+    assert launched == [(fused.WIDE_DQ, (8, 1, 1)), ("na_fused_backward_dkdv", (16, 1, 1))]
+    launched.clear()
+    fused.run_backward(*args)
+    assert launched[0] == ("na_fused_backward_dq", (16, 1, 1))
+    with pytest.raises(ValueError, match="dK/dV walks 64-query boxes"):
+        fused.run_backward(*args[:10], ((128,), (64,)), 0.1)
+    launched.clear()
+    fused.run_backward(*args[:10], ((64,), (128,)), 0.1)
+    assert launched == [("na_fused_backward_dq", (16, 1, 1)), (fused.WIDE_DKDV, (8, 1, 1))]
+    wide_d = torch.zeros(1, 1000, 1, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head dims are \\(32, 64\\); this launch has 128"):
+        fused.run_backward(wide_d, *args[1:10], ((64,), (128,)), 0.1)
+    monkeypatch.setattr(fused, "_capability", lambda index: (8, 0))
+    with pytest.raises(ValueError, match="runs na_fused_backward_dq_wide .*sm_80"):
+        fused.run_backward(*args, dq_boxes=((128,), (64,)))
+
+
+class _Stream:
+    index = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -36,11 +36,12 @@ HEAD_DIMS = (32, 64)
 IDS = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-PIPELINED_KERNELS = (*F.KERNELS, F.WIDE_FORWARD)
+PIPELINED_KERNELS = (*F.KERNELS, *F.WIDE_KERNELS)
 
 
 def fused_expressions(dtypes=DTYPES, head_dims=HEAD_DIMS, kernels=F.KERNELS):
-    return [F._expression(k, dt, hd) for k in kernels for dt in dtypes for hd in head_dims]
+    return [F._expression(k, dt, hd) for k in kernels for dt in dtypes for hd in head_dims
+            if k != F.WIDE_DKDV or hd in F.WIDE_DKDV_HEAD_DIMS]
 
 
 @pytest.fixture(scope="module")
@@ -331,11 +332,19 @@ PIPELINED_EXTRA = {
 }
 
 
+# The wide kernels' part-tile key steps (16 keys at head dim 128, 32 at 64) over several key
+# tiles, whole ones among them: the odometer and the whole-tile path past the first part.
+WIDE_EXTRA = {
+    "1d-hd64-whole-tiles": ((400,), (255,), (1,), (1,), (False,), 1, 1, 64, 48, {}),
+    "1d-hd128-whole-tiles": ((300,), (201,), (1,), (1,), (False,), 1, 1, 128, 112, {}),
+}
+
+
 def neighborhood_failures(name, dtype, backward=True, scale=None) -> list[str]:
     """Run case ``name`` through na_forward/na_backward (routed to a host library) in ``dtype``;
     the oracle comparison's failures."""
     spatial, kernel, stride, dilation, causal, H, Hkv, Dqk, Dv, extra = {
-        **NA_CASES, **PIPELINED_EXTRA}[name]
+        **NA_CASES, **PIPELINED_EXTRA, **WIDE_EXTRA}[name]
     g = torch.Generator().manual_seed(len(name))
     B, N = 2, math.prod(spatial)
     rnd = lambda *s: FH.rand(s, g).to(dtype)
@@ -430,24 +439,32 @@ def test_fused_pipelined_16bit(lib16_pipelined, monkeypatch, name, dtype):
     failures = (band_failures(name, dtype) if name in BAND_CASES
                 else neighborhood_failures(name, dtype))
     assert failures == []
-    # The forward: the 64-query kernel or the wide one, as the tile model chose.
-    assert set(calls) - {F.WIDE_FORWARD, "na_fused_forward"} == set(F.KERNELS[1:])
-    assert len(set(calls) & {F.WIDE_FORWARD, "na_fused_forward"}) == 1
+    # Forward, dQ and dK/dV: each the 64-slot kernel or the wide one, as the tile model chose
+    # (the forward and dQ by one rule); delta always.
+    launched = set(calls)
+    assert "na_fused_backward_delta" in launched
+    for pair in zip(F.KERNELS[:3], F.WIDE_KERNELS):  # each 64-slot kernel and its wide one
+        assert len(launched & set(pair)) == 1
+    assert (F.WIDE_FORWARD in launched) == (F.WIDE_DQ in launched)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
-@pytest.mark.parametrize("name", list(NA_CASES) + list(PIPELINED_EXTRA))
-def test_wide_forward_16bit(lib16_pipelined, monkeypatch, name, dtype):
-    """The wide forward (128-query boxes, 32 rows per warp, key steps of 32 at head dim 128) on
-    every neighborhood case, chosen whatever the tile model would say; the backward keeps its
-    64-query boxes."""
+@pytest.mark.parametrize("name", list(NA_CASES) + list(PIPELINED_EXTRA) + list(WIDE_EXTRA))
+def test_wide_kernels_16bit(lib16_pipelined, monkeypatch, name, dtype):
+    """The wide kernels on every neighborhood case, chosen whatever the tile model would say:
+    forward and dQ over 128-query boxes (key steps of 32 at head dim 128 for the forward, of
+    64/32/16 at 32/64/128 for dQ), dK/dV over 128-key boxes up to head dim 64 (query steps of 32
+    and 16 at 32 and 64; at 128 the 64-key kernel)."""
     from cudnn_attn.fallback_kernels import tile_model
 
     calls = route_fused(monkeypatch, lib16_pipelined, pipelined=True)
-    monkeypatch.setattr(F, "forward_tiles", lambda table, rank: tile_model._choose(
-        tuple(table), rank, F.WIDE_QUERY_TILE, F.FUSED_KEY_TILE))
+    monkeypatch.setattr(F, "forward_tiles", tile_model.wide_tiles)
+    monkeypatch.setattr(F, "dkdv_tiles", tile_model.wide_key_tiles)
     assert neighborhood_failures(name, dtype) == []
-    assert F.WIDE_FORWARD in calls and "na_fused_forward" not in calls
+    _, _, _, _, _, _, _, Dqk, Dv, _ = {**NA_CASES, **PIPELINED_EXTRA, **WIDE_EXTRA}[name]
+    wide_dkdv = F.head_dim_bucket(Dqk, Dv) in F.WIDE_DKDV_HEAD_DIMS
+    assert set(calls) == {F.WIDE_FORWARD, F.WIDE_DQ, "na_fused_backward_delta",
+                          F.WIDE_DKDV if wide_dkdv else "na_fused_backward_dkdv"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -543,7 +560,17 @@ def test_pipelined_build_selection(monkeypatch):
     assert {v.expression for v in F.pipelined_variants()} == set(
         fused_expressions(head_dims=F.HEAD_DIMS))
     assert {v.expression for v in F.wide_variants()} == set(
-        fused_expressions(head_dims=F.HEAD_DIMS, kernels=(F.WIDE_FORWARD,)))
+        fused_expressions(head_dims=F.HEAD_DIMS, kernels=F.WIDE_KERNELS))
+    for hd, (fwd_step, dq_step) in {32: (64, 64), 64: (64, 32), 128: (32, 16)}.items():
+        # The wide kernels: 128-query own tiles (forward: Q; dQ: dO and Q), three (K, V) steps.
+        for kernel, own, step in ((F.WIDE_FORWARD, 1, fwd_step), (F.WIDE_DQ, 2, dq_step)):
+            total = (own * 128 + 2 * 3 * step) * (hd + 8) * 2 + 128 * 32
+            assert F.smem_bytes(kernel, torch.bfloat16, hd, pipelined=True) == total
+            assert total <= 99 * 1024
+    for hd, qstep in {32: 32, 64: 16}.items():
+        # The wide dK/dV: K and V of 128 keys, three stages of (Q, dO) rows and 40 bytes a query.
+        total = 2 * 128 * (hd + 8) * 2 + 3 * (2 * qstep * (hd + 8) * 2 + 40 * qstep)
+        assert F.smem_bytes(F.WIDE_DKDV, torch.float16, hd, pipelined=True) == total
     assert not F.wide(torch.bfloat16, (9, 0))  # the switch above: no pipelined build at all
     monkeypatch.delenv("CUDNN_ATTN_FUSED_PIPELINED")
     assert F.wide(torch.bfloat16, (9, 0)) and not F.wide(torch.bfloat16, (8, 0))

@@ -12,7 +12,9 @@ that ``test_emulation_16bit.py`` passes must then fail. The unmutated text passe
 * in the sm_80+ pipelined build: a key tile read before its cp.async group was waited for,
   ldmatrix row addresses taken from the wrong lanes, the one barrier per step of the forward's and
   dK/dV's rings removed (caught with copies landing at once), and every kernel skipping the mask
-  on every tile (the whole-tile tests bypassed).
+  on every tile (the whole-tile tests bypassed); the same two for the wide forward and the wide
+  dQ (128-query boxes) and the wide dK/dV (128-key boxes), whose backward mutations must show
+  in that kernel's outputs alone.
 """
 
 import pytest
@@ -54,25 +56,31 @@ PERIOD_NOT_REPEATED = ("for (int w = period; w < 64; w <<= 1) ones |= ones << w;
 COLUMNS_UNSHIFTED = ("period_ones, first) >> (2 * t);\n#pragma unroll",
                      "period_ones, first);\n#pragma unroll")
 
-# The wide forward (128-query boxes), run on every case (``WIDE``): its mask skipped on every
-# tile; its one barrier per key step removed.
-WIDE_ALL_WHOLE = ("if (!whole)\n                na_forward_logits<NT, true, false>(s[mt]",
-                  "if (false)\n                na_forward_logits<NT, true, false>(s[mt]")
+# The wide forward and dQ (128-query boxes), run on every case (``WIDE``): the mask skipped on
+# every tile; the one barrier per key step removed.
+_WIDE_MASKED = ("if ({})\n                na_forward_logits<NT, true, false>(s[mt], my_slots + 16 * mt, "
+                "kbox, klo, scale,\n                                                   softcap, inv_cap, {}")
+WIDE_ALL_WHOLE = (_WIDE_MASKED.format("!whole", "rpb ? s_bias"),
+                  _WIDE_MASKED.format("false", "rpb ? s_bias"))
 WIDE_RING_BARRIER = ("__syncthreads();  // everyone's; and everyone is done with step it - 1",
                      "/* no barrier */  // everyone's; and everyone is done with step it - 1")
+WIDE_DQ_ALL_WHOLE = (_WIDE_MASKED.format("!whole", "nullptr, rmul"),
+                     _WIDE_MASKED.format("false", "nullptr, rmul"))
+WIDE_DQ_RING_BARRIER = ("__syncthreads();  // step it (and Q, dO) landed for all;",
+                        "/* no barrier */  // step it (and Q, dO) landed for all;")
 
 DKDV_BARRIER = ("__syncthreads();  // step `step` landed for all; step - 1 is done everywhere",
                 "/* no barrier */  // step `step` landed for all; step - 1 is done everywhere")
 # dK/dV taking every query tile as seeing the whole key box.
-DKDV_ALL_WHOLE = ("if (!whole) {\n                    const NaQuerySlot& qs",
-                  "if (false) {\n                    const NaQuerySlot& qs")
+DKDV_ALL_WHOLE = ("if (!whole) {\n                        const NaQuerySlot& qs",
+                  "if (false) {\n                        const NaQuerySlot& qs")
 
 # name -> ((old, new), replacements expected, dtype, pipelined build)
 MUTATIONS = {
     "swapped-fragment-register": (SWAP, 2, torch.float16, False),
     "wrong-lane-mapping": (LANES, 2, torch.bfloat16, False),
     "wrong-bf16-rounding": (BF16_ROUND, 1, torch.bfloat16, False),
-    "pipelined-missing-cp-async-wait": (NO_WAIT, 2, torch.float16, True),
+    "pipelined-missing-cp-async-wait": (NO_WAIT, 3, torch.float16, True),
     "pipelined-wrong-ldmatrix-rows": (LDSM_ROWS, 1, torch.bfloat16, True),
     "pipelined-dkdv-missing-barrier": (DKDV_BARRIER, 1, torch.float16, True),
     "pipelined-forward-missing-ring-barrier": (RING_BARRIER, 1, torch.bfloat16, True),
@@ -82,12 +90,22 @@ MUTATIONS = {
     "pipelined-mask-columns-unshifted": (COLUMNS_UNSHIFTED, 1, torch.bfloat16, True),
     "wide-forward-mask-skipped": (WIDE_ALL_WHOLE, 1, torch.float16, True),
     "wide-forward-missing-ring-barrier": (WIDE_RING_BARRIER, 1, torch.bfloat16, True),
+    "wide-dq-mask-skipped": (WIDE_DQ_ALL_WHOLE, 1, torch.bfloat16, True),
+    "wide-dq-missing-ring-barrier": (WIDE_DQ_RING_BARRIER, 1, torch.float16, True),
+    # dK/dV's text serves the 64- and 128-key instances: here the wide one (128-key boxes).
+    "wide-dkdv-mask-skipped": (DKDV_ALL_WHOLE, 1, torch.float16, True),
+    "wide-dkdv-missing-barrier": (DKDV_BARRIER, 1, torch.bfloat16, True),
 }
 # Copies land at once for these (a buffer overwritten too early only shows then).
 EAGER = {"pipelined-dkdv-missing-barrier", "pipelined-forward-missing-ring-barrier",
-         "wide-forward-missing-ring-barrier"}
-# The forward takes the wide kernel's boxes for these, whatever the tile model would say.
-WIDE = {"wide-forward-mask-skipped", "wide-forward-missing-ring-barrier"}
+         "wide-forward-missing-ring-barrier", "wide-dq-missing-ring-barrier",
+         "wide-dkdv-missing-barrier"}
+# Every kernel takes the wide kernels' boxes for these, whatever the tile model would say.
+WIDE = {"wide-forward-mask-skipped", "wide-forward-missing-ring-barrier", "wide-dq-mask-skipped",
+        "wide-dq-missing-ring-barrier", "wide-dkdv-mask-skipped", "wide-dkdv-missing-barrier"}
+# Mutations of one backward kernel: caught in its outputs alone.
+CAUGHT_IN = {"wide-dq-mask-skipped": {"dq"}, "wide-dq-missing-ring-barrier": {"dq"},
+             "wide-dkdv-mask-skipped": {"dk", "dv"}, "wide-dkdv-missing-barrier": {"dk", "dv"}}
 CASES = ("1d-rpb", "3d-causal", "2d-gqa-dv-causal", "1d-long-window")
 
 
@@ -105,15 +123,16 @@ def test_mutation_fails_the_oracle_comparison(request, tmp_path_factory, monkeyp
                              E.fused_expressions(dtypes=(dtype,), head_dims=(32,),
                                                  kernels=E.PIPELINED_KERNELS if pipelined
                                                  else F.KERNELS), source=source)
-    E.route_fused(monkeypatch, lib, pipelined)
+    calls = E.route_fused(monkeypatch, lib, pipelined)
     if mutation in EAGER:
         monkeypatch.setenv("NA_EMU_CP_ASYNC_EAGER", "1")
     if mutation in WIDE:
         from cudnn_attn.fallback_kernels import tile_model
 
-        monkeypatch.setattr(F, "forward_tiles", lambda table, rank: tile_model._choose(
-            tuple(table), rank, F.WIDE_QUERY_TILE, F.FUSED_KEY_TILE))
+        monkeypatch.setattr(F, "forward_tiles", tile_model.wide_tiles)
+        monkeypatch.setattr(F, "dkdv_tiles", tile_model.wide_key_tiles)
     failing = {name: E.neighborhood_failures(name, dtype) for name in CASES}
+    assert mutation not in WIDE or set(F.WIDE_KERNELS) <= set(calls)  # head dim 32: every one
     report = {name: len(f) for name, f in failing.items()}
     print(f"{mutation}: {count} site(s) replaced; failing outputs per case {report}: "
           + "; ".join(f[0] for f in failing.values() if f))
@@ -121,3 +140,6 @@ def test_mutation_fails_the_oracle_comparison(request, tmp_path_factory, monkeyp
     # query head per kv head gives dK/dV few steps), so: caught by at least one case.
     assert any(failing.values()), f"{mutation} went unnoticed in {report}"
     assert failing["1d-rpb"] or failing["2d-gqa-dv-causal"]
+    if mutation in CAUGHT_IN:
+        names = {f.split(":")[0] for fs in failing.values() for f in fs}
+        assert names and names <= CAUGHT_IN[mutation], names

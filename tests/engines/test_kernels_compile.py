@@ -27,7 +27,8 @@ def test_every_variant_compiles_with_a_record(records):
     # Every module compiling for the arch (the wide forward is sm_90+ only).
     variants = [v for vs in fallback_kernels.kernel_programs(arch).values() for v in vs]
     assert len(records) == len(variants)
-    assert any(r.kernel.startswith("na_fused_forward_wide<") for r in records) == (arch == "sm_90")
+    for wide in ("na_fused_forward_wide<", "na_fused_backward_dq_wide<"):
+        assert any(r.kernel.startswith(wide) for r in records) == (arch == "sm_90")
     assert {r.kernel for r in records} == {v.kernel for v in variants}
     for record in records:
         assert record["arch"] in ARCHS

@@ -142,6 +142,7 @@ def test_cases_cover_every_kernel_instance(S):
     for dtype in ("fp32", "fp16", "bf16"):
         for hd in F.HEAD_DIMS:
             assert f"fused-{dtype}-hd{hd}-2d" in names
+            assert (f"fused-{dtype}-wide-hd{hd}-2d" in names) == (dtype != "fp32")
     assert {f"unfused-{d}" for d in ("fp64", "fp32", "fp16", "bf16")} <= set(names)
 
 
