@@ -158,6 +158,7 @@ def kernel_rows(arch: str, nvdisasm: str, want, dump: Path | None) -> list[dict]
                            if f.name == program.lowered[variant.expression]]
             rows.append({"kernel": variant.kernel, "arch": arch, **facts,
                          "registers": record.registers, "spill_stores": record.spill_stores,
+                         "ctas_per_sm": record.ctas_per_sm,
                          "whole": sass_mix.mix(function.instructions),
                          "hot": hot_loop(function, facts)})
     return rows
@@ -167,6 +168,7 @@ def table_row(row: dict, before: dict | None) -> dict:
     hot = row["hot"] or {}
     per = hot.get("per_block", {})
     cells = {"kernel": row["kernel"].replace("/pipelined", "/p"), "regs": row["registers"],
+             "ctas": row.get("ctas_per_sm"),
              "instr": row["whole"]["total"], "loop": hot.get("steady", {}).get("total"),
              "mma": hot.get("steady", {}).get("mma"), "mma%": 100 * hot.get("mma_share", 0),
              "/mma": hot.get("per_mma"), "other/blk": hot.get("other_per_block"),
@@ -185,6 +187,8 @@ def main(argv=None) -> int:
                         help="substring of the variant name (repeatable; default every one)")
     parser.add_argument("--dtype", action="append", default=[], choices=["fp16", "bf16", "fp32"])
     parser.add_argument("--head-dim", action="append", type=int, default=[])
+    parser.add_argument("--build", choices=["plain", "pipelined"], default=None,
+                        help="only this build (pipelined: the sm_80+ fp16/bf16 kernels)")
     parser.add_argument("--nvdisasm", default=None)
     parser.add_argument("--dump", type=Path, default=None, help="keep each .sass here")
     parser.add_argument("--compare", type=Path, default=None,
@@ -200,6 +204,7 @@ def main(argv=None) -> int:
         return ((not args.kernel or any(k in variant.kernel for k in args.kernel))
                 and (not args.dtype or facts["dtype"] in args.dtype)
                 and (not args.head_dim or facts["head_dim"] in args.head_dim)
+                and (not args.build or facts["build"] == args.build)
                 and variant.kernel.split("<")[0] in GEMMS)
 
     rows = kernel_rows(args.arch, nvdisasm, want, args.dump)

@@ -743,10 +743,14 @@ __device__ __forceinline__ void na_copy_box(T* dst0, const T* src0, long long st
                                             int first = 0) {
     constexpr int LD = HD + 8, V = 8, PER_ROW = HD / V;
     static_assert((ROWS * PER_ROW) % THREADS == 0, "every thread copies the same count");
+    static_assert(THREADS % PER_ROW == 0, "a thread keeps its column on every trip");
     const T zero = NaConvert<T>::from(0.f);
+    // Counted trips from 0 (a loop from threadIdx.x is not unrolled): the column and the row
+    // offset are the thread's own, computed once, and each trip is straight-line code.
+    const int c = (threadIdx.x % PER_ROW) * V, r0 = threadIdx.x / PER_ROW;
 #pragma unroll
-    for (int i = threadIdx.x; i < ROWS * PER_ROW; i += THREADS) {
-        const int r = i / PER_ROW, c = (i % PER_ROW) * V;
+    for (int trip = 0; trip < ROWS * PER_ROW / THREADS; ++trip) {
+        const int r = r0 + trip * (THREADS / PER_ROW);
         const int tok = na_slot_token(tk, box, lo, end, first + r);
 #pragma unroll
         for (int o = 0; o < 2; ++o) {
