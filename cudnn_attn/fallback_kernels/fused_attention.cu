@@ -779,14 +779,15 @@ __device__ __forceinline__ void na_qk(float (&s)[NT][4], const unsigned int (&qf
                                       const T* K) {
     constexpr int LD = HD + 8;
     const int lane = threadIdx.x & 31;
+    // The lane's own row and column of every ldmatrix, once: the loads then differ by constants.
+    const T* krow = K + ((lane / 16) * 8 + lane % 8) * LD + ((lane / 8) % 2) * 8;
     na_zero(s);
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
 #pragma unroll
         for (int n = 0; n < NT; n += 2) {
             unsigned int b[4];
-            na_ldsm_x4(b, K + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 +
-                              ((lane / 8) % 2) * 8);
+            na_ldsm_x4(b, krow + n * 8 * LD + kk * 16);
             na_mma16816(s[n], qf[kk], b, T());
             na_mma16816(s[n + 1], qf[kk], b + 2, T());
         }
@@ -799,6 +800,8 @@ template <typename T, int HD, int NT>
 __device__ __forceinline__ void na_pv(float (&o)[HD / 8][4], const float (&p)[NT][4], const T* V) {
     constexpr int LD = HD + 8;
     const int lane = threadIdx.x & 31;
+    // The lane's own row and column of every ldmatrix, once: the loads then differ by constants.
+    const T* vrow = V + (((lane / 8) % 2) * 8 + lane % 8) * LD + (lane / 16) * 8;
 #pragma unroll
     for (int j = 0; j < NT / 2; ++j) {
         const unsigned int a[4] = {na_pack2(p[2 * j][0], p[2 * j][1], T()),
@@ -808,8 +811,7 @@ __device__ __forceinline__ void na_pv(float (&o)[HD / 8][4], const float (&p)[NT
 #pragma unroll
         for (int n = 0; n < HD / 8; n += 2) {
             unsigned int b[4];
-            na_ldsm_x4_trans(b, V + (16 * j + ((lane / 8) % 2) * 8 + lane % 8) * LD +
-                                    (n + lane / 16) * 8);
+            na_ldsm_x4_trans(b, vrow + 16 * j * LD + n * 8);
             na_mma16816(o[n], a, b, T());
             na_mma16816(o[n + 1], a, b + 2, T());
         }
@@ -1144,6 +1146,8 @@ __device__ __forceinline__ void na_qk_wide(float (&s)[2][NT][4],
                                            const T* Q, const T* K) {
     constexpr int LD = HD + 8;
     const int lane = threadIdx.x & 31;
+    // The lane's own row and column of every ldmatrix, once: the loads then differ by constants.
+    const T* krow = K + ((lane / 16) * 8 + lane % 8) * LD + ((lane / 8) % 2) * 8;
     na_zero(s[0]);
     na_zero(s[1]);
 #pragma unroll
@@ -1162,8 +1166,7 @@ __device__ __forceinline__ void na_qk_wide(float (&s)[2][NT][4],
 #pragma unroll
         for (int n = 0; n < NT; n += 2) {
             unsigned int b[4];
-            na_ldsm_x4(b, K + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 +
-                              ((lane / 8) % 2) * 8);
+            na_ldsm_x4(b, krow + n * 8 * LD + kk * 16);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
                 na_mma16816(s[mt][n], a[mt], b, T());
@@ -1179,6 +1182,8 @@ __device__ __forceinline__ void na_pv_wide(float (&o)[2][HD / 8][4], const float
                                            const T* V) {
     constexpr int LD = HD + 8;
     const int lane = threadIdx.x & 31;
+    // The lane's own row and column of every ldmatrix, once: the loads then differ by constants.
+    const T* vrow = V + (((lane / 8) % 2) * 8 + lane % 8) * LD + (lane / 16) * 8;
 #pragma unroll
     for (int j = 0; j < NT / 2; ++j) {
         unsigned int a[2][4];
@@ -1192,8 +1197,7 @@ __device__ __forceinline__ void na_pv_wide(float (&o)[2][HD / 8][4], const float
 #pragma unroll
         for (int n = 0; n < HD / 8; n += 2) {
             unsigned int b[4];
-            na_ldsm_x4_trans(b, V + (16 * j + ((lane / 8) % 2) * 8 + lane % 8) * LD +
-                                    (n + lane / 16) * 8);
+            na_ldsm_x4_trans(b, vrow + 16 * j * LD + n * 8);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
                 na_mma16816(o[mt][n], a[mt], b, T());
