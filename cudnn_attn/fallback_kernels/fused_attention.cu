@@ -718,7 +718,8 @@ __device__ __forceinline__ void na_odometer_step(int* idx, const int* tiles) {
 }
 
 // Token of box slot `r` of the box at group coordinates `lo` (-1 when the slot is clipped at
-// `end`).
+// `end`; CLIP = false: the caller knows the box lies before `end`, nothing is tested).
+template <bool CLIP = true>
 __device__ __forceinline__ int na_slot_token(const NaTokens& tk, const NaBox& box, const int* lo,
                                              const int* end, int r) {
     int tok = tk.base;
@@ -726,7 +727,7 @@ __device__ __forceinline__ int na_slot_token(const NaTokens& tk, const NaBox& bo
 #pragma unroll
     for (int a = 0; a < 3; ++a) {
         const int c = lo[a] + ((r >> box.shift[a]) & box.mask[a]);
-        ok &= c < end[a];
+        if (CLIP) ok &= c < end[a];
         tok += c * tk.step[a];
     }
     return ok ? tok : -1;
@@ -748,25 +749,53 @@ __device__ __forceinline__ void na_copy_box(T* dst0, const T* src0, long long st
     // Counted trips from 0 (a loop from threadIdx.x is not unrolled): the column and the row
     // offset are the thread's own, computed once, and each trip is straight-line code.
     const int c = (threadIdx.x % PER_ROW) * V, r0 = threadIdx.x / PER_ROW;
+    // The box's first token and the room left before `end` per axis, once: a trip then adds
+    // only its slot's offsets.
+    NaTokens at = tk;
+    int room[3];
+    const int origin[3] = {0, 0, 0};
 #pragma unroll
-    for (int trip = 0; trip < ROWS * PER_ROW / THREADS; ++trip) {
-        const int r = r0 + trip * (THREADS / PER_ROW);
-        const int tok = na_slot_token(tk, box, lo, end, first + r);
+    for (int a = 0; a < 3; ++a) {
+        at.base += lo[a] * tk.step[a];
+        room[a] = end[a] - lo[a];
+    }
+    constexpr int TRIPS = ROWS * PER_ROW / THREADS, STEP = THREADS / PER_ROW;  // rows per trip
+    // The common case, tested once for the block (a uniform branch): every operand aligned and
+    // as wide as the compiled head dim, the whole box before `end`. Then no piece is tested.
+    bool whole = vec && d0 >= HD && (dst1 == nullptr || d1 >= HD);
+#pragma unroll
+    for (int a = 0; a < 3; ++a) whole &= room[a] > box.mask[a];
+    if (whole) {
+#pragma unroll
+        for (int trip = 0; trip < TRIPS; ++trip) {
+            const int tok = na_slot_token<false>(at, box, origin, room, first + r0 + trip * STEP);
+            na_cp_async16(dst0 + (r0 + trip * STEP) * LD + c, src0 + c + tok * st0);
+            if (dst1 != nullptr)
+                na_cp_async16(dst1 + (r0 + trip * STEP) * LD + c, src1 + c + tok * st1);
+        }
+        return;
+    }
+#pragma unroll
+    for (int trip = 0; trip < TRIPS; ++trip) {
+        const int r = r0 + trip * STEP;
+        const int tok = na_slot_token(at, box, origin, room, first + r);
 #pragma unroll
         for (int o = 0; o < 2; ++o) {
             T* dst = o ? dst1 : dst0;
             if (dst == nullptr) continue;
-            const T* src = o ? src1 : src0;
+            // The thread's column in both operands and its first row in shared memory are
+            // fixed; a trip moves by whole rows (constant offsets).
+            const T* from = (o ? src1 : src0) + c;
             const long long st = o ? st1 : st0;
             const int d = o ? d1 : d0;
-            T* out = dst + r * LD + c;
+            T* out = (dst + r0 * LD + c) + trip * STEP * LD;
             if (vec && tok >= 0 && c + V <= d) {
-                na_cp_async16(out, src + tok * st + c);
+                na_cp_async16(out, from + tok * st);
             } else if (tok < 0 || c >= d) {
                 *reinterpret_cast<uint4*>(out) = uint4{0u, 0u, 0u, 0u};
             } else {
 #pragma unroll
-                for (int e = 0; e < V; ++e) out[e] = c + e < d ? src[tok * st + c + e] : zero;
+                for (int e = 0; e < V; ++e) out[e] = c + e < d ? from[tok * st + e] : zero;
             }
         }
     }
