@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import _report  # benchmarks/_report.py (this script's folder is on sys.path)
 import sass_mix
@@ -127,14 +128,15 @@ def hot_loop(function: sass_mix.Function, facts: dict) -> dict | None:
             for name in steady:
                 steady[name] += (trips - 1) * once[name]
         inner.append({"start": other.start, "end": other.end, "mix": once, "trips": trips})
-    row = {"loop": [loop.start, loop.end], "static": static, "steady": steady, "inner": inner}
+    row: dict[str, Any] = {"loop": [loop.start, loop.end], "static": static, "steady": steady,
+                           "inner": inner}
     gemms = GEMMS.get(facts["family"])
     if gemms and steady["mma"]:
         blocks = steady["mma"] * 2048 / (gemms * facts["head_dim"]) / BLOCK
-        other = steady["total"] - steady["mma"]
+        non_mma = steady["total"] - steady["mma"]
         row.update(mma_share=steady["mma"] / steady["total"],
                    per_mma=steady["total"] / steady["mma"],
-                   blocks=blocks, other_per_block=other / blocks,
+                   blocks=blocks, other_per_block=non_mma / blocks,
                    per_block={name: steady[name] / blocks for name in PER_BLOCK})
     return row
 

@@ -241,7 +241,8 @@ def hot_path(function: Function, loop: Loop) -> list[Instruction]:
         if not ends_flow and n + 1 < len(blocks):
             successors.append(n + 1)
         for m in successors:
-            if best[m] is None or here[0] > best[m][0]:
+            known = best[m]
+            if known is None or here[0] > known[0]:
                 best[m] = here
     (closing,) = [n for n, block in enumerate(blocks) if block[-1].address == loop.end]
     found = best[closing]
