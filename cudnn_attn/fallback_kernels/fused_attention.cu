@@ -718,7 +718,8 @@ __device__ __forceinline__ void na_odometer_step(int* idx, const int* tiles) {
 }
 
 // Token of box slot `r` of the box at group coordinates `lo` (-1 when the slot is clipped at
-// `end`).
+// `end`; CLIP = false: the caller knows the box lies before `end`, nothing is tested).
+template <bool CLIP = true>
 __device__ __forceinline__ int na_slot_token(const NaTokens& tk, const NaBox& box, const int* lo,
                                              const int* end, int r) {
     int tok = tk.base;
@@ -726,7 +727,7 @@ __device__ __forceinline__ int na_slot_token(const NaTokens& tk, const NaBox& bo
 #pragma unroll
     for (int a = 0; a < 3; ++a) {
         const int c = lo[a] + ((r >> box.shift[a]) & box.mask[a]);
-        ok &= c < end[a];
+        if (CLIP) ok &= c < end[a];
         tok += c * tk.step[a];
     }
     return ok ? tok : -1;
@@ -743,26 +744,58 @@ __device__ __forceinline__ void na_copy_box(T* dst0, const T* src0, long long st
                                             int first = 0) {
     constexpr int LD = HD + 8, V = 8, PER_ROW = HD / V;
     static_assert((ROWS * PER_ROW) % THREADS == 0, "every thread copies the same count");
+    static_assert(THREADS % PER_ROW == 0, "a thread keeps its column on every trip");
     const T zero = NaConvert<T>::from(0.f);
+    // Counted trips from 0 (a loop from threadIdx.x is not unrolled): the column and the row
+    // offset are the thread's own, computed once, and each trip is straight-line code.
+    const int c = (threadIdx.x % PER_ROW) * V, r0 = threadIdx.x / PER_ROW;
+    // The box's first token and the room left before `end` per axis, once: a trip then adds
+    // only its slot's offsets.
+    NaTokens at = tk;
+    int room[3];
+    const int origin[3] = {0, 0, 0};
 #pragma unroll
-    for (int i = threadIdx.x; i < ROWS * PER_ROW; i += THREADS) {
-        const int r = i / PER_ROW, c = (i % PER_ROW) * V;
-        const int tok = na_slot_token(tk, box, lo, end, first + r);
+    for (int a = 0; a < 3; ++a) {
+        at.base += lo[a] * tk.step[a];
+        room[a] = end[a] - lo[a];
+    }
+    constexpr int TRIPS = ROWS * PER_ROW / THREADS, STEP = THREADS / PER_ROW;  // rows per trip
+    // The common case, tested once for the block (a uniform branch): every operand aligned and
+    // as wide as the compiled head dim, the whole box before `end`. Then no piece is tested.
+    bool whole = vec && d0 >= HD && (dst1 == nullptr || d1 >= HD);
+#pragma unroll
+    for (int a = 0; a < 3; ++a) whole &= room[a] > box.mask[a];
+    if (whole) {
+#pragma unroll
+        for (int trip = 0; trip < TRIPS; ++trip) {
+            const int tok = na_slot_token<false>(at, box, origin, room, first + r0 + trip * STEP);
+            na_cp_async16(dst0 + (r0 + trip * STEP) * LD + c, src0 + c + tok * st0);
+            if (dst1 != nullptr)
+                na_cp_async16(dst1 + (r0 + trip * STEP) * LD + c, src1 + c + tok * st1);
+        }
+        return;
+    }
+#pragma unroll
+    for (int trip = 0; trip < TRIPS; ++trip) {
+        const int r = r0 + trip * STEP;
+        const int tok = na_slot_token(at, box, origin, room, first + r);
 #pragma unroll
         for (int o = 0; o < 2; ++o) {
             T* dst = o ? dst1 : dst0;
             if (dst == nullptr) continue;
-            const T* src = o ? src1 : src0;
+            // The thread's column in both operands and its first row in shared memory are
+            // fixed; a trip moves by whole rows (constant offsets).
+            const T* from = (o ? src1 : src0) + c;
             const long long st = o ? st1 : st0;
             const int d = o ? d1 : d0;
-            T* out = dst + r * LD + c;
+            T* out = (dst + r0 * LD + c) + trip * STEP * LD;
             if (vec && tok >= 0 && c + V <= d) {
-                na_cp_async16(out, src + tok * st + c);
+                na_cp_async16(out, from + tok * st);
             } else if (tok < 0 || c >= d) {
                 *reinterpret_cast<uint4*>(out) = uint4{0u, 0u, 0u, 0u};
             } else {
 #pragma unroll
-                for (int e = 0; e < V; ++e) out[e] = c + e < d ? src[tok * st + c + e] : zero;
+                for (int e = 0; e < V; ++e) out[e] = c + e < d ? from[tok * st + e] : zero;
             }
         }
     }
@@ -775,14 +808,15 @@ __device__ __forceinline__ void na_qk(float (&s)[NT][4], const unsigned int (&qf
                                       const T* K) {
     constexpr int LD = HD + 8;
     const int lane = threadIdx.x & 31;
+    // The lane's own row and column of every ldmatrix, once: the loads then differ by constants.
+    const T* krow = K + ((lane / 16) * 8 + lane % 8) * LD + ((lane / 8) % 2) * 8;
     na_zero(s);
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
 #pragma unroll
         for (int n = 0; n < NT; n += 2) {
             unsigned int b[4];
-            na_ldsm_x4(b, K + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 +
-                              ((lane / 8) % 2) * 8);
+            na_ldsm_x4(b, krow + n * 8 * LD + kk * 16);
             na_mma16816(s[n], qf[kk], b, T());
             na_mma16816(s[n + 1], qf[kk], b + 2, T());
         }
@@ -795,6 +829,8 @@ template <typename T, int HD, int NT>
 __device__ __forceinline__ void na_pv(float (&o)[HD / 8][4], const float (&p)[NT][4], const T* V) {
     constexpr int LD = HD + 8;
     const int lane = threadIdx.x & 31;
+    // The lane's own row and column of every ldmatrix, once: the loads then differ by constants.
+    const T* vrow = V + (((lane / 8) % 2) * 8 + lane % 8) * LD + (lane / 16) * 8;
 #pragma unroll
     for (int j = 0; j < NT / 2; ++j) {
         const unsigned int a[4] = {na_pack2(p[2 * j][0], p[2 * j][1], T()),
@@ -804,8 +840,7 @@ __device__ __forceinline__ void na_pv(float (&o)[HD / 8][4], const float (&p)[NT
 #pragma unroll
         for (int n = 0; n < HD / 8; n += 2) {
             unsigned int b[4];
-            na_ldsm_x4_trans(b, V + (16 * j + ((lane / 8) % 2) * 8 + lane % 8) * LD +
-                                    (n + lane / 16) * 8);
+            na_ldsm_x4_trans(b, vrow + 16 * j * LD + n * 8);
             na_mma16816(o[n], a, b, T());
             na_mma16816(o[n + 1], a, b + 2, T());
         }
@@ -1260,6 +1295,8 @@ __device__ __forceinline__ void na_qk_wide(float (&s)[2][NT][4],
                                            const T* Q, const T* K) {
     constexpr int LD = HD + 8;
     const int lane = threadIdx.x & 31;
+    // The lane's own row and column of every ldmatrix, once: the loads then differ by constants.
+    const T* krow = K + ((lane / 16) * 8 + lane % 8) * LD + ((lane / 8) % 2) * 8;
     na_zero(s[0]);
     na_zero(s[1]);
 #pragma unroll
@@ -1278,8 +1315,7 @@ __device__ __forceinline__ void na_qk_wide(float (&s)[2][NT][4],
 #pragma unroll
         for (int n = 0; n < NT; n += 2) {
             unsigned int b[4];
-            na_ldsm_x4(b, K + (n * 8 + (lane / 16) * 8 + lane % 8) * LD + kk * 16 +
-                              ((lane / 8) % 2) * 8);
+            na_ldsm_x4(b, krow + n * 8 * LD + kk * 16);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
                 na_mma16816(s[mt][n], a[mt], b, T());
@@ -1295,6 +1331,8 @@ __device__ __forceinline__ void na_pv_wide(float (&o)[2][HD / 8][4], const float
                                            const T* V) {
     constexpr int LD = HD + 8;
     const int lane = threadIdx.x & 31;
+    // The lane's own row and column of every ldmatrix, once: the loads then differ by constants.
+    const T* vrow = V + (((lane / 8) % 2) * 8 + lane % 8) * LD + (lane / 16) * 8;
 #pragma unroll
     for (int j = 0; j < NT / 2; ++j) {
         unsigned int a[2][4];
@@ -1308,8 +1346,7 @@ __device__ __forceinline__ void na_pv_wide(float (&o)[2][HD / 8][4], const float
 #pragma unroll
         for (int n = 0; n < HD / 8; n += 2) {
             unsigned int b[4];
-            na_ldsm_x4_trans(b, V + (16 * j + ((lane / 8) % 2) * 8 + lane % 8) * LD +
-                                    (n + lane / 16) * 8);
+            na_ldsm_x4_trans(b, vrow + 16 * j * LD + n * 8);
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
                 na_mma16816(o[mt][n], a[mt], b, T());
