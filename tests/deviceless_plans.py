@@ -19,7 +19,6 @@ H200 is an sm_90 part with another memory system and plans as H100 does).
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -30,9 +29,9 @@ import cudnn_attn as ca
 from cudnn_attn.graphs._spec import GraphOptions, PagedKV, analyze
 from cudnn_attn.graphs.buckets import BucketPolicy
 from cudnn_attn.rewrites.kv_heads import repeat_to_common_heads
+from full_sweep import FULL  # noqa: F401  (re-exported: the plan tests import it from here)
 
 TARGETS = ("a100", "h100", "b200")
-FULL = bool(os.environ.get("CUDNN_ATTN_FULL_SWEEP"))
 F16, BF16 = torch.float16, torch.bfloat16
 needs_fe = pytest.mark.skipif(importlib.util.find_spec("cudnn") is None,
                               reason="nvidia-cudnn-frontend is not installed")

@@ -5,10 +5,14 @@
 * Sliding windows (random signs incl. -1, both alignments), optionally AND-ed with causal and padding,
   with GQA, ALiBi, softcap and tensor bias: forward out and lse in fp64.
 * fp64 gradients (q, k, v, bias) vs the oracle's autograd on a smaller subset of both families.
+
+The forward sweeps draw 120 problems each by default, 250 with ``CUDNN_ATTN_FULL_SWEEP=1``;
+``test_strategies_cover_the_space`` guards what the strategies can reach.
 """
 
 import torch
 from common import Problem, check_forward, check_grads
+from full_sweep import FULL
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +22,7 @@ SETTINGS = {
     "suppress_health_check": list(HealthCheck),
     "database": None,
 }
+FORWARD_EXAMPLES = 250 if FULL else 120
 
 
 @st.composite
@@ -108,13 +113,13 @@ def window_problems(draw, max_s=24):
     )
 
 
-@settings(max_examples=250, **SETTINGS)
+@settings(max_examples=FORWARD_EXAMPLES, **SETTINGS)
 @given(problem=neighborhood_problems(), seed=st.integers(0, 2**16))
 def test_sweep_neighborhood_forward_fp64(problem, seed):
     check_forward(problem, torch.float64, seed)
 
 
-@settings(max_examples=250, **SETTINGS)
+@settings(max_examples=FORWARD_EXAMPLES, **SETTINGS)
 @given(problem=window_problems(), seed=st.integers(0, 2**16))
 def test_sweep_window_causal_padding_forward_fp64(problem, seed):
     check_forward(problem, torch.float64, seed)

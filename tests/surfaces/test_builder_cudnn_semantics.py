@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import builder_grid as grid
+from full_sweep import FULL
 import cudnn_attn as ca
 
 pytest.importorskip("cudnn")
 
-COUNT = 1000 if os.environ.get("CUDNN_ATTN_FULL_SWEEP") else 120
+COUNT = 1000 if FULL else 120
 
 
 @pytest.mark.parametrize("seed", range(COUNT))

@@ -8,6 +8,10 @@ Shrinking keeps each case's (kernel, stride, dilation) exactly: an axis of lengt
 still moves by at least a stride group, or 16 tokens for the 2048-token kernels); heads
 drop to at most 2 (the GQA ratio kept as far as possible), head_dim to 16, batch to at most 2;
 ``D_v`` alternates between ``D`` and ``D + 8`` as NATTEN's ``head_dim_v`` sweep does.
+
+By default each grid entry runs non-causal and one causal combination, rotating over the entries so
+that every combination of causal axes runs (``full_sweep.rotate``); ``CUDNN_ATTN_FULL_SWEEP=1`` runs
+every combination of every entry.
 """
 
 import itertools
@@ -15,6 +19,7 @@ import itertools
 import na_oracle
 import pytest
 import torch
+from full_sweep import rotate
 
 from cudnn_attn import neighborhood as N
 
@@ -67,7 +72,7 @@ def shrink(case, index):
 PARAMS = [
     pytest.param(i, causal, id=f"{len(c[4])}d-{i}-c" + "".join("TF"[not x] for x in causal))
     for i, c in enumerate(GRID)
-    for causal in itertools.product((False, True), repeat=len(c[4]))
+    for causal in rotate(itertools.product((False, True), repeat=len(c[4])), i)
 ]
 
 
