@@ -10,8 +10,9 @@ of V per trip) is counted as often as the step needs: ``2 * rows * head_dim / 8 
 per thread. Per iteration the table shows the mma share of the issue slots, instructions per
 mma, and per 16 x 64 block of scores (1024 elements: one key tile of one warp's 16 rows) the
 non-mma instructions and the exponentials (MUFU), shuffles, conversions, integer, predicate and
-branch instructions. Counts are static issue slots, not time: a GPU profile (ncu) says what
-they cost.
+branch instructions; ``mask+/blk``: what the masked path of a plain call (``sass_mix.masked_score``:
+no softcap, no bias) adds per block over the steady one. Counts are static issue slots, not
+time: a GPU profile (ncu) says what they cost.
 
 The disassembler is a development tool fetched on demand, not a dependency of the package::
 
@@ -128,8 +129,11 @@ def hot_loop(function: sass_mix.Function, facts: dict) -> dict | None:
             for name in steady:
                 steady[name] += (trips - 1) * once[name]
         inner.append({"start": other.start, "end": other.end, "mix": once, "trips": trips})
+    # The masked tile's path, copies counted once (the steady path's inner trips aside): the
+    # difference from the steady path is the mask's cost.
+    masked = sass_mix.mix(sass_mix.hot_path(function, loop, sass_mix.masked_score))
     row: dict[str, Any] = {"loop": [loop.start, loop.end], "static": static, "steady": steady,
-                           "inner": inner}
+                           "masked": masked, "inner": inner}
     gemms = GEMMS.get(facts["family"])
     if gemms and steady["mma"]:
         blocks = steady["mma"] * 2048 / (gemms * facts["head_dim"]) / BLOCK
@@ -137,6 +141,7 @@ def hot_loop(function: sass_mix.Function, facts: dict) -> dict | None:
         row.update(mma_share=steady["mma"] / steady["total"],
                    per_mma=steady["total"] / steady["mma"],
                    blocks=blocks, other_per_block=non_mma / blocks,
+                   masked_extra_per_block=(masked["total"] - sass_mix.mix(path)["total"]) / blocks,
                    per_block={name: steady[name] / blocks for name in PER_BLOCK})
     return row
 
@@ -174,6 +179,7 @@ def table_row(row: dict, before: dict | None) -> dict:
              "instr": row["whole"]["total"], "loop": hot.get("steady", {}).get("total"),
              "mma": hot.get("steady", {}).get("mma"), "mma%": 100 * hot.get("mma_share", 0),
              "/mma": hot.get("per_mma"), "other/blk": hot.get("other_per_block"),
+             "mask+/blk": hot.get("masked_extra_per_block"),
              **{f"{k}/blk": per.get(k) for k in ("mufu", "shuffle", "convert", "integer",
                                                  "predicate", "branch")}}
     if before and before.get("hot") and hot:

@@ -207,27 +207,37 @@ def _blocks(body: list[Instruction], function: Function) -> list[list[Instructio
     return blocks
 
 
-def _score(counts: Counter) -> tuple[int, int, int]:
+def steady_score(counts: Counter) -> tuple[int, ...]:
+    """The steady path: most ``mma``, then most ``async_copy``, then fewest instructions (the
+    unmasked, fully copied tile of a plain call)."""
     return (counts["mma"], counts["async_copy"], -sum(counts.values()))
 
 
-def hot_path(function: Function, loop: Loop) -> list[Instruction]:
-    """The instructions of one iteration along the steady path through ``loop`` (most ``mma``,
-    then most ``async_copy``, then fewest instructions), from its head to its closing branch.
+def masked_score(counts: Counter) -> tuple[int, ...]:
+    """The masked path of a plain call: most ``mma`` and ``async_copy``, no bias gather (global
+    loads) and no softcap (its tanh is MUFU beside the exponentials), then the most
+    instructions (the mask's own)."""
+    return (counts["mma"], counts["async_copy"], -counts["global"], -counts["mufu"],
+            sum(counts.values()))
+
+
+def hot_path(function: Function, loop: Loop, score=steady_score) -> list[Instruction]:
+    """The instructions of one iteration along the path through ``loop`` that ``score`` ranks
+    highest (by default the steady path), from its head to its closing branch.
 
     Forward branches inside the body are the choices; a branch out of the body or backward (an
     inner loop's) is not followed, so an inner loop's body counts once.
     """
     blocks = _blocks(loop.body(function), function)
     first = {block[0].address: n for n, block in enumerate(blocks)}
-    best: list[tuple[tuple[int, int, int], Counter, list[int]] | None] = [None] * len(blocks)
-    best[0] = (_score(Counter()), Counter(), [])
+    best: list[tuple[tuple[int, ...], Counter, list[int]] | None] = [None] * len(blocks)
+    best[0] = (score(Counter()), Counter(), [])
     for n, block in enumerate(blocks):
         reached = best[n]
         if reached is None:
             continue
         counts = reached[1] + Counter(i.cls for i in block)
-        here = (_score(counts), counts, reached[2] + [n])
+        here = (score(counts), counts, reached[2] + [n])
         last = block[-1]
         if last.address == loop.end:
             best[n] = here  # the closing branch: the iteration ends here

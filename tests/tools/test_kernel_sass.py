@@ -62,6 +62,15 @@ def test_hot_path_takes_the_copy_and_skips_the_mask(sass, toy):
     assert sum(counts[c] for c in sass.CLASSES) == counts["total"]
 
 
+def test_masked_path_takes_the_mask_branch(sass, toy):
+    outer = sass.loops(toy)[0]
+    steady = sass.hot_path(toy, outer)
+    masked = sass.hot_path(toy, outer, sass.masked_score)
+    extra = {i.address for i in masked} - {i.address for i in steady}
+    assert extra == {0x100, 0x110, 0x120}  # the side branch's compare and two selects
+    assert sass.mix(masked)["mma"] == sass.mix(steady)["mma"] == 3
+
+
 def test_whole_kernel_mix_counts_every_instruction(sass, toy):
     counts = sass.mix(toy.instructions)
     assert counts["total"] == 34 and counts["mma"] == 3 and counts["global"] == 1
