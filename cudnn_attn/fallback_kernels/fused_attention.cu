@@ -1286,6 +1286,9 @@ template <int HD> struct NaWide {
     static constexpr int KSTEP = HD >= 128 ? 32 : 64;
     static constexpr int STAGES = 3;
     static constexpr bool Q_IN_REGS = HD <= 64;
+    // Masked tiles as bits (`na_forward_logits`'s passes) where they fit: at head dim 128 they
+    // spill (72 bytes on sm_90), and the per-slot test stays.
+    static constexpr bool MASK_BITS = HD <= 64;
 };
 
 // s[mt] = Q K^T for the warp's two m16 tiles; each K fragment pair serves both.
@@ -1361,7 +1364,7 @@ __global__ void __launch_bounds__(NA_THREADS, 1)
 na_fused_forward_wide(NA_FORWARD_PARAMS) {
     constexpr int LD = HD + 8, KSTEP = NaWide<HD>::KSTEP, NT = KSTEP / 8;
     constexpr int STAGES = NaWide<HD>::STAGES;
-    constexpr bool QREG = NaWide<HD>::Q_IN_REGS;
+    constexpr bool QREG = NaWide<HD>::Q_IN_REGS, BITS = NaWide<HD>::MASK_BITS;
     using Ring = NaKeyRing<T, HD, KSTEP, STAGES>;
     NA_QUERY_MAJOR_SETUP(Ring, 32)
     // Shared memory: the Q tile, the ring, the query slots.
@@ -1411,13 +1414,13 @@ na_fused_forward_wide(NA_FORWARD_PARAMS) {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
             if (!whole)
-                na_forward_logits<NT, true, false>(s[mt], my_slots + 16 * mt, kbox, klo, scale,
+                na_forward_logits<NT, true, BITS>(s[mt], my_slots + 16 * mt, kbox, klo, scale,
+                                                  softcap, inv_cap, rpb ? s_bias : nullptr,
+                                                  s_rmul, s_period_ones, first);
+            else if (!fold)
+                na_forward_logits<NT, false, BITS>(s[mt], my_slots + 16 * mt, kbox, klo, scale,
                                                    softcap, inv_cap, rpb ? s_bias : nullptr,
                                                    s_rmul, s_period_ones, first);
-            else if (!fold)
-                na_forward_logits<NT, false, false>(s[mt], my_slots + 16 * mt, kbox, klo, scale,
-                                                    softcap, inv_cap, rpb ? s_bias : nullptr,
-                                                    s_rmul, s_period_ones, first);
         }
         if (whole && fold) mul = scale * NA_LOG2E;  // the softmax takes the raw scores
 #pragma unroll
