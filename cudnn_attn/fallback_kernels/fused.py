@@ -160,9 +160,8 @@ def wide_steps(kernel: str, head_dim: int) -> tuple[int, int]:
     """(keys per step, stages) of a wide kernel's K/V ring (``NaWide`` / ``NaWideDq`` in the
     .cu). The forward: whole 64-key tiles, half tiles at head dim 128 (its two 32-row
     accumulators leave no registers for more). dQ holds two score-sized fragments (S and dP) per
-    m16 tile beside its accumulators: 32 keys (64 at head dim 32 spilled once the copy and
-    ldmatrix addressing were unrolled), 16 at 128 (where its Q and dO tiles fill most of the
-    99 KB)."""
+    m16 tile beside its accumulators: 32 keys (64 spill at head dim 32), 16 at 128 (where its
+    Q and dO tiles fill most of the 99 KB)."""
     if kernel == WIDE_FORWARD:
         return (32 if head_dim >= 128 else 64), 3
     if kernel == WIDE_DQ:

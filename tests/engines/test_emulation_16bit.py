@@ -561,7 +561,7 @@ def test_pipelined_build_selection(monkeypatch):
         fused_expressions(head_dims=F.HEAD_DIMS))
     assert {v.expression for v in F.wide_variants()} == set(
         fused_expressions(head_dims=F.HEAD_DIMS, kernels=F.WIDE_KERNELS))
-    for hd, (fwd_step, dq_step) in {32: (64, 64), 64: (64, 32), 128: (32, 16)}.items():
+    for hd, (fwd_step, dq_step) in {32: (64, 32), 64: (64, 32), 128: (32, 16)}.items():
         # The wide kernels: 128-query own tiles (forward: Q; dQ: dO and Q), three (K, V) steps.
         for kernel, own, step in ((F.WIDE_FORWARD, 1, fwd_step), (F.WIDE_DQ, 2, dq_step)):
             total = (own * 128 + 2 * 3 * step) * (hd + 8) * 2 + 128 * 32
