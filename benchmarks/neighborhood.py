@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import signal
 import sys
 import time
@@ -49,7 +50,7 @@ PROBLEMS = {  # rank: (spatial shape, kernel size)
 HIDDEN = 2048
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 TARGET_TFLOPS, TARGET_VS_FLEX = 250.0, 1.5  # bf16, D=128, 2-D 128x128 k=31x31, forward
-ENGINES = ("ours", "flex", "natten-flex", "sdpa-cudnn", "sdpa-flash")
+ENGINES = ("ours", "ours-wgmma", "flex", "natten-flex", "sdpa-cudnn", "sdpa-flash")
 DEVICE, OURS_BACKEND = "cuda", "cupy"  # module constants so a CPU smoke run can swap them
 # A compiled peer's setup (block mask, torch.compile) and first call get this long; past it the
 # peer is recorded as timed out (issue 23: Flex's compile ate the whole 162 s share of the run).
@@ -255,6 +256,31 @@ def engines(rank, spatial, kernel, q, k, v):
                 return na(*leaves, kernel)
         return leaves, run
 
+    def ours_wgmma():
+        # The same call with the opt-in Hopper forward (fused_hopper: wgmma); the backward is
+        # ours. Only where it runs (sm_90, fp16/bf16, head dim 64/128), else an error entry.
+        from cudnn_attn.fallback_kernels import fused_hopper
+
+        capability = torch.cuda.get_device_capability(q.device)
+        if not (capability == (9, 0) and q.dtype != torch.float32
+                and dim in fused_hopper.HEAD_DIMS):
+            raise RuntimeError(f"the wgmma forward runs on sm_90 fp16/bf16 at head dims "
+                               f"{fused_hopper.HEAD_DIMS}, not sm_{capability[0]}{capability[1]} "
+                               f"{q.dtype} D={dim}")
+        leaves, run = ours()
+
+        def run_wgmma(leaves=leaves, run=run):
+            saved = os.environ.get(fused_hopper.ENV)
+            os.environ[fused_hopper.ENV] = "1"
+            try:
+                return run(leaves)
+            finally:
+                if saved is None:
+                    del os.environ[fused_hopper.ENV]
+                else:
+                    os.environ[fused_hopper.ENV] = saved
+        return leaves, run_wgmma
+
     def flex():
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -290,7 +316,7 @@ def engines(rank, spatial, kernel, q, k, v):
 
     from torch.nn.attention import SDPBackend
 
-    return {"ours": ours,
+    return {"ours": ours, "ours-wgmma": ours_wgmma,
             "sdpa-cudnn": lambda: dense_sdpa(SDPBackend.CUDNN_ATTENTION),
             "sdpa-flash": lambda: dense_sdpa(SDPBackend.FLASH_ATTENTION),
             "flex": flex, "natten-flex": natten_flex}
@@ -363,9 +389,14 @@ def bench_problem(rank, dtype_name, dim, args, on_rows=None, problem=None):
     if "ours" in outputs and "flex" in outputs:  # a speed figure is only worth a right answer
         flex_out = outputs["flex"].transpose(1, 2).reshape(outputs["ours"].shape)
         rows["fwd"]["max|ours-flex|"] = (outputs["ours"].float() - flex_out.float()).abs().max().item()
+    if "ours" in outputs and "ours-wgmma" in outputs:
+        rows["fwd"]["max|wgmma-ours|"] = (outputs["ours-wgmma"].float()
+                                          - outputs["ours"].float()).abs().max().item()
     for row in rows.values():
         if row.get("ours_ms") and row.get("flex_ms"):
             row["ours/flex"] = row["flex_ms"] / row["ours_ms"]  # speedup over Flex
+        if row.get("ours_ms") and row.get("ours-wgmma_ms"):
+            row["wgmma/ours"] = row["ours_ms"] / row["ours-wgmma_ms"]  # speedup of the wgmma path
         add_model_ratios(row)
     del q, k, v, outputs
     torch.cuda.empty_cache()
@@ -450,7 +481,8 @@ def main() -> int:
             for dim in args.head_dims:
                 rows += bench_problem(rank, dtype_name, dim, args, on_rows=save)
     ceilings.add_fraction(rows, machine)
-    columns = ["problem", "dtype", "D", "dir", "ours_ms", "ours_tflops", "flex_tflops",
+    columns = ["problem", "dtype", "D", "dir", "ours_ms", "ours_tflops", "ours-wgmma_tflops",
+               "wgmma/ours", "flex_tflops",
                "natten-flex_tflops", "sdpa-cudnn_ms", "sdpa-flash_ms", "ours/flex", "ours/ceiling",
                "max|ours-flex|"]
     _report.print_table(rows, columns)

@@ -136,6 +136,12 @@ def _fused_cases():
                 cases[f"fused-{dname}-wide-hd{hd}-2d"] = _wide_boxes(neighborhood(
                     dtype, hd, hd if hd == 32 else hd - 8, (12, 20), (5, 9), (1, 1), (1, 2),
                     (True, False)))
+            # On sm_90 the opt-in wgmma forwards (64-query and wide boxes) at head dims 64, 128.
+            for hd in (64, 128):
+                run = neighborhood(dtype, hd, hd - 8, (12, 20), (5, 9), (1, 1), (1, 2),
+                                   (True, False))
+                cases[f"fused-{dname}-wgmma-hd{hd}-2d"] = _wgmma(run)
+                cases[f"fused-{dname}-wgmma-wide-hd{hd}-2d"] = _wide_boxes(_wgmma(run))
     return cases
 
 
@@ -155,19 +161,30 @@ def _wide_boxes(run):
     return wrapped
 
 
-def _plain_build(run):
-    """``run`` with the fused module's pipelined sm_80+ build switched off."""
+def _with_env(name: str, value: str, run):
+    """``run`` with the environment variable ``name`` set to ``value``."""
     def wrapped():
-        old = os.environ.get("CUDNN_ATTN_FUSED_PIPELINED")
-        os.environ["CUDNN_ATTN_FUSED_PIPELINED"] = "0"
+        old = os.environ.get(name)
+        os.environ[name] = value
         try:
             run()
         finally:
             if old is None:
-                os.environ.pop("CUDNN_ATTN_FUSED_PIPELINED")
+                os.environ.pop(name)
             else:
-                os.environ["CUDNN_ATTN_FUSED_PIPELINED"] = old
+                os.environ[name] = old
     return wrapped
+
+
+def _plain_build(run):
+    """``run`` with the fused module's pipelined sm_80+ build switched off."""
+    return _with_env("CUDNN_ATTN_FUSED_PIPELINED", "0", run)
+
+
+def _wgmma(run):
+    """``run`` with the opt-in wgmma forwards (``fused_hopper``; sm_90 only, elsewhere the
+    same kernels as without)."""
+    return _with_env("CUDNN_ATTN_NA_WGMMA", "1", run)
 
 
 def _unfused_cases():

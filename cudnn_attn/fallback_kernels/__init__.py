@@ -28,8 +28,9 @@ from .limits import FUSED_DTYPES, LIMITS, kernel_reasons
 from .tile_shapes import check_tile_sizes, valid_tile_sizes
 
 # Modules that launch kernels; each exposes SOURCE, DEFINES and variants() (and MIN_ARCH, the
-# oldest sm it compiles for, when it has one).
-KERNEL_MODULES = ("fused", "fused_pipelined", "fused_wide", "unfused")
+# oldest sm it compiles for, when it has one; TARGETS, when it compiles for some archs only, each
+# into an arch-specific target: {"sm_90": "sm_90a"}).
+KERNEL_MODULES = ("fused", "fused_pipelined", "fused_wide", "fused_hopper", "unfused")
 
 __all__ = ["compile_all", "default_jobs", "kernel_programs", "kernel_variants", "kernel_reasons",
            "LIMITS", "CompileRecord", "KernelBuild", "KernelCompileError", "FUSED_DTYPES",
@@ -50,7 +51,18 @@ def kernel_programs(arch: str) -> dict:
     variant is one NVRTC program)."""
     number = int("".join(ch for ch in arch.split("_", 1)[1] if ch.isdigit()) or 0)
     return {name: variants for name, variants in kernel_variants().items()
-            if number >= getattr(importlib.import_module(f"{__name__}.{name}"), "MIN_ARCH", 0)}
+            if _compiles_for(importlib.import_module(f"{__name__}.{name}"), arch, number)}
+
+
+def _compiles_for(module, arch: str, number: int) -> bool:
+    targets = getattr(module, "TARGETS", None)
+    return number >= getattr(module, "MIN_ARCH", 0) and (targets is None or arch in targets)
+
+
+def target_arch(module_name: str, arch: str) -> str:
+    """The arch ``module_name``'s kernels are compiled for on an ``arch`` device."""
+    module = importlib.import_module(f"{__name__}.{module_name}")
+    return getattr(module, "TARGETS", {}).get(arch, arch)
 
 
 MAX_DEFAULT_JOBS = 8  # one NVRTC compile of a fused kernel peaks near 0.4 GB
@@ -94,11 +106,11 @@ def compile_all(arch: str, programs: Sequence[str] | None = None,
     except ImportError as exc:
         raise ImportError("compile_all needs CuPy and NVRTC: pip install 'cudnn-attn[cu12]' "
                           f"({exc})") from None
-    work: list[tuple[KernelVariant, dict]] = []
+    work: list[tuple[KernelVariant, dict, str]] = []
     for name, variants in kernel_programs(arch).items():
         if programs is None or name in programs:
             defines = importlib.import_module(f"{__name__}.{name}").DEFINES
-            work += [(variant, defines) for variant in variants]
+            work += [(variant, defines, target_arch(name, arch)) for variant in variants]
     workers = min(jobs, max(len(work), 1))
     records: list[CompileRecord] = []
 
@@ -108,12 +120,12 @@ def compile_all(arch: str, programs: Sequence[str] | None = None,
             progress(len(records), len(work), build)
 
     if workers == 1:
-        for variant, defines in work:
-            report(compile_variant(variant, defines, arch))
+        for variant, defines, target in work:
+            report(compile_variant(variant, defines, target))
         return records
     with ThreadPoolExecutor(workers, thread_name_prefix="cudnn_attn-nvrtc") as pool:
-        futures = [pool.submit(compile_variant, variant, defines, arch)
-                   for variant, defines in work]
+        futures = [pool.submit(compile_variant, variant, defines, target)
+                   for variant, defines, target in work]
         try:
             for future in futures:  # in submission order: the output does not depend on timing
                 report(future.result())

@@ -260,19 +260,20 @@ def device_arch(device_index: int) -> str:
 
 
 def get_function(source: str, defines: Mapping[str, object], expression: str,
-                 device_index: int):
+                 device_index: int, arch: str | None = None):
     """The launchable CuPy function for ``expression`` on CUDA device ``device_index``.
 
     Only that variant is compiled (or read from the cubin cache) and loaded, once per device;
-    functions are memoized.
+    functions are memoized. ``arch``: the target to compile for (default the device's own, e.g.
+    ``sm_90``; an arch-specific one such as ``sm_90a`` for instructions only it has).
     """
-    key = (source, tuple(sorted(defines.items())), device_index, expression)
+    key = (source, tuple(sorted(defines.items())), device_index, expression, arch)
     function = _FUNCTIONS.get(key)
     if function is not None:
         return function
     import cupy
 
-    program = compile_program(source, defines, (expression,), device_arch(device_index))
+    program = compile_program(source, defines, (expression,), arch or device_arch(device_index))
     with cupy.cuda.Device(device_index):
         module = cupy.cuda.function.Module()
         module.load(program.cubin)

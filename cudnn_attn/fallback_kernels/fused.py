@@ -75,11 +75,16 @@ WIDE_KERNELS = (WIDE_FORWARD, WIDE_DQ, WIDE_DKDV)
 _NARROW = {WIDE_FORWARD: "na_fused_forward", WIDE_DQ: "na_fused_backward_dq",
            WIDE_DKDV: "na_fused_backward_dkdv"}
 WIDE_MIN_ARCH = 90
+# The forwards on Hopper's wgmma (``fused_hopper``, opt-in) -> the kernel each replaces.
+HOPPER_FORWARDS = {"na_fused_forward_wgmma": "na_fused_forward",
+                   "na_fused_forward_wide_wgmma": WIDE_FORWARD}
 _QUERY_SLOT_BYTES = 32  # NaQuerySlot
 _DKDV_STEP_SLOT_BYTES = 32 + 8  # NaQuerySlot, lse, delta
 
 
 def _expression(kernel: str, dtype: torch.dtype, head_dim: int) -> str:
+    if kernel in HOPPER_FORWARDS:
+        return f"{HOPPER_FORWARDS[kernel]}<{CTYPES[dtype]}, {head_dim}, true>"
     if kernel == WIDE_DKDV:
         return f"na_fused_backward_dkdv<{CTYPES[dtype]}, {head_dim}, {WIDE_KEY_TILE}>"
     return f"{kernel}<{CTYPES[dtype]}, {head_dim}>"
@@ -174,6 +179,9 @@ def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool =
     the sm_80+ build, whose query-major kernels hold a ring of K/V stages."""
     if kernel == "na_fused_backward_delta":
         return 0  # registers and shuffles only
+    if kernel in HOPPER_FORWARDS:
+        from . import fused_hopper
+        return fused_hopper.smem_bytes(kernel, head_dim)
     if kernel == WIDE_DKDV:
         # The 128-key box's K and V, then the ring of query steps (``dkdv_steps``).
         assert pipelined and head_dim in WIDE_DKDV_HEAD_DIMS, (kernel, head_dim)
@@ -225,8 +233,12 @@ def _function(kernel: str, dtype: torch.dtype, head_dim: int, device_index: int,
     from cupy.cuda import driver
 
     # Only this variant is compiled (its own NVRTC program): a first call pays for one kernel.
-    fn = _loader.get_function(SOURCE, PIPELINED_DEFINES if use_pipelined else DEFINES,
-                              _expression(kernel, dtype, head_dim), device_index)
+    defines, arch = PIPELINED_DEFINES if use_pipelined else DEFINES, None
+    if kernel in HOPPER_FORWARDS:
+        from . import fused_hopper
+        defines, arch = fused_hopper.DEFINES, fused_hopper.TARGETS["sm_90"]
+    fn = _loader.get_function(SOURCE, defines, _expression(kernel, dtype, head_dim), device_index,
+                              arch)
     driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             smem_bytes(kernel, dtype, head_dim, use_pipelined))
     return fn
@@ -282,8 +294,11 @@ def run_forward(q, k, v, out, lse, table, boxes, scale, softcap=0.0, rpb=None) -
                 *(np.int32(x) for x in qb), *(np.int32(x) for x in kb),
                 np.float32(scale), np.float32(softcap or 0.0),
                 np.int32(_aligned((q, k, v, out), q.dtype))]
-        _launch(_query_major(WIDE_FORWARD, qb, q.dtype, ctx), q.dtype, hd, grid, tensors,
-                scalars, ctx)
+        kernel = _query_major(WIDE_FORWARD, qb, q.dtype, ctx)
+        from . import fused_hopper
+        if fused_hopper.enabled(q.dtype, _capability(ctx.index), hd):
+            kernel = fused_hopper.replacing(kernel)
+        _launch(kernel, q.dtype, hd, grid, tensors, scalars, ctx)
 
 
 def _query_major(wide_kernel: str, own_box: Sequence[int], dtype: torch.dtype,

@@ -736,15 +736,30 @@ __device__ __forceinline__ int na_slot_token(const NaTokens& tk, const NaBox& bo
 // Copy `ROWS` box slots (slots first.. of the box at group coordinates `lo`, clipped at `end`) of one or two
 // operands into shared rows of LD elements: 16-byte pieces by cp.async, zeros for clipped rows and
 // for columns past d (so that every mma may run over the whole compiled head dim).
-template <typename T, int HD, int ROWS, int THREADS>
+// Where row r, column c (a multiple of 8) of a staged operand of ROWS rows lives: padded rows of
+// HD + 8 elements (ldmatrix), or (SWIZZLE, the wgmma kernels) the 128-byte-swizzled canonical
+// layout wgmma reads through a descriptor: 64-column blocks of ROWS rows of 128 bytes, the
+// 16-byte piece c / 8 of row r stored at piece (c / 8) ^ (r % 8) of its row (1024-byte atoms of
+// 8 rows, so a warp's 16-byte stores and wgmma's reads hit distinct banks).
+template <int HD, int ROWS, bool SWIZZLE>
+__device__ __forceinline__ int na_staged_offset(int r, int c) {
+    if constexpr (SWIZZLE)
+        return (c >> 6) * ROWS * 64 + r * 64 + ((((c >> 3) & 7) ^ (r & 7)) << 3);
+    else
+        return r * (HD + 8) + c;
+}
+
+template <typename T, int HD, int ROWS, int THREADS, bool SWIZZLE = false>
 __device__ __forceinline__ void na_copy_box(T* dst0, const T* src0, long long st0, int d0,
                                             T* dst1, const T* src1, long long st1, int d1,
                                             const NaTokens& tk, const NaBox& box,
                                             const int* lo, const int* end, int vec,
                                             int first = 0) {
-    constexpr int LD = HD + 8, V = 8, PER_ROW = HD / V;
+    constexpr int V = 8, PER_ROW = HD / V;
     static_assert((ROWS * PER_ROW) % THREADS == 0, "every thread copies the same count");
     static_assert(THREADS % PER_ROW == 0, "a thread keeps its column on every trip");
+    // A trip moves by STEP rows; swizzled, a multiple of 8 keeps the thread's piece in its row.
+    static_assert(!SWIZZLE || (THREADS / PER_ROW) % 8 == 0, "a swizzled trip keeps r % 8");
     const T zero = NaConvert<T>::from(0.f);
     // Counted trips from 0 (a loop from threadIdx.x is not unrolled): the column and the row
     // offset are the thread's own, computed once, and each trip is straight-line code.
@@ -769,9 +784,9 @@ __device__ __forceinline__ void na_copy_box(T* dst0, const T* src0, long long st
 #pragma unroll
         for (int trip = 0; trip < TRIPS; ++trip) {
             const int tok = na_slot_token<false>(at, box, origin, room, first + r0 + trip * STEP);
-            na_cp_async16(dst0 + (r0 + trip * STEP) * LD + c, src0 + c + tok * st0);
-            if (dst1 != nullptr)
-                na_cp_async16(dst1 + (r0 + trip * STEP) * LD + c, src1 + c + tok * st1);
+            const int at_row = na_staged_offset<HD, ROWS, SWIZZLE>(r0 + trip * STEP, c);
+            na_cp_async16(dst0 + at_row, src0 + c + tok * st0);
+            if (dst1 != nullptr) na_cp_async16(dst1 + at_row, src1 + c + tok * st1);
         }
         return;
     }
@@ -784,11 +799,11 @@ __device__ __forceinline__ void na_copy_box(T* dst0, const T* src0, long long st
             T* dst = o ? dst1 : dst0;
             if (dst == nullptr) continue;
             // The thread's column in both operands and its first row in shared memory are
-            // fixed; a trip moves by whole rows (constant offsets).
+            // fixed; a trip moves by whole rows (constant offsets, swizzled or not).
             const T* from = (o ? src1 : src0) + c;
             const long long st = o ? st1 : st0;
             const int d = o ? d1 : d0;
-            T* out = (dst + r0 * LD + c) + trip * STEP * LD;
+            T* out = dst + na_staged_offset<HD, ROWS, SWIZZLE>(r, c);
             if (vec && tok >= 0 && c + V <= d) {
                 na_cp_async16(out, from + tok * st);
             } else if (tok < 0 || c >= d) {
@@ -1081,9 +1096,11 @@ __device__ __forceinline__ bool na_key_tile(const NaForwardGeo& geo, const int* 
 // then its V rows). Steps are copied in walk order (an odometer over the tiles, the part inside
 // a tile), so `issue` is called once per step, in order; every call commits one cp.async group,
 // empty past the last step, which keeps the group count of a wait a constant.
-template <typename T, int HD, int KSTEP = NA_TILE, int NSTAGES = NaForwardStages<HD>::N>
+// SWIZZLE: the stages in wgmma's swizzled layout (`na_staged_offset`), 1024-byte aligned.
+template <typename T, int HD, int KSTEP = NA_TILE, int NSTAGES = NaForwardStages<HD>::N,
+          bool SWIZZLE = false>
 struct NaKeyRing {
-    static constexpr int LD = HD + 8, STAGES = NSTAGES, STAGE = 2 * KSTEP * LD;
+    static constexpr int LD = SWIZZLE ? HD : HD + 8, STAGES = NSTAGES, STAGE = 2 * KSTEP * LD;
     static constexpr int PARTS = NA_TILE / KSTEP;  // steps per key tile
     T* smem;
     const T* k;
@@ -1101,9 +1118,10 @@ struct NaKeyRing {
             int klo[3];
             na_key_tile(geo, idx, kside, klo);
             T* stage = smem + (it % STAGES) * STAGE;
-            na_copy_box<T, HD, KSTEP, NA_THREADS>(stage, k, k_st, d_qk, stage + KSTEP * LD, v,
-                                                  v_st, d_v, geo.ktok, kbox, klo, geo.hi, vec,
-                                                  part * KSTEP);
+            na_copy_box<T, HD, KSTEP, NA_THREADS, SWIZZLE>(stage, k, k_st, d_qk,
+                                                           stage + KSTEP * LD, v, v_st, d_v,
+                                                           geo.ktok, kbox, klo, geo.hi, vec,
+                                                           part * KSTEP);
             if (++part == PARTS) {
                 part = 0;
                 na_odometer_step(idx, geo.tiles);
@@ -1202,15 +1220,284 @@ __device__ __forceinline__ void na_store_fragment_rows(T* base, long long stride
                  0};                                                                            \
     int kidx[3] = {0, 0, 0};
 
-template <typename T, int HD>
+// Bytes from `smem` to the next 1024-byte boundary of the shared window (the swizzled layout's
+// atoms must start there).
+__device__ __forceinline__ unsigned int na_align1024(const void* smem) {
+    return (1024u - (unsigned int)__cvta_generic_to_shared(smem) % 1024u) % 1024u;
+}
+
+#if NA_WGMMA
+// ---------------------------------------------------------------------------------------------
+// Hopper warpgroup MMA (sm_90a, `fused_hopper`): the forwards' two products as wgmma.mma_async.
+// The 4 warps are one warpgroup; an m64 product gives warp w rows 16w..16w+15 of its 64, in the
+// mma.sync C layout (so the softmax, the mask and P's conversion to A fragments are the same
+// code). The 64-query forward is one m64 product with Q in the warps' A fragments (as its
+// mma.sync path holds them); the wide forward's 128 queries are two m64 halves read from shared
+// memory, warp w holding rows 16w + g and 64 + 16w + g. K and V are read through descriptors of
+// the 128-byte-swizzled layout (`na_staged_offset`): K K-major (head dim contiguous), V MN-major
+// (imm-trans-b); P comes from the accumulator registers.
+// ---------------------------------------------------------------------------------------------
+
+// The instruction's type suffix (NVRTC has no <type_traits>).
+template <typename T> struct NaIsBf16 { static constexpr bool value = false; };
+template <> struct NaIsBf16<na_bf16> { static constexpr bool value = true; };
+
+// A shared-memory matrix descriptor: start address, leading and stride byte offsets (>> 4), the
+// 128-byte swizzle (layout type 1, bits 62-63).
+__device__ __forceinline__ unsigned long long na_wg_desc(const void* smem, int lead_bytes,
+                                                         int stride_bytes) {
+    const unsigned int a = (unsigned int)__cvta_generic_to_shared(smem);
+    return (unsigned long long)((a & 0x3ffffu) >> 4) |
+           ((unsigned long long)(lead_bytes >> 4) << 16) |
+           ((unsigned long long)(stride_bytes >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void na_wg_fence() {
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void na_wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void na_wg_wait_all() {
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+// cp.async writes through the generic proxy; wgmma reads through the async proxy.
+__device__ __forceinline__ void na_fence_async_smem() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// d[64 x NT*8] (+)= A[64 x 16] B[16 x NT*8], A and B K-major in shared memory; `accumulate` 0
+// overwrites d.
+template <typename T, int NT>
+__device__ __forceinline__ void na_wgmma_ss(float (&d)[NT][4], unsigned long long a,
+                                            unsigned long long b, int accumulate) {
+    if constexpr (NT == 4 && NaIsBf16<T>::value) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %18, 0; "
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+            "%16, %17, p, 1, 1, 0, 0; }"
+            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+            : "l"(a), "l"(b), "r"(accumulate));
+    } else if constexpr (NT == 4 && !NaIsBf16<T>::value) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %18, 0; "
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+            "%16, %17, p, 1, 1, 0, 0; }"
+            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+            : "l"(a), "l"(b), "r"(accumulate));
+    } else if constexpr (NT == 8 && NaIsBf16<T>::value) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %34, 0; "
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+            "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "%32, %33, p, 1, 1, 0, 0; }"
+            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+            : "l"(a), "l"(b), "r"(accumulate));
+    } else if constexpr (NT == 8 && !NaIsBf16<T>::value) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %34, 0; "
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+            "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "%32, %33, p, 1, 1, 0, 0; }"
+            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+            : "l"(a), "l"(b), "r"(accumulate));
+    } else {
+        static_assert(NT == 0, "no wgmma shape for this accumulator");
+    }
+}
+
+// d[64 x NT*8] (+)= A[64 x 16] B[16 x NT*8], A from the warps' fragment registers (mma.sync's A
+// layout), B in shared memory: K-major, or MN-major with TRANS_B; `accumulate` 0 overwrites d.
+template <typename T, int NT, int TRANS_B>
+__device__ __forceinline__ void na_wgmma_rs(float (&d)[NT][4], const unsigned int (&frag)[4],
+                                            unsigned long long b, int accumulate) {
+    if constexpr (NT == 8 && NaIsBf16<T>::value) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+            "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "{%32, %33, %34, %35}, %36, p, 1, 1, %38; }"
+            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+            : "r"(frag[0]), "r"(frag[1]), "r"(frag[2]), "r"(frag[3]), "l"(b), "r"(accumulate), "n"(TRANS_B));
+    } else if constexpr (NT == 8 && !NaIsBf16<T>::value) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+            "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "{%32, %33, %34, %35}, %36, p, 1, 1, %38; }"
+            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+            : "r"(frag[0]), "r"(frag[1]), "r"(frag[2]), "r"(frag[3]), "l"(b), "r"(accumulate), "n"(TRANS_B));
+    } else if constexpr (NT == 16 && NaIsBf16<T>::value) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+            "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+            "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
+            "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+            "{%64, %65, %66, %67}, %68, p, 1, 1, %70; }"
+            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+              "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+              "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+              "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+              "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+              "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+              "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+              "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+              "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+            : "r"(frag[0]), "r"(frag[1]), "r"(frag[2]), "r"(frag[3]), "l"(b), "r"(accumulate), "n"(TRANS_B));
+    } else if constexpr (NT == 16 && !NaIsBf16<T>::value) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+            "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+            "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
+            "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+            "{%64, %65, %66, %67}, %68, p, 1, 1, %70; }"
+            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+              "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+              "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+              "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+              "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+              "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+              "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+              "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+              "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+            : "r"(frag[0]), "r"(frag[1]), "r"(frag[2]), "r"(frag[3]), "l"(b), "r"(accumulate), "n"(TRANS_B));
+    } else {
+        static_assert(NT == 0, "no wgmma shape for this accumulator");
+    }
+}
+
+// s[mt] = Q K^T for both m64 halves: Q (ROWS rows) and the step's K (NT * 8 rows) swizzled in
+// shared memory, one k-step of 16 head-dim columns per wgmma (32 bytes into the 128-byte rows).
+template <typename T, int HD, int NT, int ROWS>
+__device__ __forceinline__ void na_qk_wgmma(float (&s)[2][NT][4], const T* Q, const T* K) {
+    constexpr int KEYS = NT * 8;
+    na_wg_fence();  // s was last written by the softmax
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            const T* q = Q + (kk / 4) * ROWS * 64 + mt * 64 * 64 + (kk % 4) * 16;
+            const T* k = K + (kk / 4) * KEYS * 64 + (kk % 4) * 16;
+            na_wgmma_ss<T, NT>(s[mt], na_wg_desc(q, 16, 1024), na_wg_desc(k, 16, 1024), kk > 0);
+        }
+    na_wg_commit();
+    na_wg_wait_all();
+}
+
+// s = Q K^T for the 64-query kernel's one m64 product: Q from the warps' fragment registers, the
+// step's K (NT * 8 keys) swizzled in shared memory.
+template <typename T, int HD, int NT>
+__device__ __forceinline__ void na_qk_wgmma_regs(float (&s)[NT][4],
+                                                 const unsigned int (&qf)[HD / 16][4],
+                                                 const T* K) {
+    na_wg_fence();  // s was last written by the softmax
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+        na_wgmma_rs<T, NT, 0>(s, qf[kk],
+                              na_wg_desc(K + (kk / 4) * NT * 8 * 64 + (kk % 4) * 16, 16, 1024),
+                              kk > 0);
+    na_wg_commit();
+    na_wg_wait_all();
+}
+
+// o[mt] += P[mt] V for MT m64 products: P packed to A fragments first (they must stay intact
+// until the wait), V's 16-key slices MN-major (stride between 8-key groups 1024 bytes, between
+// 64-column blocks KEYS * 128).
+template <typename T, int HD, int NT, int MT>
+__device__ __forceinline__ void na_pv_wgmma(float (&o)[MT][HD / 8][4], const float (&p)[MT][NT][4],
+                                            const T* V) {
+    constexpr int KEYS = NT * 8;
+    unsigned int a[MT][NT / 2][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < NT / 2; ++j) {
+            a[mt][j][0] = na_pack2(p[mt][2 * j][0], p[mt][2 * j][1], T());
+            a[mt][j][1] = na_pack2(p[mt][2 * j][2], p[mt][2 * j][3], T());
+            a[mt][j][2] = na_pack2(p[mt][2 * j + 1][0], p[mt][2 * j + 1][1], T());
+            a[mt][j][3] = na_pack2(p[mt][2 * j + 1][2], p[mt][2 * j + 1][3], T());
+        }
+    na_wg_fence();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < NT / 2; ++j)
+            na_wgmma_rs<T, HD / 8, 1>(o[mt], a[mt][j],
+                                      na_wg_desc(V + j * 16 * 64, KEYS * 128, 1024), 1);
+    na_wg_commit();
+    na_wg_wait_all();
+}
+#endif  // NA_WGMMA
+
+// WG (`fused_hopper`, sm_90a): both products on wgmma, K and V swizzled in the ring (Q keeps its
+// padded rows: only ldmatrix reads them, into the A fragments).
+template <typename T, int HD, bool WG = false>
 __global__ void __launch_bounds__(NA_THREADS, NaForwardStages<HD>::MIN_BLOCKS)
 na_fused_forward(NA_FORWARD_PARAMS) {
     constexpr int LD = HD + 8, NT = NA_TILE / 8, STAGES = NaForwardStages<HD>::N;
-    using Ring = NaKeyRing<T, HD>;
+    using Ring = NaKeyRing<T, HD, NA_TILE, STAGES, WG>;
     NA_QUERY_MAJOR_SETUP(Ring, 16)
-    // Shared memory: the Q tile, the ring, the query slots.
+    // Shared memory: the Q tile, the ring, the query slots. The ring's swizzled atoms are
+    // 1024-byte aligned (the launch asks for 1024 bytes more; Q's rows are whole kilobytes).
     extern __shared__ __align__(16) unsigned char na_smem[];
-    T* sQ = reinterpret_cast<T*>(na_smem);
+    T* sQ = reinterpret_cast<T*>(na_smem + (WG ? na_align1024(na_smem) : 0));
     ring.smem = sQ + NA_TILE * LD;
     NaQuerySlot* s_slot = reinterpret_cast<NaQuerySlot*>(ring.smem + STAGES * ring.STAGE);
 
@@ -1236,13 +1523,21 @@ na_fused_forward(NA_FORWARD_PARAMS) {
     na_zero(acc);
     for (int it = 0; it < ring.nsteps; ++it) {
         na_cp_async_wait_n<STAGES - 2>();  // this thread's copies of tile it (and Q) landed
+#if NA_WGMMA
+        if constexpr (WG) na_fence_async_smem();  // ... and are visible to wgmma's reads
+#endif
         __syncthreads();  // everyone's; and everyone is done with tile it - 1, whose stage we refill
         ring.issue(it + STAGES - 1, geo, kbox, kside);
         if (it == 0) na_load_a_fragments<T, HD>(qf, sQ + row0 * LD);
         int klo[3];
         const bool whole = na_key_tile(geo, kidx, kside, klo);
         float s[NT][4], mul = 1.f;
-        na_qk<T, HD, NT>(s, qf, ring.keys(it));
+#if NA_WGMMA
+        if constexpr (WG)
+            na_qk_wgmma_regs<T, HD, NT>(s, qf, ring.keys(it));
+        else
+#endif
+            na_qk<T, HD, NT>(s, qf, ring.keys(it));
         if (!whole)
             na_forward_logits<NT, true>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
                                         rpb ? s_bias : nullptr, s_rmul, s_period_ones);
@@ -1252,7 +1547,14 @@ na_fused_forward(NA_FORWARD_PARAMS) {
             na_forward_logits<NT, false>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
                                          rpb ? s_bias : nullptr, s_rmul, s_period_ones);
         na_online_softmax_log2<NT, HD>(s, m, l, acc, mul);
-        na_pv<T, HD, NT>(acc, s, ring.values(it));
+#if NA_WGMMA
+        if constexpr (WG)
+            na_pv_wgmma<T, HD, NT, 1>(reinterpret_cast<float(&)[1][HD / 8][4]>(acc),
+                                      reinterpret_cast<const float(&)[1][NT][4]>(s),
+                                      ring.values(it));
+        else
+#endif
+            na_pv<T, HD, NT>(acc, s, ring.values(it));
         na_odometer_step(kidx, geo.tiles);
     }
     na_cp_async_wait_all();
@@ -1359,23 +1661,27 @@ __device__ __forceinline__ void na_pv_wide(float (&o)[2][HD / 8][4], const float
     }
 }
 
-template <typename T, int HD>
+// WG (`fused_hopper`, sm_90a): both products on wgmma over swizzled operands (NA_WGMMA above);
+// warp w's m-tiles are then rows 16w and 64 + 16w rather than 32w and 32w + 16.
+template <typename T, int HD, bool WG = false>
 __global__ void __launch_bounds__(NA_THREADS, 1)
 na_fused_forward_wide(NA_FORWARD_PARAMS) {
-    constexpr int LD = HD + 8, KSTEP = NaWide<HD>::KSTEP, NT = KSTEP / 8;
+    constexpr int KSTEP = NaWide<HD>::KSTEP, NT = KSTEP / 8;
     constexpr int STAGES = NaWide<HD>::STAGES;
-    constexpr bool QREG = NaWide<HD>::Q_IN_REGS, BITS = NaWide<HD>::MASK_BITS;
-    using Ring = NaKeyRing<T, HD, KSTEP, STAGES>;
-    NA_QUERY_MAJOR_SETUP(Ring, 32)
-    // Shared memory: the Q tile, the ring, the query slots.
+    constexpr int LD = WG ? HD : HD + 8, MT_ROWS = WG ? 64 : 16;  // rows between m-tiles
+    constexpr bool QREG = !WG && NaWide<HD>::Q_IN_REGS, BITS = NaWide<HD>::MASK_BITS;
+    using Ring = NaKeyRing<T, HD, KSTEP, STAGES, WG>;
+    NA_QUERY_MAJOR_SETUP(Ring, WG ? 16 : 32)
+    // Shared memory: the Q tile, the ring, the query slots. The swizzled layout's atoms are
+    // 1024-byte aligned (the launch asks for 1024 bytes more).
     extern __shared__ __align__(16) unsigned char na_smem[];
-    T* sQ = reinterpret_cast<T*>(na_smem);
+    T* sQ = reinterpret_cast<T*>(na_smem + (WG ? na_align1024(na_smem) : 0));
     ring.smem = sQ + NA_WIDE_QUERIES * LD;
     NaQuerySlot* s_slot = reinterpret_cast<NaQuerySlot*>(ring.smem + STAGES * Ring::STAGE);
 
-    na_copy_box<T, HD, NA_WIDE_QUERIES, NA_THREADS>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk,
-                                                    nullptr, nullptr, 0, 0, geo.qtok, qbox,
-                                                    geo.own_lo, geo.own_hi, vec);
+    na_copy_box<T, HD, NA_WIDE_QUERIES, NA_THREADS, WG>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk,
+                                                        nullptr, nullptr, 0, 0, geo.qtok, qbox,
+                                                        geo.own_lo, geo.own_hi, vec);
 #pragma unroll
     for (int it = 0; it < STAGES - 1; ++it) ring.issue(it, geo, kbox, kside);
     na_publish_query_slots<NA_WIDE_QUERIES>(s_slot, ax, geo, qbox, rmul);
@@ -1398,6 +1704,9 @@ na_fused_forward_wide(NA_FORWARD_PARAMS) {
     const T* sQw = sQ + row0 * LD;
     for (int it = 0; it < ring.nsteps; ++it) {
         na_cp_async_wait_n<STAGES - 2>();  // this thread's copies of step it (and Q) landed
+#if NA_WGMMA
+        if constexpr (WG) na_fence_async_smem();  // ... and are visible to wgmma's reads
+#endif
         __syncthreads();  // everyone's; and everyone is done with step it - 1, whose stage we refill
         ring.issue(it + STAGES - 1, geo, kbox, kside);
         if constexpr (QREG) {
@@ -1410,22 +1719,34 @@ na_fused_forward_wide(NA_FORWARD_PARAMS) {
         int klo[3];
         const bool whole = na_key_tile(geo, kidx, kside, klo);
         float s[2][NT][4], mul = 1.f;
-        na_qk_wide<T, HD, NT, QREG>(s, qf, sQw, ring.keys(it));
+#if NA_WGMMA
+        if constexpr (WG)
+            na_qk_wgmma<T, HD, NT, NA_WIDE_QUERIES>(s, sQ, ring.keys(it));
+        else
+#endif
+            na_qk_wide<T, HD, NT, QREG>(s, qf, sQw, ring.keys(it));
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
             if (!whole)
-                na_forward_logits<NT, true, BITS>(s[mt], my_slots + 16 * mt, kbox, klo, scale,
-                                                  softcap, inv_cap, rpb ? s_bias : nullptr,
-                                                  s_rmul, s_period_ones, first);
+                na_forward_logits<NT, true, BITS>(s[mt], my_slots + MT_ROWS * mt, kbox, klo,
+                                                  scale, softcap, inv_cap,
+                                                  rpb ? s_bias : nullptr, s_rmul,
+                                                  s_period_ones, first);
             else if (!fold)
-                na_forward_logits<NT, false, BITS>(s[mt], my_slots + 16 * mt, kbox, klo, scale,
-                                                   softcap, inv_cap, rpb ? s_bias : nullptr,
-                                                   s_rmul, s_period_ones, first);
+                na_forward_logits<NT, false, BITS>(s[mt], my_slots + MT_ROWS * mt, kbox, klo,
+                                                   scale, softcap, inv_cap,
+                                                   rpb ? s_bias : nullptr, s_rmul,
+                                                   s_period_ones, first);
         }
         if (whole && fold) mul = scale * NA_LOG2E;  // the softmax takes the raw scores
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) na_online_softmax_log2<NT, HD>(s[mt], m[mt], l[mt], acc[mt], mul);
-        na_pv_wide<T, HD, NT>(acc, s, ring.values(it));
+#if NA_WGMMA
+        if constexpr (WG)
+            na_pv_wgmma<T, HD, NT, 2>(acc, s, ring.values(it));
+        else
+#endif
+            na_pv_wide<T, HD, NT>(acc, s, ring.values(it));
         if ((it + 1) % Ring::PARTS == 0) na_odometer_step(kidx, geo.tiles);
     }
     na_cp_async_wait_all();
@@ -1441,7 +1762,7 @@ na_fused_forward_wide(NA_FORWARD_PARAMS) {
             sum += __shfl_xor_sync(NA_FULL, sum, 1);
             sum += __shfl_xor_sync(NA_FULL, sum, 2);
             inv[r] = sum > 0.f ? __frcp_rn(sum) : 0.f;
-            tok[r] = my_slots[16 * mt + 8 * r].tok;
+            tok[r] = my_slots[MT_ROWS * mt + 8 * r].tok;
             if ((lane & 3) == 0 && tok[r] >= 0)
                 lse[b * l_sb + tok[r] * l_st + h * l_sh] =
                     sum > 0.f ? (m[mt][r] + log2f(sum)) * NA_LN2 : -NA_INF;
@@ -1716,7 +2037,6 @@ na_fused_forward(NA_FORWARD_PARAMS) {
         }
     }
 
-
     const int lane = threadIdx.x & 31, g = lane >> 2;
     float inv[2];
 #pragma unroll
@@ -1730,7 +2050,6 @@ na_fused_forward(NA_FORWARD_PARAMS) {
     }
     na_store_rows<T, HD>(o + b * o_sb + h * o_sh, acc, s_qtok, row0, o_st, d_v, inv[0], inv[1]);
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // Backward dQ: query-tile-major, like the forward. delta = rowsum(dO * O) - dlse (fp32), laid

@@ -467,6 +467,73 @@ def test_wide_kernels_16bit(lib16_pipelined, monkeypatch, name, dtype):
                           F.WIDE_DKDV if wide_dkdv else "na_fused_backward_dkdv"}
 
 
+# The Hopper forwards (wgmma; head dims 64 and 128), the 64-query and the wide one: masked and
+# whole tiles, bias and softcap, part-tile key steps over several tiles, uneven head dims.
+HOPPER_CASES = ("2d-softcap-hd64-rpb", "1d-hd128-gqa-dv", "1d-hd64-whole-tiles",
+                "1d-hd128-whole-tiles")
+HOPPER_BOXES = {"na_fused_forward_wgmma": "choose_tiles", "na_fused_forward_wide_wgmma": "wide_tiles"}
+
+
+@pytest.fixture(scope="module")
+def lib16_hopper(request, tmp_path_factory):
+    """The forwards' wgmma instances: the text NVRTC compiles for sm_90a."""
+    from cudnn_attn.fallback_kernels import fused_hopper
+
+    exprs = [v.expression for v in fused_hopper.variants()]
+    return build.host_library(request, tmp_path_factory, F, exprs,
+                              source=_loader.source_text(F.SOURCE, fused_hopper.DEFINES))
+
+
+@pytest.mark.parametrize("kernel", list(HOPPER_BOXES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("name", HOPPER_CASES)
+def test_hopper_forward_16bit(lib16_hopper, monkeypatch, name, dtype, kernel):
+    """Opted in on an sm_90 device, a forward at head dim 64/128 runs on wgmma (K K-major and V
+    MN-major through 128-byte-swizzle descriptors, Q from A fragments or, wide, from swizzled
+    shared memory; P from registers), under the oracle rule of every fused kernel."""
+    from cudnn_attn.fallback_kernels import fused_hopper, tile_model
+
+    monkeypatch.setenv(fused_hopper.ENV, "1")
+    calls = route_fused(monkeypatch, lib16_hopper, pipelined=True)
+    monkeypatch.setattr(F, "forward_tiles", getattr(tile_model, HOPPER_BOXES[kernel]))
+    assert neighborhood_failures(name, dtype, backward=False) == []
+    assert calls == [kernel]
+
+
+def test_hopper_forward_selection(monkeypatch):
+    """Off unless opted in; sm_90 only (its sm_90a cubins run nowhere else); the pipelined
+    build's fp16/bf16 at head dims 64 and 128; compiled for sm_90a by the prebuild."""
+    from cudnn_attn import fallback_kernels
+    from cudnn_attn.fallback_kernels import fused_hopper as H
+
+    monkeypatch.delenv(H.ENV, raising=False)
+    monkeypatch.delenv("CUDNN_ATTN_FUSED_PIPELINED", raising=False)
+    assert not H.enabled(torch.bfloat16, (9, 0), 128)
+    monkeypatch.setenv(H.ENV, "1")
+    assert H.enabled(torch.bfloat16, (9, 0), 128) and H.enabled(torch.float16, (9, 0), 64)
+    assert not H.enabled(torch.bfloat16, (10, 0), 128)  # wgmma is sm_90 only
+    assert not H.enabled(torch.bfloat16, (8, 0), 128)
+    assert not H.enabled(torch.bfloat16, (9, 0), 32) and not H.enabled(torch.float32, (9, 0), 64)
+    monkeypatch.setenv("CUDNN_ATTN_FUSED_PIPELINED", "0")
+    assert not H.enabled(torch.bfloat16, (9, 0), 128)
+    assert H.replacing("na_fused_forward") == "na_fused_forward_wgmma"
+    assert H.replacing(F.WIDE_FORWARD) == "na_fused_forward_wide_wgmma"
+    assert "fused_hopper" in fallback_kernels.kernel_programs("sm_90")
+    assert "fused_hopper" not in fallback_kernels.kernel_programs("sm_100")
+    assert "fused_hopper" not in fallback_kernels.kernel_programs("sm_80")
+    assert fallback_kernels.target_arch("fused_hopper", "sm_90") == "sm_90a"
+    for hd in H.HEAD_DIMS:
+        # The 64-query forward: Q's padded rows, the ring's stages of 64 keys unpadded, slots.
+        stages = 2 if hd == 128 else 3
+        total = (64 * (hd + 8) + 2 * stages * 64 * hd) * 2 + 64 * 32 + 1024
+        assert F.smem_bytes("na_fused_forward_wgmma", torch.bfloat16, hd, True) == total
+        # The wide one: Q (128 rows) and three (K, V) steps, all unpadded, the query slots.
+        step = {64: 64, 128: 32}[hd]
+        total = (128 + 2 * 3 * step) * hd * 2 + 128 * 32 + 1024
+        assert F.smem_bytes("na_fused_forward_wide_wgmma", torch.bfloat16, hd, True) == total
+        assert total <= 99 * 1024
+
+
 # ---------------------------------------------------------------------------------------------
 # Unfused kernels (fp32 accumulation, one rounding at the store)
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,11 @@ that ``test_emulation_16bit.py`` passes must then fail. The unmutated text passe
   on every tile (the whole-tile tests bypassed); the same two for the wide forward and the wide
   dQ (128-query boxes) and the wide dK/dV (128-key boxes), whose backward mutations must show
   in that kernel's outputs alone; and the ring's copy of a whole box reading the wrong token's
-  row.
+  row;
+* in the Hopper forwards (wgmma): K/V/Q stored without the 128-byte swizzle the descriptors
+  declare, V's second 64 columns read from its first and K's k-steps past column 64 from the
+  first block (head dim 128), and both m64 halves of the wide kernel's 128 queries reading the
+  first half's Q rows.
 """
 
 import pytest
@@ -153,3 +157,37 @@ def test_mutation_fails_the_oracle_comparison(request, tmp_path_factory, monkeyp
     if mutation in CAUGHT_IN:
         names = {f.split(":")[0] for fs in failing.values() for f in fs}
         assert names and names <= CAUGHT_IN[mutation], names
+
+
+# The Hopper forwards: mutation -> (old, new, sites, the wgmma kernel run, cases that reach it).
+_WIDE_WG, _NARROW_WG = "na_fused_forward_wide_wgmma", "na_fused_forward_wgmma"
+_HD128 = ("1d-hd128-whole-tiles",)  # 300 queries: both m64 halves, V's two column blocks
+HOPPER_MUTATIONS = {
+    "hopper-copy-unswizzled": ("((((c >> 3) & 7) ^ (r & 7)) << 3)", "(((c >> 3) & 7) << 3)", 1,
+                               _WIDE_WG, ("2d-softcap-hd64-rpb", *_HD128)),
+    "hopper-v-column-blocks-overlaid": ("KEYS * 128, 1024)", "0, 1024)", 1, _NARROW_WG, _HD128),
+    "hopper-q-rows-of-the-first-half": ("mt * 64 * 64 + (kk % 4) * 16", "(kk % 4) * 16", 1,
+                                        _WIDE_WG, _HD128),
+    "hopper-k-columns-of-the-first-block": ("K + (kk / 4) * NT * 8 * 64 + (kk % 4) * 16",
+                                            "K + (kk % 4) * 16", 1, _NARROW_WG, _HD128),
+}
+
+
+@pytest.mark.parametrize("mutation", list(HOPPER_MUTATIONS))
+def test_hopper_mutation_fails_the_oracle_comparison(request, tmp_path_factory, monkeypatch,
+                                                     mutation):
+    from cudnn_attn.fallback_kernels import fused_hopper, tile_model
+
+    old, new, expected, kernel, cases = HOPPER_MUTATIONS[mutation]
+    text = _loader.source_text(F.SOURCE, fused_hopper.DEFINES)
+    assert text.count(old) == expected, f"the kernel text changed for {mutation}"
+    lib = build.host_library(request, tmp_path_factory, F,
+                             [F._expression(kernel, torch.bfloat16, hd)
+                              for hd in fused_hopper.HEAD_DIMS], source=text.replace(old, new))
+    monkeypatch.setenv(fused_hopper.ENV, "1")
+    calls = E.route_fused(monkeypatch, lib, pipelined=True)
+    monkeypatch.setattr(F, "forward_tiles", getattr(tile_model, E.HOPPER_BOXES[kernel]))
+    failing = {name: E.neighborhood_failures(name, torch.bfloat16, backward=False)
+               for name in cases}
+    assert set(calls) == {kernel}
+    assert all(failing.values()), f"{mutation} went unnoticed: {failing}"

@@ -29,12 +29,29 @@ def test_every_variant_compiles_with_a_record(records):
     # Every module compiling for the arch (the wide forward is sm_90+ only).
     variants = [v for vs in fallback_kernels.kernel_programs(arch).values() for v in vs]
     assert len(records) == len(variants)
-    for wide in ("na_fused_forward_wide<", "na_fused_backward_dq_wide<"):
+    for wide in ("na_fused_forward_wide<", "na_fused_backward_dq_wide<",
+                 "na_fused_forward_wgmma<", "na_fused_forward_wide_wgmma<"):
         assert any(r.kernel.startswith(wide) for r in records) == (arch == "sm_90")
     assert {r.kernel for r in records} == {v.kernel for v in variants}
     for record in records:
-        assert record["arch"] in ARCHS
+        # The wgmma forward compiles for the arch-specific target (sm_90a).
+        assert record["arch"] == (f"{arch}a" if "wgmma" in record.kernel else arch)
         assert 0 < record["registers"] <= 255, record
+
+
+def test_wgmma_kernels_are_not_serialized(records):
+    """ptxas serializes wgmma (C7515) or injects waits (C7517) when registers a wgmma in flight
+    uses are touched before its wait; it says so in its log (a kernel reading the accumulators
+    before the wait shows both)."""
+    from cudnn_attn.fallback_kernels import fused_hopper as H
+
+    if records[0]["arch"] != "sm_90":
+        assert not any("wgmma" in r.kernel for r in records)
+        return
+    for variant in H.variants():  # memoized by compile_all: compiles nothing more
+        program = _loader.compile_program(H.SOURCE, H.DEFINES, [variant.expression], "sm_90a")
+        assert program.cubin[:4] == b"\x7fELF"
+        assert "C7515" not in program.log and "C7517" not in program.log, program.log
 
 
 def test_no_variant_spills(records):

@@ -41,6 +41,14 @@ INSTRUCTIONS = {
         ("ldmatrix_sync_aligned_m8n8_x2_trans_shared_b16", "ds"),
     "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16":
         ("ldmatrix_sync_aligned_m8n8_x4_trans_shared_b16", "ds"),
+    # wgmma: the accumulators, then 7 (A in shared memory) or 6 (A in registers) groups.
+    **{f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t}":
+       (f"wgmma_m64k16<{n}, na_emu::ptx::{tag}>", "dssssss*")
+       for n in (32, 64, 128) for t, tag in (("f16", "kMmaF16"), ("bf16", "kMmaBf16"))},
+    "wgmma.fence.sync.aligned": ("wgmma_fence_sync_aligned", ""),
+    "wgmma.commit_group.sync.aligned": ("wgmma_commit_group_sync_aligned", ""),
+    "wgmma.wait_group.sync.aligned": ("wgmma_wait_group_sync_aligned", "s"),
+    "fence.proxy.async.shared::cta": ("fence_proxy_async_shared_cta", ""),
 }
 # Constraint letters whose operand is an immediate ("n") or a register of that width.
 _IMMEDIATE = "n"
@@ -128,13 +136,38 @@ def _ptx_groups(operand_text: str) -> list[list[int]]:
     return groups
 
 
+def _predicated(template: str) -> str:
+    """A scoped block ``{ .reg .pred p; setp.ne.b32 p, %n, 0; <instruction> }`` (how a kernel
+    hands wgmma its scale-d predicate) as the one instruction with ``p`` replaced by ``%n``: the
+    emulation receives the integer and tests it against zero. Other blocks come back as they are
+    (and become traps)."""
+    statements = [s.strip() for s in template.strip()[1:-1].split(";") if s.strip()]
+    predicates, rest = {}, []
+    for statement in statements:
+        declared = re.fullmatch(r"\.reg\s+\.pred\s+(\w+)", statement)
+        setp = re.fullmatch(r"setp\.ne\.b32\s+(\w+)\s*,\s*(%\d+)\s*,\s*0", statement)
+        if declared:
+            predicates[declared.group(1)] = None
+        elif setp and setp.group(1) in predicates:
+            predicates[setp.group(1)] = setp.group(2)
+        else:
+            rest.append(statement)
+    if len(rest) != 1 or None in predicates.values():
+        return template
+    opcode, _, operands = rest[0].partition(" ")
+    for name, source in predicates.items():
+        operands = re.sub(rf"(?<![%\w]){name}\b", source, operands)
+    return f"{opcode} {operands}"
+
+
 def translate(body: str) -> str:
     """The C++ call replacing one statement; ``body`` is the text between ``asm(`` and ``)``."""
     sections = _split(body, ":")
     template = _template(sections[0]).strip()
     outputs = _operands(sections[1]) if len(sections) > 1 else []
     inputs = _operands(sections[2]) if len(sections) > 2 else []
-    instruction = template.rstrip(";").strip()
+    instruction = _predicated(template) if template.startswith("{") else template
+    instruction = instruction.rstrip(";").strip()
     if ";" in instruction or "{" in instruction.split(None, 1)[0]:
         return f'na_emu::trap("unemulated multi-instruction PTX: {_c_string(template)}")'
     opcode, _, rest = instruction.partition(" ")

@@ -94,6 +94,7 @@ struct ThreadCtx {
     uint64_t collectives = 0;  // warp-collective instructions this thread has executed
     size_t dyn_bytes = 0;      // size of the dynamic shared memory (the emulated .shared window)
     AsyncCopies async;
+    bool wgmma_fenced = false;  // a wgmma.fence since the last wgmma.wait_group (ptx.h)
 };
 thread_local ThreadCtx* self;
 

@@ -297,5 +297,112 @@ inline void ldmatrix_sync_aligned_m8n8_x4_trans_shared_b16(uint32_t& d0, uint32_
     d0 = d[0], d1 = d[1], d2 = d[2], d3 = d[3];
 }
 
+// ----- wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}.{f16,bf16} (sm_90a) -----------------
+// A warpgroup (4 consecutive warps) computes D[64 x N] (+)= A[64 x 16] B[16 x N]; warp w of the
+// group owns rows 16w..16w+15, its lanes holding them in the mma.sync C layout (element i of
+// lane l: n-tile i / 4, then i % 4 as mma_c_position). A comes from shared memory (descriptor,
+// K-major) or from the warp's registers (mma.sync's A fragment of its 16 rows); B from shared
+// memory, K-major ((n, k) at row n) or, with imm-trans-b, MN-major ((k, n) at row k). Rows of a
+// warp depend only on its own A rows, so the emulation is a warp-collective (descriptors checked
+// equal across lanes) that runs at issue; the ISA's asynchrony is not modelled beyond requiring a
+// wgmma.fence since the last wait (the kernels wait for every group before reading D or
+// reusing shared memory).
+//
+// Descriptors (matrix-descriptor format): start address >> 4 (bits 0-13), leading byte offset
+// >> 4 (16-29), stride byte offset >> 4 (32-45), base offset (49-51), layout (62-63). Only the
+// 128-byte swizzle (layout 1, base offset 0) is emulated. Its canonical layouts, in bytes from the
+// start and before the swizzle: K-major element (row, k): (row / 8) * SBO + (row % 8) * 128 +
+// 2k; MN-major element (k, n): (n / 64) * LBO + (k / 8) * SBO + (k % 8) * 128 + 2 (n % 64). The
+// swizzle XORs address bits 4-6 with bits 7-9 (16-byte pieces within 1024-byte atoms).
+struct WgmmaDescriptor {
+    uint32_t start, lead, stride;
+};
+inline WgmmaDescriptor wgmma_descriptor(uint64_t d) {
+    if (((d >> 62) & 3u) != 1u) trap("wgmma descriptor: only the 128-byte swizzle is emulated");
+    if (((d >> 49) & 7u) != 0u) trap("wgmma descriptor: a nonzero base offset is not emulated");
+    return WgmmaDescriptor{uint32_t(d & 0x3fffu) << 4, uint32_t((d >> 16) & 0x3fffu) << 4,
+                           uint32_t((d >> 32) & 0x3fffu) << 4};
+}
+inline uint32_t swizzle128(uint32_t addr) { return addr ^ (((addr >> 7) & 7u) << 4); }
+template <uint32_t Tag> inline double wgmma_element(uint32_t addr) {
+    uint16_t bits;
+    std::memcpy(&bits, shared_pointer(swizzle128(addr), 2), 2);
+    return double(Tag == kMmaF16 ? f32_from_f16(bits) : f32_from_bf16(bits));
+}
+inline double wgmma_k_major(const WgmmaDescriptor& d, int row, int k, uint32_t tag) {
+    const uint32_t a = d.start + uint32_t(row / 8) * d.stride + uint32_t(row % 8) * 128 + 2 * k;
+    return tag == kMmaF16 ? wgmma_element<kMmaF16>(a) : wgmma_element<kMmaBf16>(a);
+}
+inline double wgmma_mn_major(const WgmmaDescriptor& d, int k, int n, uint32_t tag) {
+    const uint32_t a = d.start + uint32_t(n / 64) * d.lead + uint32_t(k / 8) * d.stride +
+                       uint32_t(k % 8) * 128 + 2 * (n % 64);
+    return tag == kMmaF16 ? wgmma_element<kMmaF16>(a) : wgmma_element<kMmaBf16>(a);
+}
+// Operands in PTX order: the N/2 accumulators, then either (SS) a-desc, b-desc, scale-d,
+// imm-scale-a, imm-scale-b, imm-trans-a, imm-trans-b, or (RS) a0..a3, b-desc, scale-d,
+// imm-scale-a, imm-scale-b, imm-trans-b. scale-d: the value of the predicate's integer source.
+template <int N, uint32_t Tag, typename... Args> inline void wgmma_m64k16(Args&&... args) {
+    constexpr int ND = N / 2, NARGS = int(sizeof...(Args));
+    static_assert(NARGS == ND + 7 || NARGS == ND + 9, "wgmma operand count");
+    constexpr bool A_REGS = NARGS == ND + 9;
+    float* d[ND];
+    uint64_t rest[9];
+    int i = 0;
+    auto take = [&](auto&& x) {
+        if constexpr (std::is_same_v<std::remove_cvref_t<decltype(x)>, float>) {
+            d[i++] = &x;
+        } else {
+            rest[i++ - ND] = uint64_t(x);
+        }
+    };
+    (take(std::forward<Args>(args)), ...);
+    if (!self->wgmma_fenced) trap("wgmma.mma_async without a wgmma.fence since the last wait");
+    const uint64_t desc_b = rest[A_REGS ? 4 : 1], desc_a = A_REGS ? 0 : rest[0];
+    const bool scale_d = rest[A_REGS ? 5 : 2] != 0;
+    const uint64_t* imm = rest + (A_REGS ? 6 : 3);  // scale-a, scale-b, [trans-a,] trans-b
+    if (imm[0] != 1 || imm[1] != 1) trap("wgmma: only imm-scale-a = imm-scale-b = 1 is emulated");
+    if (!A_REGS && imm[2] != 0) trap("wgmma: a transposed A is not emulated");
+    const bool trans_b = imm[A_REGS ? 2 : 3] != 0;
+    // Every lane's descriptors (checked equal) and, with A in registers, its four A registers.
+    const uint32_t mine[8] = {uint32_t(desc_b), uint32_t(desc_b >> 32), uint32_t(desc_a),
+                              uint32_t(desc_a >> 32), uint32_t(rest[0]), uint32_t(rest[1]),
+                              uint32_t(rest[2]), uint32_t(rest[3])};
+    const uint32_t tag = 0x77670000u + N * 4 + (A_REGS ? 2 : 0) + (Tag == kMmaF16 ? 1 : 0);
+    const Collective all = collective(mine, A_REGS ? 8 : 4, tag);
+    for (int l = 0; l < 32; ++l)
+        for (int w = 0; w < 4; ++w)
+            if (all.regs[l][w] != mine[w]) trap("wgmma: lanes passed different descriptors");
+    const WgmmaDescriptor b = wgmma_descriptor(desc_b);
+    const int warp_rows = 16 * int((threadIdx.x / 32) % 4);  // the warp's rows in the 64
+    double A[16][16];
+    if constexpr (A_REGS) {
+        for (int lane = 0; lane < 32; ++lane)
+            for (int e = 0; e < 8; ++e) {
+                int r, c;
+                mma_a_position(lane, e, &r, &c);
+                const uint32_t reg = all.regs[lane][4 + e / 2];
+                const uint16_t bits = uint16_t(e & 1 ? reg >> 16 : reg & 0xffffu);
+                A[r][c] = double(Tag == kMmaF16 ? f32_from_f16(bits) : f32_from_bf16(bits));
+            }
+    } else {
+        const WgmmaDescriptor a = wgmma_descriptor(desc_a);
+        for (int r = 0; r < 16; ++r)
+            for (int k = 0; k < 16; ++k) A[r][k] = wgmma_k_major(a, warp_rows + r, k, Tag);
+    }
+    for (int e = 0; e < ND; ++e) {
+        int r, c;
+        mma_c_position(self->lane, e % 4, &r, &c);
+        c += 8 * (e / 4);
+        double sum = 0.0;
+        for (int k = 0; k < 16; ++k)
+            sum += A[r][k] * (trans_b ? wgmma_mn_major(b, k, c, Tag) : wgmma_k_major(b, c, k, Tag));
+        *d[e] = float(sum + (scale_d ? double(*d[e]) : 0.0));
+    }
+}
+inline void wgmma_fence_sync_aligned() { self->wgmma_fenced = true; }
+inline void wgmma_commit_group_sync_aligned() {}
+inline void wgmma_wait_group_sync_aligned(int) { self->wgmma_fenced = false; }
+inline void fence_proxy_async_shared_cta() {}
+
 }  // namespace ptx
 }  // namespace na_emu

@@ -143,6 +143,9 @@ def test_cases_cover_every_kernel_instance(S):
         for hd in F.HEAD_DIMS:
             assert f"fused-{dtype}-hd{hd}-2d" in names
             assert (f"fused-{dtype}-wide-hd{hd}-2d" in names) == (dtype != "fp32")
+        for hd in (64, 128):  # the wgmma forwards' head dims, 64-query and wide boxes
+            for boxes in ("", "wide-"):
+                assert (f"fused-{dtype}-wgmma-{boxes}hd{hd}-2d" in names) == (dtype != "fp32")
     assert {f"unfused-{d}" for d in ("fp64", "fp32", "fp16", "bf16")} <= set(names)
 
 
