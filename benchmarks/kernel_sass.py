@@ -99,7 +99,8 @@ def variant_facts(variant) -> dict:
     ctype, *head_dim = (a.strip() for a in args.rstrip(">").split(","))
     return {"family": family, "dtype": SHORT.get(ctype, ctype),
             "head_dim": int(head_dim[0]) if head_dim else None,
-            "build": "pipelined" if variant.kernel.endswith("/pipelined") else "plain"}
+            "build": ("wgmma" if "_wgmma<" in variant.kernel else
+                      "pipelined" if variant.kernel.endswith("/pipelined") else "plain")}
 
 
 def step_rows(family: str, head_dim: int) -> int:
@@ -123,7 +124,7 @@ def hot_loop(function: sass_mix.Function, facts: dict) -> dict | None:
             continue
         once = sass_mix.mix(sass_mix.hot_path(function, other))
         trips = None
-        if once["async_copy"] and facts["build"] == "pipelined":
+        if once["async_copy"] and facts["build"] in ("pipelined", "wgmma"):
             pieces = 2 * step_rows(facts["family"], facts["head_dim"]) * facts["head_dim"] // 8
             trips = max(1, pieces // THREADS // once["async_copy"])
             for name in steady:
@@ -137,6 +138,9 @@ def hot_loop(function: sass_mix.Function, facts: dict) -> dict | None:
     gemms = GEMMS.get(facts["family"])
     if gemms and steady["mma"]:
         blocks = steady["mma"] * 2048 / (gemms * facts["head_dim"]) / BLOCK
+        if facts["build"] == "wgmma":  # one HGMMA is a whole m64 product: count the warp's rows
+            m_tiles = 2 if facts["family"] == "na_fused_forward_wide" else 1
+            blocks = m_tiles * 16 * step_rows(facts["family"], facts["head_dim"]) / BLOCK
         non_mma = steady["total"] - steady["mma"]
         row.update(mma_share=steady["mma"] / steady["total"],
                    per_mma=steady["total"] / steady["mma"],
@@ -155,7 +159,7 @@ def kernel_rows(arch: str, nvdisasm: str, want, dump: Path | None) -> list[dict]
             if not want(variant, facts):
                 continue
             program = _loader.compile_program(variant.source, defines, [variant.expression],
-                                              arch)
+                                              fallback_kernels.target_arch(module, arch))
             (record,) = _loader.compile_records(program, [variant])
             text = disassemble(nvdisasm, program.cubin)
             if dump is not None:
@@ -195,7 +199,7 @@ def main(argv=None) -> int:
                         help="substring of the variant name (repeatable; default every one)")
     parser.add_argument("--dtype", action="append", default=[], choices=["fp16", "bf16", "fp32"])
     parser.add_argument("--head-dim", action="append", type=int, default=[])
-    parser.add_argument("--build", choices=["plain", "pipelined"], default=None,
+    parser.add_argument("--build", choices=["plain", "pipelined", "wgmma"], default=None,
                         help="only this build (pipelined: the sm_80+ fp16/bf16 kernels)")
     parser.add_argument("--nvdisasm", default=None)
     parser.add_argument("--dump", type=Path, default=None, help="keep each .sass here")
@@ -213,7 +217,7 @@ def main(argv=None) -> int:
                 and (not args.dtype or facts["dtype"] in args.dtype)
                 and (not args.head_dim or facts["head_dim"] in args.head_dim)
                 and (not args.build or facts["build"] == args.build)
-                and variant.kernel.split("<")[0] in GEMMS)
+                and facts["family"] in GEMMS)
 
     rows = kernel_rows(args.arch, nvdisasm, want, args.dump)
     before = {}

@@ -257,28 +257,28 @@ def engines(rank, spatial, kernel, q, k, v):
         return leaves, run
 
     def ours_wgmma():
-        # The same call with the opt-in Hopper forward (fused_hopper: wgmma); the backward is
+        # The same call with the opt-in Hopper forward (fused_build.hopper: wgmma); the backward is
         # ours. Only where it runs (sm_90, fp16/bf16, head dim 64/128), else an error entry.
-        from cudnn_attn.fallback_kernels import fused_hopper
+        from cudnn_attn.fallback_kernels import fused_build
 
         capability = torch.cuda.get_device_capability(q.device)
         if not (capability == (9, 0) and q.dtype != torch.float32
-                and dim in fused_hopper.HEAD_DIMS):
+                and dim in fused_build.HOPPER_HEAD_DIMS):
             raise RuntimeError(f"the wgmma forward runs on sm_90 fp16/bf16 at head dims "
-                               f"{fused_hopper.HEAD_DIMS}, not sm_{capability[0]}{capability[1]} "
+                               f"{fused_build.HOPPER_HEAD_DIMS}, not sm_{capability[0]}{capability[1]} "
                                f"{q.dtype} D={dim}")
         leaves, run = ours()
 
         def run_wgmma(leaves=leaves, run=run):
-            saved = os.environ.get(fused_hopper.ENV)
-            os.environ[fused_hopper.ENV] = "1"
+            saved = os.environ.get(fused_build.HOPPER_ENV)
+            os.environ[fused_build.HOPPER_ENV] = "1"
             try:
                 return run(leaves)
             finally:
                 if saved is None:
-                    del os.environ[fused_hopper.ENV]
+                    del os.environ[fused_build.HOPPER_ENV]
                 else:
-                    os.environ[fused_hopper.ENV] = saved
+                    os.environ[fused_build.HOPPER_ENV] = saved
         return leaves, run_wgmma
 
     def flex():

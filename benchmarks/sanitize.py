@@ -182,7 +182,7 @@ def _plain_build(run):
 
 
 def _wgmma(run):
-    """``run`` with the opt-in wgmma forwards (``fused_hopper``; sm_90 only, elsewhere the
+    """``run`` with the opt-in wgmma forwards (``fused_build.hopper``; sm_90 only, elsewhere the
     same kernels as without)."""
     return _with_env("CUDNN_ATTN_NA_WGMMA", "1", run)
 

@@ -9,7 +9,9 @@ or 128-key boxes); ``tile_walk`` mirrors the kernels' tile walk in Python (re-ex
 is what the CPU tests check the skipping rule with. Launches go through ``launch``.
 
 Tensors are token-major views ``[B, S, H, D]`` with any strides (last dim contiguous), so both
-heads-last (NATTEN, ``bshd``) and heads-first (``bhsd``) inputs run without copies.
+heads-last (NATTEN, ``bshd``) and heads-first (``bhsd``) inputs run without copies. What the
+source is compiled into (kernels, builds, which build a launch uses, shared memory per variant)
+is ``fused_build``'s, re-exported here.
 """
 
 from __future__ import annotations
@@ -22,10 +24,15 @@ import torch
 from ..core.caches import memoize
 from ..model.geometry import neighborhood_table
 from . import _loader, launch
-from .limits import MAX_HEAD_DIM
+from .fused_build import (CTYPES, DEFINES, HEAD_DIMS, HOPPER_DEFINES, HOPPER_ENV, HOPPER_FORWARDS,
+                          HOPPER_HEAD_DIMS, HOPPER_TARGETS, KERNELS, NARROW_OF, PIPELINED_DEFINES,
+                          PIPELINED_DTYPES, PIPELINED_MIN_ARCH, SOURCE, THREADS, WIDE_DKDV,
+                          WIDE_DKDV_HEAD_DIMS, WIDE_DQ, WIDE_FORWARD, WIDE_KERNELS,
+                          WIDE_MIN_ARCH, dkdv_steps, expression, forward_stages, head_dim_bucket,
+                          hopper, hopper_twin, hopper_variants, pipelined, pipelined_variants,
+                          smem_bytes, variants, wide, wide_steps, wide_variants)
 from .tile_model import choose_tiles, dkdv_tiles, forward_tiles
-from .tile_shapes import (FUSED_KEY_TILE, FUSED_QUERY_TILE, WIDE_KEY_TILE, WIDE_QUERY_TILE,
-                          check_tile_sizes)
+from .tile_shapes import FUSED_QUERY_TILE, WIDE_KEY_TILE, WIDE_QUERY_TILE, check_tile_sizes
 from .tile_walk import (axis_tile_list, axis_tiles, forward_tokens, group_key_range,
                         group_query_range, launch_grid, pad3)
 
@@ -34,193 +41,12 @@ __all__ = ["SOURCE", "DEFINES", "variants", "na_forward", "na_backward", "run_fo
            "forward_tokens", "pipelined", "pipelined_variants", "PIPELINED_DEFINES",
            "backward_delta", "forward_boxes", "dkdv_boxes", "WIDE_FORWARD", "WIDE_DQ", "WIDE_DKDV",
            "WIDE_KERNELS", "WIDE_DKDV_HEAD_DIMS", "wide", "wide_variants", "wide_steps",
-           "group_key_range", "group_query_range", "axis_tiles", "axis_tile_list", "pad3"]
-
-SOURCE = "fused_attention.cu"
-DEFINES = {"QUERY_TILE": FUSED_QUERY_TILE, "KEY_TILE": FUSED_KEY_TILE}
-KERNELS = ("na_fused_forward", "na_fused_backward_dq", "na_fused_backward_dkdv",
-           "na_fused_backward_delta")
-CTYPES = {torch.float32: "float", torch.float16: "na_half", torch.bfloat16: "na_bf16"}
-HEAD_DIMS = (32, 64, 128)
-THREADS = 128
-# Other-side rows staged per step (NaChunk in the .cu): keys (forward, dQ) or queries (dK/dV).
-_CHUNK = {"na_fused_forward": (64, 32), "na_fused_backward_dq": (64, 16),
-          "na_fused_backward_dkdv": (32, 16)}  # (16-bit, fp32)
-_OWN_ROWS = {"na_fused_forward": 1, "na_fused_backward_dq": 2, "na_fused_backward_dkdv": 2}
-_META_BYTES = {"na_fused_forward": 896 * 4, "na_fused_backward_dq": 704 * 4,
-               "na_fused_backward_dkdv": 832 * 4}
-_SMEM_LIMIT = 99 * 1024
-
-# The sm_80+ build of the same source (NA_PIPELINED in the .cu): every kernel keeps its geometry in
-# each thread's registers and streams the other side through a ring of cp.async stages, ldmatrix
-# fragment loads, one barrier per step. The query-major kernels (forward, dQ) ring K/V tiles
-# (``forward_stages``); dK/dV rings (query tile, head, chunk) steps of Q, dO, query slots, lse
-# and delta (``dkdv_steps``). fp16/bf16 only (fp32 keeps its exact FMA path); chosen by
-# ``pipelined``.
-PIPELINED_DEFINES = {**DEFINES, "NA_PIPELINED": 1}
-PIPELINED_MIN_ARCH = 80
-PIPELINED_DTYPES = (torch.float16, torch.bfloat16)
-_QUERY_MAJOR = ("na_fused_forward", "na_fused_backward_dq")
-# The pipelined build's query-major kernels over 128-query boxes (4 warps of 32 rows: every K/V
-# fragment feeds two mma): the forward and dQ, launched when their query box holds
-# WIDE_QUERY_TILE slots (``tile_model.forward_tiles``, one rule for both).
-WIDE_FORWARD = "na_fused_forward_wide"
-WIDE_DQ = "na_fused_backward_dq_wide"
-# dK/dV over 128-key boxes (4 warps of 32 key rows: every Q/dO fragment feeds two mma), the
-# template instance ``na_fused_backward_dkdv<T, HD, 128>``; head dims up to 64 (at 128 the dK and
-# dV accumulators of 32 rows alone would fill the register file). ``tile_model.dkdv_tiles``.
-WIDE_DKDV = "na_fused_backward_dkdv_wide"
-WIDE_DKDV_HEAD_DIMS = (32, 64)
-WIDE_KERNELS = (WIDE_FORWARD, WIDE_DQ, WIDE_DKDV)
-_NARROW = {WIDE_FORWARD: "na_fused_forward", WIDE_DQ: "na_fused_backward_dq",
-           WIDE_DKDV: "na_fused_backward_dkdv"}
-WIDE_MIN_ARCH = 90
-# The forwards on Hopper's wgmma (``fused_hopper``, opt-in) -> the kernel each replaces.
-HOPPER_FORWARDS = {"na_fused_forward_wgmma": "na_fused_forward",
-                   "na_fused_forward_wide_wgmma": WIDE_FORWARD}
-_QUERY_SLOT_BYTES = 32  # NaQuerySlot
-_DKDV_STEP_SLOT_BYTES = 32 + 8  # NaQuerySlot, lse, delta
-
-
-def _expression(kernel: str, dtype: torch.dtype, head_dim: int) -> str:
-    if kernel in HOPPER_FORWARDS:
-        return f"{HOPPER_FORWARDS[kernel]}<{CTYPES[dtype]}, {head_dim}, true>"
-    if kernel == WIDE_DKDV:
-        return f"na_fused_backward_dkdv<{CTYPES[dtype]}, {head_dim}, {WIDE_KEY_TILE}>"
-    return f"{kernel}<{CTYPES[dtype]}, {head_dim}>"
-
-
-def variants() -> list:
-    """Every template instance this module can launch."""
-    return [_loader.KernelVariant(SOURCE, _expression(k, dt, hd), f"{k}<{CTYPES[dt]},{hd}>",
-                                  THREADS, smem_bytes(k, dt, hd))
-            for k in KERNELS for dt in CTYPES for hd in HEAD_DIMS]
-
-
-def pipelined_variants() -> list:
-    """The instances of the sm_80+ pipelined build (``PIPELINED_DEFINES``)."""
-    return [_loader.KernelVariant(SOURCE, _expression(k, dt, hd),
-                                  f"{k}<{CTYPES[dt]},{hd}>/pipelined", THREADS,
-                                  smem_bytes(k, dt, hd, pipelined=True))
-            for k in KERNELS for dt in PIPELINED_DTYPES for hd in HEAD_DIMS]
-
-
-def wide_variants() -> list:
-    """The wide kernels' instances (forward and dQ; the pipelined build's text, sm_90+: at 32
-    rows per warp their accumulators fit sm_90's register allocation but spill on sm_80's)."""
-    return [_loader.KernelVariant(SOURCE, _expression(k, dt, hd),
-                                  f"{k}<{CTYPES[dt]},{hd}>/pipelined", THREADS,
-                                  smem_bytes(k, dt, hd, pipelined=True))
-            for k in WIDE_KERNELS for dt in PIPELINED_DTYPES
-            for hd in (WIDE_DKDV_HEAD_DIMS if k == WIDE_DKDV else HEAD_DIMS)]
-
-
-def wide(dtype: torch.dtype, capability: tuple[int, int]) -> bool:
-    """Whether launches of ``dtype`` on a device of ``capability`` may use the wide kernels."""
-    major, minor = capability
-    return pipelined(dtype, capability) and major * 10 + minor >= WIDE_MIN_ARCH
-
-
-def pipelined(dtype: torch.dtype, capability: tuple[int, int]) -> bool:
-    """Whether launches of ``dtype`` on a device of ``capability`` use the pipelined build
-    (``CUDNN_ATTN_FUSED_PIPELINED=0`` keeps the plain build everywhere)."""
-    import os
-
-    if os.environ.get("CUDNN_ATTN_FUSED_PIPELINED", "1").strip() == "0":
-        return False
-    major, minor = capability
-    return dtype in PIPELINED_DTYPES and major * 10 + minor >= PIPELINED_MIN_ARCH
-
-
-def head_dim_bucket(dim_qk: int, dim_v: int) -> int:
-    """The compiled head dim serving ``max(dim_qk, dim_v)`` (zero-padded in shared memory)."""
-    need = max(dim_qk, dim_v)
-    for hd in HEAD_DIMS:
-        if need <= hd:
-            return hd
-    raise ValueError(f"head dims up to {MAX_HEAD_DIM} are supported, got dim_qk={dim_qk}, "
-                     f"dim_v={dim_v}")
-
-
-def forward_stages(head_dim: int) -> int:
-    """K/V stages of the pipelined query-major kernels' cp.async ring (``NaForwardStages`` in
-    the .cu): three where they fit in the 99 KB every sm_80+ device gives a block, two at head
-    dim 128."""
-    return 2 if head_dim >= 128 else 3
-
-
-def dkdv_steps(head_dim: int, keys: int = FUSED_KEY_TILE) -> tuple[int, int]:
-    """(queries per step, stages) of the pipelined dK/dV ring (``NaDkdvSteps`` in the .cu): a
-    whole 64-query tile per step up to head dim 64, 32-query chunks at 128 so that three stages
-    fit beside the block's K and V; two stages at 64. The wide dK/dV (``keys`` = 128): three
-    stages of 64 queries at head dim 32, of 32 at 64."""
-    if keys == WIDE_KEY_TILE:
-        return (16 if head_dim >= 64 else 32), 3
-    if head_dim >= 128:
-        return 32, 3
-    return 64, 2 if head_dim >= 64 else 3
-
-
-def wide_steps(kernel: str, head_dim: int) -> tuple[int, int]:
-    """(keys per step, stages) of a wide kernel's K/V ring (``NaWide`` / ``NaWideDq`` in the
-    .cu). The forward: whole 64-key tiles, half tiles at head dim 128 (its two 32-row
-    accumulators leave no registers for more). dQ holds two score-sized fragments (S and dP) per
-    m16 tile beside its accumulators: 32 keys (64 spill at head dim 32), 16 at 128 (where its
-    Q and dO tiles fill most of the 99 KB)."""
-    if kernel == WIDE_FORWARD:
-        return (32 if head_dim >= 128 else 64), 3
-    if kernel == WIDE_DQ:
-        return (16 if head_dim >= 128 else 32), 3
-    raise ValueError(f"kernel must be one of {WIDE_KERNELS}, got {kernel!r}")
-
-
-def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool = False) -> int:
-    """Dynamic shared memory of one variant (mirrors the carve-up in the .cu); ``pipelined``:
-    the sm_80+ build, whose query-major kernels hold a ring of K/V stages."""
-    if kernel == "na_fused_backward_delta":
-        return 0  # registers and shuffles only
-    if kernel in HOPPER_FORWARDS:
-        from . import fused_hopper
-        return fused_hopper.smem_bytes(kernel, head_dim)
-    if kernel == WIDE_DKDV:
-        # The 128-key box's K and V, then the ring of query steps (``dkdv_steps``).
-        assert pipelined and head_dim in WIDE_DKDV_HEAD_DIMS, (kernel, head_dim)
-        qstep, stages = dkdv_steps(head_dim, WIDE_KEY_TILE)
-        total = (2 * WIDE_KEY_TILE * (head_dim + 8) * 2
-                 + stages * (2 * qstep * (head_dim + 8) * 2 + _DKDV_STEP_SLOT_BYTES * qstep))
-        assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
-        return total
-    if kernel in WIDE_KERNELS:
-        # The 128-query own tiles (forward: Q; dQ: dO and Q), the ring of (K, V) steps
-        # (``wide_steps``), one record per query slot. The pipelined build only.
-        key_step, stages = wide_steps(kernel, head_dim)
-        own = 1 if kernel == WIDE_FORWARD else 2
-        total = ((own * WIDE_QUERY_TILE + 2 * stages * key_step) * (head_dim + 8) * 2
-                 + _QUERY_SLOT_BYTES * WIDE_QUERY_TILE)
-        assert pipelined and total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
-        return total
-    elem = 2 if dtype in (torch.float16, torch.bfloat16) else 4
-    ld = head_dim + 8 if elem == 2 else head_dim
-    if pipelined and kernel in _QUERY_MAJOR:
-        # One own tile (forward: Q; dQ: dO, Q waiting in the last stage), the ring, then one
-        # record per query slot.
-        total = ((FUSED_QUERY_TILE + 2 * forward_stages(head_dim) * FUSED_KEY_TILE) * ld * elem
-                 + _QUERY_SLOT_BYTES * FUSED_QUERY_TILE)
-        assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
-        return total
-    if pipelined:
-        # K and V of the key box, then the ring: Q and dO rows, slots, lse and delta per stage.
-        qstep, stages = dkdv_steps(head_dim)
-        total = (2 * FUSED_KEY_TILE * ld * elem
-                 + stages * (2 * qstep * ld * elem + _DKDV_STEP_SLOT_BYTES * qstep))
-        assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
-        return total
-    chunk = _CHUNK[kernel][0 if elem == 2 else 1]
-    rows = _OWN_ROWS[kernel] * FUSED_QUERY_TILE + 2 * chunk
-    total = rows * ld * elem + _META_BYTES[kernel]
-    assert total <= _SMEM_LIMIT, (kernel, dtype, head_dim, total)
-    return total
-
+           "group_key_range", "group_query_range", "axis_tiles", "axis_tile_list", "pad3",
+           # the build catalogue (``fused_build``), re-exported beside the launches
+           "KERNELS", "CTYPES", "HEAD_DIMS", "THREADS", "PIPELINED_DTYPES", "PIPELINED_MIN_ARCH",
+           "WIDE_MIN_ARCH", "NARROW_OF", "HOPPER_FORWARDS", "HOPPER_DEFINES", "HOPPER_TARGETS",
+           "HOPPER_HEAD_DIMS", "HOPPER_ENV", "expression", "hopper", "hopper_twin",
+           "hopper_variants", "forward_stages", "dkdv_steps"]
 
 # ---------------------------------------------------------------------------------------------
 # Launching
@@ -235,9 +61,8 @@ def _function(kernel: str, dtype: torch.dtype, head_dim: int, device_index: int,
     # Only this variant is compiled (its own NVRTC program): a first call pays for one kernel.
     defines, arch = PIPELINED_DEFINES if use_pipelined else DEFINES, None
     if kernel in HOPPER_FORWARDS:
-        from . import fused_hopper
-        defines, arch = fused_hopper.DEFINES, fused_hopper.TARGETS["sm_90"]
-    fn = _loader.get_function(SOURCE, defines, _expression(kernel, dtype, head_dim), device_index,
+        defines, arch = HOPPER_DEFINES, HOPPER_TARGETS["sm_90"]
+    fn = _loader.get_function(SOURCE, defines, expression(kernel, dtype, head_dim), device_index,
                               arch)
     driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             smem_bytes(kernel, dtype, head_dim, use_pipelined))
@@ -295,9 +120,8 @@ def run_forward(q, k, v, out, lse, table, boxes, scale, softcap=0.0, rpb=None) -
                 np.float32(scale), np.float32(softcap or 0.0),
                 np.int32(_aligned((q, k, v, out), q.dtype))]
         kernel = _query_major(WIDE_FORWARD, qb, q.dtype, ctx)
-        from . import fused_hopper
-        if fused_hopper.enabled(q.dtype, _capability(ctx.index), hd):
-            kernel = fused_hopper.replacing(kernel)
+        if hopper(q.dtype, _capability(ctx.index), hd):
+            kernel = hopper_twin(kernel)
         _launch(kernel, q.dtype, hd, grid, tensors, scalars, ctx)
 
 
@@ -306,7 +130,7 @@ def _query_major(wide_kernel: str, own_box: Sequence[int], dtype: torch.dtype,
     """The kernel the block's own box names: ``wide_kernel`` for ``wide_volume`` slots
     (fp16/bf16, sm_90+, the pipelined build), its 64-slot kernel otherwise."""
     if math.prod(own_box) != wide_volume:
-        return _NARROW[wide_kernel]
+        return NARROW_OF[wide_kernel]
     if not wide(dtype, _capability(ctx.index)):
         raise ValueError(f"a {wide_volume}-slot box {tuple(own_box)} runs {wide_kernel} "
                          f"(fp16/bf16, sm_90+, the pipelined build); this launch is {dtype} on "

@@ -1251,6 +1251,11 @@ __device__ __forceinline__ unsigned long long na_wg_desc(const void* smem, int l
            ((unsigned long long)(lead_bytes >> 4) << 16) |
            ((unsigned long long)(stride_bytes >> 4) << 32) | (1ull << 62);
 }
+// The descriptor of the operand `elements` 16-bit elements further on (a multiple of 8: the start
+// address field counts 16-byte units; constant offsets then cost one add, not a new descriptor).
+__device__ __forceinline__ unsigned long long na_wg_at(unsigned long long desc, int elements) {
+    return desc + (unsigned long long)(elements / 8);
+}
 __device__ __forceinline__ void na_wg_fence() {
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 }
@@ -1428,15 +1433,15 @@ __device__ __forceinline__ void na_wgmma_rs(float (&d)[NT][4], const unsigned in
 template <typename T, int HD, int NT, int ROWS>
 __device__ __forceinline__ void na_qk_wgmma(float (&s)[2][NT][4], const T* Q, const T* K) {
     constexpr int KEYS = NT * 8;
+    const unsigned long long qd = na_wg_desc(Q, 16, 1024), kd = na_wg_desc(K, 16, 1024);
     na_wg_fence();  // s was last written by the softmax
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
-            const T* q = Q + (kk / 4) * ROWS * 64 + mt * 64 * 64 + (kk % 4) * 16;
-            const T* k = K + (kk / 4) * KEYS * 64 + (kk % 4) * 16;
-            na_wgmma_ss<T, NT>(s[mt], na_wg_desc(q, 16, 1024), na_wg_desc(k, 16, 1024), kk > 0);
-        }
+        for (int kk = 0; kk < HD / 16; ++kk)
+            na_wgmma_ss<T, NT>(s[mt],
+                               na_wg_at(qd, (kk / 4) * ROWS * 64 + mt * 64 * 64 + (kk % 4) * 16),
+                               na_wg_at(kd, (kk / 4) * KEYS * 64 + (kk % 4) * 16), kk > 0);
     na_wg_commit();
     na_wg_wait_all();
 }
@@ -1447,11 +1452,11 @@ template <typename T, int HD, int NT>
 __device__ __forceinline__ void na_qk_wgmma_regs(float (&s)[NT][4],
                                                  const unsigned int (&qf)[HD / 16][4],
                                                  const T* K) {
+    const unsigned long long kd = na_wg_desc(K, 16, 1024);
     na_wg_fence();  // s was last written by the softmax
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk)
-        na_wgmma_rs<T, NT, 0>(s, qf[kk],
-                              na_wg_desc(K + (kk / 4) * NT * 8 * 64 + (kk % 4) * 16, 16, 1024),
+        na_wgmma_rs<T, NT, 0>(s, qf[kk], na_wg_at(kd, (kk / 4) * NT * 8 * 64 + (kk % 4) * 16),
                               kk > 0);
     na_wg_commit();
     na_wg_wait_all();
@@ -1474,13 +1479,13 @@ __device__ __forceinline__ void na_pv_wgmma(float (&o)[MT][HD / 8][4], const flo
             a[mt][j][2] = na_pack2(p[mt][2 * j + 1][0], p[mt][2 * j + 1][1], T());
             a[mt][j][3] = na_pack2(p[mt][2 * j + 1][2], p[mt][2 * j + 1][3], T());
         }
+    const unsigned long long vd = na_wg_desc(V, KEYS * 128, 1024);
     na_wg_fence();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int j = 0; j < NT / 2; ++j)
-            na_wgmma_rs<T, HD / 8, 1>(o[mt], a[mt][j],
-                                      na_wg_desc(V + j * 16 * 64, KEYS * 128, 1024), 1);
+            na_wgmma_rs<T, HD / 8, 1>(o[mt], a[mt][j], na_wg_at(vd, j * 16 * 64), 1);
     na_wg_commit();
     na_wg_wait_all();
 }

@@ -8,9 +8,9 @@ fragments load with ldmatrix. fp16/bf16 only; ``fused`` launches it on sm_80+ de
 
 from __future__ import annotations
 
-from .fused import PIPELINED_DEFINES as DEFINES
-from .fused import PIPELINED_MIN_ARCH as MIN_ARCH
-from .fused import SOURCE
-from .fused import pipelined_variants as variants
+from .fused_build import PIPELINED_DEFINES as DEFINES
+from .fused_build import PIPELINED_MIN_ARCH as MIN_ARCH
+from .fused_build import SOURCE
+from .fused_build import pipelined_variants as variants
 
 __all__ = ["SOURCE", "DEFINES", "MIN_ARCH", "variants"]

@@ -9,9 +9,9 @@ the definitions live in ``fused``.
 
 from __future__ import annotations
 
-from .fused import PIPELINED_DEFINES as DEFINES
-from .fused import SOURCE
-from .fused import WIDE_MIN_ARCH as MIN_ARCH
-from .fused import wide_variants as variants
+from .fused_build import PIPELINED_DEFINES as DEFINES
+from .fused_build import SOURCE
+from .fused_build import WIDE_MIN_ARCH as MIN_ARCH
+from .fused_build import wide_variants as variants
 
 __all__ = ["SOURCE", "DEFINES", "MIN_ARCH", "variants"]

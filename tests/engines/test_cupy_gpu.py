@@ -124,7 +124,7 @@ def test_wgmma_forward(index, dtype, boxes, monkeypatch):
     """The opt-in Hopper forwards (CUDNN_ATTN_NA_WGMMA=1) on 64- and 128-query boxes, every
     causal combination: NATTEN's tolerance against the float64 oracle, bitwise repeatable, and
     the wgmma kernel is what ran."""
-    from cudnn_attn.fallback_kernels import fused_hopper, tile_model
+    from cudnn_attn.fallback_kernels import tile_model
 
     fused = _fused()
     launched = []
@@ -134,7 +134,7 @@ def test_wgmma_forward(index, dtype, boxes, monkeypatch):
         launched.append(kernel)
         return real_function(kernel, *args, **kwargs)
 
-    monkeypatch.setenv(fused_hopper.ENV, "1")
+    monkeypatch.setenv(fused.HOPPER_ENV, "1")
     monkeypatch.setattr(fused, "_function", spy)
     monkeypatch.setattr(fused, "forward_tiles", getattr(tile_model, boxes))
     spec = GRID[index]
@@ -158,7 +158,7 @@ def test_wgmma_forward(index, dtype, boxes, monkeypatch):
         torch.testing.assert_close(lse.double().cpu().reshape(B, S, H), ref_lse,
                                    atol=TOL[dtype][0], rtol=0)
     expected = "na_fused_forward_wide" if boxes == "wide_tiles" else "na_fused_forward"
-    assert set(launched) == {fused_hopper.replacing(expected)}
+    assert set(launched) == {fused.hopper_twin(expected)}
 
 
 def test_explicit_tiles_and_rpb():

@@ -40,7 +40,7 @@ PIPELINED_KERNELS = (*F.KERNELS, *F.WIDE_KERNELS)
 
 
 def fused_expressions(dtypes=DTYPES, head_dims=HEAD_DIMS, kernels=F.KERNELS):
-    return [F._expression(k, dt, hd) for k in kernels for dt in dtypes for hd in head_dims
+    return [F.expression(k, dt, hd) for k in kernels for dt in dtypes for hd in head_dims
             if k != F.WIDE_DKDV or hd in F.WIDE_DKDV_HEAD_DIMS]
 
 
@@ -65,7 +65,7 @@ def route_fused(monkeypatch, lib, pipelined=False):
 
     def function(kernel, dtype, head_dim, device_index, use_pipelined=False):
         assert use_pipelined == pipelined
-        fn = lib[build.export_name(F._expression(kernel, dtype, head_dim))]
+        fn = lib[build.export_name(F.expression(kernel, dtype, head_dim))]
 
         def launch(grid, block, args, shared_mem=0, stream=None):
             assert shared_mem == F.smem_bytes(kernel, dtype, head_dim, pipelined)
@@ -477,11 +477,9 @@ HOPPER_BOXES = {"na_fused_forward_wgmma": "choose_tiles", "na_fused_forward_wide
 @pytest.fixture(scope="module")
 def lib16_hopper(request, tmp_path_factory):
     """The forwards' wgmma instances: the text NVRTC compiles for sm_90a."""
-    from cudnn_attn.fallback_kernels import fused_hopper
-
-    exprs = [v.expression for v in fused_hopper.variants()]
+    exprs = [v.expression for v in F.hopper_variants()]
     return build.host_library(request, tmp_path_factory, F, exprs,
-                              source=_loader.source_text(F.SOURCE, fused_hopper.DEFINES))
+                              source=_loader.source_text(F.SOURCE, F.HOPPER_DEFINES))
 
 
 @pytest.mark.parametrize("kernel", list(HOPPER_BOXES))
@@ -491,9 +489,9 @@ def test_hopper_forward_16bit(lib16_hopper, monkeypatch, name, dtype, kernel):
     """Opted in on an sm_90 device, a forward at head dim 64/128 runs on wgmma (K K-major and V
     MN-major through 128-byte-swizzle descriptors, Q from A fragments or, wide, from swizzled
     shared memory; P from registers), under the oracle rule of every fused kernel."""
-    from cudnn_attn.fallback_kernels import fused_hopper, tile_model
+    from cudnn_attn.fallback_kernels import tile_model
 
-    monkeypatch.setenv(fused_hopper.ENV, "1")
+    monkeypatch.setenv(F.HOPPER_ENV, "1")
     calls = route_fused(monkeypatch, lib16_hopper, pipelined=True)
     monkeypatch.setattr(F, "forward_tiles", getattr(tile_model, HOPPER_BOXES[kernel]))
     assert neighborhood_failures(name, dtype, backward=False) == []
@@ -504,25 +502,24 @@ def test_hopper_forward_selection(monkeypatch):
     """Off unless opted in; sm_90 only (its sm_90a cubins run nowhere else); the pipelined
     build's fp16/bf16 at head dims 64 and 128; compiled for sm_90a by the prebuild."""
     from cudnn_attn import fallback_kernels
-    from cudnn_attn.fallback_kernels import fused_hopper as H
 
-    monkeypatch.delenv(H.ENV, raising=False)
+    monkeypatch.delenv(F.HOPPER_ENV, raising=False)
     monkeypatch.delenv("CUDNN_ATTN_FUSED_PIPELINED", raising=False)
-    assert not H.enabled(torch.bfloat16, (9, 0), 128)
-    monkeypatch.setenv(H.ENV, "1")
-    assert H.enabled(torch.bfloat16, (9, 0), 128) and H.enabled(torch.float16, (9, 0), 64)
-    assert not H.enabled(torch.bfloat16, (10, 0), 128)  # wgmma is sm_90 only
-    assert not H.enabled(torch.bfloat16, (8, 0), 128)
-    assert not H.enabled(torch.bfloat16, (9, 0), 32) and not H.enabled(torch.float32, (9, 0), 64)
+    assert not F.hopper(torch.bfloat16, (9, 0), 128)
+    monkeypatch.setenv(F.HOPPER_ENV, "1")
+    assert F.hopper(torch.bfloat16, (9, 0), 128) and F.hopper(torch.float16, (9, 0), 64)
+    assert not F.hopper(torch.bfloat16, (10, 0), 128)  # wgmma is sm_90 only
+    assert not F.hopper(torch.bfloat16, (8, 0), 128)
+    assert not F.hopper(torch.bfloat16, (9, 0), 32) and not F.hopper(torch.float32, (9, 0), 64)
     monkeypatch.setenv("CUDNN_ATTN_FUSED_PIPELINED", "0")
-    assert not H.enabled(torch.bfloat16, (9, 0), 128)
-    assert H.replacing("na_fused_forward") == "na_fused_forward_wgmma"
-    assert H.replacing(F.WIDE_FORWARD) == "na_fused_forward_wide_wgmma"
+    assert not F.hopper(torch.bfloat16, (9, 0), 128)
+    assert F.hopper_twin("na_fused_forward") == "na_fused_forward_wgmma"
+    assert F.hopper_twin(F.WIDE_FORWARD) == "na_fused_forward_wide_wgmma"
     assert "fused_hopper" in fallback_kernels.kernel_programs("sm_90")
     assert "fused_hopper" not in fallback_kernels.kernel_programs("sm_100")
     assert "fused_hopper" not in fallback_kernels.kernel_programs("sm_80")
     assert fallback_kernels.target_arch("fused_hopper", "sm_90") == "sm_90a"
-    for hd in H.HEAD_DIMS:
+    for hd in F.HOPPER_HEAD_DIMS:
         # The 64-query forward: Q's padded rows, the ring's stages of 64 keys unpadded, slots.
         stages = 2 if hd == 128 else 3
         total = (64 * (hd + 8) + 2 * stages * 64 * hd) * 2 + 64 * 32 + 1024
@@ -656,7 +653,7 @@ def test_pipelined_real_threads(request, tmp_path_factory, monkeypatch):
     """The pipelined fp16 build with every block on 128 real std::threads: mma/ldmatrix
     rendezvous, cp.async waits and barriers under the OS scheduler rather than the fibers'
     fixed order."""
-    exprs = [F._expression(k, torch.float16, 32) for k in F.KERNELS]
+    exprs = [F.expression(k, torch.float16, 32) for k in F.KERNELS]
     lib = build.host_library(request, tmp_path_factory, F, exprs, real_threads=True,
                              source=_loader.source_text(F.SOURCE, F.PIPELINED_DEFINES))
     route_fused(monkeypatch, lib, pipelined=True)

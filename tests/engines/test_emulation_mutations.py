@@ -165,26 +165,27 @@ _HD128 = ("1d-hd128-whole-tiles",)  # 300 queries: both m64 halves, V's two colu
 HOPPER_MUTATIONS = {
     "hopper-copy-unswizzled": ("((((c >> 3) & 7) ^ (r & 7)) << 3)", "(((c >> 3) & 7) << 3)", 1,
                                _WIDE_WG, ("2d-softcap-hd64-rpb", *_HD128)),
-    "hopper-v-column-blocks-overlaid": ("KEYS * 128, 1024)", "0, 1024)", 1, _NARROW_WG, _HD128),
+    "hopper-v-column-blocks-overlaid": ("na_wg_desc(V, KEYS * 128, 1024)", "na_wg_desc(V, 0, 1024)",
+                                        1, _NARROW_WG, _HD128),
     "hopper-q-rows-of-the-first-half": ("mt * 64 * 64 + (kk % 4) * 16", "(kk % 4) * 16", 1,
                                         _WIDE_WG, _HD128),
-    "hopper-k-columns-of-the-first-block": ("K + (kk / 4) * NT * 8 * 64 + (kk % 4) * 16",
-                                            "K + (kk % 4) * 16", 1, _NARROW_WG, _HD128),
+    "hopper-k-columns-of-the-first-block": ("na_wg_at(kd, (kk / 4) * NT * 8 * 64 + (kk % 4) * 16)",
+                                            "na_wg_at(kd, (kk % 4) * 16)", 1, _NARROW_WG, _HD128),
 }
 
 
 @pytest.mark.parametrize("mutation", list(HOPPER_MUTATIONS))
 def test_hopper_mutation_fails_the_oracle_comparison(request, tmp_path_factory, monkeypatch,
                                                      mutation):
-    from cudnn_attn.fallback_kernels import fused_hopper, tile_model
+    from cudnn_attn.fallback_kernels import tile_model
 
     old, new, expected, kernel, cases = HOPPER_MUTATIONS[mutation]
-    text = _loader.source_text(F.SOURCE, fused_hopper.DEFINES)
+    text = _loader.source_text(F.SOURCE, F.HOPPER_DEFINES)
     assert text.count(old) == expected, f"the kernel text changed for {mutation}"
     lib = build.host_library(request, tmp_path_factory, F,
-                             [F._expression(kernel, torch.bfloat16, hd)
-                              for hd in fused_hopper.HEAD_DIMS], source=text.replace(old, new))
-    monkeypatch.setenv(fused_hopper.ENV, "1")
+                             [F.expression(kernel, torch.bfloat16, hd)
+                              for hd in F.HOPPER_HEAD_DIMS], source=text.replace(old, new))
+    monkeypatch.setenv(F.HOPPER_ENV, "1")
     calls = E.route_fused(monkeypatch, lib, pipelined=True)
     monkeypatch.setattr(F, "forward_tiles", getattr(tile_model, E.HOPPER_BOXES[kernel]))
     failing = {name: E.neighborhood_failures(name, torch.bfloat16, backward=False)

@@ -32,7 +32,7 @@ TOL = {"rtol": 2e-4, "atol": 2e-5}
 
 
 def _expressions():
-    return [F._expression(k, torch.float32, hd) for k in F.KERNELS for hd in HEAD_DIMS]
+    return [F.expression(k, torch.float32, hd) for k in F.KERNELS for hd in HEAD_DIMS]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def launches(lib, monkeypatch):
 
     def function(kernel, dtype, head_dim, device_index, use_pipelined=False):
         assert not use_pipelined  # fp32 always takes the exact FMA build
-        fn = lib[build.export_name(F._expression(kernel, dtype, head_dim))]
+        fn = lib[build.export_name(F.expression(kernel, dtype, head_dim))]
 
         def launch(grid, block, args, shared_mem=0, stream=None):
             calls.append((kernel, head_dim, tuple(grid), tuple(block), shared_mem))
@@ -271,10 +271,10 @@ def test_band_forward_backward(launches, name):
 def test_real_threads_match_oracle(request, tmp_path_factory, monkeypatch):
     """One small neighborhood with every block on 128 real std::threads (barriers and warp
     exchanges under the OS scheduler rather than the fibers' fixed order)."""
-    exprs = [F._expression(k, torch.float32, 32) for k in F.KERNELS]
+    exprs = [F.expression(k, torch.float32, 32) for k in F.KERNELS]
     real = build.host_library(request, tmp_path_factory, F, exprs, real_threads=True)
     monkeypatch.setattr(F, "_function", lambda kernel, dtype, hd, dev, pipelined=False: real[
-        build.export_name(F._expression(kernel, dtype, hd))])
+        build.export_name(F.expression(kernel, dtype, hd))])
     _host_launch(monkeypatch)
     monkeypatch.setattr(F, "_tokens", _host_tokens)
     g = torch.Generator().manual_seed(7)

@@ -386,8 +386,8 @@ def test_the_runner_starts_no_case_after_its_time_budget(fake_flash_attn, tmp_pa
     assert "time budget reached" in done.stdout
     counts = json.loads(record.read_text())["counts"]
     # round-robin: the skip ran second, whatever the budget; then slow cases until 8 s (from
-    # the runner's start: collection counts too)
-    assert counts["skipped"] == 1 and 1 <= counts["passed"] < 30, counts
+    # the runner's start: collection counts too, so a loaded machine may start none of them)
+    assert counts["skipped"] == 1 and counts["passed"] < 30, counts
 
 
 def test_smoke_run_of_the_flash_attn_step_records_counts_and_causes(G, fake_flash_attn,
