@@ -140,7 +140,11 @@ def hot_loop(function: sass_mix.Function, facts: dict) -> dict | None:
         blocks = steady["mma"] * 2048 / (gemms * facts["head_dim"]) / BLOCK
         if facts["build"] == "wgmma":  # one HGMMA is a whole m64 product: count the warp's rows
             m_tiles = 2 if facts["family"] == "na_fused_forward_wide" else 1
-            blocks = m_tiles * 16 * step_rows(facts["family"], facts["head_dim"]) / BLOCK
+            if facts["family"] == "na_fused_backward_dkdv":  # its query step
+                other_side = 32 if facts["head_dim"] >= 128 else 64
+            else:
+                other_side = step_rows(facts["family"], facts["head_dim"])
+            blocks = m_tiles * 16 * other_side / BLOCK
         non_mma = steady["total"] - steady["mma"]
         row.update(mma_share=steady["mma"] / steady["total"],
                    per_mma=steady["total"] / steady["mma"],

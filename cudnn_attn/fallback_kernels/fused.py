@@ -24,7 +24,7 @@ import torch
 from ..core.caches import memoize
 from ..model.geometry import neighborhood_table
 from . import _loader, launch
-from .fused_build import (CTYPES, DEFINES, HEAD_DIMS, HOPPER_DEFINES, HOPPER_ENV, HOPPER_FORWARDS,
+from .fused_build import (CTYPES, DEFINES, HEAD_DIMS, HOPPER_DEFINES, HOPPER_ENV, HOPPER_TWINS,
                           HOPPER_HEAD_DIMS, HOPPER_TARGETS, KERNELS, NARROW_OF, PIPELINED_DEFINES,
                           PIPELINED_DTYPES, PIPELINED_MIN_ARCH, SOURCE, THREADS, WIDE_DKDV,
                           WIDE_DKDV_HEAD_DIMS, WIDE_DQ, WIDE_FORWARD, WIDE_KERNELS,
@@ -44,7 +44,7 @@ __all__ = ["SOURCE", "DEFINES", "variants", "na_forward", "na_backward", "run_fo
            "group_key_range", "group_query_range", "axis_tiles", "axis_tile_list", "pad3",
            # the build catalogue (``fused_build``), re-exported beside the launches
            "KERNELS", "CTYPES", "HEAD_DIMS", "THREADS", "PIPELINED_DTYPES", "PIPELINED_MIN_ARCH",
-           "WIDE_MIN_ARCH", "NARROW_OF", "HOPPER_FORWARDS", "HOPPER_DEFINES", "HOPPER_TARGETS",
+           "WIDE_MIN_ARCH", "NARROW_OF", "HOPPER_TWINS", "HOPPER_DEFINES", "HOPPER_TARGETS",
            "HOPPER_HEAD_DIMS", "HOPPER_ENV", "expression", "hopper", "hopper_twin",
            "hopper_variants", "forward_stages", "dkdv_steps"]
 
@@ -60,7 +60,7 @@ def _function(kernel: str, dtype: torch.dtype, head_dim: int, device_index: int,
 
     # Only this variant is compiled (its own NVRTC program): a first call pays for one kernel.
     defines, arch = PIPELINED_DEFINES if use_pipelined else DEFINES, None
-    if kernel in HOPPER_FORWARDS:
+    if kernel in HOPPER_TWINS:
         defines, arch = HOPPER_DEFINES, HOPPER_TARGETS["sm_90"]
     fn = _loader.get_function(SOURCE, defines, expression(kernel, dtype, head_dim), device_index,
                               arch)
@@ -207,11 +207,17 @@ def run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale,
         raise ValueError("delta must have lse's strides")
     with launch.TorchStream(q.device) as ctx:
         grid = launch_grid(table, pad3(dq_boxes[0]), Hq, B, True)
-        _launch(_query_major(WIDE_DQ, dq_boxes[0], q.dtype, ctx), q.dtype, hd, grid,
+        dq_kernel = _query_major(WIDE_DQ, dq_boxes[0], q.dtype, ctx)
+        if hopper(q.dtype, _capability(ctx.index), hd):
+            dq_kernel = hopper_twin(dq_kernel)
+        _launch(dq_kernel, q.dtype, hd, grid,
                 [q, k, v, dout, lse, delta, dq, table_dev],
                 [*common, *_strides(dq), *_strides(lse), *tail(dq_boxes)], ctx)
         grid = launch_grid(table, pad3(boxes[1]), Hkv, B, False)
-        _launch(_key_major(boxes[1], q.dtype, hd, ctx), q.dtype, hd, grid,
+        dkdv_kernel = _key_major(boxes[1], q.dtype, hd, ctx)
+        if hopper(q.dtype, _capability(ctx.index), hd):
+            dkdv_kernel = hopper_twin(dkdv_kernel)
+        _launch(dkdv_kernel, q.dtype, hd, grid,
                 [q, k, v, dout, lse, delta, dk, dv, table_dev],
                 [*common, *_strides(dk), *_strides(dv), *_strides(lse), *tail(boxes)], ctx)
 

@@ -1428,15 +1428,15 @@ __device__ __forceinline__ void na_wgmma_rs(float (&d)[NT][4], const unsigned in
     }
 }
 
-// s[mt] = Q K^T for both m64 halves: Q (ROWS rows) and the step's K (NT * 8 rows) swizzled in
+// s[mt] = Q K^T for MT m64 products: Q (ROWS rows) and the step's K (NT * 8 rows) swizzled in
 // shared memory, one k-step of 16 head-dim columns per wgmma (32 bytes into the 128-byte rows).
-template <typename T, int HD, int NT, int ROWS>
-__device__ __forceinline__ void na_qk_wgmma(float (&s)[2][NT][4], const T* Q, const T* K) {
+template <typename T, int HD, int NT, int ROWS, int MT>
+__device__ __forceinline__ void na_qk_wgmma(float (&s)[MT][NT][4], const T* Q, const T* K) {
     constexpr int KEYS = NT * 8;
     const unsigned long long qd = na_wg_desc(Q, 16, 1024), kd = na_wg_desc(K, 16, 1024);
     na_wg_fence();  // s was last written by the softmax
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk)
             na_wgmma_ss<T, NT>(s[mt],
@@ -1726,7 +1726,7 @@ na_fused_forward_wide(NA_FORWARD_PARAMS) {
         float s[2][NT][4], mul = 1.f;
 #if NA_WGMMA
         if constexpr (WG)
-            na_qk_wgmma<T, HD, NT, NA_WIDE_QUERIES>(s, sQ, ring.keys(it));
+            na_qk_wgmma<T, HD, NT, NA_WIDE_QUERIES, 2>(s, sQ, ring.keys(it));
         else
 #endif
             na_qk_wide<T, HD, NT, QREG>(s, qf, sQw, ring.keys(it));
@@ -1805,23 +1805,36 @@ __device__ __forceinline__ void na_dq_scores(float (&dp)[NT][4], const float (&s
 // as A fragments, dO stays in shared memory; P = ex2(x - lse * log2 e), dS = P * (dP - delta)
 // (* (1 - tanh^2) under softcap), dQ = scale * dS K.
 // ---------------------------------------------------------------------------------------------
-template <typename T, int HD>
+// WG (`fused_hopper`, sm_90a): the three products on wgmma, K and V swizzled in the ring, dO
+// swizzled in its own tile (dP = dO V^T reads it through a descriptor); Q keeps its padded rows
+// in the ring's last stage until the warps hold it as A fragments.
+template <typename T, int HD, bool WG = false>
 __global__ void __launch_bounds__(NA_THREADS, NaForwardStages<HD>::MIN_BLOCKS_DQ)
 na_fused_backward_dq(NA_DQ_PARAMS) {
     constexpr int LD = HD + 8, NT = NA_TILE / 8, STAGES = NaForwardStages<HD>::N;
-    using Ring = NaKeyRing<T, HD>;
+    constexpr int DO_LD = WG ? HD : LD;  // dO's rows: swizzled for wgmma, else padded
+    using Ring = NaKeyRing<T, HD, NA_TILE, STAGES, WG>;
     NA_QUERY_MAJOR_SETUP(Ring, 16)
     // Shared memory: the dO tile, the ring, the query slots. Q waits in the ring's last stage
     // until its fragments are read (before that stage's first tile is issued).
     extern __shared__ __align__(16) unsigned char na_smem[];
-    T* sDO = reinterpret_cast<T*>(na_smem);
-    ring.smem = sDO + NA_TILE * LD;
+    T* sDO = reinterpret_cast<T*>(na_smem + (WG ? na_align1024(na_smem) : 0));
+    ring.smem = sDO + NA_TILE * DO_LD;
     NaQuerySlot* s_slot = reinterpret_cast<NaQuerySlot*>(ring.smem + STAGES * ring.STAGE);
     T* sQ = ring.smem + (STAGES - 1) * ring.STAGE;
 
-    na_copy_box<T, HD, NA_TILE, NA_THREADS>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk, sDO,
-                                            dout + b * do_sb + h * do_sh, do_st, d_v, geo.qtok,
-                                            qbox, geo.own_lo, geo.own_hi, vec);
+    if constexpr (WG) {  // Q padded (ldmatrix reads it), dO swizzled (wgmma reads it)
+        na_copy_box<T, HD, NA_TILE, NA_THREADS>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk, nullptr,
+                                                nullptr, 0, 0, geo.qtok, qbox, geo.own_lo,
+                                                geo.own_hi, vec);
+        na_copy_box<T, HD, NA_TILE, NA_THREADS, true>(sDO, dout + b * do_sb + h * do_sh, do_st,
+                                                      d_v, nullptr, nullptr, 0, 0, geo.qtok,
+                                                      qbox, geo.own_lo, geo.own_hi, vec);
+    } else {
+        na_copy_box<T, HD, NA_TILE, NA_THREADS>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk, sDO,
+                                                dout + b * do_sb + h * do_sh, do_st, d_v,
+                                                geo.qtok, qbox, geo.own_lo, geo.own_hi, vec);
+    }
 #pragma unroll
     for (int it = 0; it < STAGES - 1; ++it) ring.issue(it, geo, kbox, kside);
     na_publish_query_slots(s_slot, ax, geo, qbox, rmul);
@@ -1845,6 +1858,9 @@ na_fused_backward_dq(NA_DQ_PARAMS) {
     na_zero(acc);
     for (int it = 0; it < ring.nsteps; ++it) {
         na_cp_async_wait_n<STAGES - 2>();
+#if NA_WGMMA
+        if constexpr (WG) na_fence_async_smem();  // ... and are visible to wgmma's reads
+#endif
         __syncthreads();  // tile it (and Q, dO) landed for all; tile it - 1 is done everywhere
         if (it == 0) {
             na_load_a_fragments<T, HD>(qf, sQ + row0 * LD);
@@ -1854,7 +1870,12 @@ na_fused_backward_dq(NA_DQ_PARAMS) {
         int klo[3];
         const bool whole = na_key_tile(geo, kidx, kside, klo);
         float s[NT][4], dp[NT][4];
-        na_qk<T, HD, NT>(s, qf, ring.keys(it));
+#if NA_WGMMA
+        if constexpr (WG)
+            na_qk_wgmma_regs<T, HD, NT>(s, qf, ring.keys(it));
+        else
+#endif
+            na_qk<T, HD, NT>(s, qf, ring.keys(it));
         // Whole tiles without softcap keep the raw scores: P takes the scale in its FMA.
         const float mul = whole && softcap <= 0.f ? scale * NA_LOG2E : 1.f;
         if (!whole)
@@ -1863,10 +1884,21 @@ na_fused_backward_dq(NA_DQ_PARAMS) {
         else if (softcap > 0.f)
             na_forward_logits<NT, false>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
                                          nullptr, rmul, s_period_ones);
-        na_zero(dp);
-        na_mma_abt<T, HD, NT>(dp, sDO + row0 * LD, ring.values(it), HD);
-        na_dq_scores<NT>(dp, s, mul, row_lse, row_delta, softcap, inv_cap);
-        na_pv<T, HD, NT>(acc, dp, ring.keys(it));
+#if NA_WGMMA
+        if constexpr (WG) {  // dP = dO V^T; dS then dQ += dS K (K MN-major, as V in P V)
+            auto& dp1 = reinterpret_cast<float(&)[1][NT][4]>(dp);
+            na_qk_wgmma<T, HD, NT, NA_TILE, 1>(dp1, sDO, ring.values(it));
+            na_dq_scores<NT>(dp, s, mul, row_lse, row_delta, softcap, inv_cap);
+            na_pv_wgmma<T, HD, NT, 1>(reinterpret_cast<float(&)[1][HD / 8][4]>(acc), dp1,
+                                      ring.keys(it));
+        } else
+#endif
+        {
+            na_zero(dp);
+            na_mma_abt<T, HD, NT>(dp, sDO + row0 * LD, ring.values(it), HD);
+            na_dq_scores<NT>(dp, s, mul, row_lse, row_delta, softcap, inv_cap);
+            na_pv<T, HD, NT>(acc, dp, ring.keys(it));
+        }
         na_odometer_step(kidx, geo.tiles);
     }
     na_cp_async_wait_all();
@@ -2203,20 +2235,25 @@ __device__ __forceinline__ void na_key_major_geometry(const NaAxis* ax, const in
     }
 }
 
-template <typename T, int HD, int KEYS = NA_TILE>
+// WG (`fused_hopper`, sm_90a; 64-key boxes): the four products on wgmma, K and V (the A operands
+// of S^T = K Q^T and dP^T = V dO^T) and every stage's Q and dO swizzled in shared memory, P^T and
+// dS^T from registers; stages start on 1024-byte boundaries.
+template <typename T, int HD, int KEYS = NA_TILE, bool WG = false>
 __global__ void __launch_bounds__(NA_THREADS, NaDkdvSteps<HD, KEYS>::MIN_BLOCKS)
 na_fused_backward_dkdv(NA_DKDV_PARAMS) {
     using Steps = NaDkdvSteps<HD, KEYS>;
-    constexpr int LD = HD + 8, QSTEP = Steps::QSTEP, NT = QSTEP / 8, MT = Steps::MT;
+    constexpr int LD = WG ? HD : HD + 8, QSTEP = Steps::QSTEP, NT = QSTEP / 8, MT = Steps::MT;
     constexpr int STAGES = Steps::STAGES, CHUNKS = NA_TILE / QSTEP;
+    static_assert(!WG || MT == 1, "the wgmma dK/dV takes 64-key boxes");
     // A stage: Q rows, dO rows, query slots, lse, delta.
-    constexpr int STAGE_BYTES = 2 * QSTEP * LD * (int)sizeof(T) + QSTEP * (32 + 8);
+    constexpr int STAGE_USED = 2 * QSTEP * LD * (int)sizeof(T) + QSTEP * (32 + 8);
+    constexpr int STAGE_BYTES = WG ? (STAGE_USED + 1023) / 1024 * 1024 : STAGE_USED;
     const int qside[3] = {qt0, qt1, qt2}, kside[3] = {kt0, kt1, kt2};
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = warp * 16 * MT;
     const int b = blockIdx.z, hk = blockIdx.y, group = heads_q / heads_kv;
     const float inv_cap = softcap > 0.f ? __frcp_rn(softcap) : 0.f;
     extern __shared__ __align__(16) unsigned char na_smem[];
-    T* sK = reinterpret_cast<T*>(na_smem);
+    T* sK = reinterpret_cast<T*>(na_smem + (WG ? na_align1024(na_smem) : 0));
     T* sV = sK + KEYS * LD;
     unsigned char* ring = reinterpret_cast<unsigned char*>(sV + KEYS * LD);
 
@@ -2241,9 +2278,9 @@ na_fused_backward_dkdv(NA_DKDV_PARAMS) {
     const NaBox qbox = na_make_box(qside), kbox = na_make_box(kside);
 
     // K and V join the first step's cp.async group.
-    na_copy_box<T, HD, KEYS, NA_THREADS>(sK, k + b * k_sb + hk * k_sh, k_st, d_qk, sV,
-                                         v + b * v_sb + hk * v_sh, v_st, d_v, geo.ktok, kbox,
-                                         geo.own_lo, geo.own_hi, vec);
+    na_copy_box<T, HD, KEYS, NA_THREADS, WG>(sK, k + b * k_sb + hk * k_sh, k_st, d_qk, sV,
+                                             v + b * v_sb + hk * v_sh, v_st, d_v, geo.ktok, kbox,
+                                             geo.own_lo, geo.own_hi, vec);
 
     // Steps go (query tile, head, chunk), chunk fastest, tiles row-major over the per-axis counts.
     const int ntiles = geo.tiles[0] * geo.tiles[1] * geo.tiles[2];
@@ -2264,9 +2301,9 @@ na_fused_backward_dkdv(NA_DKDV_PARAMS) {
                 qlo[a] = geo.lo[a] + copy_tile[a] * qside[a];
                 qend[a] = geo.hi[a];
             }
-            na_copy_box<T, HD, QSTEP, NA_THREADS>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk, sDO,
-                                                  dout + b * do_sb + h * do_sh, do_st, d_v,
-                                                  geo.qtok, qbox, qlo, qend, vec, first);
+            na_copy_box<T, HD, QSTEP, NA_THREADS, WG>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk,
+                                                      sDO, dout + b * do_sb + h * do_sh, do_st,
+                                                      d_v, geo.qtok, qbox, qlo, qend, vec, first);
             if (threadIdx.x < QSTEP) {
                 const int r = first + threadIdx.x;
                 NaQuerySlot slot;
@@ -2323,6 +2360,9 @@ na_fused_backward_dkdv(NA_DKDV_PARAMS) {
     int tile[3] = {0, 0, 0}, sub = 0;
     for (int step = 0; step < nsteps; ++step) {
         na_cp_async_wait_n<STAGES - 2>();
+#if NA_WGMMA
+        if constexpr (WG) na_fence_async_smem();  // ... and are visible to wgmma's reads
+#endif
         __syncthreads();  // step `step` landed for all; step - 1 is done everywhere
         issue(step + STAGES - 1);
         const unsigned char* stage = ring + (step % STAGES) * STAGE_BYTES;
@@ -2336,6 +2376,12 @@ na_fused_backward_dkdv(NA_DKDV_PARAMS) {
         for (int a = 0; a < 3; ++a) whole &= geo.whole_lo[a] <= tile[a] && tile[a] < geo.whole_hi[a];
 
         float s[MT][NT][4], dp[MT][NT][4];
+#if NA_WGMMA
+        if constexpr (WG) {  // K and V: the m64 A operands; this step's Q and dO rows: B
+            na_qk_wgmma<T, HD, NT, NA_TILE, 1>(s, sK, sQ);
+            na_qk_wgmma<T, HD, NT, NA_TILE, 1>(dp, sV, sDO);
+        } else
+#endif
         if constexpr (MT == 1) {
             na_zero(s[0]);
             na_mma_abt<T, HD, NT>(s[0], sK + row0 * LD, sQ, HD);
@@ -2377,6 +2423,12 @@ na_fused_backward_dkdv(NA_DKDV_PARAMS) {
                 }
             }
         }
+#if NA_WGMMA
+        if constexpr (WG) {  // dV += P^T dO, dK += dS^T Q (dO and Q MN-major)
+            na_pv_wgmma<T, HD, NT, 1>(dv_acc, s, sDO);
+            na_pv_wgmma<T, HD, NT, 1>(dk_acc, dp, sQ);
+        } else
+#endif
         if constexpr (MT == 1) {
             na_pv<T, HD, NT>(dv_acc[0], s[0], sDO);
             na_pv<T, HD, NT>(dk_acc[0], dp[0], sQ);

@@ -19,7 +19,7 @@ from .tile_shapes import FUSED_KEY_TILE, FUSED_QUERY_TILE, WIDE_KEY_TILE, WIDE_Q
 __all__ = ["SOURCE", "DEFINES", "KERNELS", "CTYPES", "HEAD_DIMS", "THREADS", "PIPELINED_DEFINES",
            "PIPELINED_MIN_ARCH", "PIPELINED_DTYPES", "WIDE_FORWARD", "WIDE_DQ", "WIDE_DKDV",
            "WIDE_DKDV_HEAD_DIMS", "WIDE_KERNELS", "NARROW_OF", "WIDE_MIN_ARCH",
-           "HOPPER_FORWARDS", "HOPPER_DEFINES", "HOPPER_TARGETS", "HOPPER_HEAD_DIMS",
+           "HOPPER_TWINS", "HOPPER_DEFINES", "HOPPER_TARGETS", "HOPPER_HEAD_DIMS",
            "HOPPER_ENV", "expression", "variants", "pipelined_variants", "wide_variants",
            "hopper_variants", "hopper", "hopper_twin", "wide", "pipelined", "head_dim_bucket",
            "forward_stages", "dkdv_steps", "wide_steps", "smem_bytes"]
@@ -63,9 +63,12 @@ WIDE_KERNELS = (WIDE_FORWARD, WIDE_DQ, WIDE_DKDV)
 NARROW_OF = {WIDE_FORWARD: "na_fused_forward", WIDE_DQ: "na_fused_backward_dq",
            WIDE_DKDV: "na_fused_backward_dkdv"}
 WIDE_MIN_ARCH = 90
-# The forwards on Hopper's wgmma (``fused_hopper``, opt-in) -> the kernel each replaces.
-HOPPER_FORWARDS = {"na_fused_forward_wgmma": "na_fused_forward",
-                   "na_fused_forward_wide_wgmma": WIDE_FORWARD}
+# The kernels on Hopper's wgmma (``fused_hopper``, opt-in) -> the kernel each replaces: the
+# forwards (64-query and wide), the 64-query dQ and the 64-key dK/dV.
+HOPPER_TWINS = {"na_fused_forward_wgmma": "na_fused_forward",
+                "na_fused_forward_wide_wgmma": WIDE_FORWARD,
+                "na_fused_backward_dq_wgmma": "na_fused_backward_dq",
+                "na_fused_backward_dkdv_wgmma": "na_fused_backward_dkdv"}
 HOPPER_DEFINES = {**PIPELINED_DEFINES, "NA_WGMMA": 1}
 HOPPER_TARGETS = {"sm_90": "sm_90a"}  # device arch -> compile target (wgmma is arch-specific)
 HOPPER_HEAD_DIMS = (64, 128)
@@ -76,8 +79,9 @@ _DKDV_STEP_SLOT_BYTES = 32 + 8  # NaQuerySlot, lse, delta
 
 
 def expression(kernel: str, dtype: torch.dtype, head_dim: int) -> str:
-    if kernel in HOPPER_FORWARDS:
-        return f"{HOPPER_FORWARDS[kernel]}<{CTYPES[dtype]}, {head_dim}, true>"
+    if kernel in HOPPER_TWINS:
+        keys = f", {FUSED_KEY_TILE}" if HOPPER_TWINS[kernel] == "na_fused_backward_dkdv" else ""
+        return f"{HOPPER_TWINS[kernel]}<{CTYPES[dtype]}, {head_dim}{keys}, true>"
     if kernel == WIDE_DKDV:
         return f"na_fused_backward_dkdv<{CTYPES[dtype]}, {head_dim}, {WIDE_KEY_TILE}>"
     return f"{kernel}<{CTYPES[dtype]}, {head_dim}>"
@@ -109,16 +113,16 @@ def wide_variants() -> list:
 
 
 def hopper_variants() -> list:
-    """The wgmma forwards' instances (``HOPPER_DEFINES``, compiled for sm_90a)."""
+    """The wgmma kernels' instances (``HOPPER_DEFINES``, compiled for sm_90a)."""
     return [_loader.KernelVariant(SOURCE, expression(k, dt, hd), f"{k}<{CTYPES[dt]},{hd}>",
                                   THREADS, smem_bytes(k, dt, hd, pipelined=True))
-            for k in HOPPER_FORWARDS for dt in PIPELINED_DTYPES for hd in HOPPER_HEAD_DIMS]
+            for k in HOPPER_TWINS for dt in PIPELINED_DTYPES for hd in HOPPER_HEAD_DIMS]
 
 
 def hopper(dtype: torch.dtype, capability: tuple[int, int], head_dim: int) -> bool:
-    """Whether a forward of ``dtype`` at the compiled ``head_dim`` runs on wgmma: opted in with
-    ``CUDNN_ATTN_NA_WGMMA=1``, an sm_90 device (its sm_90a cubins run nowhere else), the
-    pipelined build (fp16/bf16), head dim 64 or 128."""
+    """Whether a forward, dQ or dK/dV of ``dtype`` at ``head_dim`` runs on wgmma: opted
+    in with ``CUDNN_ATTN_NA_WGMMA=1``, an sm_90 device (its sm_90a cubins run nowhere else),
+    the pipelined build (fp16/bf16), head dim 64 or 128."""
     import os
 
     return (os.environ.get(HOPPER_ENV, "0").strip() == "1" and tuple(capability) == (9, 0)
@@ -126,18 +130,29 @@ def hopper(dtype: torch.dtype, capability: tuple[int, int], head_dim: int) -> bo
 
 
 def hopper_twin(kernel: str) -> str:
-    """The wgmma twin of the forward ``kernel`` (64-query or wide)."""
-    return next(twin for twin, replaced in HOPPER_FORWARDS.items() if replaced == kernel)
+    """The wgmma twin of ``kernel`` (the 64-query or wide forward, the 64-query dQ, the 64-key
+    dK/dV); ``kernel`` itself when it has none (the wide dQ and dK/dV)."""
+    return next((twin for twin, replaced in HOPPER_TWINS.items() if replaced == kernel), kernel)
 
 
 def _hopper_smem_bytes(kernel: str, head_dim: int) -> int:
-    """A wgmma forward's dynamic shared memory: its Q tile (the 64-query kernel keeps Q's padded
-    rows, ldmatrix reads them; the wide one swizzles them), the (K, V) ring unpadded (the
-    swizzle spreads the banks), the query slots, and the alignment slack."""
-    if HOPPER_FORWARDS[kernel] == WIDE_FORWARD:
+    """A wgmma kernel's dynamic shared memory: its own tile (the 64-query forward keeps Q's
+    padded rows, ldmatrix reads them; the wide forward swizzles Q, dQ swizzles dO and keeps Q in
+    the ring's last stage; dK/dV swizzles K and V), the ring unpadded (the swizzle spreads the
+    banks), the query slots, and the alignment slack."""
+    if HOPPER_TWINS[kernel] == WIDE_FORWARD:
         key_step, stages = wide_steps(WIDE_FORWARD, head_dim)
         total = ((WIDE_QUERY_TILE + 2 * stages * key_step) * head_dim * 2
                  + _QUERY_SLOT_BYTES * WIDE_QUERY_TILE + _ALIGN_SLACK)
+    elif HOPPER_TWINS[kernel] == "na_fused_backward_dkdv":
+        # K and V, then stages of Q and dO rows, slots, lse and delta, each stage 1024-aligned.
+        qstep, stages = dkdv_steps(head_dim)
+        stage = 2 * qstep * head_dim * 2 + _DKDV_STEP_SLOT_BYTES * qstep
+        total = (2 * FUSED_KEY_TILE * head_dim * 2 + stages * -(-stage // 1024) * 1024
+                 + _ALIGN_SLACK)
+    elif HOPPER_TWINS[kernel] == "na_fused_backward_dq":
+        total = ((FUSED_QUERY_TILE + 2 * forward_stages(head_dim) * FUSED_KEY_TILE) * head_dim
+                 * 2 + _QUERY_SLOT_BYTES * FUSED_QUERY_TILE + _ALIGN_SLACK)
     else:
         total = ((FUSED_QUERY_TILE * (head_dim + 8)
                   + 2 * forward_stages(head_dim) * FUSED_KEY_TILE * head_dim) * 2
@@ -210,7 +225,7 @@ def smem_bytes(kernel: str, dtype: torch.dtype, head_dim: int, pipelined: bool =
     the sm_80+ build, whose query-major kernels hold a ring of K/V stages."""
     if kernel == "na_fused_backward_delta":
         return 0  # registers and shuffles only
-    if kernel in HOPPER_FORWARDS:
+    if kernel in HOPPER_TWINS:
         return _hopper_smem_bytes(kernel, head_dim)
     if kernel == WIDE_DKDV:
         # The 128-key box's K and V, then the ring of query steps (``dkdv_steps``).

@@ -116,14 +116,14 @@ WGMMA_GRID = [i for i, spec in enumerate(GRID) if spec[3] in (64, 128)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="the wgmma forward runs on sm_90 only")
+                    reason="the wgmma kernels run on sm_90 only")
 @pytest.mark.parametrize("boxes", ["choose_tiles", "wide_tiles"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("index", WGMMA_GRID)
-def test_wgmma_forward(index, dtype, boxes, monkeypatch):
-    """The opt-in Hopper forwards (CUDNN_ATTN_NA_WGMMA=1) on 64- and 128-query boxes, every
-    causal combination: NATTEN's tolerance against the float64 oracle, bitwise repeatable, and
-    the wgmma kernel is what ran."""
+def test_wgmma_kernels(index, dtype, boxes, monkeypatch):
+    """The opt-in Hopper kernels (CUDNN_ATTN_NA_WGMMA=1): the forward on 64- and 128-query boxes
+    and, on 64-slot boxes, dQ and dK/dV, every causal combination: NATTEN's tolerances against
+    the float64 oracle, bitwise repeatable, and the wgmma kernels are what ran."""
     from cudnn_attn.fallback_kernels import tile_model
 
     fused = _fused()
@@ -137,28 +137,39 @@ def test_wgmma_forward(index, dtype, boxes, monkeypatch):
     monkeypatch.setenv(fused.HOPPER_ENV, "1")
     monkeypatch.setattr(fused, "_function", spy)
     monkeypatch.setattr(fused, "forward_tiles", getattr(tile_model, boxes))
+    monkeypatch.setattr(fused, "dkdv_tiles", tile_model.choose_tiles)
     spec = GRID[index]
     B, H, Hkv, D, shape, kernel, stride, dilation = spec
+    fwd_tol, bwd_tol = TOL[dtype]
+    if Hkv != H:
+        bwd_tol = GQA_BWD
     for n, causal in enumerate(_causal_combos(len(shape))):
         dim_v = D if n % 2 == 0 else max(8, D - 24)
         q, k, v, dout = _inputs(spec, dtype, dim_v, seed=index * 16 + n)
         kw = dict(kernel_size=kernel, stride=stride, dilation=dilation, is_causal=causal,
                   scale=D ** -0.5)
-        ref_out, ref_lse, _ = _oracle(q, k, v, spec, causal, D ** -0.5, dout)
+        ref_out, ref_lse, ref_grads = _oracle(q, k, v, spec, causal, D ** -0.5, dout)
         runs = []
         for _ in range(2):
             out = torch.full((B, *shape, H, dim_v), float("nan"), dtype=dtype, device="cuda")
             lse = torch.full((B, *shape, H), float("nan"), dtype=torch.float32, device="cuda")
-            runs.append(fused.na_forward(q, k, v, out=out, lse=lse, **kw))
+            out, lse = fused.na_forward(q, k, v, out=out, lse=lse, **kw)
+            runs.append((out, lse, *fused.na_backward(q, k, v, out, lse, dout, **kw)))
         assert all(torch.equal(a, b) for a, b in zip(*runs)), "two runs differ"
-        out, lse = runs[0]
+        out, lse, *grads = runs[0]
         S = math.prod(shape)
         torch.testing.assert_close(out.double().cpu().reshape(B, S, H, dim_v), ref_out,
-                                   atol=TOL[dtype][0], rtol=0)
+                                   atol=fwd_tol, rtol=0)
         torch.testing.assert_close(lse.double().cpu().reshape(B, S, H), ref_lse,
-                                   atol=TOL[dtype][0], rtol=0)
-    expected = "na_fused_forward_wide" if boxes == "wide_tiles" else "na_fused_forward"
-    assert set(launched) == {fused.hopper_twin(expected)}
+                                   atol=fwd_tol, rtol=0)
+        for got, ref, tol in zip(grads, ref_grads, bwd_tol):
+            torch.testing.assert_close(got.double().cpu(), ref, atol=tol, rtol=0)
+    twins = {fused.hopper_twin("na_fused_backward_dkdv")}
+    if boxes == "wide_tiles":  # the wide dQ has no wgmma twin
+        twins |= {fused.hopper_twin(fused.WIDE_FORWARD), fused.WIDE_DQ}
+    else:
+        twins |= {fused.hopper_twin("na_fused_forward"), fused.hopper_twin("na_fused_backward_dq")}
+    assert twins <= set(launched)
 
 
 def test_explicit_tiles_and_rpb():

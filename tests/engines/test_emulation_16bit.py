@@ -467,35 +467,47 @@ def test_wide_kernels_16bit(lib16_pipelined, monkeypatch, name, dtype):
                           F.WIDE_DKDV if wide_dkdv else "na_fused_backward_dkdv"}
 
 
-# The Hopper forwards (wgmma; head dims 64 and 128), the 64-query and the wide one: masked and
-# whole tiles, bias and softcap, part-tile key steps over several tiles, uneven head dims.
+# The Hopper kernels (wgmma; head dims 64 and 128): the 64-query and the wide forward, and the
+# 64-query dQ under a whole backward: masked and whole tiles, bias and softcap, part-tile key
+# steps over several tiles, uneven head dims.
 HOPPER_CASES = ("2d-softcap-hd64-rpb", "1d-hd128-gqa-dv", "1d-hd64-whole-tiles",
                 "1d-hd128-whole-tiles")
-HOPPER_BOXES = {"na_fused_forward_wgmma": "choose_tiles", "na_fused_forward_wide_wgmma": "wide_tiles"}
+HOPPER_BOXES = {"na_fused_forward_wgmma": "choose_tiles", "na_fused_forward_wide_wgmma": "wide_tiles",
+                "na_fused_backward_dq_wgmma": "choose_tiles",
+                "na_fused_backward_dkdv_wgmma": "choose_tiles"}
+HOPPER_BACKWARD = ("na_fused_backward_dq_wgmma", "na_fused_backward_dkdv_wgmma")
 
 
 @pytest.fixture(scope="module")
 def lib16_hopper(request, tmp_path_factory):
-    """The forwards' wgmma instances: the text NVRTC compiles for sm_90a."""
-    exprs = [v.expression for v in F.hopper_variants()]
+    """The wgmma kernels and the backward's delta (whose bucket is D_v's alone), from the text
+    NVRTC compiles for sm_90a."""
+    exprs = [v.expression for v in F.hopper_variants()] + [
+        F.expression("na_fused_backward_delta", dt, hd) for dt in DTYPES for hd in F.HEAD_DIMS]
     return build.host_library(request, tmp_path_factory, F, exprs,
                               source=_loader.source_text(F.SOURCE, F.HOPPER_DEFINES))
 
 
-@pytest.mark.parametrize("kernel", list(HOPPER_BOXES))
+@pytest.mark.parametrize("kernel", list(HOPPER_BOXES)[:2] + ["backward"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("name", HOPPER_CASES)
-def test_hopper_forward_16bit(lib16_hopper, monkeypatch, name, dtype, kernel):
-    """Opted in on an sm_90 device, a forward at head dim 64/128 runs on wgmma (K K-major and V
-    MN-major through 128-byte-swizzle descriptors, Q from A fragments or, wide, from swizzled
-    shared memory; P from registers), under the oracle rule of every fused kernel."""
+def test_hopper_kernels_16bit(lib16_hopper, monkeypatch, name, dtype, kernel):
+    """Opted in on an sm_90 device, the forwards, dQ and dK/dV at head dim 64/128 run on wgmma
+    (K, V, and Q and dO where they are B operands, through 128-byte-swizzle descriptors, K-major
+    or MN-major; Q from A fragments or, wide, from swizzled shared memory; P, dS and their
+    transposes from registers), under the oracle rule of every fused kernel."""
     from cudnn_attn.fallback_kernels import tile_model
 
     monkeypatch.setenv(F.HOPPER_ENV, "1")
     calls = route_fused(monkeypatch, lib16_hopper, pipelined=True)
-    monkeypatch.setattr(F, "forward_tiles", getattr(tile_model, HOPPER_BOXES[kernel]))
-    assert neighborhood_failures(name, dtype, backward=False) == []
-    assert calls == [kernel]
+    backward = kernel == "backward"
+    boxes = HOPPER_BOXES["na_fused_forward_wgmma" if backward else kernel]
+    monkeypatch.setattr(F, "forward_tiles", getattr(tile_model, boxes))
+    monkeypatch.setattr(F, "dkdv_tiles", tile_model.choose_tiles)
+    assert neighborhood_failures(name, dtype, backward=backward) == []
+    expected = ({"na_fused_forward_wgmma", *HOPPER_BACKWARD, "na_fused_backward_delta"}
+                if backward else {kernel})
+    assert set(calls) == expected
 
 
 def test_hopper_forward_selection(monkeypatch):

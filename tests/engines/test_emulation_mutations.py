@@ -18,8 +18,8 @@ that ``test_emulation_16bit.py`` passes must then fail. The unmutated text passe
   row;
 * in the Hopper forwards (wgmma): K/V/Q stored without the 128-byte swizzle the descriptors
   declare, V's second 64 columns read from its first and K's k-steps past column 64 from the
-  first block (head dim 128), and both m64 halves of the wide kernel's 128 queries reading the
-  first half's Q rows.
+  first block (head dim 128), both m64 halves of the wide kernel's 128 queries reading the
+  first half's Q rows, the wgmma dQ's dP taking K for V and its dK/dV's dK taking dO for Q.
 """
 
 import pytest
@@ -171,7 +171,15 @@ HOPPER_MUTATIONS = {
                                         _WIDE_WG, _HD128),
     "hopper-k-columns-of-the-first-block": ("na_wg_at(kd, (kk / 4) * NT * 8 * 64 + (kk % 4) * 16)",
                                             "na_wg_at(kd, (kk % 4) * 16)", 1, _NARROW_WG, _HD128),
+    # dQ's dP = dO V^T taking K for V; dK += dS^T Q taking dO for Q.
+    "hopper-dq-dp-from-keys": ("(dp1, sDO, ring.values(it))", "(dp1, sDO, ring.keys(it))", 1,
+                               "na_fused_backward_dq_wgmma", ("2d-softcap-hd64-rpb",)),
+    "hopper-dk-from-do": ("(dk_acc, dp, sQ);\n        } else\n#endif",
+                          "(dk_acc, dp, sDO);\n        } else\n#endif", 1,
+                          "na_fused_backward_dkdv_wgmma", ("2d-softcap-hd64-rpb",)),
 }
+# A backward mutation shows in its kernel's outputs alone.
+HOPPER_CAUGHT_IN = {"na_fused_backward_dq_wgmma": {"dq"}, "na_fused_backward_dkdv_wgmma": {"dk"}}
 
 
 @pytest.mark.parametrize("mutation", list(HOPPER_MUTATIONS))
@@ -182,13 +190,20 @@ def test_hopper_mutation_fails_the_oracle_comparison(request, tmp_path_factory, 
     old, new, expected, kernel, cases = HOPPER_MUTATIONS[mutation]
     text = _loader.source_text(F.SOURCE, F.HOPPER_DEFINES)
     assert text.count(old) == expected, f"the kernel text changed for {mutation}"
-    lib = build.host_library(request, tmp_path_factory, F,
-                             [F.expression(kernel, torch.bfloat16, hd)
-                              for hd in F.HOPPER_HEAD_DIMS], source=text.replace(old, new))
+    backward = kernel in HOPPER_CAUGHT_IN  # then every wgmma twin of the 64-slot kernels
+    kernels = (["na_fused_forward_wgmma", *E.HOPPER_BACKWARD] if backward else [kernel])
+    exprs = [F.expression(k, torch.bfloat16, hd) for k in kernels for hd in F.HOPPER_HEAD_DIMS]
+    exprs += [F.expression("na_fused_backward_delta", torch.bfloat16, hd) for hd in F.HEAD_DIMS
+              if backward]
+    lib = build.host_library(request, tmp_path_factory, F, exprs, source=text.replace(old, new))
     monkeypatch.setenv(F.HOPPER_ENV, "1")
     calls = E.route_fused(monkeypatch, lib, pipelined=True)
     monkeypatch.setattr(F, "forward_tiles", getattr(tile_model, E.HOPPER_BOXES[kernel]))
-    failing = {name: E.neighborhood_failures(name, torch.bfloat16, backward=False)
+    monkeypatch.setattr(F, "dkdv_tiles", tile_model.choose_tiles)
+    failing = {name: E.neighborhood_failures(name, torch.bfloat16, backward=backward)
                for name in cases}
-    assert set(calls) == {kernel}
+    assert kernel in calls
     assert all(failing.values()), f"{mutation} went unnoticed: {failing}"
+    if backward:
+        caught = {f.split(":")[0] for fs in failing.values() for f in fs}
+        assert caught == HOPPER_CAUGHT_IN[kernel], failing
