@@ -81,6 +81,9 @@ __device__ __forceinline__ void na_mma16816(float* c, const unsigned int* a, con
 #ifndef NA_PIPELINED
 #define NA_PIPELINED 0
 #endif
+#ifndef NA_WGMMA  // the Hopper build (`fused_hopper`, sm_90a): the WG instances' wgmma paths
+#define NA_WGMMA 0
+#endif
 
 #if NA_PIPELINED
 // Four 8x8 b16 matrices; lanes 8m..8m+7 give the row addresses of matrix m (16-byte aligned).
@@ -1228,14 +1231,16 @@ __device__ __forceinline__ unsigned int na_align1024(const void* smem) {
 
 #if NA_WGMMA
 // ---------------------------------------------------------------------------------------------
-// Hopper warpgroup MMA (sm_90a, `fused_hopper`): the forwards' two products as wgmma.mma_async.
-// The 4 warps are one warpgroup; an m64 product gives warp w rows 16w..16w+15 of its 64, in the
+// Hopper warpgroup MMA (sm_90a, `fused_hopper`): the kernels' products as wgmma.mma_async. The 4
+// warps are one warpgroup; an m64 product gives warp w rows 16w..16w+15 of its 64, in the
 // mma.sync C layout (so the softmax, the mask and P's conversion to A fragments are the same
-// code). The 64-query forward is one m64 product with Q in the warps' A fragments (as its
-// mma.sync path holds them); the wide forward's 128 queries are two m64 halves read from shared
-// memory, warp w holding rows 16w + g and 64 + 16w + g. K and V are read through descriptors of
-// the 128-byte-swizzled layout (`na_staged_offset`): K K-major (head dim contiguous), V MN-major
-// (imm-trans-b); P comes from the accumulator registers.
+// code). The 64-query forward and dQ are one m64 product with Q in the warps' A fragments (as
+// their mma.sync paths hold it); the wide forward's 128 queries are two m64 halves read from
+// shared memory, warp w holding rows 16w + g and 64 + 16w + g; dK/dV's 64 keys are one m64
+// product read from shared memory. B operands are read through descriptors of the
+// 128-byte-swizzled layout (`na_staged_offset`): K-major when their rows are the product's
+// columns (K in S = Q K^T), MN-major (imm-trans-b) when they are its k dimension (V in P V); P
+// and dS come from the accumulator registers.
 // ---------------------------------------------------------------------------------------------
 
 // The instruction's type suffix (NVRTC has no <type_traits>).
@@ -1270,68 +1275,55 @@ __device__ __forceinline__ void na_fence_async_smem() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+// One wgmma.mma_async per accumulator shape and type: the accumulators d[NT][4] (mma.sync's C
+// layout, n-tile by n-tile) are the first N/2 operands, numbered in REGS; `accumulate` becomes
+// the scale-d predicate. SS: A and B K-major in shared memory (descriptors a, b). RS: A from
+// the warps' fragment registers, B in shared memory, MN-major when TRANS_B.
+#define NA_WG_D(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
+#define NA_WG_D4 NA_WG_D(0), NA_WG_D(1), NA_WG_D(2), NA_WG_D(3)
+#define NA_WG_D8 NA_WG_D4, NA_WG_D(4), NA_WG_D(5), NA_WG_D(6), NA_WG_D(7)
+#define NA_WG_D16 NA_WG_D8, NA_WG_D(8), NA_WG_D(9), NA_WG_D(10), NA_WG_D(11), NA_WG_D(12),     \
+                  NA_WG_D(13), NA_WG_D(14), NA_WG_D(15)
+#define NA_WG_R16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define NA_WG_R32                                                                              \
+    NA_WG_R16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define NA_WG_R64                                                                              \
+    NA_WG_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, "  \
+              "%47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "    \
+              "%62, %63"
+// The accumulator operands come last (a comma-separated list).
+#define NA_WGMMA_SS(SHAPE, TYPE, REGS, A, B, ACC, ...)                                         \
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, " ACC ", 0; "                                 \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " "               \
+                 "{" REGS "}, " A ", " B ", p, 1, 1, 0, 0; }"                                   \
+                 : __VA_ARGS__ : "l"(a), "l"(b), "r"(accumulate))
+#define NA_WGMMA_RS(SHAPE, TYPE, REGS, A0, B, ACC, TRANS, ...)                                 \
+    asm volatile("{ .reg .pred p; setp.ne.b32 p, " ACC ", 0; "                                 \
+                 "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " "               \
+                 "{" REGS "}, " A0 ", " B ", p, 1, 1, " TRANS "; }"                              \
+                 : __VA_ARGS__                                                                 \
+                 : "r"(frag[0]), "r"(frag[1]), "r"(frag[2]), "r"(frag[3]), "l"(b),            \
+                   "r"(accumulate), "n"(TRANS_B))
+// The instruction for T's type suffix.
+#define NA_WG_TYPED(MACRO, SHAPE, ...)                                                         \
+    do {                                                                                       \
+        if constexpr (NaIsBf16<T>::value)                                                      \
+            MACRO(SHAPE, "bf16", __VA_ARGS__);                                                 \
+        else                                                                                   \
+            MACRO(SHAPE, "f16", __VA_ARGS__);                                                  \
+    } while (0)
+
 // d[64 x NT*8] (+)= A[64 x 16] B[16 x NT*8], A and B K-major in shared memory; `accumulate` 0
 // overwrites d.
 template <typename T, int NT>
 __device__ __forceinline__ void na_wgmma_ss(float (&d)[NT][4], unsigned long long a,
                                             unsigned long long b, int accumulate) {
-    if constexpr (NT == 4 && NaIsBf16<T>::value) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %18, 0; "
-            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-            "%16, %17, p, 1, 1, 0, 0; }"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-            : "l"(a), "l"(b), "r"(accumulate));
-    } else if constexpr (NT == 4 && !NaIsBf16<T>::value) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %18, 0; "
-            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-            "%16, %17, p, 1, 1, 0, 0; }"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-            : "l"(a), "l"(b), "r"(accumulate));
-    } else if constexpr (NT == 8 && NaIsBf16<T>::value) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %34, 0; "
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-            "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-            "%32, %33, p, 1, 1, 0, 0; }"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-            : "l"(a), "l"(b), "r"(accumulate));
-    } else if constexpr (NT == 8 && !NaIsBf16<T>::value) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %34, 0; "
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-            "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-            "%32, %33, p, 1, 1, 0, 0; }"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-            : "l"(a), "l"(b), "r"(accumulate));
-    } else {
+    if constexpr (NT == 4)
+        NA_WG_TYPED(NA_WGMMA_SS, "m64n32k16", NA_WG_R16, "%16", "%17", "%18", NA_WG_D4);
+    else if constexpr (NT == 8)
+        NA_WG_TYPED(NA_WGMMA_SS, "m64n64k16", NA_WG_R32, "%32", "%33", "%34", NA_WG_D8);
+    else
         static_assert(NT == 0, "no wgmma shape for this accumulator");
-    }
 }
 
 // d[64 x NT*8] (+)= A[64 x 16] B[16 x NT*8], A from the warps' fragment registers (mma.sync's A
@@ -1339,93 +1331,14 @@ __device__ __forceinline__ void na_wgmma_ss(float (&d)[NT][4], unsigned long lon
 template <typename T, int NT, int TRANS_B>
 __device__ __forceinline__ void na_wgmma_rs(float (&d)[NT][4], const unsigned int (&frag)[4],
                                             unsigned long long b, int accumulate) {
-    if constexpr (NT == 8 && NaIsBf16<T>::value) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-            "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-            "{%32, %33, %34, %35}, %36, p, 1, 1, %38; }"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-            : "r"(frag[0]), "r"(frag[1]), "r"(frag[2]), "r"(frag[3]), "l"(b), "r"(accumulate), "n"(TRANS_B));
-    } else if constexpr (NT == 8 && !NaIsBf16<T>::value) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-            "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-            "{%32, %33, %34, %35}, %36, p, 1, 1, %38; }"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-            : "r"(frag[0]), "r"(frag[1]), "r"(frag[2]), "r"(frag[3]), "l"(b), "r"(accumulate), "n"(TRANS_B));
-    } else if constexpr (NT == 16 && NaIsBf16<T>::value) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-            "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
-            "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
-            "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-            "{%64, %65, %66, %67}, %68, p, 1, 1, %70; }"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-              "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-              "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-              "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
-              "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-              "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
-              "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-              "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-              "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-            : "r"(frag[0]), "r"(frag[1]), "r"(frag[2]), "r"(frag[3]), "l"(b), "r"(accumulate), "n"(TRANS_B));
-    } else if constexpr (NT == 16 && !NaIsBf16<T>::value) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-            "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
-            "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
-            "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-            "{%64, %65, %66, %67}, %68, p, 1, 1, %70; }"
-            : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-              "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-              "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-              "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-              "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-              "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-              "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-              "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
-              "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
-              "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
-              "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
-              "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
-              "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
-              "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
-              "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
-              "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-            : "r"(frag[0]), "r"(frag[1]), "r"(frag[2]), "r"(frag[3]), "l"(b), "r"(accumulate), "n"(TRANS_B));
-    } else {
+    if constexpr (NT == 8)
+        NA_WG_TYPED(NA_WGMMA_RS, "m64n64k16", NA_WG_R32, "{%32, %33, %34, %35}", "%36", "%37",
+                    "%38", NA_WG_D8);
+    else if constexpr (NT == 16)
+        NA_WG_TYPED(NA_WGMMA_RS, "m64n128k16", NA_WG_R64, "{%64, %65, %66, %67}", "%68", "%69",
+                    "%70", NA_WG_D16);
+    else
         static_assert(NT == 0, "no wgmma shape for this accumulator");
-    }
 }
 
 // s[mt] = Q K^T for MT m64 products: Q (ROWS rows) and the step's K (NT * 8 rows) swizzled in
@@ -1491,6 +1404,21 @@ __device__ __forceinline__ void na_pv_wgmma(float (&o)[MT][HD / 8][4], const flo
 }
 #endif  // NA_WGMMA
 
+// s = Q K^T for the 64-query kernels' warp rows, Q in the warps' A fragments: on wgmma (WG) or
+// on mma.sync.
+template <typename T, int HD, int NT, bool WG>
+__device__ __forceinline__ void na_qk_rows(float (&s)[NT][4], const unsigned int (&qf)[HD / 16][4],
+                                           const T* K) {
+    static_assert(!WG || NA_WGMMA, "the wgmma kernels are the NA_WGMMA build's");
+#if NA_WGMMA
+    if constexpr (WG) {
+        na_qk_wgmma_regs<T, HD, NT>(s, qf, K);
+        return;
+    }
+#endif
+    if constexpr (!WG) na_qk<T, HD, NT>(s, qf, K);
+}
+
 // WG (`fused_hopper`, sm_90a): both products on wgmma, K and V swizzled in the ring (Q keeps its
 // padded rows: only ldmatrix reads them, into the A fragments).
 template <typename T, int HD, bool WG = false>
@@ -1537,12 +1465,7 @@ na_fused_forward(NA_FORWARD_PARAMS) {
         int klo[3];
         const bool whole = na_key_tile(geo, kidx, kside, klo);
         float s[NT][4], mul = 1.f;
-#if NA_WGMMA
-        if constexpr (WG)
-            na_qk_wgmma_regs<T, HD, NT>(s, qf, ring.keys(it));
-        else
-#endif
-            na_qk<T, HD, NT>(s, qf, ring.keys(it));
+        na_qk_rows<T, HD, NT, WG>(s, qf, ring.keys(it));
         if (!whole)
             na_forward_logits<NT, true>(s, my_slots, kbox, klo, scale, softcap, inv_cap,
                                         rpb ? s_bias : nullptr, s_rmul, s_period_ones);
@@ -1870,12 +1793,7 @@ na_fused_backward_dq(NA_DQ_PARAMS) {
         int klo[3];
         const bool whole = na_key_tile(geo, kidx, kside, klo);
         float s[NT][4], dp[NT][4];
-#if NA_WGMMA
-        if constexpr (WG)
-            na_qk_wgmma_regs<T, HD, NT>(s, qf, ring.keys(it));
-        else
-#endif
-            na_qk<T, HD, NT>(s, qf, ring.keys(it));
+        na_qk_rows<T, HD, NT, WG>(s, qf, ring.keys(it));
         // Whole tiles without softcap keep the raw scores: P takes the scale in its FMA.
         const float mul = whole && softcap <= 0.f ? scale * NA_LOG2E : 1.f;
         if (!whole)

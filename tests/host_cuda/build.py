@@ -46,14 +46,24 @@ class HostBuildError(RuntimeError):
 
 
 def host_source(text: str) -> str:
-    """The CUDA text rewritten for ``emu.h`` (inline PTX emulated, dynamic shared memory mapped)."""
-    text = asm.rewrite(text)
+    """The CUDA text rewritten for ``emu.h`` (inline PTX emulated, dynamic shared memory mapped).
+    The text is preprocessed first (it includes nothing; ``emu.h``'s own macros apply later), so
+    asm statements a macro builds are read with their literal text."""
+    text = asm.rewrite(_preprocessed(text))
     text = _EXTERN_SHARED.sub(
         lambda m: f"{m.group(1)}* {m.group(2)} = "
                   f"reinterpret_cast<{m.group(1)}*>(na_emu::dynamic_smem());", text)
     if "extern __shared__" in text:
         raise HostBuildError("an `extern __shared__` declaration build.py cannot rewrite")
     return text
+
+
+def _preprocessed(text: str) -> str:
+    done = subprocess.run([_compiler(), "-E", "-P", "-x", "c++", "-"], input=text,
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise HostBuildError(f"preprocessing the kernel text failed:\n{done.stderr[-4000:]}")
+    return done.stdout
 
 
 def translation_unit(module, instances: dict[str, str]) -> str:
