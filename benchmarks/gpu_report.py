@@ -46,6 +46,7 @@ CUDNN_COLUMNS = [("dtype", "dtype"), ("D", "D"), ("S", "S"), ("causal", "causal"
 OVERHEAD_COLUMNS = [("call", "call"), ("us per call", "us_per_call"), ("vs bare", "vs_bare")]
 NEIGHBORHOOD_COLUMNS = [("problem", "problem"), ("dtype", "dtype"), ("D", "D"), ("dir", "dir"),
                         ("ours ms", "ours_ms"), ("ours TFLOP/s", "ours_tflops"),
+                        ("wgmma TFLOP/s", "ours-wgmma_tflops"), ("wgmma/ours", "wgmma/ours"),
                         ("flex", "flex_tflops"), ("natten-flex", "natten-flex_tflops"),
                         ("ours/flex", "ours/flex"), ("ours/ceiling", "ours/ceiling"),
                         ("sdpa-cudnn ms", "sdpa-cudnn_ms"), ("sdpa-flash ms", "sdpa-flash_ms"),

@@ -257,14 +257,15 @@ def engines(rank, spatial, kernel, q, k, v):
         return leaves, run
 
     def ours_wgmma():
-        # The same call with the opt-in Hopper forward (fused_build.hopper: wgmma); the backward is
-        # ours. Only where it runs (sm_90, fp16/bf16, head dim 64/128), else an error entry.
+        # The same call with the opt-in Hopper kernels (fused_build.hopper: the forwards, dQ and
+        # dK/dV on wgmma). Only where they run (sm_90, fp16/bf16, head dim 64/128), else an
+        # error entry.
         from cudnn_attn.fallback_kernels import fused_build
 
         capability = torch.cuda.get_device_capability(q.device)
         if not (capability == (9, 0) and q.dtype != torch.float32
                 and dim in fused_build.HOPPER_HEAD_DIMS):
-            raise RuntimeError(f"the wgmma forward runs on sm_90 fp16/bf16 at head dims "
+            raise RuntimeError(f"the wgmma kernels run on sm_90 fp16/bf16 at head dims "
                                f"{fused_build.HOPPER_HEAD_DIMS}, not sm_{capability[0]}{capability[1]} "
                                f"{q.dtype} D={dim}")
         leaves, run = ours()

@@ -1,6 +1,7 @@
 // Host emulation of the inline-PTX instructions the package's kernels use, written from the PTX
 // ISA (cvt: "Data Movement and Conversion Instructions"; mma: "Matrix Fragments for mma.m16n8k16
-// with floating point type"), not from the kernels. build.py/asm.py translate every `asm`
+// with floating point type"; wgmma: "Asynchronous Warpgroup Level Matrix Multiply-Accumulate",
+// its register fragments, matrix descriptors and shared-memory layouts), not from the kernels. build.py/asm.py translate every `asm`
 // statement into a call of one of these functions, operands in PTX order: destinations are
 // references bound to the statement's output operands, sources are values.
 //
