@@ -37,6 +37,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import _report  # benchmarks/_report.py (this script's folder is on sys.path)
 import ceilings
@@ -271,15 +272,8 @@ def engines(rank, spatial, kernel, q, k, v):
         leaves, run = ours()
 
         def run_wgmma(leaves=leaves, run=run):
-            saved = os.environ.get(fused_build.HOPPER_ENV)
-            os.environ[fused_build.HOPPER_ENV] = "1"
-            try:
+            with mock.patch.dict(os.environ, {fused_build.HOPPER_ENV: "1"}):
                 return run(leaves)
-            finally:
-                if saved is None:
-                    del os.environ[fused_build.HOPPER_ENV]
-                else:
-                    os.environ[fused_build.HOPPER_ENV] = saved
         return leaves, run_wgmma
 
     def flex():

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 TOOLS = ("memcheck", "racecheck", "initcheck")
 KERNEL_FILTER = "kns=na_"
@@ -164,15 +165,8 @@ def _wide_boxes(run):
 def _with_env(name: str, value: str, run):
     """``run`` with the environment variable ``name`` set to ``value``."""
     def wrapped():
-        old = os.environ.get(name)
-        os.environ[name] = value
-        try:
+        with mock.patch.dict(os.environ, {name: value}):
             run()
-        finally:
-            if old is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = old
     return wrapped
 
 
