@@ -47,6 +47,8 @@ OVERHEAD_COLUMNS = [("call", "call"), ("us per call", "us_per_call"), ("vs bare"
 NEIGHBORHOOD_COLUMNS = [("problem", "problem"), ("dtype", "dtype"), ("D", "D"), ("dir", "dir"),
                         ("ours ms", "ours_ms"), ("ours TFLOP/s", "ours_tflops"),
                         ("wgmma TFLOP/s", "ours-wgmma_tflops"), ("wgmma/ours", "wgmma/ours"),
+                        ("64-slot ms", "ours-64_ms"), ("wide ms", "ours-wide_ms"),
+                        ("model ms", "model_fused_ms"),
                         ("flex", "flex_tflops"), ("natten-flex", "natten-flex_tflops"),
                         ("ours/flex", "ours/flex"), ("ours/ceiling", "ours/ceiling"),
                         ("sdpa-cudnn ms", "sdpa-cudnn_ms"), ("sdpa-flash ms", "sdpa-flash_ms"),

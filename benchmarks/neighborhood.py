@@ -51,12 +51,16 @@ PROBLEMS = {  # rank: (spatial shape, kernel size)
 HIDDEN = 2048
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 TARGET_TFLOPS, TARGET_VS_FLEX = 250.0, 1.5  # bf16, D=128, 2-D 128x128 k=31x31, forward
-ENGINES = ("ours", "ours-wgmma", "flex", "natten-flex", "sdpa-cudnn", "sdpa-flash")
+ENGINES = ("ours", "ours-wgmma", "ours-64", "ours-wide", "flex", "natten-flex", "sdpa-cudnn",
+           "sdpa-flash")
 DEVICE, OURS_BACKEND = "cuda", "cupy"  # module constants so a CPU smoke run can swap them
 # A compiled peer's setup (block mask, torch.compile) and first call get this long; past it the
 # peer is recorded as timed out (issue 23: Flex's compile ate the whole 162 s share of the run).
 PEER_SETUP_S = 90.0
 PEERS = ("flex", "natten-flex")  # measured after ours and the dense SDPA rows
+# ours' variants (the same call on other kernels) and their max |variant - ours| forward column
+VARIANT_COLUMNS = {"ours-wgmma": "max|wgmma-ours|", "ours-64": "max|64-ours|",
+                   "ours-wide": "max|wide-ours|"}
 # Issue 34's problems (spatial, kernel, heads, D; B=1, bf16) and what it measured on an H200
 # (forward ms: ours, dense cuDNN over all tokens; the 1-D and 3-D ours from the 62 and 13.4
 # useful TFLOP/s it gives).
@@ -141,39 +145,50 @@ def dense_flops(batch, heads, tokens, dim, direction):
     return 4.0 * batch * heads * tokens * tokens * dim * (2.5 if direction == "bwd" else 1.0)
 
 
-def model_rows(spatial, kernel, batch, heads, dim, dtype, ceilings):
+def model_rows(spatial, kernel, batch, heads, dim, dtype, ceilings, capability=None):
     """``{"fwd": {...}, "bwd": {...}}``: the tile model's figures for one problem (``model_*``
     keys; bwd is the backward alone, as the rows time it), with ``ceilings`` a
-    ``roofline.Ceilings``."""
+    ``roofline.Ceilings`` and the kernels and boxes launched on a device of ``capability``
+    (default: the ceilings' GPU). ``model_boxes``: query box / key box of the forward, and of dQ
+    then dK/dV for the backward."""
     from cudnn_attn.core import roofline
     from cudnn_attn.fallback_kernels import tile_model
     from cudnn_attn.graphs.score_mod_masks import mask_program
+    from cudnn_attn.model.geometry import neighborhood_table
     from cudnn_attn.model.masks import Neighborhood
 
-    figures = tile_model.neighborhood_figures(spatial, kernel, dim_qk=dim, dtype=dtype,
-                                              batch=batch, heads=heads)
+    rank = len(spatial)
+    table = tuple(neighborhood_table(spatial, kernel, (1,) * rank, (1,) * rank, (False,) * rank))
+    launch = tile_model.launch_figures(table, rank, capability or ceilings.capability,
+                                       dim_qk=dim, dtype=dtype, batch=batch, heads=heads)
     tokens = math.prod(spatial)
     shape = dict(batch=batch, heads=heads, heads_kv=heads, seq_q=tokens, seq_kv=tokens,
                  dim_qk=dim, dim_v=dim, dtype=dtype)
     mask_ops = len(mask_program(neighborhood=Neighborhood(spatial, kernel)).ops)
-    common = {"model_boxes": "x".join(map(str, figures.query_box)) + "/"
-              + "x".join(map(str, figures.key_box)),
-              "model_useful_%": 100 * figures.useful_fraction, "model_pairs": figures.tile_pairs,
-              "model_unmasked_pairs": figures.unmasked_pairs,
-              "model_masked_pairs": figures.masked_pairs,
-              "model_unmasked_%": 100 * figures.unmasked_fraction, "model_ceilings": ceilings.name}
+
+    def boxes(figures):
+        return "x".join(map(str, figures.query_box)) + "/" + "x".join(map(str, figures.key_box))
+
     out = {}
-    for direction in ("fwd", "bwd"):
-        fused = tile_model.predicted_ms(figures, direction, ceilings)
+    for direction, kernels in (("fwd", ("fwd",)), ("bwd", ("dq", "dkdv"))):
+        walks = [launch.kernel_figures(k) for k in kernels]
+        fused = launch.predicted_ms(direction, ceilings)
         dense_mask = roofline.dense_ms(direction, ceilings=ceilings, mask_ops=mask_ops, **shape)
-        out[direction] = {**common, "model_fused_ms": fused,
+        pairs = sum(f.tile_pairs for f in walks)
+        unmasked = sum(f.unmasked_pairs for f in walks)
+        out[direction] = {"model_boxes": " ".join(boxes(f) for f in walks),
+                          "model_useful_%": 100 * launch.useful_fraction(direction),
+                          "model_pairs": pairs, "model_unmasked_pairs": unmasked,
+                          "model_masked_pairs": pairs - unmasked,
+                          "model_unmasked_%": 100 * unmasked / pairs if pairs else 0.0,
+                          "model_ceilings": ceilings.name, "model_fused_ms": fused,
                           "model_dense_ms": roofline.dense_ms(direction, ceilings=ceilings,
                                                               **shape),
                           "model_dense_mask_ms": dense_mask,
                           "model_pick": "cupy" if fused < dense_mask else "cudnn",
-                          "model_bytes": figures.bytes[direction],
-                          "model_computed_flops": figures.computed_flops[direction],
-                          "model_useful_flops": figures.useful_flops[direction]}
+                          "model_bytes": launch.total("bytes", direction),
+                          "model_computed_flops": launch.total("computed_flops", direction),
+                          "model_useful_flops": launch.query_major.useful_flops[direction]}
     return out
 
 
@@ -229,8 +244,10 @@ def _leaves(tensors):
 
 
 def engines(rank, spatial, kernel, q, k, v):
-    """``{engine: setup}`` in measuring order (ours, the dense SDPA rows, then the compiled
-    peers); ``setup()`` returns ``(leaves, forward closure)`` and may raise.
+    """``{engine: setup}`` in measuring order (ours and its forced variants, the dense SDPA rows,
+    then the compiled peers); ``setup()`` returns ``(leaves, forward closure)``, or ``(leaves,
+    forward closure, scope)`` where ``scope()`` is a context the engine's forward and backward
+    both run in; it may raise.
 
     ``q, k, v`` are heads-last ``[B, *spatial, H, D]``. A closure returns the output, heads-last
     for ours/natten, heads-first for the others. (Closures bind their leaves as default arguments:
@@ -259,8 +276,8 @@ def engines(rank, spatial, kernel, q, k, v):
 
     def ours_wgmma():
         # The same call with the opt-in Hopper kernels (fused_build.hopper: the forwards, dQ and
-        # dK/dV on wgmma). Only where they run (sm_90, fp16/bf16, head dim 64/128), else an
-        # error entry.
+        # dK/dV on wgmma), forward and backward. Only where they run (sm_90, fp16/bf16, head
+        # dim 64/128), else an error entry.
         from cudnn_attn.fallback_kernels import fused_build
 
         capability = torch.cuda.get_device_capability(q.device)
@@ -269,12 +286,19 @@ def engines(rank, spatial, kernel, q, k, v):
             raise RuntimeError(f"the wgmma kernels run on sm_90 fp16/bf16 at head dims "
                                f"{fused_build.HOPPER_HEAD_DIMS}, not sm_{capability[0]}{capability[1]} "
                                f"{q.dtype} D={dim}")
-        leaves, run = ours()
+        return (*ours(), lambda: mock.patch.dict(os.environ, {fused_build.HOPPER_ENV: "1"}))
 
-        def run_wgmma(leaves=leaves, run=run):
-            with mock.patch.dict(os.environ, {fused_build.HOPPER_ENV: "1"}):
-                return run(leaves)
-        return leaves, run_wgmma
+    def ours_boxes(wide):
+        # The same call with the tile rule's choice replaced, forward and backward: every
+        # kernel on its 64-slot boxes (ours-64), or on the wide kernels' boxes where the device
+        # runs them (ours-wide; dK/dV's only up to head dim 64). What a refit of the tile model
+        # needs (benchmarks/fit_tile_model.py): both kernels measured on every problem.
+        from cudnn_attn.fallback_kernels import tile_model
+
+        chosen = ((tile_model.wide_tiles, tile_model.wide_key_tiles) if wide
+                  else (tile_model.choose_tiles, tile_model.choose_tiles))
+        return (*ours(), lambda: mock.patch.multiple(tile_model, forward_tiles=chosen[0],
+                                                     dkdv_tiles=chosen[1]))
 
     def flex():
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -311,10 +335,33 @@ def engines(rank, spatial, kernel, q, k, v):
 
     from torch.nn.attention import SDPBackend
 
-    return {"ours": ours, "ours-wgmma": ours_wgmma,
+    return {"ours": ours, "ours-wgmma": ours_wgmma, "ours-64": lambda: ours_boxes(False),
+            "ours-wide": lambda: ours_boxes(True),
             "sdpa-cudnn": lambda: dense_sdpa(SDPBackend.CUDNN_ATTENTION),
             "sdpa-flash": lambda: dense_sdpa(SDPBackend.FLASH_ATTENTION),
             "flex": flex, "natten-flex": natten_flex}
+
+
+def measure(engine, rows, outputs, out, leaves, forward, args, work) -> None:
+    """Times ``engine``'s forward and backward into ``rows`` (``<engine>_ms``, ``_tflops`` from
+    ``work(direction)`` FLOPs; a failure is an error entry) and keeps its output."""
+    try:
+        outputs[engine] = out.detach()
+        ms = timed(forward, args)
+        rows["fwd"][f"{engine}_ms"], rows["fwd"][f"{engine}_tflops"] = ms, work("fwd") / ms / 1e9
+    except Exception as exc:  # noqa: BLE001
+        rows["fwd"]["errors"][engine] = rows["bwd"]["errors"][engine] = _error(exc)
+        return
+    try:
+        dout = torch.randn_like(out)
+
+        def backward(out=out, leaves=leaves, dout=dout):
+            return torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+        ms = timed(backward, args)
+        rows["bwd"][f"{engine}_ms"], rows["bwd"][f"{engine}_tflops"] = ms, work("bwd") / ms / 1e9
+    except Exception as exc:  # noqa: BLE001
+        rows["bwd"]["errors"][engine] = _error(exc)
 
 
 def bench_problem(rank, dtype_name, dim, args, on_rows=None, problem=None):
@@ -327,18 +374,21 @@ def bench_problem(rank, dtype_name, dim, args, on_rows=None, problem=None):
     q, k, v = (torch.randn(batch, *spatial, heads, dim, device=DEVICE, dtype=dtype)
                for _ in range(3))
     name = f"{rank}-D {'x'.join(map(str, spatial))} k={'x'.join(map(str, kernel))}"
-    rows = {d: {"problem": name, "rank": rank, "dtype": dtype_name, "D": dim, "H": heads,
-                "B": batch, "dir": d, "errors": {}} for d in ("fwd", "bwd")}
+    rows = {d: {"problem": name, "rank": rank, "spatial": list(spatial), "kernel": list(kernel),
+                "dtype": dtype_name, "D": dim, "H": heads, "B": batch, "dir": d, "errors": {}}
+            for d in ("fwd", "bwd")}
     try:  # the tile model's figures and auto's choice, beside the measurements
         from cudnn_attn.core import roofline
         import cudnn_attn as ca
 
+        capability = roofline.capability_for(DEVICE)
         figures = model_rows(spatial, kernel, batch, heads, dim, dtype,
-                             roofline.ceilings_for(DEVICE))
+                             roofline.ceilings_for(DEVICE), capability)
         flat = q.reshape(batch, tokens, heads, dim)
         auto = ca.explain(flat, flat, flat, mask=ca.Neighborhood(spatial, kernel), layout="bshd")
         for d, row in rows.items():
-            row.update(figures[d], auto_pick=auto.selected, auto_why=auto.why)
+            row.update(figures[d], auto_pick=auto.selected, auto_why=auto.why,
+                       capability=list(capability))
     except Exception as exc:  # noqa: BLE001 - a model failure must not cost the measurements
         for row in rows.values():
             row["errors"]["model"] = _error(exc)
@@ -348,45 +398,32 @@ def bench_problem(rank, dtype_name, dim, args, on_rows=None, problem=None):
             contextlib.nullcontext()
         try:
             with limit:  # a compiled peer's setup and first call (its compile) are bounded
-                leaves, forward = setup()
-                out = forward()
+                leaves, forward, *scope = setup()
+                scope = scope[0] if scope else contextlib.nullcontext
+                with scope():
+                    out = forward()
         except Exception as exc:  # noqa: BLE001 - a peer failure is a result, not a crash
             for row in rows.values():
                 row["errors"][engine] = _error(exc)
             if on_rows is not None:
                 on_rows(list(rows.values()))
             continue
-        dense = engine.startswith("sdpa")
-        try:
-            outputs[engine] = out.detach()
-            work = dense_flops(batch, heads, tokens, dim, "fwd") if dense else \
-                na_flops(batch, heads, spatial, kernel, dim, "fwd")
-            ms = timed(forward, args)
-            rows["fwd"][f"{engine}_ms"], rows["fwd"][f"{engine}_tflops"] = ms, work / ms / 1e9
-        except Exception as exc:  # noqa: BLE001
-            rows["fwd"]["errors"][engine] = rows["bwd"]["errors"][engine] = _error(exc)
-            continue
-        try:
-            dout = torch.randn_like(out)
+        def work(direction, dense=engine.startswith("sdpa")):
+            return (dense_flops(batch, heads, tokens, dim, direction) if dense
+                    else na_flops(batch, heads, spatial, kernel, dim, direction))
 
-            def backward(out=out, leaves=leaves, dout=dout):
-                return torch.autograd.grad(out, leaves, dout, retain_graph=True)
-
-            work = dense_flops(batch, heads, tokens, dim, "bwd") if dense else \
-                na_flops(batch, heads, spatial, kernel, dim, "bwd")
-            ms = timed(backward, args)
-            rows["bwd"][f"{engine}_ms"], rows["bwd"][f"{engine}_tflops"] = ms, work / ms / 1e9
-        except Exception as exc:  # noqa: BLE001
-            rows["bwd"]["errors"][engine] = _error(exc)
+        with scope():
+            measure(engine, rows, outputs, out, leaves, forward, args, work)
         del out
         if on_rows is not None:
             on_rows(list(rows.values()))
     if "ours" in outputs and "flex" in outputs:  # a speed figure is only worth a right answer
         flex_out = outputs["flex"].transpose(1, 2).reshape(outputs["ours"].shape)
         rows["fwd"]["max|ours-flex|"] = (outputs["ours"].float() - flex_out.float()).abs().max().item()
-    if "ours" in outputs and "ours-wgmma" in outputs:
-        rows["fwd"]["max|wgmma-ours|"] = (outputs["ours-wgmma"].float()
-                                          - outputs["ours"].float()).abs().max().item()
+    for variant, column in VARIANT_COLUMNS.items():  # each of ours' variants against ours
+        if "ours" in outputs and variant in outputs:
+            rows["fwd"][column] = (outputs[variant].float()
+                                   - outputs["ours"].float()).abs().max().item()
     for row in rows.values():
         if row.get("ours_ms") and row.get("flex_ms"):
             row["ours/flex"] = row["flex_ms"] / row["ours_ms"]  # speedup over Flex

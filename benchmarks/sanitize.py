@@ -150,15 +150,13 @@ def _wide_boxes(run):
     """``run`` with every kernel on the wide kernels' boxes (``tile_model.wide_tiles``,
     ``wide_key_tiles``) where the device runs them (sm_90+; elsewhere the 64-slot kernels)."""
     def wrapped():
-        from cudnn_attn.fallback_kernels import fused as F
+        from unittest import mock
+
         from cudnn_attn.fallback_kernels import tile_model
 
-        chosen = F.forward_tiles, F.dkdv_tiles
-        F.forward_tiles, F.dkdv_tiles = tile_model.wide_tiles, tile_model.wide_key_tiles
-        try:
+        with mock.patch.multiple(tile_model, forward_tiles=tile_model.wide_tiles,
+                                 dkdv_tiles=tile_model.wide_key_tiles):
             run()
-        finally:
-            F.forward_tiles, F.dkdv_tiles = chosen
     return wrapped
 
 

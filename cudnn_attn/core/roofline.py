@@ -21,7 +21,8 @@ import torch
 
 from .caches import memoize
 
-__all__ = ["Ceilings", "DEVICE_CEILINGS", "DEFAULT_CEILINGS", "ceilings_for", "score_flops",
+__all__ = ["Ceilings", "DEVICE_CEILINGS", "DEFAULT_CEILINGS", "ceilings_for",
+           "capability_for", "score_flops",
            "roofline_ms", "dense_figures", "dense_ms", "DENSE_EFFICIENCY", "MIN_SCORE_FLOPS",
            "BACKWARD_FLOP_FACTOR"]
 
@@ -41,12 +42,14 @@ FP32_FRACTION = 1 / 16
 class Ceilings:
     """A GPU's ceilings: device-memory ``bandwidth`` (bytes/s), 16-bit tensor-core ``matmul``
     peak (FLOP/s, dense) and the rate of 32-bit lane instructions (``pointwise``, per second:
-    SMs x 128 lanes x clock), which a cuDNN score_mod program runs on."""
+    SMs x 128 lanes x clock), which a cuDNN score_mod program runs on; ``capability`` the
+    compute capability, which decides the kernels a model of this GPU launches."""
 
     name: str
     bandwidth: float
     matmul: float
     pointwise: float
+    capability: tuple[int, int] = (9, 0)
 
 
 # Measured ceilings where a run measured them (gpu.md: H100 ~3.0 TB/s, ~800 TFLOP/s; H200 ~4.3
@@ -54,8 +57,8 @@ class Ceilings:
 DEVICE_CEILINGS = {
     "H200": Ceilings("H200", 4.3e12, 790e12, 132 * 128 * 1.98e9),
     "H100": Ceilings("H100", 3.0e12, 800e12, 132 * 128 * 1.98e9),
-    "A100": Ceilings("A100", 1.9e12, 280e12, 108 * 64 * 1.41e9),
-    "B200": Ceilings("B200", 7.7e12, 2200e12, 148 * 128 * 1.9e9),
+    "A100": Ceilings("A100", 1.9e12, 280e12, 108 * 64 * 1.41e9, (8, 0)),
+    "B200": Ceilings("B200", 7.7e12, 2200e12, 148 * 128 * 1.9e9, (10, 0)),
 }
 DEFAULT_CEILINGS = DEVICE_CEILINGS["H100"]
 
@@ -77,6 +80,22 @@ def ceilings_for(device) -> Ceilings:
     if device.type != "cuda" or not torch.cuda.is_available():
         return DEFAULT_CEILINGS
     return _ceilings_of(torch.cuda.get_device_name(device))
+
+
+def capability_for(device) -> tuple[int, int]:
+    """The compute capability of ``device`` where torch can read it, else that of
+    :func:`ceilings_for`'s GPU (a CUDA problem described on a machine without one)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return _capability_of(device.index if device.index is not None
+                              else torch.cuda.current_device())
+    return ceilings_for(device).capability
+
+
+@memoize("roofline.capability", maxsize=16)
+def _capability_of(index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major, minor
 
 
 def score_flops(dim_qk: int, dim_v: int) -> int:

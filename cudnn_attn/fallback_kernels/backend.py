@@ -75,9 +75,9 @@ class CupyBackend:
         return self._plans.get_or_create(problem.plan_key, lambda: CupyPlan(problem))
 
     def predicted_ms(self, problem: AttnProblem) -> Optional[float]:
-        """Predicted ms of a Neighborhood problem on the fused kernels (the tile model at the
-        boxes the plan launches with; forward, plus backward when it requires grad), for
-        ``auto``'s cost rule (``dispatch.cost_choice``); ``None`` for band masks (no rule:
+        """Predicted ms of a Neighborhood problem on the fused kernels (the tile model of the
+        kernels and boxes launched on the problem's device; forward, plus backward when it
+        requires grad), for ``auto``'s cost rule (``dispatch.cost_choice``); ``None`` for band masks (no rule:
         priority order) and masks the kernels cannot express."""
         hood = problem.neighborhood
         table, reasons = problem_table(problem)
@@ -85,18 +85,18 @@ class CupyBackend:
             return None
         return _fused_prediction(tuple(table), hood.ndim, problem.batch, problem.heads_q,
                                  problem.heads_kv, problem.dim_qk, problem.dim_v, problem.dtype,
-                                 problem.requires_grad, roofline.ceilings_for(problem.device))
+                                 problem.requires_grad, roofline.ceilings_for(problem.device),
+                                 roofline.capability_for(problem.device))
 
 
 @memoize("cupy.fused_prediction", maxsize=256)
 def _fused_prediction(table, rank, batch, heads, heads_kv, dim_qk, dim_v, dtype, backward,
-                      ceilings) -> float:
-    qbox, kbox = tile_model.choose_tiles(table, rank)
-    figures = tile_model.tile_figures(table, qbox, kbox, dim_qk=dim_qk, dim_v=dim_v, dtype=dtype,
-                                      batch=batch, heads=heads, heads_kv=heads_kv)
-    total = tile_model.predicted_ms(figures, "fwd", ceilings)
+                      ceilings, capability) -> float:
+    launch = tile_model.launch_figures(table, rank, capability, dim_qk=dim_qk, dim_v=dim_v,
+                                       dtype=dtype, batch=batch, heads=heads, heads_kv=heads_kv)
+    total = launch.predicted_ms("fwd", ceilings)
     if backward:
-        total += tile_model.predicted_ms(figures, "bwd", ceilings)
+        total += launch.predicted_ms("bwd", ceilings)
     return total
 
 

@@ -31,7 +31,7 @@ from .fused_build import (CTYPES, DEFINES, HEAD_DIMS, HOPPER_DEFINES, HOPPER_ENV
                           WIDE_MIN_ARCH, dkdv_steps, expression, forward_stages, head_dim_bucket,
                           hopper, hopper_twin, hopper_variants, pipelined, pipelined_variants,
                           smem_bytes, variants, wide, wide_steps, wide_variants)
-from .tile_model import choose_tiles, dkdv_tiles, forward_tiles
+from .tile_model import choose_tiles, key_major_tiles, query_major_tiles
 from .tile_shapes import FUSED_QUERY_TILE, WIDE_KEY_TILE, WIDE_QUERY_TILE, check_tile_sizes
 from .tile_walk import (axis_tile_list, axis_tiles, forward_tokens, group_key_range,
                         group_query_range, launch_grid, pad3)
@@ -244,26 +244,22 @@ def _tokens(t: torch.Tensor, rank: int, name: str) -> torch.Tensor:
 
 def forward_boxes(table: Sequence[int], rank: int, dtype: torch.dtype,
                   device: torch.device) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The query-major kernels' (forward and dQ) default boxes on ``device``:
-    ``tile_model.forward_tiles`` (which may name the wide kernels) where they can run
-    (``wide``), else :func:`choose_tiles`."""
-    index = device.index if device.index is not None else (
-        torch.cuda.current_device() if device.type == "cuda" else 0)
-    if wide(dtype, _capability(index)):
-        return forward_tiles(tuple(table), rank)
-    return choose_tiles(tuple(table), rank)
+    """The query-major kernels' (forward and dQ) default boxes on ``device``
+    (``tile_model.query_major_tiles``: the wide kernels' where they can run)."""
+    return query_major_tiles(table, rank, dtype, _capability(_index(device)))
 
 
 def dkdv_boxes(table: Sequence[int], rank: int, dtype: torch.dtype, head_dim: int,
                device: torch.device) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """dK/dV's default boxes on ``device``: ``tile_model.dkdv_tiles`` (which may name the wide
-    dK/dV) where it can run (``wide`` and a head dim bucket in ``WIDE_DKDV_HEAD_DIMS``), else
-    :func:`choose_tiles`."""
-    index = device.index if device.index is not None else (
-        torch.cuda.current_device() if device.type == "cuda" else 0)
-    if wide(dtype, _capability(index)) and head_dim in WIDE_DKDV_HEAD_DIMS:
-        return dkdv_tiles(tuple(table), rank)
-    return choose_tiles(tuple(table), rank)
+    """dK/dV's default boxes on ``device`` (``tile_model.key_major_tiles``: the wide dK/dV's
+    where it can run)."""
+    return key_major_tiles(table, rank, dtype, head_dim, _capability(_index(device)))
+
+
+def _index(device: torch.device) -> int:
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if device.type == "cuda" else 0
 
 
 def _boxes_for(rank, head_dim, dtype, table, query_tile, key_tile, device=None):

@@ -14,9 +14,12 @@ per-axis key range its queries see):
 Boxes factorise over axes, and so does visibility (a key is visible iff it is on every axis), so
 every count is a product of per-axis counts: a 32^3 problem costs three 32-long passes. The tile
 sizes come from ``tile_shapes`` (``FUSED_QUERY_TILE`` / ``FUSED_KEY_TILE``, read at call time);
-:func:`predicted_ms` turns the figures into a time on a GPU's ceilings (``core.roofline``) with
-the kernels' measured efficiencies (``FUSED_EFFICIENCY``); :func:`choose_tiles` is the boxes the
-kernels launch with.
+:func:`kernel_ms` turns the figures into a kernel's time on a GPU's ceilings (``core.roofline``)
+with the kernels' measured efficiencies (``FUSED_EFFICIENCY``). :func:`choose_tiles` is the
+64-slot boxes; :func:`query_major_tiles` / :func:`key_major_tiles` the boxes (and so the kernels:
+a 128-slot box names a wide kernel) a device launches, each wide kernel taken where the model
+predicts it faster; :func:`launch_figures` the figures of one call's kernels at those boxes, what
+``auto``'s cost rule and ``benchmarks/neighborhood.py`` predict from.
 """
 
 from __future__ import annotations
@@ -31,24 +34,35 @@ from ..core import roofline
 from ..core.caches import memoize
 from ..model.geometry import (MODE_BAND, axis_dilation, axis_window, group_len,
                               neighborhood_table, table_axes)
-from . import tile_shapes
+from . import fused_build, tile_shapes
 
 __all__ = ["AxisCounts", "TileFigures", "axis_counts", "pair_unmasked", "axis_pair_unmasked",
            "tile_figures", "neighborhood_figures", "element_bytes", "choose_tiles", "forward_tiles",
-           "wide_tiles", "wide_key_tiles", "dkdv_tiles",
-           "FUSED_EFFICIENCY", "predicted_ms"]
+           "wide_tiles", "wide_key_tiles", "dkdv_tiles", "WIDE_EFFICIENCY_GAIN",
+           "query_major_tiles", "key_major_tiles", "LaunchFigures", "launch_figures",
+           "PRODUCTS", "FUSED_EFFICIENCY", "kernel_work", "runs_wide", "kernel_ms",
+           "predicted_ms"]
 
 BACKWARD_FLOP_FACTOR = roofline.BACKWARD_FLOP_FACTOR
 
-# Fractions of the 16-bit matmul ceiling the fused kernels reach, per direction and tile path
-# (unmasked pairs skip the per-element visibility test). THESE DESCRIBE TODAY'S KERNELS (the
-# 4-warp, 64/64-tile, serialized-geometry ones of issue 34): a least-squares fit (log time) of
-# the tile model to issue 34's H200 bf16 forward rows (2-D 128x128 k31 H8 D128 2.55 ms, k7 0.82
-# ms, 2-D 64x64 k13 H16 D64 0.53 ms, 1-D 32768 k2048 H16 62 TFLOP/s, 3-D 32^3 k7 13.4 TFLOP/s;
-# predicted/measured within 0.7-1.45x); backward from 2-D k31 (4.82 ms) and 1-D k2048 (70 TFLOP/s).
-# A rewritten kernel updates them from benchmarks/neighborhood.py's measured/predicted column.
+# GEMM-sized products per tile pair, per kernel: the forward S = Q K^T and P V; dQ recomputes S,
+# then dP = dO V^T and dQ += dS K; dK/dV recomputes S^T and dP^T, then dV += P^T dO and dK += dS^T
+# Q. Seven backward products where FlashAttention-2 does five (BACKWARD_FLOP_FACTOR: the useful
+# FLOPs' convention): the split into two kernels keeps the backward free of atomics.
+PRODUCTS = {"fwd": 2, "dq": 3, "dkdv": 4}
+
+# Fractions of the 16-bit matmul ceiling the fused kernels reach on the products they compute,
+# per kernel and tile path (unmasked pairs skip the per-element visibility test). THESE DESCRIBE
+# THE KERNELS ISSUE 34 MEASURED (the 4-warp, 64/64-tile, serialized-geometry ones): a
+# least-squares fit (log time) of the tile model to issue 34's H200 bf16 forward rows (2-D
+# 128x128 k31 H8 D128 2.55 ms, k7 0.82 ms, 2-D 64x64 k13 H16 D64 0.53 ms, 1-D 32768 k2048 H16 62
+# TFLOP/s, 3-D 32^3 k7 13.4 TFLOP/s; predicted/measured within 0.7-1.45x); the backward from 2-D
+# k31 (4.82 ms) and 1-D k2048 (70 TFLOP/s), fitted as 0.098 / 0.056 of five products per pair and
+# restated here per product computed (x 7/5), one figure for both backward kernels.
+# ``benchmarks/fit_tile_model.py`` refits them from a GPU record of benchmarks/neighborhood.py.
+_BACKWARD_FIT = {"unmasked": 0.098 * 7 / 5, "masked": 0.056 * 7 / 5}
 FUSED_EFFICIENCY = {"fwd": {"unmasked": 0.088, "masked": 0.037},
-                    "bwd": {"unmasked": 0.098, "masked": 0.056}}
+                    "dq": dict(_BACKWARD_FIT), "dkdv": dict(_BACKWARD_FIT)}
 
 
 def axis_pair_unmasked(window_lo: Sequence[int], window_hi: Sequence[int], key_start: int,
@@ -130,10 +144,14 @@ def element_bytes(dtype: torch.dtype) -> int:
 class TileFigures:
     """What the fused kernels do for one problem (all batches and heads) with one box pair.
 
-    Counts of tiles and score elements are per (batch, query head); ``*_flops`` and ``*_bytes``
-    cover the whole problem. Bytes count whole tiles (a partial box still moves its real rows
-    only, so they are an upper bound at group ends); the backward's dK/dV walk is taken to visit
-    as many pairs as the forward (it walks the same pairs key-major)."""
+    Counts of tiles and score elements are per (batch, query head); ``*_flops`` and ``bytes``
+    cover the whole problem, keyed by kernel (``"fwd"``, ``"dq"`` with the delta pass, ``"dkdv"``)
+    and ``"bwd"`` (both backward kernels at these boxes). ``computed_flops`` counts the products
+    the kernels compute (``PRODUCTS``); ``useful_flops`` the visible scores at the usual
+    convention (backward ``BACKWARD_FLOP_FACTOR`` x forward), what useful TFLOP/s divide. Bytes
+    count whole tiles (a partial box still moves its real rows only, so they are an upper bound
+    at group ends); the dK/dV walk is taken to visit as many pairs as the forward (it walks the
+    same pairs key-major)."""
 
     query_box: tuple[int, ...]
     key_box: tuple[int, ...]
@@ -150,7 +168,6 @@ class TileFigures:
     computed: int
     useful_flops: dict
     computed_flops: dict
-    unmasked_flops: dict
     bytes: dict
 
     @property
@@ -188,28 +205,30 @@ def tile_figures(table: Sequence[int], query_box: Sequence[int], key_box: Sequen
     axes = [axis_counts(tuple(ax), q, k) for ax, q, k in zip(table_axes(table), qb, kb)]
     prod = lambda name: math.prod(getattr(a, name) for a in axes)  # noqa: E731
     query_tiles, key_tiles, pairs = prod("query_tiles"), prod("key_tiles"), prod("pairs")
-    unmasked, useful = prod("unmasked_pairs"), prod("useful")
+    unmasked, useful_scores = prod("unmasked_pairs"), prod("useful")
     computed = pairs * qt * kt
     per_score = 2 * (dim_qk + dim_v)  # Q K^T and P V: 4 D per score element when D_qk = D_v
     bh = batch * heads
-
-    def both(forward: float) -> dict:
-        return {"fwd": forward, "bwd": forward * BACKWARD_FLOP_FACTOR}
-
     e = element_bytes(dtype)
     q_rows, kv_rows = bh * query_tiles * qt, bh * pairs * kt
-    forward_bytes = (q_rows * (dim_qk + dim_v) * e + q_rows * 4  # Q in, O and lse out
-                     + kv_rows * (dim_qk + dim_v) * e)           # K and V per visited key tile
     own_keys = batch * heads_kv * key_tiles * kt
-    backward_bytes = (q_rows * (2 * dim_qk + dim_v) * e + q_rows * 8  # dQ: Q, dO in, dQ out; lse, delta
-                      + kv_rows * (dim_qk + dim_v) * e                # dQ: K, V per pair
-                      + own_keys * 2 * (dim_qk + dim_v) * e           # dK/dV: K, V in, dK, dV out
-                      + bh * pairs * qt * ((dim_qk + dim_v) * e + 8)  # dK/dV: Q, dO, lse, delta per pair
-                      + q_rows * 2 * dim_v * e)                       # delta = rowsum(dO * O)
+    nbytes = {
+        "fwd": (q_rows * (dim_qk + dim_v) * e + q_rows * 4   # Q in, O and lse out
+                + kv_rows * (dim_qk + dim_v) * e),            # K and V per visited key tile
+        "dq": (q_rows * (2 * dim_qk + dim_v) * e + q_rows * 8  # Q, dO in, dQ out; lse, delta
+               + kv_rows * (dim_qk + dim_v) * e               # K, V per pair
+               + q_rows * 2 * dim_v * e),                      # the delta pass: rowsum(dO * O)
+        "dkdv": (own_keys * 2 * (dim_qk + dim_v) * e           # K, V in, dK, dV out
+                 + bh * pairs * qt * ((dim_qk + dim_v) * e + 8))}  # Q, dO, lse, delta per pair
+    nbytes["bwd"] = nbytes["dq"] + nbytes["dkdv"]
+    per_kernel = {"fwd": per_score, "dq": 2 * (2 * dim_qk + dim_v), "dkdv": 2 * per_score}
+    computed_flops = {kernel: bh * computed * flops for kernel, flops in per_kernel.items()}
+    computed_flops["bwd"] = computed_flops["dq"] + computed_flops["dkdv"]
+    useful = bh * useful_scores * per_score
     return TileFigures(
-        tuple(query_box), tuple(key_box), dtype, bh, roofline.score_flops(dim_qk, dim_v), qt, kt, query_tiles, key_tiles, pairs, unmasked,
-        useful, computed, both(bh * useful * per_score), both(bh * computed * per_score),
-        both(bh * unmasked * qt * kt * per_score), {"fwd": forward_bytes, "bwd": backward_bytes})
+        tuple(query_box), tuple(key_box), dtype, bh, roofline.score_flops(dim_qk, dim_v), qt, kt,
+        query_tiles, key_tiles, pairs, unmasked, useful_scores, computed,
+        {"fwd": useful, "bwd": useful * BACKWARD_FLOP_FACTOR}, computed_flops, nbytes)
 
 
 def neighborhood_figures(spatial_shape: Sequence[int], kernel_size: Sequence[int],
@@ -255,10 +274,11 @@ def _pairs(table: tuple, query_box: Sequence[int], key_box: Sequence[int]) -> in
 
 # The wide kernels (forward and dQ: 128-query boxes; dK/dV: 128-key boxes; 32 rows per warp)
 # load each fragment of the other side once for two mma and each tile of it once for twice the
-# rows; their larger boxes compute more masked scores. They are taken while they compute at most
-# this many times the score elements of the 64-slot choice: a guess until a GPU record measures
-# both kernels on the same problems (benchmarks/neighborhood).
-WIDE_COMPUTE_ALLOWANCE = 1.25
+# rows, so they are taken to reach this many times the 64-slot kernels' efficiency on each path;
+# their larger boxes compute more score elements, and more of their pairs are masked. A guess
+# until a GPU record measures both kernels on the same problems (benchmarks/neighborhood.py;
+# benchmarks/fit_tile_model.py refits it).
+WIDE_EFFICIENCY_GAIN = 1.25
 
 
 def wide_tiles(table: Sequence[int], rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -269,12 +289,11 @@ def wide_tiles(table: Sequence[int], rank: int) -> tuple[tuple[int, ...], tuple[
 
 @memoize("fallback_kernels.tile_model.forward_tiles", maxsize=512)
 def forward_tiles(table: tuple, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The query-major kernels' (forward and dQ) (query box, key box) where the pipelined build
-    runs: :func:`wide_tiles` when its computed score elements stay within
-    ``WIDE_COMPUTE_ALLOWANCE`` of :func:`choose_tiles`' pair, else that pair. The query box's
-    volume names the kernel (``fused.run_forward``, ``fused.run_backward``); dK/dV keeps
-    :func:`choose_tiles`' pair."""
-    return _wide_if_allowed(table, choose_tiles(table, rank), wide_tiles(table, rank))
+    """The query-major kernels' (forward and dQ) (query box, key box) where the wide kernels can
+    run: :func:`wide_tiles` when the model predicts the wide forward no slower than the 64-query
+    one on :func:`choose_tiles`' pair (:func:`_faster`), else that pair. The query box's volume
+    names the kernel (``fused.run_forward``, ``fused.run_backward``)."""
+    return _faster(table, "fwd", choose_tiles(table, rank), wide_tiles(table, rank))
 
 
 def wide_key_tiles(table: Sequence[int], rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -285,29 +304,133 @@ def wide_key_tiles(table: Sequence[int], rank: int) -> tuple[tuple[int, ...], tu
 
 @memoize("fallback_kernels.tile_model.dkdv_tiles", maxsize=512)
 def dkdv_tiles(table: tuple, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """dK/dV's (query box, key box) where the wide dK/dV can run (``fused.dkdv_boxes``): the
-    best pair of 64-query and ``tile_shapes.WIDE_KEY_TILE``-key boxes under the rule of
-    :func:`forward_tiles` (within ``WIDE_COMPUTE_ALLOWANCE`` of :func:`choose_tiles`' pair), else
-    that pair. The key box's volume names the kernel (``fused.run_backward``)."""
-    return _wide_if_allowed(table, choose_tiles(table, rank), wide_key_tiles(table, rank))
+    """dK/dV's (query box, key box) where the wide dK/dV can run (``fused.dkdv_boxes``):
+    :func:`wide_key_tiles` when the model predicts the wide dK/dV no slower than the 64-key one
+    on :func:`choose_tiles`' pair, else that pair. The key box's volume names the kernel
+    (``fused.run_backward``)."""
+    return _faster(table, "dkdv", choose_tiles(table, rank), wide_key_tiles(table, rank))
 
 
-def _wide_if_allowed(table: tuple, narrow: tuple, wide: tuple) -> tuple:
-    """``wide`` when its computed score elements stay within ``WIDE_COMPUTE_ALLOWANCE`` of
-    ``narrow``'s, else ``narrow`` (the one rule for every wide kernel)."""
-    computed = {boxes: _pairs(tuple(table), *boxes) * math.prod(boxes[0]) * math.prod(boxes[1])
-                for boxes in (narrow, wide)}
-    return wide if computed[wide] <= WIDE_COMPUTE_ALLOWANCE * computed[narrow] else narrow
+def _faster(table: tuple, kernel: str, narrow: tuple, wide: tuple) -> tuple:
+    """Of two box pairs, the one whose matmul time :func:`kernel_ms` predicts the smaller (ties:
+    ``wide``; the one rule for every wide kernel). Compute time only: per score element it
+    depends on the counts and the efficiencies alone, not on the head dim or the GPU."""
+    def cost(boxes):
+        figures = tile_figures(table, *boxes, dim_qk=64, query_tile=math.prod(boxes[0]),
+                               key_tile=math.prod(boxes[1]))
+        eff = _efficiency(kernel, runs_wide(figures, kernel))
+        return sum(flops / eff[path] for path, flops in kernel_work(figures, kernel).items())
+
+    return wide if cost(wide) <= cost(narrow) else narrow
+
+
+def kernel_work(figures: TileFigures, kernel: str) -> dict:
+    """``{"unmasked": flops, "masked": flops}``: the products ``kernel`` computes over
+    ``figures``' unmasked and masked pairs, at the cost model's FLOPs per score element."""
+    per_pair = (figures.batch_heads * figures.query_tile * figures.key_tile * figures.score_flops
+                * PRODUCTS[kernel] / PRODUCTS["fwd"])
+    return {"unmasked": figures.unmasked_pairs * per_pair,
+            "masked": figures.masked_pairs * per_pair}
+
+
+def runs_wide(figures: TileFigures, kernel: str) -> bool:
+    """Whether ``kernel`` over ``figures``' boxes is a wide kernel: more than 64 slots in the box
+    of its own side (keys for dK/dV, queries otherwise)."""
+    own = figures.key_tile if kernel == "dkdv" else figures.query_tile
+    return own > tile_shapes.FUSED_QUERY_TILE
+
+
+def _efficiency(kernel: str, wide: bool, efficiency: dict | None = None) -> dict:
+    """``FUSED_EFFICIENCY[kernel]`` (or ``efficiency``), times ``WIDE_EFFICIENCY_GAIN`` for a
+    wide kernel."""
+    eff = efficiency or FUSED_EFFICIENCY[kernel]
+    gain = WIDE_EFFICIENCY_GAIN if wide else 1.0
+    return {path: gain * value for path, value in eff.items()}
+
+
+def kernel_ms(figures: TileFigures, kernel: str, ceilings: roofline.Ceilings,
+              efficiency: dict | None = None) -> float:
+    """Predicted ms of one fused kernel (``kernel`` a key of ``PRODUCTS``) walking ``figures``'
+    boxes: its unmasked and masked pairs' products at ``FUSED_EFFICIENCY[kernel]`` (or
+    ``efficiency``: ``{"unmasked": .., "masked": ..}``), against its bytes' time. A wide kernel
+    (a 128-slot box on its own side) is taken to reach ``WIDE_EFFICIENCY_GAIN`` times the
+    64-slot kernel's efficiency."""
+    eff = _efficiency(kernel, runs_wide(figures, kernel), efficiency)
+    work = kernel_work(figures, kernel)
+    return roofline.roofline_ms([(work[path], eff[path]) for path in work],
+                                figures.bytes[kernel], ceilings, figures.dtype)
 
 
 def predicted_ms(figures: TileFigures, direction: str, ceilings: roofline.Ceilings,
                  efficiency: dict | None = None) -> float:
-    """Predicted ms of the fused kernels (``direction`` "fwd" or "bwd": the backward alone) from
-    ``figures``: the unmasked and the masked pairs' matmul times at their ``FUSED_EFFICIENCY``
-    (or ``efficiency``: ``{"unmasked": .., "masked": ..}``), against the bytes' time."""
-    eff = efficiency or FUSED_EFFICIENCY[direction]
-    per_pair = (figures.batch_heads * figures.query_tile * figures.key_tile * figures.score_flops
-                * (BACKWARD_FLOP_FACTOR if direction == "bwd" else 1.0))
-    work = [(figures.unmasked_pairs * per_pair, eff["unmasked"]),
-            (figures.masked_pairs * per_pair, eff["masked"])]
-    return roofline.roofline_ms(work, figures.bytes[direction], ceilings, figures.dtype)
+    """Predicted ms of the fused kernels at ``figures``' boxes: ``direction`` "fwd", or "bwd"
+    (the backward alone: dQ and dK/dV one after the other, :func:`kernel_ms` each; ``efficiency``
+    then applies to both)."""
+    kernels = ("dq", "dkdv") if direction == "bwd" else (direction,)
+    return sum(kernel_ms(figures, kernel, ceilings, efficiency) for kernel in kernels)
+
+
+def query_major_tiles(table: Sequence[int], rank: int, dtype: torch.dtype,
+                      capability: tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (query box, key box) the forward and dQ launch with on a device of ``capability``:
+    :func:`forward_tiles` where the wide kernels can run (``fused_build.wide``), else
+    :func:`choose_tiles`."""
+    if fused_build.wide(dtype, capability):
+        return forward_tiles(tuple(table), rank)
+    return choose_tiles(table, rank)
+
+
+def key_major_tiles(table: Sequence[int], rank: int, dtype: torch.dtype, head_dim: int,
+                    capability: tuple[int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """dK/dV's (query box, key box) on a device of ``capability``: :func:`dkdv_tiles` where the
+    wide dK/dV can run (``fused_build.wide`` and ``head_dim``, the compiled bucket, in
+    ``WIDE_DKDV_HEAD_DIMS``), else :func:`choose_tiles`."""
+    if fused_build.wide(dtype, capability) and head_dim in fused_build.WIDE_DKDV_HEAD_DIMS:
+        return dkdv_tiles(tuple(table), rank)
+    return choose_tiles(table, rank)
+
+
+@dataclass(frozen=True)
+class LaunchFigures:
+    """The figures of the kernels one call launches: the forward and dQ walk ``query_major``'s
+    boxes, dK/dV ``key_major``'s (the wide kernels' where they run)."""
+
+    query_major: TileFigures
+    key_major: TileFigures
+
+    def kernel_figures(self, kernel: str) -> TileFigures:
+        return self.key_major if kernel == "dkdv" else self.query_major
+
+    def predicted_ms(self, direction: str, ceilings: roofline.Ceilings) -> float:
+        """Predicted ms of the forward (``"fwd"``) or the backward alone (``"bwd"``)."""
+        kernels = ("dq", "dkdv") if direction == "bwd" else (direction,)
+        return sum(kernel_ms(self.kernel_figures(k), k, ceilings) for k in kernels)
+
+    def total(self, field: str, direction: str) -> float:
+        """``computed_flops`` or ``bytes`` of a direction, each kernel at its own boxes."""
+        kernels = ("dq", "dkdv") if direction == "bwd" else (direction,)
+        return sum(getattr(self.kernel_figures(k), field)[k] for k in kernels)
+
+    def useful_fraction(self, direction: str) -> float:
+        """Visible score elements over computed ones, over the direction's kernels."""
+        figures = [self.kernel_figures(k) for k in (("dq", "dkdv") if direction == "bwd"
+                                                     else (direction,))]
+        computed = sum(f.computed for f in figures)
+        return sum(f.useful for f in figures) / computed if computed else 1.0
+
+
+def launch_figures(table: Sequence[int], rank: int, capability: tuple[int, int], *,
+                   dim_qk: int, dim_v: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                   **dims) -> LaunchFigures:
+    """:class:`LaunchFigures` of ``table`` on a device of ``capability`` (``dims``: ``batch``,
+    ``heads``, ``heads_kv``), with the boxes and kernels ``fused`` launches there."""
+    head_dim = fused_build.head_dim_bucket(dim_qk, dim_qk if dim_v is None else dim_v)
+    both = dict(dim_qk=dim_qk, dim_v=dim_v, dtype=dtype, **dims)
+
+    def figures(boxes):
+        qbox, kbox = boxes
+        return tile_figures(table, qbox, kbox, query_tile=math.prod(qbox),
+                            key_tile=math.prod(kbox), **both)
+
+    return LaunchFigures(figures(query_major_tiles(table, rank, dtype, capability)),
+                         figures(key_major_tiles(table, rank, dtype, head_dim, capability)))

@@ -313,8 +313,8 @@ def test_variants_name_every_instance():
 
 
 @pytest.mark.parametrize("capability, spatial, kernel, D, wide", [
-    ((9, 0), (1024,), (255,), 32, True), ((9, 0), (32, 32), (7, 7), 64, False),
-    ((9, 0), (1024,), (255,), 128, True), ((8, 0), (1024,), (255,), 32, False)])
+    ((9, 0), (1024,), (511,), 32, True), ((9, 0), (32, 32), (7, 7), 64, False),
+    ((9, 0), (1024,), (511,), 128, True), ((8, 0), (1024,), (511,), 32, False)])
 def test_plan_backward_takes_the_tile_rules_boxes(monkeypatch, capability, spatial, kernel, D,
                                                    wide):
     """One rule for the query-major kernels: the plan's dQ launches with the boxes its forward

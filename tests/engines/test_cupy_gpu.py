@@ -136,8 +136,8 @@ def test_wgmma_kernels(index, dtype, boxes, monkeypatch):
 
     monkeypatch.setenv(fused.HOPPER_ENV, "1")
     monkeypatch.setattr(fused, "_function", spy)
-    monkeypatch.setattr(fused, "forward_tiles", getattr(tile_model, boxes))
-    monkeypatch.setattr(fused, "dkdv_tiles", tile_model.choose_tiles)
+    monkeypatch.setattr(tile_model, "forward_tiles", getattr(tile_model, boxes))
+    monkeypatch.setattr(tile_model, "dkdv_tiles", tile_model.choose_tiles)
     spec = GRID[index]
     B, H, Hkv, D, shape, kernel, stride, dilation = spec
     fwd_tol, bwd_tol = TOL[dtype]

@@ -458,8 +458,8 @@ def test_wide_kernels_16bit(lib16_pipelined, monkeypatch, name, dtype):
     from cudnn_attn.fallback_kernels import tile_model
 
     calls = route_fused(monkeypatch, lib16_pipelined, pipelined=True)
-    monkeypatch.setattr(F, "forward_tiles", tile_model.wide_tiles)
-    monkeypatch.setattr(F, "dkdv_tiles", tile_model.wide_key_tiles)
+    monkeypatch.setattr(tile_model, "forward_tiles", tile_model.wide_tiles)
+    monkeypatch.setattr(tile_model, "dkdv_tiles", tile_model.wide_key_tiles)
     assert neighborhood_failures(name, dtype) == []
     _, _, _, _, _, _, _, Dqk, Dv, _ = {**NA_CASES, **PIPELINED_EXTRA, **WIDE_EXTRA}[name]
     wide_dkdv = F.head_dim_bucket(Dqk, Dv) in F.WIDE_DKDV_HEAD_DIMS
@@ -502,8 +502,8 @@ def test_hopper_kernels_16bit(lib16_hopper, monkeypatch, name, dtype, kernel):
     calls = route_fused(monkeypatch, lib16_hopper, pipelined=True)
     backward = kernel == "backward"
     boxes = HOPPER_BOXES["na_fused_forward_wgmma" if backward else kernel]
-    monkeypatch.setattr(F, "forward_tiles", getattr(tile_model, boxes))
-    monkeypatch.setattr(F, "dkdv_tiles", tile_model.choose_tiles)
+    monkeypatch.setattr(tile_model, "forward_tiles", getattr(tile_model, boxes))
+    monkeypatch.setattr(tile_model, "dkdv_tiles", tile_model.choose_tiles)
     assert neighborhood_failures(name, dtype, backward=backward) == []
     expected = ({"na_fused_forward_wgmma", *HOPPER_BACKWARD, "na_fused_backward_delta"}
                 if backward else {kernel})

@@ -141,8 +141,8 @@ def test_mutation_fails_the_oracle_comparison(request, tmp_path_factory, monkeyp
     if mutation in WIDE:
         from cudnn_attn.fallback_kernels import tile_model
 
-        monkeypatch.setattr(F, "forward_tiles", tile_model.wide_tiles)
-        monkeypatch.setattr(F, "dkdv_tiles", tile_model.wide_key_tiles)
+        monkeypatch.setattr(tile_model, "forward_tiles", tile_model.wide_tiles)
+        monkeypatch.setattr(tile_model, "dkdv_tiles", tile_model.wide_key_tiles)
     failing = {name: E.neighborhood_failures(name, dtype)
                for name in REACHED_BY.get(mutation, CASES)}
     assert mutation not in WIDE or set(F.WIDE_KERNELS) <= set(calls)  # head dim 32: every one
@@ -198,8 +198,8 @@ def test_hopper_mutation_fails_the_oracle_comparison(request, tmp_path_factory, 
     lib = build.host_library(request, tmp_path_factory, F, exprs, source=text.replace(old, new))
     monkeypatch.setenv(F.HOPPER_ENV, "1")
     calls = E.route_fused(monkeypatch, lib, pipelined=True)
-    monkeypatch.setattr(F, "forward_tiles", getattr(tile_model, E.HOPPER_BOXES[kernel]))
-    monkeypatch.setattr(F, "dkdv_tiles", tile_model.choose_tiles)
+    monkeypatch.setattr(tile_model, "forward_tiles", getattr(tile_model, E.HOPPER_BOXES[kernel]))
+    monkeypatch.setattr(tile_model, "dkdv_tiles", tile_model.choose_tiles)
     failing = {name: E.neighborhood_failures(name, torch.bfloat16, backward=backward)
                for name in cases}
     assert kernel in calls

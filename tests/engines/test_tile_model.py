@@ -17,6 +17,7 @@ import math
 import pytest
 import torch
 
+from cudnn_attn.core import roofline
 from cudnn_attn.fallback_kernels import fused, tile_model, tile_shapes
 from cudnn_attn.model.geometry import (band_mask, band_table, group_len, neighborhood_mask,
                                        neighborhood_table)
@@ -132,6 +133,96 @@ def test_the_model_follows_the_kernels_walk_and_tile_sizes(monkeypatch):
         tile_model.tile_figures(table, (8, 8), (8, 8), dim_qk=64)
 
 
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
+@pytest.mark.parametrize("problem", [((128, 128), (31, 31), 128), ((64, 64), (13, 13), 64),
+                                     ((32768,), (2048,), 128), ((12, 10, 9), (5, 3, 7), 32)],
+                         ids=lambda p: f"{p[0]}k{p[1]}D{p[2]}")
+def test_launch_figures_are_the_boxes_fused_launches(monkeypatch, problem, capability):
+    spatial, kernel, dim = problem
+    rank = len(spatial)
+    table = neighborhood_table(spatial, kernel, (1,) * rank, (1,) * rank, (False,) * rank)
+    monkeypatch.setattr(fused, "_capability", lambda index: capability)
+    device = torch.device("cuda", 0)
+    launch = tile_model.launch_figures(table, rank, capability, dim_qk=dim, heads=4)
+    own = (launch.query_major.query_box, launch.query_major.key_box)
+    assert own == fused.forward_boxes(table, rank, torch.bfloat16, device)
+    assert (launch.key_major.query_box, launch.key_major.key_box) == \
+        fused.dkdv_boxes(table, rank, torch.bfloat16, dim, device)
+    assert launch.query_major.query_tile == math.prod(launch.query_major.query_box)
+    if capability < (9, 0):  # no wide kernels below sm_90: the 64-slot boxes of choose_tiles
+        assert own == tile_model.choose_tiles(table, rank)
+    monkeypatch.setenv("CUDNN_ATTN_FUSED_PIPELINED", "0")  # the plain build: 64-slot boxes
+    plain = tile_model.launch_figures(table, rank, capability, dim_qk=dim)
+    assert plain.query_major == plain.key_major == tile_model.neighborhood_figures(
+        spatial, kernel, dim_qk=dim)
+
+
+def test_the_wide_kernels_are_modelled_on_hopper():
+    # 1-D 32768 k2048 D128 (issue 34): the forward and dQ on 128-query boxes; dK/dV has no wide
+    # kernel at D128. 2-D 64x64 k13 D64: dK/dV on 128-key boxes.
+    table = neighborhood_table((32768,), (2048,), (1,), (1,), (False,))
+    d128 = tile_model.launch_figures(table, 1, (9, 0), dim_qk=128, heads=16)
+    assert (d128.query_major.query_tile, d128.key_major.key_tile) == (128, 64)
+    assert d128.key_major == tile_model.neighborhood_figures((32768,), (2048,), dim_qk=128,
+                                                              heads=16)
+    small = neighborhood_table((64, 64), (13, 13), (1, 1), (1, 1), (False, False))
+    assert tile_model.launch_figures(small, 2, (9, 0), dim_qk=64).key_major.key_tile == 128
+    # each kernel at its own boxes: the backward's computed FLOPs and bytes add the two walks
+    assert d128.total("computed_flops", "bwd") == (d128.query_major.computed_flops["dq"]
+                                                   + d128.key_major.computed_flops["dkdv"])
+    assert d128.total("bytes", "fwd") == d128.query_major.bytes["fwd"]
+    useful = d128.query_major.useful
+    assert d128.useful_fraction("fwd") == useful / d128.query_major.computed
+    assert d128.useful_fraction("bwd") == 2 * useful / (d128.query_major.computed
+                                                        + d128.key_major.computed)
+    # the wide kernel is taken at WIDE_EFFICIENCY_GAIN times the 64-slot efficiency
+    h200 = roofline.DEVICE_CEILINGS["H200"]
+    wide, eff = d128.query_major, tile_model.FUSED_EFFICIENCY["fwd"]
+    per_pair = wide.batch_heads * 128 * 64 * wide.score_flops
+    expected = roofline.roofline_ms(
+        [(wide.unmasked_pairs * per_pair, tile_model.WIDE_EFFICIENCY_GAIN * eff["unmasked"]),
+         (wide.masked_pairs * per_pair, tile_model.WIDE_EFFICIENCY_GAIN * eff["masked"])],
+        wide.bytes["fwd"], h200)
+    assert d128.predicted_ms("fwd", h200) == pytest.approx(expected, rel=1e-12)
+    assert d128.predicted_ms("bwd", h200) == pytest.approx(
+        tile_model.kernel_ms(d128.query_major, "dq", h200)
+        + tile_model.kernel_ms(d128.key_major, "dkdv", h200))
+
+
+@pytest.mark.parametrize("problem", [((128, 128), (31, 31)), ((128, 128), (7, 7)),
+                                     ((64, 64), (13, 13)), ((32768,), (2048,)),
+                                     ((32, 32, 32), (7, 7, 7)), ((40, 56), (21, 9))],
+                         ids=lambda p: f"{p[0]}k{p[1]}")
+def test_the_wide_choice_is_the_models_faster_kernel(problem):
+    # forward_tiles / dkdv_tiles take the wide boxes exactly when the tile model predicts that
+    # kernel no slower (compute-bound sizes: D128, many heads), from its own figures.
+    spatial, kernel = problem
+    rank = len(spatial)
+    table = tuple(neighborhood_table(spatial, kernel, (1,) * rank, (1,) * rank, (False,) * rank))
+    h200 = roofline.DEVICE_CEILINGS["H200"]
+    for name, chosen, wide in (("fwd", tile_model.forward_tiles, tile_model.wide_tiles),
+                               ("dkdv", tile_model.dkdv_tiles, tile_model.wide_key_tiles)):
+        ms = {}
+        for boxes in (tile_model.choose_tiles(table, rank), wide(table, rank)):
+            figures = tile_model.tile_figures(table, *boxes, dim_qk=128, heads=64,
+                                              query_tile=math.prod(boxes[0]),
+                                              key_tile=math.prod(boxes[1]))
+            ms[boxes] = tile_model.kernel_ms(figures, name, h200)
+        faster = min(reversed(list(ms)), key=ms.__getitem__)  # ties: the wide pair
+        assert chosen(table, rank) == faster, (name, ms)
+
+
+def test_the_backward_fit_restated_per_product_predicts_as_before():
+    # FUSED_EFFICIENCY's backward was fitted at 5 products per pair (0.098 / 0.056); restated
+    # per product computed (dQ 3 + dK/dV 4), the 64-slot boxes' compute-bound time is unchanged.
+    figures = tile_model.neighborhood_figures((128, 128), (31, 31), dim_qk=128, heads=8)
+    h200 = roofline.DEVICE_CEILINGS["H200"]
+    per_pair = figures.batch_heads * 64 * 64 * figures.score_flops * 2.5
+    before = roofline.roofline_ms([(figures.unmasked_pairs * per_pair, 0.098),
+                                   (figures.masked_pairs * per_pair, 0.056)], 0, h200)
+    assert tile_model.predicted_ms(figures, "bwd", h200) == pytest.approx(before, rel=1e-12)
+
+
 def test_choose_tiles_is_the_fewest_computed_elements():
     table = neighborhood_table((40, 24), (11, 5), (1, 1), (1, 2), (False, False))
     qbox, kbox = fused.choose_tiles(table, 2)
@@ -161,10 +252,16 @@ def test_flops_and_bytes_by_hand():
     assert f.useful == f.computed == 128 * 128
     per_score = 2 * (128 + 64)
     assert f.useful_flops["fwd"] == 2 * 4 * 128 * 128 * per_score
-    assert f.computed_flops["bwd"] == 2.5 * f.computed_flops["fwd"]
+    assert f.useful_flops["bwd"] == 2.5 * f.useful_flops["fwd"]  # FlashAttention's convention
+    # computed: dQ's S, dP, dQ (2 D_qk + D_v) and dK/dV's S^T, dP^T, dV, dK (2 D_qk + 2 D_v)
+    assert f.computed_flops["dq"] == 8 * 128 * 128 * 2 * (2 * 128 + 64)
+    assert f.computed_flops["dkdv"] == 8 * 128 * 128 * 4 * (128 + 64)
+    assert f.computed_flops["bwd"] == f.computed_flops["dq"] + f.computed_flops["dkdv"]
     rows_q, rows_kv = 8 * 2 * 64, 8 * 4 * 64  # (batch x heads) x tiles x rows
     assert f.bytes["fwd"] == rows_q * 192 * 2 + rows_q * 4 + rows_kv * 192 * 2
-    assert f.bytes["bwd"] > 2 * f.bytes["fwd"]
+    keys = 2 * 2 * 2 * 64  # batch x kv heads x key tiles x rows: dK/dV's own keys
+    assert f.bytes["dkdv"] == keys * 2 * 192 * 2 + 8 * 4 * 64 * (192 * 2 + 8)
+    assert f.bytes["bwd"] == f.bytes["dq"] + f.bytes["dkdv"] > 2 * f.bytes["fwd"]
     assert f.useful_fraction == 1.0 and f.masked_pairs == 0
 
 

@@ -154,3 +154,59 @@ def test_issue_rows_measure_the_problems_the_ranks_lack(monkeypatch):
     fwd = next(r for r in rows if r["dir"] == "fwd")
     assert fwd["problem"] == "2-D 6x7 k=3x5" and fwd["H"] == 3 and fwd["D"] == 8
     assert fwd["ours_ms"] == 1.0
+
+
+def test_an_engines_scope_holds_its_forward_and_backward(monkeypatch):
+    """ours' variants switch kernels by a context (an environment variable, the tile rule): the
+    backward must be timed inside it too, not only the forward (the wgmma column once timed the
+    wgmma forward with the mma.sync backward)."""
+    import argparse
+    import contextlib
+
+    bench = _load_script()
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "OURS_BACKEND", "torch")
+    monkeypatch.setattr(bench, "DTYPES", {"bf16": torch.float32})
+    inside, seen = [], []
+
+    @contextlib.contextmanager
+    def scope():
+        inside.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    def timed(fn, args):
+        fn()
+        seen.append(bool(inside))
+        return 1.0
+
+    def engines(rank, spatial, kernel, q, k, v):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        return {"ours-64": lambda: (leaves, lambda: leaves[0] * leaves[1] * leaves[2], scope)}
+
+    monkeypatch.setattr(bench, "timed", timed)
+    monkeypatch.setattr(bench, "engines", engines)
+    args = argparse.Namespace(peer_timeout=0.5, warmup=0, repeats=1)
+    rows = bench.bench_problem(2, "bf16", 8, args, problem=((6, 7), (3, 5), 3))
+    assert seen == [True, True]  # forward, then backward
+    assert all(r["ours-64_ms"] == 1.0 for r in rows)
+    assert rows[0]["spatial"] == [6, 7] and rows[0]["kernel"] == [3, 5]
+
+
+def test_ours_variants_run_the_same_call(monkeypatch):
+    import argparse
+
+    bench = _load_script()
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "OURS_BACKEND", "torch")
+    monkeypatch.setattr(bench, "DTYPES", {"bf16": torch.float32})
+    monkeypatch.setattr(bench, "timed", lambda fn, args: (fn(), 1.0)[1])
+    monkeypatch.setattr(bench, "PEERS", ())
+    args = argparse.Namespace(peer_timeout=0.5, warmup=0, repeats=1)
+    fwd, bwd = bench.bench_problem(2, "bf16", 8, args, problem=((6, 7), (3, 5), 3))
+    for variant in ("ours-64", "ours-wide"):  # the torch engine ignores the boxes: same output
+        assert fwd[f"{variant}_ms"] == bwd[f"{variant}_ms"] == 1.0
+        assert fwd[bench.VARIANT_COLUMNS[variant]] == 0.0
+    assert "ours-wgmma" in fwd["errors"]  # no sm_90 here: an error entry, not a crash
