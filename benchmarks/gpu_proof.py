@@ -94,6 +94,7 @@ CASE_TIMEOUT_S = 120.0  # one selftest run
 ENGINES = 3  # the selftest's engine processes (cudnn, cupy, torch)
 FLASH_ATTN_DIR = ROOT / ".peers" / "flash-attention"  # the staged FA 2.8.3 files (git-ignored)
 FLASH_ATTN_CAP_S = 150.0  # the FA suite's slice of the 600 s call ...
+ARTIFACTS_ENV = "CUDNN_ATTN_GPU_ARTIFACTS"  # where a GPU test keeps a failure's tensors
 FLASH_ATTN_BUDGET_S = 120.0  # ... in which the runner starts no case after this: it ends itself
 FLASH_ATTN_PER_TEST = 6  # sampled cases per FA test function (seeded): 84 of the grid's 508,772
 FLASH_ATTN_WORKERS = 1  # phase 1 then keeps to the device's 16 cores (gpu-tests has 8)
@@ -136,7 +137,9 @@ def pytest_step(name: str, work: Path, args: list[str], python: str = sys.execut
     """A pytest run as a step (``pytest_options``)."""
     options, xdist = pytest_options(name, work, workers, test_timeout_s)
     argv = [python, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *args, *options]
-    return Step(name, argv, phase, cap_s, env=_plugins_env(),
+    # Tests keep what a failure needs to be diagnosed on the CPU there (the tarball takes it).
+    artifacts = {ARTIFACTS_ENV: str(work / f"{name}-artifacts")}
+    return Step(name, argv, phase, cap_s, env={**_plugins_env(), **artifacts},
                 processes=workers if xdist else 1)
 
 

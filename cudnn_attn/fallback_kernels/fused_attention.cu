@@ -1402,6 +1402,78 @@ __device__ __forceinline__ void na_pv_wgmma(float (&o)[MT][HD / 8][4], const flo
     na_wg_commit();
     na_wg_wait_all();
 }
+
+// The operand layouts above checked on the device, with one tile of each product the kernels
+// run through them (`wgmma_probe.py`; the host emulation runs the same): S = Q K^T for 128
+// queries with both operands swizzled (na_qk_wgmma's two m64 halves, as the wide forward), S =
+// Q K^T for the first 64 queries with Q in A fragments (na_qk_wgmma_regs; NT = 8, its only
+// shape) and O = P V for 128 queries with V MN-major (na_pv_wgmma). Inputs row-major in global
+// memory: q [128][HD], k and v [NT * 8][HD], p [128][NT * 8] (fp32, in the accumulator layout
+// the softmax leaves); outputs row-major fp32. Staged by cp.async as the kernels' rings stage.
+// One block of NA_THREADS, dynamic shared memory `wgmma_probe.smem_bytes`.
+template <int COLS>
+__device__ __forceinline__ void na_probe_store(float* out, const float (&acc)[COLS][4], int row) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int n = 0; n < COLS; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            out[(row + g + 8 * (e >> 1)) * (COLS * 8) + n * 8 + 2 * t + (e & 1)] = acc[n][e];
+}
+
+template <typename T, int HD, int NT>
+__global__ void __launch_bounds__(NA_THREADS, 1)
+na_wgmma_probe(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+               const float* __restrict__ p, float* __restrict__ s_ss, float* __restrict__ s_rs,
+               float* __restrict__ o_pv) {
+    constexpr int KEYS = NT * 8, ROWS = 2 * 64, LD = HD + 8, PIECES = HD / 8;
+    extern __shared__ __align__(16) unsigned char na_smem[];
+    T* sQ = reinterpret_cast<T*>(na_smem + na_align1024(na_smem));
+    T* sK = sQ + ROWS * HD;  // whole kilobytes: every operand starts on an atom
+    T* sV = sK + KEYS * HD;
+    T* sQrows = sV + KEYS * HD;  // the first 64 queries in padded rows, for ldmatrix
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    for (int i = threadIdx.x; i < ROWS * PIECES; i += NA_THREADS) {
+        const int r = i / PIECES, c = (i % PIECES) * 8;
+        na_cp_async16(sQ + na_staged_offset<HD, ROWS, true>(r, c), q + r * HD + c);
+        if (r < 64) na_cp_async16(sQrows + r * LD + c, q + r * HD + c);
+    }
+    for (int i = threadIdx.x; i < KEYS * PIECES; i += NA_THREADS) {
+        const int r = i / PIECES, c = (i % PIECES) * 8;
+        na_cp_async16(sK + na_staged_offset<HD, KEYS, true>(r, c), k + r * HD + c);
+        na_cp_async16(sV + na_staged_offset<HD, KEYS, true>(r, c), v + r * HD + c);
+    }
+    na_cp_async_commit();
+    na_cp_async_wait_all();
+    na_fence_async_smem();
+    __syncthreads();
+
+    float s[2][NT][4];
+    na_qk_wgmma<T, HD, NT, ROWS, 2>(s, sQ, sK);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) na_probe_store<NT>(s_ss, s[mt], 64 * mt + 16 * warp);
+    if constexpr (NT == 8) {
+        unsigned int qf[HD / 16][4];
+        na_load_a_fragments<T, HD>(qf, sQrows + 16 * warp * LD);
+        float s1[NT][4];
+        na_qk_wgmma_regs<T, HD, NT>(s1, qf, sK);
+        na_probe_store<NT>(s_rs, s1, 16 * warp);
+    }
+    float pr[2][NT][4], o[2][HD / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+        na_zero(o[mt]);
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                pr[mt][n][e] = p[(64 * mt + 16 * warp + g + 8 * (e >> 1)) * KEYS + n * 8 + 2 * t +
+                                 (e & 1)];
+    }
+    na_pv_wgmma<T, HD, NT, 2>(o, pr, sV);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) na_probe_store<HD / 8>(o_pv, o[mt], 64 * mt + 16 * warp);
+}
 #endif  // NA_WGMMA
 
 // s = Q K^T for the 64-query kernels' warp rows, Q in the warps' A fragments: on wgmma (WG) or

@@ -172,6 +172,34 @@ def test_wgmma_kernels(index, dtype, boxes, monkeypatch):
     assert twins <= set(launched)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the wgmma kernels run on sm_90 only")
+@pytest.mark.parametrize("shape", [(64, 64), (128, 64), (128, 32)], ids=lambda s: f"hd{s[0]}-k{s[1]}")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_wgmma_layouts(dtype, shape, tmp_path):
+    """The wgmma kernels' operand layouts on the device (``wgmma_probe``): one tile of each
+    product form, small integers, exact. A mismatch keeps the inputs and outputs (in
+    ``$CUDNN_ATTN_GPU_ARTIFACTS``, which the GPU proof packs) so that the layout the hardware
+    read can be found on the CPU, against the host emulation."""
+    import os
+
+    from cudnn_attn.fallback_kernels import wgmma_probe
+
+    assert tuple(shape) in wgmma_probe.SHAPES
+    given = {name: t.cuda() for name, t in wgmma_probe.inputs(dtype, *shape).items()}
+    want = wgmma_probe.expected({name: t.cpu() for name, t in given.items()})
+    got = wgmma_probe.run(given)
+    found = wgmma_probe.mismatches(got, want)
+    if found:
+        keep = os.environ.get("CUDNN_ATTN_GPU_ARTIFACTS") or str(tmp_path)
+        os.makedirs(keep, exist_ok=True)
+        path = os.path.join(keep, f"wgmma_probe-{str(dtype)[6:]}-hd{shape[0]}-k{shape[1]}.pt")
+        torch.save({"inputs": {n: t.cpu() for n, t in given.items()},
+                    "got": {n: t.cpu() for n, t in got.items()}, "expected": want,
+                    "mismatches": found}, path)
+    assert found == {}, f"wgmma read a layout other than the emulation's (kept in {keep}): {found}"
+
+
 def test_explicit_tiles_and_rpb():
     fused = _fused()
     shape, kernel = (12, 10), (5, 3)

@@ -444,3 +444,19 @@ def test_the_gpu_sample_reaches_every_test_function_first(tmp_path):
     names = [i.originalname for i in items]
     assert names[:3] == ["a", "b", "c"] and sorted(names) == ["a", "a", "b", "b", "c"]
     assert len(Config.hook.dropped) == 4
+
+
+def test_gpu_tests_keep_their_artifacts_in_the_tarball(G, tmp_path):
+    """A GPU test that fails keeps what the CPU needs to diagnose it (the wgmma probe's tensors)
+    under ``$CUDNN_ATTN_GPU_ARTIFACTS``: a folder of the run's work, which the tarball packs."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    work.mkdir()
+    out.mkdir()
+    [step] = [s for s in G.plan(work) if s.name == "gpu-tests"]
+    keep = Path(step.env[G.ARTIFACTS_ENV])
+    assert keep.parent == work and G.ARTIFACTS_ENV == "CUDNN_ATTN_GPU_ARTIFACTS"
+    keep.mkdir()
+    (keep / "wgmma_probe-bf16-hd128-k64.pt").write_bytes(b"tensors")
+    G.write_record(out, work, [], {}, tarball=True)
+    with tarfile.open(out / "gpu_proof-files.tar.gz") as tar:
+        assert f"{keep.name}/wgmma_probe-bf16-hd128-k64.pt" in tar.getnames()
