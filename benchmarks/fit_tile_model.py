@@ -154,41 +154,55 @@ def current_constants():
     return tile_model.FUSED_EFFICIENCY, tile_model.WIDE_EFFICIENCY_GAIN
 
 
+def refit(rows) -> dict | None:
+    """``{"fit", "ordering", "rows"}`` for a record's rows (``None`` when none can be fitted):
+    the fitted constants, the fraction of measured pairs each set of constants orders right
+    (``now`` and ``fit``), and per sample the measured and both predicted ms."""
+    sample_list = samples(rows)
+    if not sample_list:
+        return None
+    efficiency, gain = current_constants()
+    now = {"fwd": efficiency["fwd"], "bwd": efficiency["dq"]}  # one figure for both backward kernels
+    fitted = fit(sample_list)
+    complete = {d: bool(fitted[d]) and None not in fitted[d].values() for d in KERNELS}
+    table = [{"problem": s["problem"], "H": s["H"], "D": s["D"], "dtype": s["dtype"],
+              "dir": s["dir"], "engine": s["engine"], "measured_ms": 1e3 * s["seconds"],
+              "model_now_ms": 1e3 * predict(s, now[s["dir"]], gain),
+              "model_fit_ms": (1e3 * predict(s, fitted[s["dir"]], fitted["gain"])
+                               if complete[s["dir"]] else None)}
+             for s in sample_list]
+    ordering = {"now": concordance(sample_list, lambda s: now[s["dir"]], gain)}
+    if all(complete[s["dir"]] for s in sample_list):
+        ordering["fit"] = concordance(sample_list, lambda s: fitted[s["dir"]], fitted["gain"])
+    return {"fit": fitted, "ordering": ordering, "rows": table}
+
+
+def constant_lines(fitted: dict) -> list[str]:
+    """The fitted constants as tile_model.py spells them."""
+    lines = [f"WIDE_EFFICIENCY_GAIN = {fitted['gain']:.2f}"]
+    for direction, names in (("fwd", ("fwd",)), ("bwd", ("dq", "dkdv"))):
+        lines += [f"FUSED_EFFICIENCY[{name!r}] = {fitted[direction]}" for name in names]
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("records", type=Path, nargs="+", help="neighborhood-<date>.json files")
     parser.add_argument("--json", type=Path, help="write the fit and the table here")
     args = parser.parse_args(argv)
     rows = [row for path in args.records for row in json.loads(path.read_text()).get("rows", [])]
-    sample_list = samples(rows)
-    if not sample_list:
+    result = refit(rows)
+    if result is None:
         print("no 16-bit row with ours-64 / ours-wide times and the problem's shape: nothing to "
               "fit (records from before the forced variants cannot be refitted)")
         return 1
-    efficiency, gain = current_constants()
-    now = {"fwd": efficiency["fwd"], "bwd": efficiency["dq"]}  # one figure for both backward kernels
-    fitted = fit(sample_list)
-    table = []
-    for s in sample_list:
-        fit_eff = fitted[s["dir"]]
-        table.append({"problem": s["problem"], "H": s["H"], "D": s["D"], "dtype": s["dtype"],
-                      "dir": s["dir"], "engine": s["engine"], "measured_ms": 1e3 * s["seconds"],
-                      "model_now_ms": 1e3 * predict(s, now[s["dir"]], gain),
-                      "model_fit_ms": (1e3 * predict(s, fit_eff, fitted["gain"])
-                                       if fit_eff and None not in fit_eff.values() else None)})
-    _report.print_table(table, list(table[0]))
-    ordering = {"now": concordance(sample_list, lambda s: now[s["dir"]], gain)}
-    if all(fitted[d] and None not in fitted[d].values() for d in {s["dir"] for s in sample_list}):
-        ordering["fit"] = concordance(sample_list, lambda s: fitted[s["dir"]], fitted["gain"])
-    print(f"ordering of measured pairs kept by the model: {ordering}")
+    _report.print_table(result["rows"], list(result["rows"][0]))
+    print(f"ordering of measured pairs kept by the model: {result['ordering']}")
     print("fitted constants (tile_model.py):")
-    print(f"  WIDE_EFFICIENCY_GAIN = {fitted['gain']:.2f}")
-    for direction, names in (("fwd", ("fwd",)), ("bwd", ("dq", "dkdv"))):
-        for name in names:
-            print(f"  FUSED_EFFICIENCY[{name!r}] = {fitted[direction]}")
+    for line in constant_lines(result["fit"]):
+        print("  " + line)
     if args.json:
-        args.json.write_text(json.dumps({"fit": fitted, "ordering": ordering, "rows": table},
-                                        indent=1, default=str))
+        args.json.write_text(json.dumps(result, indent=1, default=str))
     return 0
 
 

@@ -33,6 +33,7 @@ import ceilings  # before load_sibling("cudnn"), which takes this folder off sys
 # The scripts' own verdict rules, not copies of them (loading cudnn.py also unshadows `cudnn`).
 bench_cudnn = _report.load_sibling("cudnn")
 bench_neighborhood = _report.load_sibling("neighborhood")
+fit_tile_model = _report.load_sibling("fit_tile_model")
 gpu_proof = _report.load_sibling("gpu_proof")  # its summary lines, for the correctness section
 
 CUDNN_ENGINES = ("ours", "bare", "torch-flash", "torch-cudnn")
@@ -172,6 +173,20 @@ def correctness_lines(record: dict[str, Any]) -> list[str]:
     return lines
 
 
+def tile_model_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The tile model refitted to the run's forced-kernel rows (``fit_tile_model``), if any."""
+    result = fit_tile_model.refit(rows)
+    if result is None:
+        return []
+    ordering = ", ".join(f"{name} {value:.0%}" for name, value in result["ordering"].items()
+                         if value is not None)
+    return ["## Tile model refit", "",
+            f"{len(result['rows'])} timings of the 64-slot and wide kernels; measured pairs the "
+            f"model orders as the GPU did: {ordering or 'none 10 % apart'}. Fitted constants "
+            "(`benchmarks/fit_tile_model.py`, for `tile_model.py`):", "", "```",
+            *fit_tile_model.constant_lines(result["fit"]), "```", ""]
+
+
 def _times(value: float | None, base: float | None) -> str:
     return f" ({value / base:.2f}x)" if value and base else ""
 
@@ -231,7 +246,8 @@ def report_markdown(records: dict[str, dict[str, Any]]) -> str:
         parts += ["## Fused neighborhood attention", "",
                   ("TFLOP/s count useful (neighborhood) work; sdpa-* run dense attention on the "
                    "same tokens, so compare them by ms."), "",
-                  markdown_table(records["neighborhood"]["rows"], NEIGHBORHOOD_COLUMNS), ""]
+                  markdown_table(records["neighborhood"]["rows"], NEIGHBORHOOD_COLUMNS), "",
+                  *tile_model_lines(records["neighborhood"]["rows"])]
     errors = peer_errors(records)
     if errors:
         parts += ["## Peers that did not run", "", *errors, ""]

@@ -109,3 +109,16 @@ def test_a_record_without_the_forced_variants_cannot_be_fitted(tmp_path, capsys)
                                             "D": 128, "H": 8, "ours_ms": 2.5}]}))
     assert fit.main([str(record)]) == 1
     assert "nothing to fit" in capsys.readouterr().out
+
+
+def test_the_gpu_report_carries_the_refit(monkeypatch):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        report = load_script(SCRIPT.parent / "gpu_report.py", "gpu_report_for_fit")
+    finally:
+        if str(SCRIPT.parent) in sys.path:  # the script takes its folder off the path itself
+            sys.path.remove(str(SCRIPT.parent))
+    lines = report.tile_model_lines(synthetic_rows(monkeypatch))
+    assert lines[0] == "## Tile model refit" and "100%" in lines[2]
+    assert f"WIDE_EFFICIENCY_GAIN = {GAIN:.2f}" in lines
+    assert report.tile_model_lines([{"problem": "x", "dtype": "bf16", "dir": "fwd"}]) == []
