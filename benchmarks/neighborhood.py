@@ -286,6 +286,11 @@ def engines(rank, spatial, kernel, q, k, v):
             raise RuntimeError(f"the wgmma kernels run on sm_90 fp16/bf16 at head dims "
                                f"{fused_build.HOPPER_HEAD_DIMS}, not sm_{capability[0]}{capability[1]} "
                                f"{q.dtype} D={dim}")
+        from cudnn_attn.fallback_kernels import fused
+
+        if not fused._wgmma_layouts_read_right(q.device.index or 0):  # else mma.sync would run
+            raise RuntimeError("the wgmma layout probe is not exact on this device (see "
+                               "test_wgmma_layouts): the fused kernels keep mma.sync")
         return (*ours(), lambda: mock.patch.dict(os.environ, {fused_build.HOPPER_ENV: "1"}))
 
     def ours_boxes(wide):

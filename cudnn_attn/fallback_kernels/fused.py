@@ -17,6 +17,7 @@ is ``fused_build``'s, re-exported here.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Sequence
 
 import torch
@@ -119,10 +120,40 @@ def run_forward(q, k, v, out, lse, table, boxes, scale, softcap=0.0, rpb=None) -
                 *(np.int32(x) for x in qb), *(np.int32(x) for x in kb),
                 np.float32(scale), np.float32(softcap or 0.0),
                 np.int32(_aligned((q, k, v, out), q.dtype))]
-        kernel = _query_major(WIDE_FORWARD, qb, q.dtype, ctx)
-        if hopper(q.dtype, _capability(ctx.index), hd):
-            kernel = hopper_twin(kernel)
+        kernel = _on_wgmma(_query_major(WIDE_FORWARD, qb, q.dtype, ctx), q.dtype, hd, ctx)
         _launch(kernel, q.dtype, hd, grid, tensors, scalars, ctx)
+
+
+def _on_wgmma(kernel: str, dtype: torch.dtype, head_dim: int, ctx: "launch.TorchStream") -> str:
+    """``kernel``'s wgmma twin where ``hopper`` allows it and the device has read the wgmma
+    operand layouts as the kernels write them (:func:`_wgmma_layouts_read_right`), else
+    ``kernel``."""
+    if not hopper(dtype, _capability(ctx.index), head_dim):
+        return kernel
+    from ..graphs._runtime import capturing
+
+    # The probe reads its results back, which a CUDA graph capture forbids: a call captured
+    # before any eager one keeps the mma.sync kernels (and asks again next time).
+    if capturing() or not _wgmma_layouts_read_right(ctx.index):
+        return kernel
+    return hopper_twin(kernel)
+
+
+@memoize("fallback_kernels.fused.wgmma_layouts")
+def _wgmma_layouts_read_right(device_index: int) -> bool:
+    """Whether the wgmma layout probe (``wgmma_probe``) gives exact results on the device, once
+    per device and process; if not, a warning and the mma.sync kernels (no silent garbage from a
+    path no GPU had run when it was written)."""
+    from . import wgmma_probe
+
+    found = wgmma_probe.check(torch.device("cuda", device_index))
+    if found:
+        wrong = {case: {out: m["count"] for out, m in outputs.items()}
+                 for case, outputs in found.items()}
+        warnings.warn(f"CUDNN_ATTN_NA_WGMMA=1 ignored on cuda:{device_index}: the wgmma layout "
+                      f"probe differs from its exact results (wrong elements: {wrong}); the "
+                      f"fused kernels run on mma.sync", RuntimeWarning, stacklevel=2)
+    return not found
 
 
 def _query_major(wide_kernel: str, own_box: Sequence[int], dtype: torch.dtype,
@@ -207,16 +238,12 @@ def run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale,
         raise ValueError("delta must have lse's strides")
     with launch.TorchStream(q.device) as ctx:
         grid = launch_grid(table, pad3(dq_boxes[0]), Hq, B, True)
-        dq_kernel = _query_major(WIDE_DQ, dq_boxes[0], q.dtype, ctx)
-        if hopper(q.dtype, _capability(ctx.index), hd):
-            dq_kernel = hopper_twin(dq_kernel)
+        dq_kernel = _on_wgmma(_query_major(WIDE_DQ, dq_boxes[0], q.dtype, ctx), q.dtype, hd, ctx)
         _launch(dq_kernel, q.dtype, hd, grid,
                 [q, k, v, dout, lse, delta, dq, table_dev],
                 [*common, *_strides(dq), *_strides(lse), *tail(dq_boxes)], ctx)
         grid = launch_grid(table, pad3(boxes[1]), Hkv, B, False)
-        dkdv_kernel = _key_major(boxes[1], q.dtype, hd, ctx)
-        if hopper(q.dtype, _capability(ctx.index), hd):
-            dkdv_kernel = hopper_twin(dkdv_kernel)
+        dkdv_kernel = _on_wgmma(_key_major(boxes[1], q.dtype, hd, ctx), q.dtype, hd, ctx)
         _launch(dkdv_kernel, q.dtype, hd, grid,
                 [q, k, v, dout, lse, delta, dk, dv, table_dev],
                 [*common, *_strides(dk), *_strides(dv), *_strides(lse), *tail(boxes)], ctx)

@@ -20,7 +20,8 @@ import torch
 
 from .fused_build import CTYPES, HOPPER_DEFINES, HOPPER_TARGETS, SOURCE, THREADS
 
-__all__ = ["SHAPES", "expression", "smem_bytes", "inputs", "expected", "run", "mismatches"]
+__all__ = ["SHAPES", "expression", "smem_bytes", "inputs", "expected", "run", "mismatches",
+           "check"]
 
 KERNEL = "na_wgmma_probe"
 # (head dim, keys per step) of the products the kernels launch: 64 keys at head dims 64 and 128,
@@ -69,13 +70,15 @@ def outputs_like(given: dict) -> dict:
             "o_pv": torch.full((rows, head_dim), float("nan"), device=device)}
 
 
-def run(given: dict) -> dict:
-    """The probe on the GPU of ``given``'s (CUDA) tensors, one block; returns its outputs
-    (``s_rs`` only where ``keys == 64``)."""
+def run(given: dict, device=None) -> dict:
+    """The probe on ``device`` (default: ``given``'s tensors' CUDA device), one block; returns
+    its outputs there (``s_rs`` only where ``keys == 64``)."""
     from cupy.cuda import driver
 
     from . import _loader, launch
 
+    if device is not None:
+        given = {name: t.to(device) for name, t in given.items()}
     dtype, (keys, head_dim) = given["q"].dtype, given["k"].shape
     out = outputs_like(given)
     shared = smem_bytes(dtype, head_dim, keys)
@@ -104,4 +107,18 @@ def mismatches(got: dict, want: dict) -> dict:
             found[name] = {"count": len(wrong),
                            "first": [(r, c, value[r, c].item(), ref[r, c].item())
                                      for r, c in wrong[:8]]}
+    return found
+
+
+def check(device) -> dict:
+    """Every shape and 16-bit type of the probe on ``device`` (:func:`run`):
+    ``{"<dtype> hd<D> keys<K>": mismatches}`` for those that are not exact; empty when all are.
+    ``fused`` asks it once per device before it launches a wgmma kernel."""
+    found = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        for head_dim, keys in SHAPES:
+            given = inputs(dtype, head_dim, keys)
+            wrong = mismatches(run(given, device), expected(given))
+            if wrong:
+                found[f"{str(dtype)[6:]} hd{head_dim} keys{keys}"] = wrong
     return found

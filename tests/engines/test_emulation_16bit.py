@@ -74,6 +74,8 @@ def route_fused(monkeypatch, lib, pipelined=False):
         return launch
 
     monkeypatch.setattr(F, "_function", function)
+    # The wgmma kernels' gate (the layout probe) has its own tests (test_wgmma_probe.py).
+    monkeypatch.setattr(F, "_wgmma_layouts_read_right", lambda device_index: True)
     FH._host_launch(monkeypatch, (9, 0) if pipelined else (7, 5))
     monkeypatch.setattr(F, "_tokens", FH._host_tokens)
     return calls

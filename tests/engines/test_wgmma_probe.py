@@ -26,15 +26,22 @@ def _expressions():
             for hd, keys in wgmma_probe.SHAPES]
 
 
-def _probe(lib, dtype, head_dim, keys, seed=0):
-    given = wgmma_probe.inputs(dtype, head_dim, keys, seed)
+def run_on_host(lib, given):
+    """``wgmma_probe.run`` on the host emulation (``lib`` holds the probe's instances)."""
+    (keys, head_dim), dtype = given["k"].shape, given["q"].dtype
     out = wgmma_probe.outputs_like(given)
     kernel = lib[build.export_name(wgmma_probe.expression(dtype, head_dim, keys))]
     kernel((1, 1, 1), (fused_build.THREADS, 1, 1),
            [given["q"], given["k"], given["v"], given["p"], out["s_ss"], out["s_rs"],
             out["o_pv"]], shared_mem=wgmma_probe.smem_bytes(dtype, head_dim, keys))
-    want = wgmma_probe.expected(given)
-    return wgmma_probe.mismatches({name: out[name] for name in want}, want)
+    if keys != 64:
+        del out["s_rs"]
+    return out
+
+
+def _probe(lib, dtype, head_dim, keys, seed=0):
+    given = wgmma_probe.inputs(dtype, head_dim, keys, seed)
+    return wgmma_probe.mismatches(run_on_host(lib, given), wgmma_probe.expected(given))
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +82,69 @@ def test_expected_and_mismatches():
     got["o_pv"][3, 5] += 1
     found = wgmma_probe.mismatches(got, want)
     assert found["o_pv"]["count"] == 1 and found["o_pv"]["first"][0][:2] == (3, 5)
+
+
+# --- the gate: fused launches a wgmma kernel only where the probe is exact on the device ---------
+
+class _Stream:
+    index = 0
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """fused's wgmma gate on an sm_90 device that runs the probe through ``gate.lib``; returns
+    a namespace with ``probes`` (device indices probed)."""
+    from types import SimpleNamespace
+
+    from cudnn_attn.fallback_kernels import fused
+
+    state = SimpleNamespace(lib=None, probes=[])
+
+    def run(given, device=None):
+        state.probes.append(device)
+        return run_on_host(state.lib, given)
+
+    fused._wgmma_layouts_read_right.cache_clear()
+    monkeypatch.setattr(wgmma_probe, "run", run)
+    monkeypatch.setattr(fused, "_capability", lambda index: (9, 0))
+    monkeypatch.setenv(fused_build.HOPPER_ENV, "1")
+    yield state
+    fused._wgmma_layouts_read_right.cache_clear()
+
+
+def test_the_gate_launches_wgmma_once_the_probe_is_exact(gate, probe_lib):
+    from cudnn_attn.fallback_kernels import fused
+
+    gate.lib = probe_lib
+    for _ in range(2):
+        assert fused._on_wgmma("na_fused_forward", torch.bfloat16, 128, _Stream()) == \
+            "na_fused_forward_wgmma"
+    assert len(gate.probes) == 2 * len(wgmma_probe.SHAPES)  # both types, once per device
+    assert fused._on_wgmma("na_fused_forward", torch.bfloat16, 32, _Stream()) == \
+        "na_fused_forward"  # no wgmma at head dim 32: nothing asked
+
+
+def test_a_wrong_layout_keeps_the_mma_sync_kernels(gate, request, tmp_path_factory):
+    from cudnn_attn.fallback_kernels import fused
+
+    old, new = WRONG_BLOCK_STRIDE
+    gate.lib = build.host_library(request, tmp_path_factory, fused_build, _expressions(),
+                                  source=HOPPER_TEXT.replace(old, new))
+    with pytest.warns(RuntimeWarning, match=r"ignored on cuda:0.*bfloat16 hd128 keys64"):
+        kernel = fused._on_wgmma("na_fused_backward_dq", torch.float16, 128, _Stream())
+    assert kernel == "na_fused_backward_dq"
+    fused._on_wgmma("na_fused_backward_dq", torch.float16, 128, _Stream())  # no second warning
+    assert len(gate.probes) == 2 * len(wgmma_probe.SHAPES)
+
+
+def test_a_capture_keeps_the_mma_sync_kernels_without_probing(gate, probe_lib, monkeypatch):
+    from cudnn_attn.fallback_kernels import fused
+    from cudnn_attn.graphs import _runtime
+
+    gate.lib = probe_lib
+    monkeypatch.setattr(_runtime, "capturing", lambda: True)
+    assert fused._on_wgmma("na_fused_forward", torch.bfloat16, 64, _Stream()) == "na_fused_forward"
+    assert gate.probes == []  # the probe syncs: never under capture
+    monkeypatch.setattr(_runtime, "capturing", lambda: False)
+    assert fused._on_wgmma("na_fused_forward", torch.bfloat16, 64, _Stream()) == \
+        "na_fused_forward_wgmma"
