@@ -1280,11 +1280,13 @@ __device__ __forceinline__ void na_fence_async_smem() {
 // the scale-d predicate. SS: A and B K-major in shared memory (descriptors a, b). RS: A from
 // the warps' fragment registers, B in shared memory, MN-major when TRANS_B.
 #define NA_WG_D(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
-#define NA_WG_D4 NA_WG_D(0), NA_WG_D(1), NA_WG_D(2), NA_WG_D(3)
+#define NA_WG_D2 NA_WG_D(0), NA_WG_D(1)
+#define NA_WG_D4 NA_WG_D2, NA_WG_D(2), NA_WG_D(3)
 #define NA_WG_D8 NA_WG_D4, NA_WG_D(4), NA_WG_D(5), NA_WG_D(6), NA_WG_D(7)
 #define NA_WG_D16 NA_WG_D8, NA_WG_D(8), NA_WG_D(9), NA_WG_D(10), NA_WG_D(11), NA_WG_D(12),     \
                   NA_WG_D(13), NA_WG_D(14), NA_WG_D(15)
-#define NA_WG_R16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define NA_WG_R8 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define NA_WG_R16 NA_WG_R8 ", %8, %9, %10, %11, %12, %13, %14, %15"
 #define NA_WG_R32                                                                              \
     NA_WG_R16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define NA_WG_R64                                                                              \
@@ -1318,7 +1320,9 @@ __device__ __forceinline__ void na_fence_async_smem() {
 template <typename T, int NT>
 __device__ __forceinline__ void na_wgmma_ss(float (&d)[NT][4], unsigned long long a,
                                             unsigned long long b, int accumulate) {
-    if constexpr (NT == 4)
+    if constexpr (NT == 2)
+        NA_WG_TYPED(NA_WGMMA_SS, "m64n16k16", NA_WG_R8, "%8", "%9", "%10", NA_WG_D2);
+    else if constexpr (NT == 4)
         NA_WG_TYPED(NA_WGMMA_SS, "m64n32k16", NA_WG_R16, "%16", "%17", "%18", NA_WG_D4);
     else if constexpr (NT == 8)
         NA_WG_TYPED(NA_WGMMA_SS, "m64n64k16", NA_WG_R32, "%32", "%33", "%34", NA_WG_D8);
@@ -1912,25 +1916,31 @@ template <int HD> struct NaWideDq {
     static constexpr bool DO_IN_REGS = HD <= 64;
 };
 
-template <typename T, int HD>
+// WG (`fused_hopper`, sm_90a): the three products on wgmma (two m64 halves each), Q, dO, K and V
+// swizzled in shared memory and read through descriptors; warp w's m-tiles are then rows 16w and
+// 64 + 16w, as in the wide forward.
+template <typename T, int HD, bool WG = false>
 __global__ void __launch_bounds__(NA_THREADS, 1)
 na_fused_backward_dq_wide(NA_DQ_PARAMS) {
-    constexpr int LD = HD + 8, KSTEP = NaWideDq<HD>::KSTEP, NT = KSTEP / 8;
-    constexpr int STAGES = NaWideDq<HD>::STAGES;
-    constexpr bool QREG = NaWideDq<HD>::Q_IN_REGS, DOREG = NaWideDq<HD>::DO_IN_REGS;
-    using Ring = NaKeyRing<T, HD, KSTEP, STAGES>;
-    NA_QUERY_MAJOR_SETUP(Ring, 32)
-    // Shared memory: the dO tile, the Q tile, the ring, the query slots.
+    constexpr int LD = WG ? HD : HD + 8, KSTEP = NaWideDq<HD>::KSTEP, NT = KSTEP / 8;
+    constexpr int STAGES = NaWideDq<HD>::STAGES, MT_ROWS = WG ? 64 : 16;  // rows between m-tiles
+    constexpr bool QREG = !WG && NaWideDq<HD>::Q_IN_REGS;
+    constexpr bool DOREG = !WG && NaWideDq<HD>::DO_IN_REGS;
+    using Ring = NaKeyRing<T, HD, KSTEP, STAGES, WG>;
+    NA_QUERY_MAJOR_SETUP(Ring, WG ? 16 : 32)
+    // Shared memory: the dO tile, the Q tile, the ring, the query slots. The swizzled layout's
+    // atoms are 1024-byte aligned (the launch asks for 1024 bytes more; the tiles are whole KB).
     extern __shared__ __align__(16) unsigned char na_smem[];
-    T* sDO = reinterpret_cast<T*>(na_smem);
+    T* sDO = reinterpret_cast<T*>(na_smem + (WG ? na_align1024(na_smem) : 0));
     T* sQ = sDO + NA_WIDE_QUERIES * LD;
     ring.smem = sQ + NA_WIDE_QUERIES * LD;
     NaQuerySlot* s_slot = reinterpret_cast<NaQuerySlot*>(ring.smem + STAGES * Ring::STAGE);
 
     // Q and dO join the first step's cp.async group; the ring is primed with STAGES - 1 steps.
-    na_copy_box<T, HD, NA_WIDE_QUERIES, NA_THREADS>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk, sDO,
-                                                    dout + b * do_sb + h * do_sh, do_st, d_v,
-                                                    geo.qtok, qbox, geo.own_lo, geo.own_hi, vec);
+    na_copy_box<T, HD, NA_WIDE_QUERIES, NA_THREADS, WG>(sQ, q + b * q_sb + h * q_sh, q_st, d_qk,
+                                                        sDO, dout + b * do_sb + h * do_sh, do_st,
+                                                        d_v, geo.qtok, qbox, geo.own_lo,
+                                                        geo.own_hi, vec);
 #pragma unroll
     for (int it = 0; it < STAGES - 1; ++it) ring.issue(it, geo, kbox, kside);
     na_publish_query_slots<NA_WIDE_QUERIES>(s_slot, ax, geo, qbox, rmul);
@@ -1945,7 +1955,7 @@ na_fused_backward_dq_wide(NA_DQ_PARAMS) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             tok[mt][r] = na_slot_token(geo.qtok, qbox, geo.own_lo, geo.own_hi,
-                                       row0 + 16 * mt + (lane >> 2) + 8 * r);
+                                       row0 + MT_ROWS * mt + (lane >> 2) + 8 * r);
             const long long at = b * l_sb + (long long)tok[mt][r] * l_st + h * l_sh;
             const float x = tok[mt][r] >= 0 ? lse[at] : NA_INF;
             row_lse[mt][r] = x == -NA_INF ? NA_INF : x * NA_LOG2E;
@@ -1961,6 +1971,9 @@ na_fused_backward_dq_wide(NA_DQ_PARAMS) {
     const T* sDOw = sDO + row0 * LD;
     for (int it = 0; it < ring.nsteps; ++it) {
         na_cp_async_wait_n<STAGES - 2>();  // this thread's copies of step it (and Q, dO) landed
+#if NA_WGMMA
+        if constexpr (WG) na_fence_async_smem();  // ... and are visible to wgmma's reads
+#endif
         __syncthreads();  // step it (and Q, dO) landed for all; step it - 1 is done everywhere
         ring.issue(it + STAGES - 1, geo, kbox, kside);
         if (it == 0) {
@@ -1974,25 +1987,40 @@ na_fused_backward_dq_wide(NA_DQ_PARAMS) {
         int klo[3];
         const bool whole = na_key_tile(geo, kidx, kside, klo);
         float s[2][NT][4], dp[2][NT][4];
-        na_qk_wide<T, HD, NT, QREG>(s, qf, sQw, ring.keys(it));
+#if NA_WGMMA
+        if constexpr (WG)
+            na_qk_wgmma<T, HD, NT, NA_WIDE_QUERIES, 2>(s, sQ, ring.keys(it));
+        else
+#endif
+            na_qk_wide<T, HD, NT, QREG>(s, qf, sQw, ring.keys(it));
         // Whole tiles without softcap keep the raw scores: P takes the scale in its FMA.
         const float mul = whole && softcap <= 0.f ? scale * NA_LOG2E : 1.f;
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
             if (!whole)
-                na_forward_logits<NT, true, false>(s[mt], my_slots + 16 * mt, kbox, klo, scale,
-                                                   softcap, inv_cap, nullptr, rmul,
+                na_forward_logits<NT, true, false>(s[mt], my_slots + MT_ROWS * mt, kbox, klo,
+                                                   scale, softcap, inv_cap, nullptr, rmul,
                                                    s_period_ones, first);
             else if (softcap > 0.f)
-                na_forward_logits<NT, false, false>(s[mt], my_slots + 16 * mt, kbox, klo, scale,
-                                                    softcap, inv_cap, nullptr, rmul,
+                na_forward_logits<NT, false, false>(s[mt], my_slots + MT_ROWS * mt, kbox, klo,
+                                                    scale, softcap, inv_cap, nullptr, rmul,
                                                     s_period_ones, first);
         }
-        na_qk_wide<T, HD, NT, DOREG>(dp, dof, sDOw, ring.values(it));
+#if NA_WGMMA
+        if constexpr (WG)  // dP = dO V^T
+            na_qk_wgmma<T, HD, NT, NA_WIDE_QUERIES, 2>(dp, sDO, ring.values(it));
+        else
+#endif
+            na_qk_wide<T, HD, NT, DOREG>(dp, dof, sDOw, ring.values(it));
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
             na_dq_scores<NT>(dp[mt], s[mt], mul, row_lse[mt], row_delta[mt], softcap, inv_cap);
-        na_pv_wide<T, HD, NT>(acc, dp, ring.keys(it));
+#if NA_WGMMA
+        if constexpr (WG)  // dQ += dS K, K MN-major (as V in P V)
+            na_pv_wgmma<T, HD, NT, 2>(acc, dp, ring.keys(it));
+        else
+#endif
+            na_pv_wide<T, HD, NT>(acc, dp, ring.keys(it));
         if ((it + 1) % Ring::PARTS == 0) na_odometer_step(kidx, geo.tiles);
     }
     na_cp_async_wait_all();

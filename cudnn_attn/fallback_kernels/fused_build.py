@@ -64,10 +64,11 @@ NARROW_OF = {WIDE_FORWARD: "na_fused_forward", WIDE_DQ: "na_fused_backward_dq",
            WIDE_DKDV: "na_fused_backward_dkdv"}
 WIDE_MIN_ARCH = 90
 # The kernels on Hopper's wgmma (``fused_hopper``, opt-in) -> the kernel each replaces: the
-# forwards (64-query and wide), the 64-query dQ and the 64-key dK/dV.
+# forwards and dQ (64-query and wide) and the 64-key dK/dV.
 HOPPER_TWINS = {"na_fused_forward_wgmma": "na_fused_forward",
                 "na_fused_forward_wide_wgmma": WIDE_FORWARD,
                 "na_fused_backward_dq_wgmma": "na_fused_backward_dq",
+                "na_fused_backward_dq_wide_wgmma": WIDE_DQ,
                 "na_fused_backward_dkdv_wgmma": "na_fused_backward_dkdv"}
 HOPPER_DEFINES = {**PIPELINED_DEFINES, "NA_WGMMA": 1}
 HOPPER_TARGETS = {"sm_90": "sm_90a"}  # device arch -> compile target (wgmma is arch-specific)
@@ -130,19 +131,20 @@ def hopper(dtype: torch.dtype, capability: tuple[int, int], head_dim: int) -> bo
 
 
 def hopper_twin(kernel: str) -> str:
-    """The wgmma twin of ``kernel`` (the 64-query or wide forward, the 64-query dQ, the 64-key
-    dK/dV); ``kernel`` itself when it has none (the wide dQ and dK/dV)."""
+    """The wgmma twin of ``kernel`` (the forwards and dQ, 64-query and wide; the 64-key dK/dV);
+    ``kernel`` itself when it has none (the wide dK/dV)."""
     return next((twin for twin, replaced in HOPPER_TWINS.items() if replaced == kernel), kernel)
 
 
 def _hopper_smem_bytes(kernel: str, head_dim: int) -> int:
     """A wgmma kernel's dynamic shared memory: its own tile (the 64-query forward keeps Q's
-    padded rows, ldmatrix reads them; the wide forward swizzles Q, dQ swizzles dO and keeps Q in
-    the ring's last stage; dK/dV swizzles K and V), the ring unpadded (the swizzle spreads the
+    padded rows, ldmatrix reads them; the wide forward swizzles Q, the wide dQ dO and Q; dQ
+    swizzles dO and keeps Q in the ring's last stage; dK/dV swizzles K and V), the ring unpadded (the swizzle spreads the
     banks), the query slots, and the alignment slack."""
-    if HOPPER_TWINS[kernel] == WIDE_FORWARD:
-        key_step, stages = wide_steps(WIDE_FORWARD, head_dim)
-        total = ((WIDE_QUERY_TILE + 2 * stages * key_step) * head_dim * 2
+    if HOPPER_TWINS[kernel] in (WIDE_FORWARD, WIDE_DQ):  # forward: Q; dQ: dO and Q
+        key_step, stages = wide_steps(HOPPER_TWINS[kernel], head_dim)
+        own = 1 if HOPPER_TWINS[kernel] == WIDE_FORWARD else 2
+        total = ((own * WIDE_QUERY_TILE + 2 * stages * key_step) * head_dim * 2
                  + _QUERY_SLOT_BYTES * WIDE_QUERY_TILE + _ALIGN_SLACK)
     elif HOPPER_TWINS[kernel] == "na_fused_backward_dkdv":
         # K and V, then stages of Q and dO rows, slots, lse and delta, each stage 1024-aligned.

@@ -9,14 +9,17 @@ swizzled shared memory (wide: two m64 halves). ``na_fused_backward_dq<T, HD, tru
 64-query dQ's three products (S = Q K^T with Q in A fragments, dP = dO V^T with dO swizzled in
 shared memory, dQ += dS K with dS from registers and K MN-major) and
 ``na_fused_backward_dkdv<T, HD, 64, true>``: dK/dV's four (S^T = K Q^T and dP^T = V dO^T with
-K, V, Q and dO swizzled in shared memory, dV += P^T dO and dK += dS^T Q from registers). The text is the pipelined build's with
-``NA_WGMMA=1``, compiled for ``sm_90a`` (``TARGETS``: wgmma exists on sm_90 only, so the cubins
+K, V, Q and dO swizzled in shared memory, dV += P^T dO and dK += dS^T Q from registers);
+``na_fused_backward_dq_wide<T, HD, true>``: the wide dQ's three products over two m64 halves,
+Q, dO, K and V swizzled (16-key steps at head dim 128: m64n16 products). The text is the
+pipelined build's with ``NA_WGMMA=1``, compiled for ``sm_90a`` (``TARGETS``: wgmma exists on sm_90 only, so the cubins
 run on H100/H200, not on Blackwell); fp16/bf16 at head dims 64 and 128.
 
 Opt-in (``CUDNN_ATTN_NA_WGMMA=1``, ``fused_build.hopper``) until a GPU run has proven it: the
 host emulation checks it against the oracle (``tests/host_cuda``: the wgmma descriptors and
 swizzle as the PTX ISA describes them), but no H100/H200 has executed it yet. ``fused`` launches
-the wgmma twin of each kernel the tile model chose (the wide dQ and dK/dV have none yet).
+the wgmma twin of each kernel the tile model chose (the wide dK/dV has none yet), once the
+device has passed the layout probe (``wgmma_probe``).
 Nothing here launches.
 """
 

@@ -25,8 +25,9 @@ __all__ = ["SHAPES", "expression", "smem_bytes", "inputs", "expected", "run", "m
 
 KERNEL = "na_wgmma_probe"
 # (head dim, keys per step) of the products the kernels launch: 64 keys at head dims 64 and 128,
-# and the wide forward's 32-key steps at head dim 128 (an m64n32 Q K^T, an n128 P V of 32 keys).
-SHAPES = ((64, 64), (128, 64), (128, 32))
+# the wide forward's 32-key steps at head dim 128 (an m64n32 Q K^T, an n128 P V of 32 keys) and
+# the wide dQ's 16-key ones (m64n16, one k-step of keys).
+SHAPES = ((64, 64), (128, 64), (128, 32), (128, 16))
 ROWS = 128
 
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 from oracle import build_visibility, reference_attention
 
+from cudnn_attn.fallback_kernels.wgmma_probe import SHAPES as WGMMA_PROBE_SHAPES
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -165,8 +167,8 @@ def test_wgmma_kernels(index, dtype, boxes, monkeypatch):
         for got, ref, tol in zip(grads, ref_grads, bwd_tol):
             torch.testing.assert_close(got.double().cpu(), ref, atol=tol, rtol=0)
     twins = {fused.hopper_twin("na_fused_backward_dkdv")}
-    if boxes == "wide_tiles":  # the wide dQ has no wgmma twin
-        twins |= {fused.hopper_twin(fused.WIDE_FORWARD), fused.WIDE_DQ}
+    if boxes == "wide_tiles":
+        twins |= {fused.hopper_twin(fused.WIDE_FORWARD), fused.hopper_twin(fused.WIDE_DQ)}
     else:
         twins |= {fused.hopper_twin("na_fused_forward"), fused.hopper_twin("na_fused_backward_dq")}
     assert twins <= set(launched)
@@ -174,7 +176,7 @@ def test_wgmma_kernels(index, dtype, boxes, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the wgmma kernels run on sm_90 only")
-@pytest.mark.parametrize("shape", [(64, 64), (128, 64), (128, 32)], ids=lambda s: f"hd{s[0]}-k{s[1]}")
+@pytest.mark.parametrize("shape", WGMMA_PROBE_SHAPES, ids=lambda s: f"hd{s[0]}-k{s[1]}")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_wgmma_layouts(dtype, shape, tmp_path):
     """The wgmma kernels' operand layouts on the device (``wgmma_probe``): one tile of each
@@ -185,7 +187,6 @@ def test_wgmma_layouts(dtype, shape, tmp_path):
 
     from cudnn_attn.fallback_kernels import wgmma_probe
 
-    assert tuple(shape) in wgmma_probe.SHAPES
     given = {name: t.cuda() for name, t in wgmma_probe.inputs(dtype, *shape).items()}
     want = wgmma_probe.expected({name: t.cpu() for name, t in given.items()})
     got = wgmma_probe.run(given)

@@ -476,8 +476,14 @@ HOPPER_CASES = ("2d-softcap-hd64-rpb", "1d-hd128-gqa-dv", "1d-hd64-whole-tiles",
                 "1d-hd128-whole-tiles")
 HOPPER_BOXES = {"na_fused_forward_wgmma": "choose_tiles", "na_fused_forward_wide_wgmma": "wide_tiles",
                 "na_fused_backward_dq_wgmma": "choose_tiles",
+                "na_fused_backward_dq_wide_wgmma": "wide_tiles",
                 "na_fused_backward_dkdv_wgmma": "choose_tiles"}
 HOPPER_BACKWARD = ("na_fused_backward_dq_wgmma", "na_fused_backward_dkdv_wgmma")
+# A whole backward per box choice: the kernels it launches (with the delta pass).
+HOPPER_BACKWARDS = {
+    "backward": {"na_fused_forward_wgmma", *HOPPER_BACKWARD, "na_fused_backward_delta"},
+    "backward-wide": {"na_fused_forward_wide_wgmma", "na_fused_backward_dq_wide_wgmma",
+                      "na_fused_backward_dkdv_wgmma", "na_fused_backward_delta"}}
 
 
 @pytest.fixture(scope="module")
@@ -490,7 +496,7 @@ def lib16_hopper(request, tmp_path_factory):
                               source=_loader.source_text(F.SOURCE, F.HOPPER_DEFINES))
 
 
-@pytest.mark.parametrize("kernel", list(HOPPER_BOXES)[:2] + ["backward"])
+@pytest.mark.parametrize("kernel", list(HOPPER_BOXES)[:2] + list(HOPPER_BACKWARDS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("name", HOPPER_CASES)
 def test_hopper_kernels_16bit(lib16_hopper, monkeypatch, name, dtype, kernel):
@@ -502,14 +508,13 @@ def test_hopper_kernels_16bit(lib16_hopper, monkeypatch, name, dtype, kernel):
 
     monkeypatch.setenv(F.HOPPER_ENV, "1")
     calls = route_fused(monkeypatch, lib16_hopper, pipelined=True)
-    backward = kernel == "backward"
-    boxes = HOPPER_BOXES["na_fused_forward_wgmma" if backward else kernel]
+    backward = kernel in HOPPER_BACKWARDS
+    boxes = HOPPER_BOXES[{"backward": "na_fused_forward_wgmma",
+                          "backward-wide": "na_fused_forward_wide_wgmma"}.get(kernel, kernel)]
     monkeypatch.setattr(tile_model, "forward_tiles", getattr(tile_model, boxes))
     monkeypatch.setattr(tile_model, "dkdv_tiles", tile_model.choose_tiles)
     assert neighborhood_failures(name, dtype, backward=backward) == []
-    expected = ({"na_fused_forward_wgmma", *HOPPER_BACKWARD, "na_fused_backward_delta"}
-                if backward else {kernel})
-    assert set(calls) == expected
+    assert set(calls) == HOPPER_BACKWARDS.get(kernel, {kernel})
 
 
 def test_hopper_forward_selection(monkeypatch):

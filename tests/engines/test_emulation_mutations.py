@@ -174,12 +174,16 @@ HOPPER_MUTATIONS = {
     # dQ's dP = dO V^T taking K for V; dK += dS^T Q taking dO for Q.
     "hopper-dq-dp-from-keys": ("(dp1, sDO, ring.values(it))", "(dp1, sDO, ring.keys(it))", 1,
                                "na_fused_backward_dq_wgmma", ("2d-softcap-hd64-rpb",)),
+    "hopper-wide-dq-dp-from-keys": ("NA_WIDE_QUERIES, 2>(dp, sDO, ring.values(it))",
+                                    "NA_WIDE_QUERIES, 2>(dp, sDO, ring.keys(it))", 1,
+                                    "na_fused_backward_dq_wide_wgmma", ("1d-hd64-whole-tiles",)),
     "hopper-dk-from-do": ("(dk_acc, dp, sQ);\n        } else\n#endif",
                           "(dk_acc, dp, sDO);\n        } else\n#endif", 1,
                           "na_fused_backward_dkdv_wgmma", ("2d-softcap-hd64-rpb",)),
 }
 # A backward mutation shows in its kernel's outputs alone.
-HOPPER_CAUGHT_IN = {"na_fused_backward_dq_wgmma": {"dq"}, "na_fused_backward_dkdv_wgmma": {"dk"}}
+HOPPER_CAUGHT_IN = {"na_fused_backward_dq_wgmma": {"dq"}, "na_fused_backward_dkdv_wgmma": {"dk"},
+                    "na_fused_backward_dq_wide_wgmma": {"dq"}}
 
 
 @pytest.mark.parametrize("mutation", list(HOPPER_MUTATIONS))
@@ -190,8 +194,9 @@ def test_hopper_mutation_fails_the_oracle_comparison(request, tmp_path_factory, 
     old, new, expected, kernel, cases = HOPPER_MUTATIONS[mutation]
     text = _loader.source_text(F.SOURCE, F.HOPPER_DEFINES)
     assert text.count(old) == expected, f"the kernel text changed for {mutation}"
-    backward = kernel in HOPPER_CAUGHT_IN  # then every wgmma twin of the 64-slot kernels
-    kernels = (["na_fused_forward_wgmma", *E.HOPPER_BACKWARD] if backward else [kernel])
+    backward = kernel in HOPPER_CAUGHT_IN  # then the whole backward on wgmma twins
+    whole = E.HOPPER_BACKWARDS["backward-wide" if "wide" in kernel else "backward"]
+    kernels = (sorted(whole - {"na_fused_backward_delta"}) if backward else [kernel])
     exprs = [F.expression(k, torch.bfloat16, hd) for k in kernels for hd in F.HOPPER_HEAD_DIMS]
     exprs += [F.expression("na_fused_backward_delta", torch.bfloat16, hd) for hd in F.HEAD_DIMS
               if backward]

@@ -44,7 +44,7 @@ INSTRUCTIONS = {
     # wgmma: the accumulators, then 7 (A in shared memory) or 6 (A in registers) groups.
     **{f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t}":
        (f"wgmma_m64k16<{n}, na_emu::ptx::{tag}>", "dssssss*")
-       for n in (32, 64, 128) for t, tag in (("f16", "kMmaF16"), ("bf16", "kMmaBf16"))},
+       for n in (16, 32, 64, 128) for t, tag in (("f16", "kMmaF16"), ("bf16", "kMmaBf16"))},
     "wgmma.fence.sync.aligned": ("wgmma_fence_sync_aligned", ""),
     "wgmma.commit_group.sync.aligned": ("wgmma_commit_group_sync_aligned", ""),
     "wgmma.wait_group.sync.aligned": ("wgmma_wait_group_sync_aligned", "s"),
