@@ -37,7 +37,7 @@ import _report  # benchmarks/_report.py (this script's folder is on sys.path)
 VARIANTS = ("ours-64", "ours-wide")  # forced kernels: their boxes follow from the device alone
 GAINS = np.round(np.arange(0.50, 3.001, 0.01), 2)  # the wide gain's grid
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-KERNELS = {"fwd": ("fwd",), "bwd": ("dq", "dkdv")}
+DIRECTIONS = ("fwd", "bwd")
 
 
 def variant_boxes(variant, table, rank, dtype, head_dim, capability):
@@ -81,7 +81,7 @@ def samples(rows):
             boxes = variant_boxes(variant, table, rank, dtype, head_dim,
                                   tuple(row["capability"]))
             work = dict.fromkeys(itertools.product(("unmasked", "masked"), (False, True)), 0.0)
-            for name in KERNELS[row["dir"]]:
+            for name in tile_model.DIRECTION_KERNELS[row["dir"]]:
                 qbox, kbox = boxes[name]
                 figures = tile_model.tile_figures(
                     table, qbox, kbox, dim_qk=row["D"], dtype=dtype, batch=row.get("B", 1),
@@ -122,7 +122,7 @@ def _fit_direction(group, gain):
 def fit(sample_list):
     """``{"gain": g, "fwd": {...}, "bwd": {...}, "error": ...}``: the constants minimising the
     summed squared relative error of both directions (``None`` where a direction has no rows)."""
-    groups = {d: [s for s in sample_list if s["dir"] == d] for d in KERNELS}
+    groups = {d: [s for s in sample_list if s["dir"] == d] for d in DIRECTIONS}
     best = None
     for gain in GAINS:
         total, result = 0.0, {"gain": float(gain)}
@@ -164,7 +164,7 @@ def refit(rows) -> dict | None:
     efficiency, gain = current_constants()
     now = {"fwd": efficiency["fwd"], "bwd": efficiency["dq"]}  # one figure for both backward kernels
     fitted = fit(sample_list)
-    complete = {d: bool(fitted[d]) and None not in fitted[d].values() for d in KERNELS}
+    complete = {d: bool(fitted[d]) and None not in fitted[d].values() for d in DIRECTIONS}
     table = [{"problem": s["problem"], "H": s["H"], "D": s["D"], "dtype": s["dtype"],
               "dir": s["dir"], "engine": s["engine"], "measured_ms": 1e3 * s["seconds"],
               "model_now_ms": 1e3 * predict(s, now[s["dir"]], gain),
@@ -180,7 +180,9 @@ def refit(rows) -> dict | None:
 def constant_lines(fitted: dict) -> list[str]:
     """The fitted constants as tile_model.py spells them."""
     lines = [f"WIDE_EFFICIENCY_GAIN = {fitted['gain']:.2f}"]
-    for direction, names in (("fwd", ("fwd",)), ("bwd", ("dq", "dkdv"))):
+    from cudnn_attn.fallback_kernels.tile_model import DIRECTION_KERNELS
+
+    for direction, names in DIRECTION_KERNELS.items():
         lines += [f"FUSED_EFFICIENCY[{name!r}] = {fitted[direction]}" for name in names]
     return lines
 

@@ -170,7 +170,7 @@ def model_rows(spatial, kernel, batch, heads, dim, dtype, ceilings, capability=N
         return "x".join(map(str, figures.query_box)) + "/" + "x".join(map(str, figures.key_box))
 
     out = {}
-    for direction, kernels in (("fwd", ("fwd",)), ("bwd", ("dq", "dkdv"))):
+    for direction, kernels in tile_model.DIRECTION_KERNELS.items():
         walks = [launch.kernel_figures(k) for k in kernels]
         fused = launch.predicted_ms(direction, ceilings)
         dense_mask = roofline.dense_ms(direction, ceilings=ceilings, mask_ops=mask_ops, **shape)

@@ -40,7 +40,7 @@ __all__ = ["AxisCounts", "TileFigures", "axis_counts", "pair_unmasked", "axis_pa
            "tile_figures", "neighborhood_figures", "element_bytes", "choose_tiles", "forward_tiles",
            "wide_tiles", "wide_key_tiles", "dkdv_tiles", "WIDE_EFFICIENCY_GAIN",
            "query_major_tiles", "key_major_tiles", "LaunchFigures", "launch_figures",
-           "PRODUCTS", "FUSED_EFFICIENCY", "kernel_work", "runs_wide", "kernel_ms",
+           "PRODUCTS", "DIRECTION_KERNELS", "FUSED_EFFICIENCY", "kernel_work", "runs_wide", "kernel_ms",
            "predicted_ms"]
 
 BACKWARD_FLOP_FACTOR = roofline.BACKWARD_FLOP_FACTOR
@@ -50,6 +50,7 @@ BACKWARD_FLOP_FACTOR = roofline.BACKWARD_FLOP_FACTOR
 # Q. Seven backward products where FlashAttention-2 does five (BACKWARD_FLOP_FACTOR: the useful
 # FLOPs' convention): the split into two kernels keeps the backward free of atomics.
 PRODUCTS = {"fwd": 2, "dq": 3, "dkdv": 4}
+DIRECTION_KERNELS = {"fwd": ("fwd",), "bwd": ("dq", "dkdv")}  # the backward: dQ, then dK/dV
 
 # Fractions of the 16-bit matmul ceiling the fused kernels reach on the products they compute,
 # per kernel and tile path (unmasked pairs skip the per-element visibility test). THESE DESCRIBE
@@ -366,8 +367,8 @@ def predicted_ms(figures: TileFigures, direction: str, ceilings: roofline.Ceilin
     """Predicted ms of the fused kernels at ``figures``' boxes: ``direction`` "fwd", or "bwd"
     (the backward alone: dQ and dK/dV one after the other, :func:`kernel_ms` each; ``efficiency``
     then applies to both)."""
-    kernels = ("dq", "dkdv") if direction == "bwd" else (direction,)
-    return sum(kernel_ms(figures, kernel, ceilings, efficiency) for kernel in kernels)
+    return sum(kernel_ms(figures, kernel, ceilings, efficiency)
+               for kernel in DIRECTION_KERNELS[direction])
 
 
 def query_major_tiles(table: Sequence[int], rank: int, dtype: torch.dtype,
@@ -403,18 +404,16 @@ class LaunchFigures:
 
     def predicted_ms(self, direction: str, ceilings: roofline.Ceilings) -> float:
         """Predicted ms of the forward (``"fwd"``) or the backward alone (``"bwd"``)."""
-        kernels = ("dq", "dkdv") if direction == "bwd" else (direction,)
-        return sum(kernel_ms(self.kernel_figures(k), k, ceilings) for k in kernels)
+        return sum(kernel_ms(self.kernel_figures(k), k, ceilings)
+                   for k in DIRECTION_KERNELS[direction])
 
     def total(self, field: str, direction: str) -> float:
         """``computed_flops`` or ``bytes`` of a direction, each kernel at its own boxes."""
-        kernels = ("dq", "dkdv") if direction == "bwd" else (direction,)
-        return sum(getattr(self.kernel_figures(k), field)[k] for k in kernels)
+        return sum(getattr(self.kernel_figures(k), field)[k] for k in DIRECTION_KERNELS[direction])
 
     def useful_fraction(self, direction: str) -> float:
         """Visible score elements over computed ones, over the direction's kernels."""
-        figures = [self.kernel_figures(k) for k in (("dq", "dkdv") if direction == "bwd"
-                                                     else (direction,))]
+        figures = [self.kernel_figures(k) for k in DIRECTION_KERNELS[direction]]
         computed = sum(f.computed for f in figures)
         return sum(f.useful for f in figures) / computed if computed else 1.0
 

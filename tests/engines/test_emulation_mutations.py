@@ -63,14 +63,12 @@ COLUMNS_UNSHIFTED = ("period_ones, first) >> (2 * t);\n#pragma unroll",
 
 # The wide forward and dQ (128-query boxes), run on every case (``WIDE``): the mask skipped on
 # every tile (the forward's call names its mask form, BITS); the one barrier per key step removed.
-_WIDE_MASKED = ("if ({})\n                na_forward_logits<NT, true, false>(s[mt], my_slots + 16 * mt, "
-                "kbox, klo, scale,\n                                                   softcap, inv_cap, {}")
 WIDE_ALL_WHOLE = ("if (!whole)\n                na_forward_logits<NT, true, BITS>(s[mt]",
                   "if (false)\n                na_forward_logits<NT, true, BITS>(s[mt]")
 WIDE_RING_BARRIER = ("__syncthreads();  // everyone's; and everyone is done with step it - 1",
                      "/* no barrier */  // everyone's; and everyone is done with step it - 1")
-WIDE_DQ_ALL_WHOLE = (_WIDE_MASKED.format("!whole", "nullptr, rmul"),
-                     _WIDE_MASKED.format("false", "nullptr, rmul"))
+WIDE_DQ_ALL_WHOLE = ("if (!whole)\n                na_forward_logits<NT, true, false>(s[mt]",
+                     "if (false)\n                na_forward_logits<NT, true, false>(s[mt]")
 WIDE_DQ_RING_BARRIER = ("__syncthreads();  // step it (and Q, dO) landed for all;",
                         "/* no barrier */  // step it (and Q, dO) landed for all;")
 
