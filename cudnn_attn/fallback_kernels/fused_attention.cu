@@ -1665,6 +1665,23 @@ __device__ __forceinline__ void na_pv_wide(float (&o)[2][HD / 8][4], const float
     }
 }
 
+// s[mt] = A B^T for the wide kernels' two m-tiles (A: the block's 128 rows of Q or dO; B: the
+// step's K or V): on wgmma (WG: A swizzled at A) or on mma.sync (A from the fragments af when
+// AREG, else from the warp's padded rows at Aw).
+template <typename T, int HD, int NT, bool AREG, bool WG>
+__device__ __forceinline__ void na_wide_abt(float (&s)[2][NT][4],
+                                            const unsigned int (&af)[2][AREG ? HD / 16 : 1][4],
+                                            const T* A, const T* Aw, const T* B) {
+    static_assert(!WG || NA_WGMMA, "the wgmma kernels are the NA_WGMMA build's");
+#if NA_WGMMA
+    if constexpr (WG) {
+        na_qk_wgmma<T, HD, NT, NA_WIDE_QUERIES, 2>(s, A, B);
+        return;
+    }
+#endif
+    if constexpr (!WG) na_qk_wide<T, HD, NT, AREG>(s, af, Aw, B);
+}
+
 // WG (`fused_hopper`, sm_90a): both products on wgmma over swizzled operands (NA_WGMMA above);
 // warp w's m-tiles are then rows 16w and 64 + 16w rather than 32w and 32w + 16.
 template <typename T, int HD, bool WG = false>
@@ -1723,12 +1740,7 @@ na_fused_forward_wide(NA_FORWARD_PARAMS) {
         int klo[3];
         const bool whole = na_key_tile(geo, kidx, kside, klo);
         float s[2][NT][4], mul = 1.f;
-#if NA_WGMMA
-        if constexpr (WG)
-            na_qk_wgmma<T, HD, NT, NA_WIDE_QUERIES, 2>(s, sQ, ring.keys(it));
-        else
-#endif
-            na_qk_wide<T, HD, NT, QREG>(s, qf, sQw, ring.keys(it));
+        na_wide_abt<T, HD, NT, QREG, WG>(s, qf, sQ, sQw, ring.keys(it));
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
             if (!whole)
@@ -1987,12 +1999,7 @@ na_fused_backward_dq_wide(NA_DQ_PARAMS) {
         int klo[3];
         const bool whole = na_key_tile(geo, kidx, kside, klo);
         float s[2][NT][4], dp[2][NT][4];
-#if NA_WGMMA
-        if constexpr (WG)
-            na_qk_wgmma<T, HD, NT, NA_WIDE_QUERIES, 2>(s, sQ, ring.keys(it));
-        else
-#endif
-            na_qk_wide<T, HD, NT, QREG>(s, qf, sQw, ring.keys(it));
+        na_wide_abt<T, HD, NT, QREG, WG>(s, qf, sQ, sQw, ring.keys(it));
         // Whole tiles without softcap keep the raw scores: P takes the scale in its FMA.
         const float mul = whole && softcap <= 0.f ? scale * NA_LOG2E : 1.f;
 #pragma unroll
@@ -2006,12 +2013,7 @@ na_fused_backward_dq_wide(NA_DQ_PARAMS) {
                                                     scale, softcap, inv_cap, nullptr, rmul,
                                                     s_period_ones, first);
         }
-#if NA_WGMMA
-        if constexpr (WG)  // dP = dO V^T
-            na_qk_wgmma<T, HD, NT, NA_WIDE_QUERIES, 2>(dp, sDO, ring.values(it));
-        else
-#endif
-            na_qk_wide<T, HD, NT, DOREG>(dp, dof, sDOw, ring.values(it));
+        na_wide_abt<T, HD, NT, DOREG, WG>(dp, dof, sDO, sDOw, ring.values(it));  // dP = dO V^T
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
             na_dq_scores<NT>(dp[mt], s[mt], mul, row_lse[mt], row_delta[mt], softcap, inv_cap);

@@ -172,8 +172,8 @@ HOPPER_MUTATIONS = {
     # dQ's dP = dO V^T taking K for V; dK += dS^T Q taking dO for Q.
     "hopper-dq-dp-from-keys": ("(dp1, sDO, ring.values(it))", "(dp1, sDO, ring.keys(it))", 1,
                                "na_fused_backward_dq_wgmma", ("2d-softcap-hd64-rpb",)),
-    "hopper-wide-dq-dp-from-keys": ("NA_WIDE_QUERIES, 2>(dp, sDO, ring.values(it))",
-                                    "NA_WIDE_QUERIES, 2>(dp, sDO, ring.keys(it))", 1,
+    "hopper-wide-dq-dp-from-keys": ("(dp, dof, sDO, sDOw, ring.values(it))",
+                                    "(dp, dof, sDO, sDOw, ring.keys(it))", 1,
                                     "na_fused_backward_dq_wide_wgmma", ("1d-hd64-whole-tiles",)),
     "hopper-dk-from-do": ("(dk_acc, dp, sQ);\n        } else\n#endif",
                           "(dk_acc, dp, sDO);\n        } else\n#endif", 1,
