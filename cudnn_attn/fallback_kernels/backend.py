@@ -77,8 +77,8 @@ class CupyBackend:
     def predicted_ms(self, problem: AttnProblem) -> Optional[float]:
         """Predicted ms of a Neighborhood problem on the fused kernels (the tile model of the
         kernels and boxes launched on the problem's device; forward, plus backward when it
-        requires grad), for ``auto``'s cost rule (``dispatch.cost_choice``); ``None`` for band masks (no rule:
-        priority order) and masks the kernels cannot express."""
+        requires grad), for ``auto``'s cost rule (``dispatch.cost_choice``); ``None`` for band
+        masks (no rule: priority order) and masks the kernels cannot express."""
         hood = problem.neighborhood
         table, reasons = problem_table(problem)
         if hood is None or reasons or table is None:

@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from ..core import roofline
 from ..core.caches import memoize
 from ..model.geometry import neighborhood_table
 from . import _loader, launch
@@ -70,9 +71,8 @@ def _function(kernel: str, dtype: torch.dtype, head_dim: int, device_index: int,
     return fn
 
 
-@memoize("fallback_kernels.fused.capability")
 def _capability(device_index: int) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(device_index))
+    return roofline.capability_for(torch.device("cuda", device_index))
 
 
 def _strides(t: torch.Tensor) -> list:
