@@ -245,7 +245,9 @@ def seed_cubin_cache(carried: Path | None, cache: Path) -> int:
 
 def prebuild(directory: Path, archs: list[str], expect_nvrtc: str) -> int:
     """Compile every kernel variant for ``archs`` into ``directory``, one cubin each (no GPU
-    needed)."""
+    needed). Exit status 1 (the cubins written all the same) when a variant spills registers:
+    the CPU suite compiles every variant for every arch only under ``CUDNN_ATTN_FULL_SWEEP=1``,
+    so this is where each one the device will load is checked."""
     os.environ["CUDNN_ATTN_CUBIN_CACHE"] = str(directory.resolve())
     from cudnn_attn import fallback_kernels
     from cudnn_attn.fallback_kernels import cubin_cache
@@ -259,14 +261,19 @@ def prebuild(directory: Path, archs: list[str], expect_nvrtc: str) -> int:
               "GPU'), or pass --expect-nvrtc.", file=sys.stderr)
         return 2
     before = _cubins(directory)
+    spilling = []
     for arch in archs:
         start = time.perf_counter()
         records = fallback_kernels.compile_all(arch, jobs=fallback_kernels.default_jobs())
         print(f"{arch}: {len(records)} kernels in {time.perf_counter() - start:.1f} s")
+        spilling += [r for r in records if r.spill_stores or r.spill_loads]
     added = _cubins(directory) - before
     (directory / NVRTC_FILE).write_text(version + "\n")  # the record compares it with the device's
     print(f"{directory}: {len(_cubins(directory))} cubins ({len(added)} new), NVRTC {version}")
-    return 0
+    for r in spilling:
+        print(f"gpu_proof: {r.kernel} spills on {r.arch} ({r.spill_stores} bytes stored, "
+              f"{r.spill_loads} loaded)", file=sys.stderr)
+    return 1 if spilling else 0
 
 
 def device_nvrtc() -> dict[str, Any]:

@@ -8,6 +8,8 @@ entry, geometry, dtype, kernel, direction, target); ``CUDNN_ATTN_FULL_SWEEP=1`` 
 
 ``rotate`` is the sampling rule the sweeps share: of a case's variants, keep the first (the base
 case) and one more, chosen by the case's index, so consecutive cases together visit every variant.
+``pick`` is the rule for variants that are interchangeable (no base case): keep one, chosen the
+same way.
 """
 
 from __future__ import annotations
@@ -26,3 +28,11 @@ def rotate(variants: Sequence[T], index: int) -> list[T]:
     if FULL or len(variants) <= 2:
         return variants
     return [variants[0], variants[1 + index % (len(variants) - 1)]]
+
+
+def pick(variants: Sequence[T], index: int) -> list[T]:
+    """All ``variants`` under ``FULL``; else the one ``variants[index % n]``."""
+    variants = list(variants)
+    if FULL or len(variants) <= 1:
+        return variants
+    return [variants[index % len(variants)]]

@@ -4,30 +4,88 @@ No GPU is needed: NVRTC (the nvidia-cuda-nvrtc wheel, loaded through CuPy) compi
 ``ptxas -v`` reports registers and spills. These tests are the CPU suite's proof that the kernels
 exist as shipped and fit their register budgets; whether they compute the right values is the
 job of the GPU-marked tests.
+
+Every kernel, head dim, build and arch compiles; of each fp16/bf16 pair of a variant (one
+template, the storage type's conversions and mma type apart: the same registers and spills in
+every record of the full sweep) one compiles per arch, the other on the other arch where both
+archs have the variant (``sampled_programs``; ``CUDNN_ATTN_FULL_SWEEP=1`` compiles every
+variant for every arch, and so does ``benchmarks/gpu_proof.py --prebuild`` for the device's).
 """
 
 import re
 import time
 
 import pytest
+from full_sweep import FULL, pick
 
 from cudnn_attn import fallback_kernels
 from cudnn_attn.fallback_kernels import _loader
 
 ARCHS = ("sm_80", "sm_90")
+TWINS = ("na_half", "na_bf16")
+_ALL_PROGRAMS = fallback_kernels.kernel_programs  # before any test patches it
+
+
+def sampled_programs(arch: str) -> dict:
+    """``kernel_programs(arch)`` with one variant of each fp16/bf16 pair, alternating along the
+    pairs (so along the head dims of a kernel) and between the archs."""
+    programs = {}
+    for name, variants in _ALL_PROGRAMS(arch).items():
+        twins: dict[str, list] = {}
+        for variant in variants:
+            twins.setdefault(variant.kernel.replace(TWINS[1], TWINS[0]), []).append(variant)
+        kept = {v.kernel for i, group in enumerate(twins.values())
+                for v in pick(group, i + ARCHS.index(arch))}
+        programs[name] = [v for v in variants if v.kernel in kept]
+    return programs
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def records(request):
     # On the tools' thread count: the records a serial build gives (test_compile_all_reports_each_
     # kernel_in_order_whatever_the_threads checks that), in half the time on 2 cores.
-    return fallback_kernels.compile_all(request.param, jobs=fallback_kernels.default_jobs())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fallback_kernels, "kernel_programs", sampled_programs)
+        return fallback_kernels.compile_all(request.param, jobs=fallback_kernels.default_jobs())
+
+
+def _kind(kernel: str) -> tuple[str, str]:
+    """(the kernel with its storage type as T, the storage type) of a variant's kernel id."""
+    ctype = re.search(r"\b(float|double|na_half|na_bf16)\b", kernel).group(1)
+    return re.sub(rf"\b{ctype}\b", "T", kernel), ctype
+
+
+def _family(kernel: str) -> str:
+    """A variant's kernel id without its storage type and head dim."""
+    return re.sub(r",\d+>", ">", _kind(kernel)[0])
+
+
+def test_the_sample_compiles_every_kernel_head_dim_and_type_for_every_arch():
+    kept = {}  # (arch, module) -> the kernel ids compiled
+    for arch in ARCHS:
+        full, sampled = _ALL_PROGRAMS(arch), sampled_programs(arch)
+        assert list(sampled) == list(full)
+        for name, variants in full.items():
+            ids = {v.kernel for v in variants}
+            kept[arch, name] = {v.kernel for v in sampled[name]}
+            # every kernel at every head dim (its storage type as T), every fp32/fp64 variant
+            assert {_kind(k)[0] for k in kept[arch, name]} == {_kind(k)[0] for k in ids}
+            assert {k for k in ids if _kind(k)[1] not in TWINS} <= kept[arch, name] <= ids
+            # a kernel of several head dims: in each of its types, at one head dim or another
+            for family in {_family(k) for k in ids}:
+                if len({_kind(k)[0] for k in ids if _family(k) == family}) > 1:
+                    assert ({_kind(k)[1] for k in kept[arch, name] if _family(k) == family}
+                            == {_kind(k)[1] for k in ids if _family(k) == family}), family
+    for name in set(_ALL_PROGRAMS("sm_80")) & set(_ALL_PROGRAMS("sm_90")):
+        # a module both archs compile: each variant on one arch or the other
+        assert kept["sm_80", name] | kept["sm_90", name] == {
+            v.kernel for v in _ALL_PROGRAMS("sm_80")[name]}
 
 
 def test_every_variant_compiles_with_a_record(records):
     arch = records[0]["arch"]
     # Every module compiling for the arch (the wide forward is sm_90+ only).
-    variants = [v for vs in fallback_kernels.kernel_programs(arch).values() for v in vs]
+    variants = [v for vs in sampled_programs(arch).values() for v in vs]
     assert len(records) == len(variants)
     for wide in ("na_fused_forward_wide<", "na_fused_backward_dq_wide<",
                  "na_fused_forward_wgmma<", "na_fused_forward_wide_wgmma<"):
@@ -48,8 +106,10 @@ def test_wgmma_kernels_are_not_serialized(records):
     if records[0]["arch"] != "sm_90":
         assert not any("wgmma" in r.kernel for r in records)
         return
-    for variant in H.variants():  # memoized by compile_all: compiles nothing more
-        program = _loader.compile_program(H.SOURCE, H.DEFINES, [variant.expression], "sm_90a")
+    wgmma = [r for r in records if "wgmma" in r.kernel]
+    assert {r.kernel for r in wgmma} == {v.kernel for v in sampled_programs("sm_90")["fused_hopper"]}
+    for record in wgmma:  # memoized by compile_all: compiles nothing more
+        program = _loader.compile_program(H.SOURCE, H.DEFINES, [record.expression], "sm_90a")
         assert program.cubin[:4] == b"\x7fELF"
         assert "C7515" not in program.log and "C7517" not in program.log, program.log
 
@@ -77,9 +137,12 @@ def test_unfused_kernels_include_double():
 def test_half_kernels_use_tensor_cores(records):
     # mma.sync must be in the fp16/bf16 fused forward; fp32 must not silently use tf32.
     module = __import__("cudnn_attn.fallback_kernels.fused", fromlist=["SOURCE"])
-    # The program compile_all built for this variant (memoized: compiles nothing more).
-    program = _loader.compile_program(module.SOURCE, module.DEFINES,
-                                      ["na_fused_forward<na_half, 64>"], records[0].arch)
+    # The program compile_all built for the 16-bit forward at head dim 64 (memoized: compiles
+    # nothing more).
+    (expression,) = [r.expression for r in records
+                     if re.fullmatch(r"na_fused_forward<na_(half|bf16),64>", r.kernel)]
+    program = _loader.compile_program(module.SOURCE, module.DEFINES, [expression],
+                                      records[0].arch)
     text = _loader.source_text(module.SOURCE, module.DEFINES)
     assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32", text)
     assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", text)
@@ -121,11 +184,12 @@ def test_compile_all_rejects_a_bad_arch():
         fallback_kernels.compile_all("hopper")
 
 
-def test_cli_kernels_prints_every_record_and_a_line_per_kernel(capsys):
+def test_cli_kernels_prints_every_record_and_a_line_per_kernel(capsys, monkeypatch):
     import json
 
     from cudnn_attn.cli import main
 
+    monkeypatch.setattr(fallback_kernels, "kernel_programs", sampled_programs)  # compiled above
     assert main(["kernels", "--arch", "sm_90", "--json"]) == 0
     captured = capsys.readouterr()
     printed = json.loads(captured.out)

@@ -172,6 +172,27 @@ def test_prebuild_refuses_another_nvrtc_version(G, tmp_path, capsys, monkeypatch
     assert not (tmp_path / "cubins").exists()
 
 
+def test_prebuild_fails_naming_a_variant_that_spills(G, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("cupy")
+    from cudnn_attn import fallback_kernels
+    from cudnn_attn.fallback_kernels import CompileRecord, cubin_cache
+
+    records = {"sm_90": [CompileRecord("k<a>", "sm_90", 40, 0, 0, 0, "k<a>"),
+                         CompileRecord("k<b>", "sm_90", 255, 8, 4, 16, "k<b>")],
+               "sm_80": [CompileRecord("k<a>", "sm_80", 40, 0, 0, 0, "k<a>")]}
+    monkeypatch.setattr(cubin_cache, "nvrtc_version", lambda: "13.0")
+    monkeypatch.setattr(fallback_kernels, "compile_all", lambda arch, jobs: records[arch])
+    monkeypatch.setenv("CUDNN_ATTN_CUBIN_CACHE", str(tmp_path / "unused"))
+    cubins = tmp_path / "cubins"
+    cubins.mkdir()
+    assert G.main(["--prebuild", str(cubins), "--expect-nvrtc", "13.0", "--arch", "sm_80"]) == 0
+    assert G.main(["--prebuild", str(cubins), "--expect-nvrtc", "13.0", "--arch", "sm_80",
+                   "--arch", "sm_90"]) == 1
+    err = capsys.readouterr().err
+    assert "k<b> spills on sm_90 (8 bytes stored, 4 loaded)" in err and "k<a>" not in err
+    assert (cubins / G.NVRTC_FILE).read_text() == "13.0\n"  # written all the same
+
+
 def test_without_a_gpu_it_runs_nothing(G, tmp_path, capsys):
     import torch
 
