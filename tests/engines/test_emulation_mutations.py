@@ -124,15 +124,42 @@ def mutated_source(old: str, new: str, pipelined: bool = False) -> tuple[str, in
     return text.replace(old, new), text.count(old)
 
 
+def mutant(mutation: str) -> tuple[list[str], str]:
+    """The expressions and the mutated source text of ``mutation``'s host library."""
+    if mutation in HOPPER_MUTATIONS:
+        old, new, _, kernel, _ = HOPPER_MUTATIONS[mutation]
+        backward = kernel in HOPPER_CAUGHT_IN  # then the whole backward on wgmma twins
+        whole = E.HOPPER_BACKWARDS["backward-wide" if "wide" in kernel else "backward"]
+        kernels = (sorted(whole - {"na_fused_backward_delta"}) if backward else [kernel])
+        exprs = [F.expression(k, torch.bfloat16, hd) for k in kernels for hd in F.HOPPER_HEAD_DIMS]
+        exprs += [F.expression("na_fused_backward_delta", torch.bfloat16, hd) for hd in F.HEAD_DIMS
+                  if backward]
+        return exprs, _loader.source_text(F.SOURCE, F.HOPPER_DEFINES).replace(old, new)
+    (old, new), _, dtype, pipelined = MUTATIONS[mutation]
+    return (E.fused_expressions(dtypes=(dtype,), head_dims=(32,),
+                                kernels=E.PIPELINED_KERNELS if pipelined else F.KERNELS),
+            mutated_source(old, new, pipelined)[0])
+
+
+@pytest.fixture(scope="module")
+def mutants(request, tmp_path_factory):
+    """mutation -> its library's future: the mutations this session runs, compiled ahead on
+    ``default_jobs()`` g++ processes (one library each, ~6 s) in the order the tests take them."""
+    from cudnn_attn.fallback_kernels import default_jobs
+
+    calls = [getattr(item, "callspec", None) for item in request.session.items
+             if item.module is request.module]
+    selected = [call.params["mutation"] for call in calls if call and "mutation" in call.params]
+    yield from build.builds_ahead(request, tmp_path_factory, F,
+                                  {m: mutant(m) for m in dict.fromkeys(selected)}, default_jobs())
+
+
 @pytest.mark.parametrize("mutation", list(MUTATIONS))
-def test_mutation_fails_the_oracle_comparison(request, tmp_path_factory, monkeypatch, mutation):
+def test_mutation_fails_the_oracle_comparison(mutants, monkeypatch, mutation):
     (old, new), expected, dtype, pipelined = MUTATIONS[mutation]
-    source, count = mutated_source(old, new, pipelined)
+    count = mutated_source(old, new, pipelined)[1]
     assert count == expected, f"the kernel text changed: {count} sites for {mutation}"
-    lib = build.host_library(request, tmp_path_factory, F,
-                             E.fused_expressions(dtypes=(dtype,), head_dims=(32,),
-                                                 kernels=E.PIPELINED_KERNELS if pipelined
-                                                 else F.KERNELS), source=source)
+    lib = build.library(mutants[mutation])
     calls = E.route_fused(monkeypatch, lib, pipelined)
     if mutation in EAGER:
         monkeypatch.setenv("NA_EMU_CP_ASYNC_EAGER", "1")
@@ -185,20 +212,14 @@ HOPPER_CAUGHT_IN = {"na_fused_backward_dq_wgmma": {"dq"}, "na_fused_backward_dkd
 
 
 @pytest.mark.parametrize("mutation", list(HOPPER_MUTATIONS))
-def test_hopper_mutation_fails_the_oracle_comparison(request, tmp_path_factory, monkeypatch,
-                                                     mutation):
+def test_hopper_mutation_fails_the_oracle_comparison(mutants, monkeypatch, mutation):
     from cudnn_attn.fallback_kernels import tile_model
 
     old, new, expected, kernel, cases = HOPPER_MUTATIONS[mutation]
     text = _loader.source_text(F.SOURCE, F.HOPPER_DEFINES)
     assert text.count(old) == expected, f"the kernel text changed for {mutation}"
-    backward = kernel in HOPPER_CAUGHT_IN  # then the whole backward on wgmma twins
-    whole = E.HOPPER_BACKWARDS["backward-wide" if "wide" in kernel else "backward"]
-    kernels = (sorted(whole - {"na_fused_backward_delta"}) if backward else [kernel])
-    exprs = [F.expression(k, torch.bfloat16, hd) for k in kernels for hd in F.HOPPER_HEAD_DIMS]
-    exprs += [F.expression("na_fused_backward_delta", torch.bfloat16, hd) for hd in F.HEAD_DIMS
-              if backward]
-    lib = build.host_library(request, tmp_path_factory, F, exprs, source=text.replace(old, new))
+    backward = kernel in HOPPER_CAUGHT_IN
+    lib = build.library(mutants[mutation])
     monkeypatch.setenv(F.HOPPER_ENV, "1")
     calls = E.route_fused(monkeypatch, lib, pipelined=True)
     monkeypatch.setattr(tile_model, "forward_tiles", getattr(tile_model, E.HOPPER_BOXES[kernel]))

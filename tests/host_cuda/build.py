@@ -25,6 +25,8 @@ import os
 import re
 import shutil
 import subprocess
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -104,7 +106,7 @@ def compile_library(text: str, cache_dir: Path) -> Path:
         return lib
     src = Path(cache_dir) / f"host_{key}.cpp"
     src.write_text(text)
-    tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+    tmp = lib.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # builds_ahead's threads
     proc = subprocess.run([cxx, *CXX_FLAGS, f"-I{HERE}", "-o", str(tmp), str(src)],
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -225,10 +227,41 @@ def host_library(request, tmp_path_factory, module, expressions,
                  real_threads: bool = False, source: str | None = None) -> HostLibrary:
     """For test fixtures: the library of ``expressions``, or a test failure naming the problem
     (never a skip: g++ is part of the CPU test requirements)."""
+    return library(_build(module, expressions, cache_dir(request, tmp_path_factory), real_threads,
+                          source))
+
+
+def _build(module, expressions, directory: Path, real_threads: bool = False,
+           source: str | None = None) -> HostLibrary | HostBuildError:
+    try:
+        return HostLibrary.build(module, {export_name(e): e for e in expressions}, directory,
+                                 real_threads, source)
+    except HostBuildError as exc:
+        return exc
+
+
+def library(built: HostLibrary | HostBuildError | Future) -> HostLibrary:
+    """The library ``_build`` (or a future of ``builds_ahead``) gave, or a test failure."""
     import pytest
 
-    try:
-        return HostLibrary.build(module, {export_name(e): e for e in expressions},
-                                 cache_dir(request, tmp_path_factory), real_threads, source)
-    except HostBuildError as exc:
-        pytest.fail(str(exc), pytrace=False)
+    if isinstance(built, Future):
+        built = built.result()
+    if isinstance(built, HostBuildError):
+        pytest.fail(str(built), pytrace=False)
+    return built
+
+
+def builds_ahead(request, tmp_path_factory, module, builds: dict, jobs: int):
+    """For module fixtures (a generator: ``yield from``): ``key -> future`` of each library of
+    ``builds`` (``key -> (expressions, source)``), compiled ``jobs`` at a time in the order given
+    while the tests run (g++ is a process of its own: a module of many libraries takes the
+    cores the tests leave idle). Pass the futures to ``library``."""
+    directory = cache_dir(request, tmp_path_factory)
+    with ThreadPoolExecutor(jobs, thread_name_prefix="host_cuda-g++") as pool:
+        futures = {key: pool.submit(_build, module, expressions, directory, False, source)
+                   for key, (expressions, source) in builds.items()}
+        try:
+            yield futures
+        finally:
+            for future in futures.values():  # what no test will take is not built
+                future.cancel()
