@@ -113,7 +113,8 @@ def test_a_step_cut_at_its_deadline_still_yields_its_counts(G, tmp_path, short_l
 
         def test_zz_slow(): time.sleep(300)
     """)
-    step = G.pytest_step("cut", tmp_path, [str(tests)], workers=workers, cap_s=25.0 + 5 * workers)
+    # pytest reaches test_zz_slow in ~1 s (~4 s with two xdist workers) on a loaded 2-core machine
+    step = G.pytest_step("cut", tmp_path, [str(tests)], workers=workers, cap_s=10.0 + 5 * workers)
     [result] = G.run_steps([step], tmp_path, time.monotonic() + 200, side_by_side=True,
                            cwd=tmp_path)
     assert result.timed_out and result.signals[0] == "SIGINT" and result.returncode is None
@@ -138,7 +139,7 @@ def test_counts_survive_a_step_that_only_sigkill_ends(G, tmp_path, short_ladder)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             time.sleep(300)
     """)
-    step = G.pytest_step("deaf", tmp_path, [str(tests)], workers=1, cap_s=15.0)
+    step = G.pytest_step("deaf", tmp_path, [str(tests)], workers=1, cap_s=8.0)
     [result] = G.run_steps([step], tmp_path, time.monotonic() + 200, side_by_side=True,
                            cwd=tmp_path)
     assert result.signals == ["SIGINT", "SIGTERM", "SIGKILL"]
@@ -175,11 +176,13 @@ def test_a_slow_first_benchmark_leaves_the_next_its_share(G, tmp_path, short_lad
     first = G.Step("bench-first", [sys.executable, "-c", "import time; time.sleep(300)"], 2,
                    200.0, share_s=30.0)
     second = G.Step("bench-second", [sys.executable, "-c", "print('ran')"], 2, 200.0,
-                    share_s=25.0)
+                    share_s=22.0)
+    # Each step is given at least MIN_START_S (20 s): the first 52 - 22 - LADDER_S, the second
+    # what the first leaves.
     start = time.monotonic()
-    results = G.run_steps([first, second], tmp_path, start + 70, side_by_side=False)
+    results = G.run_steps([first, second], tmp_path, start + 52, side_by_side=False)
     assert results[0].timed_out
-    assert results[0].seconds < 70 - 25 - short_ladder[0][1]  # cut to keep the second's share
+    assert results[0].seconds < 52 - 22 - short_ladder[0][1]  # cut to keep the second's share
     assert results[1].ok and results[1].log_tail[-1] == "ran"
     steps = G.plan(tmp_path)
     shares = [s.share_s for s in steps if s.phase == 2]
