@@ -103,6 +103,7 @@ def _with_padding(problem: AttnProblem, padding: Padding) -> AttnProblem:
     fresh = object.__new__(AttnProblem)
     fresh.__dict__.update(problem.__dict__)
     fresh.__dict__["mask"] = parts[0] if len(parts) == 1 else MaskSet(parts)
+    fresh.__dict__["padding"] = padding  # the cached property's value, copied with the rest
     return fresh
 
 

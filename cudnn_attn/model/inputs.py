@@ -8,14 +8,14 @@ every surface (FlashAttention's ``philox_seed``/``philox_offset``, cuDNN's seed/
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from ..core.caches import LRU
 
 __all__ = ["SEED_BOUND", "DropoutState", "draw_seed", "host_draw", "Inputs", "valid_positions",
-           "padding_positions", "hide_padding", "hide_padded_rows"]
+           "PaddedPositions", "padding_positions", "hide_padding", "hide_padded_rows"]
 
 # Seeds stay below 2**62: every engine (and cuDNN's int64 seed tensor) holds them exactly.
 SEED_BOUND = 2 ** 62
@@ -108,37 +108,57 @@ def valid_positions(lengths, seq: int, device) -> torch.Tensor:
     return torch.arange(seq, device=device) < lens.to(device, non_blocking=True)[:, None]
 
 
-# (lens_q, lens_kv, S_q, S_kv, device) -> (valid_q, valid_kv) of a static Padding, or None when
-# it pads nothing: copied to the device once per value set, not once per call.
+class PaddedPositions(NamedTuple):
+    """Which positions of a padded call are tokens: ``valid_q`` / ``valid_kv`` (``[B, S]`` bool),
+    and the same as ``rows`` / ``keys``, broadcastable against q / k and v in the call's layout."""
+
+    valid_q: torch.Tensor
+    valid_kv: torch.Tensor
+    rows: torch.Tensor
+    keys: torch.Tensor
+
+
+# (lens_q, lens_kv, S_q, S_kv, device, layout) -> the PaddedPositions of a static Padding, or None
+# when it pads nothing: copied to the device once per value set, not once per call (and the
+# broadcast views, a few microseconds each, made once too).
 _STATIC_POSITIONS = LRU("padding.positions", 256)
 
 
-def padding_positions(padding, seq_q: int, seq_kv: int, device):
-    """``(valid_q, valid_kv)`` (``[B, S]`` bool on ``device``) of ``padding``, or ``None`` when
-    its lengths are ints that pad nothing. Static lengths: made on the host and copied to the
-    device once per value set (cached; the copy completes before the first use), so a call never
-    copies them again; runtime lengths: computed on the device (never read)."""
+def padding_positions(padding, seq_q: int, seq_kv: int, device,
+                      layout: str) -> Optional[PaddedPositions]:
+    """The ``PaddedPositions`` of ``padding`` on ``device``, or ``None`` when its lengths are ints
+    that pad nothing. Static lengths: made on the host and copied to the device once per value
+    set (cached; the copy completes before the first use), so a call never copies them again;
+    runtime lengths: computed on the device (never read)."""
     if padding.runtime is None:
-        key = (padding.seq_lens_q, padding.seq_lens_kv, seq_q, seq_kv, device)
+        key = (padding.seq_lens_q, padding.seq_lens_kv, seq_q, seq_kv, device, layout)
         found = _STATIC_POSITIONS.get(key, _STATIC_POSITIONS)
         if found is _STATIC_POSITIONS:
-            found = _STATIC_POSITIONS.put(key, _static_positions(padding, seq_q, seq_kv, device))
+            found = _STATIC_POSITIONS.put(key, _static_positions(padding, seq_q, seq_kv, device,
+                                                                 layout))
         return found
     lens_q, lens_kv = padding.tensors(device)
-    return valid_positions(lens_q, seq_q, device), valid_positions(lens_kv, seq_kv, device)
+    return _positions(valid_positions(lens_q, seq_q, device),
+                      valid_positions(lens_kv, seq_kv, device), layout)
 
 
-def _static_positions(padding, seq_q: int, seq_kv: int, device):
+def _static_positions(padding, seq_q: int, seq_kv: int, device, layout: str):
     if min(padding.seq_lens_q) >= seq_q and min(padding.seq_lens_kv) >= seq_kv:
         return None
     host = (valid_positions(padding.seq_lens_q, seq_q, "cpu"),
             valid_positions(padding.seq_lens_kv, seq_kv, "cpu"))
-    return tuple(t.to(device) for t in host)  # blocking: complete before any stream reads it
+    # blocking: complete before any stream reads it
+    return _positions(*(t.to(device) for t in host), layout)
 
 
-def _on_sequence_axis(valid: torch.Tensor, layout: str) -> torch.Tensor:
-    """``[B, S]`` -> broadcastable against ``[B, H, S, D]`` (bhsd) or ``[B, S, H, D]`` (bshd)."""
-    return valid[:, None, :, None] if layout == "bhsd" else valid[:, :, None, None]
+def _positions(valid_q: torch.Tensor, valid_kv: torch.Tensor, layout: str) -> PaddedPositions:
+    """``[B, S]`` masks with their views on the sequence axis of ``[B, H, S, D]`` (bhsd) or
+    ``[B, S, H, D]`` (bshd)."""
+    if layout == "bhsd":
+        return PaddedPositions(valid_q, valid_kv, valid_q[:, None, :, None],
+                               valid_kv[:, None, :, None])
+    return PaddedPositions(valid_q, valid_kv, valid_q[:, :, None, None],
+                           valid_kv[:, :, None, None])
 
 
 def _bias_cells(valid_q: torch.Tensor, valid_kv: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -164,11 +184,11 @@ def hide_padding(problem, inputs: Inputs) -> Inputs:
     padding = problem.padding
     if padding is None or problem.storage is not None:  # packed: no positions past a length;
         return inputs                                   # paged: the pools are read, not copied
-    positions = padding_positions(padding, problem.seq_q, problem.seq_kv, inputs.q.device)
+    positions = padding_positions(padding, problem.seq_q, problem.seq_kv, inputs.q.device,
+                                  problem.layout)
     if positions is None:  # lengths that pad nothing
         return inputs
-    valid_q, valid_kv = positions
-    rows, keys = (_on_sequence_axis(v, problem.layout) for v in (valid_q, valid_kv))
+    valid_q, valid_kv, rows, keys = positions
     bias = inputs.bias
     if bias is not None and problem.bias is not None:
         full = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
@@ -195,8 +215,6 @@ def hide_padded_rows(problem, out: torch.Tensor) -> torch.Tensor:
     padding = problem.padding
     if padding is None or problem.storage is not None:
         return out
-    positions = padding_positions(padding, problem.seq_q, problem.seq_kv, out.device)
-    if positions is None:
-        return out
-    valid_q = positions[0]
-    return torch.where(_on_sequence_axis(valid_q, problem.layout), out, 0)
+    positions = padding_positions(padding, problem.seq_q, problem.seq_kv, out.device,
+                                  problem.layout)
+    return out if positions is None else torch.where(positions.rows, out, 0)

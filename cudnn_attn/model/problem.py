@@ -13,6 +13,7 @@ import math
 import numbers
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -172,12 +173,14 @@ class AttnProblem:
     def masks_of(self, kind: type) -> tuple:
         return tuple(m for m in mask_parts(self.mask) if isinstance(m, kind))
 
-    @property
+    # Cached (in the instance's __dict__, which a frozen dataclass leaves writable): every layer
+    # of a call asks, and walking the mask's parts each time cost a padded call microseconds.
+    @cached_property
     def padding(self) -> Optional[Padding]:
         found = self.masks_of(Padding)
         return found[0] if found else None
 
-    @property
+    @cached_property
     def neighborhood(self) -> Optional[Neighborhood]:
         found = self.masks_of(Neighborhood)
         return found[0] if found else None

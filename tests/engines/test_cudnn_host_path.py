@@ -243,14 +243,21 @@ def test_static_padding_lengths_are_made_once_per_value_set(fake, monkeypatch):
 def test_padding_positions_cache_per_value_set_and_skip_full_lengths():
     device = torch.device("cpu")
     padding = ca.Padding([5, 3], [4, 6])
-    first = model_inputs.padding_positions(padding, 6, 6, device)
-    assert model_inputs.padding_positions(ca.Padding([5, 3], [4, 6]), 6, 6, device) is first
-    valid_q, valid_kv = first
+    first = model_inputs.padding_positions(padding, 6, 6, device, "bshd")
+    assert model_inputs.padding_positions(ca.Padding([5, 3], [4, 6]), 6, 6, device,
+                                          "bshd") is first
+    valid_q, valid_kv, rows, keys = first
     assert valid_q.tolist() == [[True] * 5 + [False], [True] * 3 + [False] * 3]
     assert valid_kv.tolist() == [[True] * 4 + [False] * 2, [True] * 6]
-    assert model_inputs.padding_positions(ca.Padding([6, 6]), 6, 6, device) is None
-    other = model_inputs.padding_positions(ca.Padding([5, 3], [4, 6]), 7, 6, device)
-    assert other is not first and other[0].shape == (2, 7)
+    assert model_inputs.padding_positions(ca.Padding([6, 6]), 6, 6, device, "bshd") is None
+    other = model_inputs.padding_positions(ca.Padding([5, 3], [4, 6]), 7, 6, device, "bshd")
+    assert other is not first and other.valid_q.shape == (2, 7)
+    # The views broadcast along the call layout's sequence axis: [B, S, H, D] or [B, H, S, D].
+    assert rows.shape == (2, 6, 1, 1) and keys.shape == (2, 6, 1, 1)
+    heads_first = model_inputs.padding_positions(padding, 6, 6, device, "bhsd")
+    assert heads_first is not first and heads_first.rows.shape == (2, 1, 6, 1)
+    assert torch.equal(heads_first.rows[:, 0, :, 0], valid_q)
+    assert torch.equal(keys[:, :, 0, 0], valid_kv)
 
 
 # ---------------------------------------------------------------------------------------------
