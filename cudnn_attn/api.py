@@ -33,9 +33,11 @@ _Tensor = torch.Tensor
 # Recently used call signatures -> (problem, plan, direct runner or None). A hit skips validation
 # and dispatch, which is most of the per-call cost on small problems.
 _CALLS = LRU("api.calls", maxsize=256)
-# Stride-free signatures -> direct runner, for the calls that have one. Direct runners exist only
-# for CPU problems (the torch engine calling torch SDPA), whose validation and engine choice do not
-# depend on strides: reading three strides and hashing them is a tenth of a tiny call's time.
+# Stride-free signatures -> direct runner, for the calls that have one: reading three strides and
+# hashing them is a tenth of a tiny call's time. A runner whose plan depends on strides (cuDNN's:
+# its graphs were built for them) compares them itself and answers None for others, as it does
+# for any call it cannot take; the call then takes the full path (the torch engine's runners,
+# calling torch SDPA, serve any strides).
 _DIRECT = LRU("api.direct_calls", maxsize=256)
 
 
@@ -246,7 +248,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         out, lse = merge_sinks(out, lse, check_sinks(sinks, lse.shape[1], q), layout)
         return (out, lse) if return_lse else out
     traced = _through_ops(q, k, v)
-    entry = None
+    entry = declined = None
     if not traced:
         try:
             signature = _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
@@ -255,7 +257,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         except TypeError:  # unhashable argument: let validation explain it
             signature = direct = None
         if direct is not None:
-            return direct(q, k, v)
+            out = direct(q, k, v)
+            if out is not None:  # None: a call the runner cannot take
+                return out
+            declined = direct
         entry = _cached(signature, q, k, v)
     if entry is None:  # a call seen before had equal head counts and was valid: skip both
         if head_counts_differ(q, k, v, layout):  # never cached: its signature names other heads
@@ -275,8 +280,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         direct = None  # a one-op runner would hold the lengths of the call that prepared it
         if problem.padding is not padding:
             problem = _with_padding(problem, padding)
-    if direct is not None:
-        return direct(q, k, v)
+    if direct is not None and direct is not declined:
+        out = direct(q, k, v)
+        if out is not None:
+            return out
     table = split_bias(bias)[1]  # the runtime tensor (Alibi's slopes live in the problem)
     dropout = DropoutState.draw(generator) if problem.dropout_p > 0 else None
     out, lse = execution.run(problem, plan, Inputs(q, k, v, table, dropout), return_lse)

@@ -72,8 +72,10 @@ class Backend(Protocol):
     ``backward(problem, inputs, out, lse, dout, dlse=None) -> (dq, dk, dv, dbias)``, with
     ``inputs`` a ``runtime.Inputs`` and lse ``[B, H_q, S_q]`` (natural log, float32; float64 for
     float64 inputs; ``-inf`` on rows that see no key), and ``direct(problem)``: a ``(q, k, v) ->
-    out`` runner for calls that need no lse and no gradient when one public op computes them,
-    else ``None``. Only ``execution`` calls these.
+    out`` runner bound once for calls of ``problem`` that need no lse (one that requires grad
+    records its own autograd node, and answers ``None`` under ``torch.no_grad``; so does any
+    call it cannot take, which then runs the full path), else ``None``. Only ``execution``
+    calls these.
     """
 
     name: str

@@ -23,6 +23,7 @@ import math
 import torch
 
 from . import dispatch
+from .autograd_node import apply_entry
 from ..errors import NotSupportedError
 from ..model.problem import AttnProblem
 from ..model.inputs import Inputs, hide_padded_rows, hide_padding
@@ -91,9 +92,10 @@ def dropout_engine(probe: AttnProblem, backend: str = "auto"):
 
 
 def direct_runner(problem: AttnProblem, plan):
-    """``(q, k, v) -> out`` when the plan runs this call as one public op (a call that needs no
-    lse and no gradient), else ``None``: every plan answers ``direct(problem)``."""
-    if problem.return_lse or problem.requires_grad:
+    """``(q, k, v) -> out`` when the plan runs this call through one runner bound to its
+    signature (a call that needs no lse; one that requires grad records its own autograd node),
+    else ``None``: every plan answers ``direct(problem)``."""
+    if problem.return_lse:
         return None
     return plan.direct(problem)
 
@@ -153,18 +155,7 @@ class _Recorded(torch.autograd.Function):
         return None, dq, dk, dv, dbias
 
 
-def _direct_apply(function):
-    """``function.apply`` without the Python layer of ``torch.autograd.Function.apply`` (about
-    4 us of a tiny call's host time on the CPU): that layer only binds default arguments for a
-    ``setup_context`` (``_Recorded`` has none) and unwraps functorch's dead wrappers, so it is
-    skipped when no functorch transform is active (``run`` checks). ``None`` when this torch
-    lacks the C entry point."""
-    base = getattr(torch._C, "_FunctionBase", None)
-    entry = getattr(base, "__dict__", {}).get("apply")
-    return entry.__get__(None, function) if entry is not None else None
-
-
-_RECORD_DIRECT = _direct_apply(_Recorded)
+_RECORD_DIRECT = apply_entry(_Recorded)  # run skips it under a functorch transform
 _functorch_active = torch._C._are_functorch_transforms_active
 
 

@@ -26,7 +26,7 @@ from ..core.caches import LRU, memoize
 from ..errors import NotSupportedError
 from ..model.problem import AttnProblem
 from ..model.storage import Paged, Ragged
-from . import _runtime, autotune, decode_rows
+from . import _runtime, decode_rows, launch
 from ..core import roofline
 from .head_pad import HeadPadPlan, needs_padding, padded_problem
 from .score_mod_masks import mask_program, neighborhood_as_band, tile_bitmask
@@ -199,8 +199,25 @@ class CudnnPlan:
         self._templates: dict = {}  # (role, dtype, device) -> expanded one-element tensor
 
     def direct(self, problem):
-        """No single public op runs these graphs/kernels: every call takes ``forward``."""
-        return None
+        """``launch.DirectCall`` of ``problem`` when its graphs bind nothing but q, k, v, the
+        scale and out (and the backward's stats and gradients): no bias, lengths, dropout, tile
+        mask, packed or paged storage, and a positive scale; else ``None`` (every call takes
+        ``forward``)."""
+        s = self.spec
+        q_factor, scale = _runtime.positive_scale(problem.scale)
+        if (s.bias_dim is not None or s.padding or self._dropout or s.block_mask or s.ragged
+                or s.paged is not None or problem.storage is not None or q_factor != 1.0
+                or problem.dropout_p != self.dropout_p):
+            return None
+        grad = problem.requires_grad
+        forward = self._get(problem, "stats" if grad else "plain")
+        backward = self._get(problem, "backward") if grad else None
+        out_like = None if self._out_like_q else \
+            self._template("out", self.o_shape, problem.dtype, problem.device)
+        stats_like = self._template("stats", self._stats_shape(None), torch.float32,  # not packed
+                                    problem.device) if grad else None
+        return launch.DirectCall(problem, forward, backward, self._scales.get(scale), out_like,
+                                 stats_like)
 
     # -- graphs --------------------------------------------------------------------------------
     def _get(self, problem, variant) -> BuiltGraph:
@@ -351,7 +368,7 @@ class CudnnPlan:
         stats = None
         if need_lse:
             stats = buffers[_U.STATS] = self._new_stats(q)
-        _execute(built, buffers, device)
+        launch.execute(built, buffers, device)
         if stats is None:
             if empty is not None:
                 out.masked_fill_(self._empty_views(empty)[0], 0)
@@ -395,7 +412,7 @@ class CudnnPlan:
         if s.dbias:
             dbias = torch.empty(s.bias_dim, dtype=bias.dtype, device=device)
             buffers[_U.DBIAS] = dbias
-        _execute(built, buffers, device)
+        launch.execute(built, buffers, device)
         q_factor = _runtime.positive_scale(problem.scale)[0]
         if q_factor == 0.0:  # the graph differentiated w.r.t. q * q_factor
             dq.zero_()
@@ -418,6 +435,10 @@ class TwoRowPlan(CudnnPlan):
     def prepare(self, problem: AttnProblem) -> None:
         super().prepare(decode_rows.padded_problem(problem))
 
+    def direct(self, problem):
+        """None: the extra row is added and dropped by ``forward`` and ``backward``."""
+        return None
+
     def _two_rows(self, problem, inputs):
         return decode_rows.padded_problem(problem), dataclasses.replace(
             inputs, q=decode_rows.add_row(inputs.q, problem.layout, self.where))
@@ -437,20 +458,6 @@ class TwoRowPlan(CudnnPlan):
             add(lse, "", where, math.inf, rows=2), add(dout, layout, where, 0.0),
             None if dlse is None else add(dlse, "", where, 0.0, rows=2))
         return decode_rows.real_row(dq, layout, where).contiguous(), dk, dv, dbias
-
-
-def _execute(built: BuiltGraph, buffers: dict, device: torch.device) -> None:
-    """``built`` on torch's current stream of ``device``: the device's handle (under its lock:
-    the backward may run on autograd's thread) and the stream's pooled workspace. A graph to
-    autotune is tuned first, on these buffers (not inside a CUDA-graph capture: nothing can be
-    timed there)."""
-    context = _runtime.stream_context(device)
-    if built.autotune and not built.tuned and not _runtime.capturing():
-        with context.shared.lock:
-            if not built.tuned:  # another thread may have tuned it meanwhile
-                built.tune(buffers, context.workspace, context.shared.bind(context.stream),
-                           autotune.cuda_time_ms)
-    context.execute(built, buffers, built.workspace_size)
 
 
 def _like_layout(t: torch.Tensor, shape: tuple) -> torch.Tensor:

@@ -105,7 +105,7 @@ class TorchPlan:
     def direct(self, problem):
         """``(q, k, v) -> out`` for calls of ``problem`` that need no lse and no gradient, when one
         public op computes them (else None): the eager fast path keeps it with its call signature."""
-        if self.fused_ok and problem.heads_q == problem.heads_kv \
+        if self.fused_ok and not problem.requires_grad and problem.heads_q == problem.heads_kv \
                 and cpu_sdpa.whole_problem_scale_ok(problem):
             return cpu_sdpa.out_only(problem)
         return None

@@ -684,9 +684,11 @@ def test_unpadded_backward_launches_no_lse_fixup(fake_cudnn):
             return func(*args, **(kwargs or {}))
 
     q, k, v = (t.requires_grad_(True) for t in qkv(device="cpu", Sq=16, D=8))
-    out = ca.attention(q, k, v, backend="cudnn")
+    # With the lse the call takes the plan's own forward and backward (without it, the direct
+    # runner: test_cudnn_direct_call.py).
+    out, _ = ca.attention(q, k, v, backend="cudnn", return_lse=True)
     plan_backward = dispatch.get_backend("cudnn").plan(
-        ca.AttnProblem.from_tensors(q, k, v)).backward
+        ca.AttnProblem.from_tensors(q, k, v, return_lse=True)).backward
     calls = []
 
     def spy(*args, **kwargs):

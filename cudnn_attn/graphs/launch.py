@@ -1,0 +1,125 @@
+"""How a built graph runs: on torch's current stream, and, for the plainest calls, as one
+runner bound once per cached call signature.
+
+* ``execute(built, buffers, device)``: ``built`` on torch's current stream of ``device`` with that
+  device's handle (under its lock: the backward may run on autograd's thread) and the stream's
+  pooled workspace; a graph to autotune is tuned first, on these buffers (never inside a
+  CUDA-graph capture: nothing can be timed there). Every graph the engine runs goes through here.
+* ``DirectCall``: ``(q, k, v) -> out`` of a call whose graphs bind nothing but q, k, v, the scale,
+  out (and the stats and gradients of its backward): no mask tensor, bias, dropout, packed or
+  paged storage, sign-carrying scale or lse. ``CudnnPlan.direct`` decides which calls qualify.
+  Why: such a call spends most of its host time rebuilding, per call, what its signature already
+  fixes (buffer dicts, uid lists, the scale tensor, shapes); the runner binds those once, so the
+  eager path costs about what a minimal ``autograd.Function`` around ``execute`` costs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _runtime, autotune
+from ._emit import UID
+from ..core.autograd_node import record_direct
+
+__all__ = ["execute", "DirectCall"]
+
+_Q, _K, _V, _O, _SCALE, _STATS = (int(UID.Q), int(UID.K), int(UID.V), int(UID.O),
+                                  int(UID.SCALE), int(UID.STATS))
+_DO, _DQ, _DK, _DV = int(UID.DO), int(UID.DQ), int(UID.DK), int(UID.DV)
+_ALIGNMENT = 16  # bytes: cuDNN faults on a less aligned base pointer (_runtime.aligned)
+
+
+def execute(built, buffers: dict, device: torch.device) -> None:
+    """``built`` on torch's current stream of ``device`` (see the module's docstring)."""
+    context = _runtime.stream_context(device)
+    if built.autotune and not built.tuned and not _runtime.capturing():
+        with context.shared.lock:
+            if not built.tuned:  # another thread may have tuned it meanwhile
+                built.tune(buffers, context.workspace, context.shared.bind(context.stream),
+                           autotune.cuda_time_ms)
+    context.execute(built, buffers, built.workspace_size)
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+class DirectCall:
+    """One cached call signature's runner (see the module's docstring).
+
+    ``forward``: the forward graph (with stats when ``backward`` is given); ``backward``: the
+    backward graph of a call that requires grad, else ``None``. What the call cache's key proves
+    (shapes, dtypes, device, flags, so the graphs and the scale) is bound here; what it does not
+    is checked per call: the strides (a call with others answers ``None`` and takes the full
+    path, whose graphs are built for them), the base pointers' alignment (copies, as the full path
+    makes), and grad mode (a call that requires grad under ``torch.no_grad`` answers ``None``).
+    Outputs and gradients are contiguous in the call's layout, as the graphs were built.
+    """
+
+    __slots__ = ("forward", "backward", "device", "scale", "strides", "out_like",
+                 "stats_like", "grads_contiguous")
+
+    def __init__(self, problem, forward, backward, scale: torch.Tensor,
+                 out_template: torch.Tensor | None, stats_template: torch.Tensor | None):
+        self.forward, self.backward = forward, backward
+        self.device, self.scale = problem.device, scale
+        self.strides = (problem.q.stride, problem.k.stride, problem.v.stride)
+        # empty_like costs the host a third of an empty with explicit sizes, and without a
+        # memory-format argument less again: it preserves a format that is contiguous already
+        # (an expanded template's; q's when q is contiguous).
+        self.out_like = out_template
+        self.stats_like = stats_template
+        self.grads_contiguous = all(
+            spec.stride == _contiguous_strides(spec.shape)
+            for spec in (problem.q, problem.k, problem.v))
+
+    def __call__(self, q, k, v):
+        if (q.stride(), k.stride(), v.stride()) != self.strides:
+            return None
+        if self.backward is None:
+            out = self._new_out(q)
+            execute(self.forward, self._bind(q, k, v, out), self.device)
+            return out
+        if not torch.is_grad_enabled():
+            return None
+        return record_direct(self, q, k, v)
+
+    def _new_out(self, q: torch.Tensor) -> torch.Tensor:
+        if self.out_like is not None:
+            return torch.empty_like(self.out_like)
+        if self.grads_contiguous:
+            return torch.empty_like(q)
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    def _bind(self, q, k, v, out) -> dict:
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % _ALIGNMENT:  # rare: copies
+            q, k, v = _runtime.aligned(q), _runtime.aligned(k), _runtime.aligned(v)
+        return {_Q: q, _K: k, _V: v, _SCALE: self.scale, _O: out}
+
+    # -- the autograd node's two halves (core.execution.record_direct) ----------------------------
+    def record(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, stats)`` of the forward with stats (``[B, H, S_q, 1]`` fp32)."""
+        out, stats = self._new_out(q), torch.empty_like(self.stats_like)
+        buffers = self._bind(q, k, v, out)
+        buffers[_STATS] = stats
+        execute(self.forward, buffers, self.device)
+        return out, stats
+
+    def gradients(self, q, k, v, out, stats, dout) -> tuple:
+        """``(dq, dk, dv)`` from the forward's ``out`` and ``stats``."""
+        if self.grads_contiguous:
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        else:
+            contiguous = torch.contiguous_format
+            dq, dk, dv = (torch.empty_like(t, memory_format=contiguous) for t in (q, k, v))
+        buffers = self._bind(q, k, v, out)
+        # dO as the graph reads O: contiguous and aligned (autograd may hand an expanded one)
+        buffers[_DO] = _runtime.aligned(dout.contiguous())
+        buffers[_STATS] = stats
+        buffers[_DQ], buffers[_DK], buffers[_DV] = dq, dk, dv
+        execute(self.backward, buffers, self.device)
+        return dq, dk, dv

@@ -1,0 +1,191 @@
+"""The cuDNN engine's direct runner (``graphs.launch.DirectCall``, issue 35's host time), on this
+CPU through the stand-in executor of ``cudnn_fake`` (float64 from the buffers each graph binds):
+
+* the plainest calls (no bias, lengths, dropout, packed/paged storage, lse; a positive scale), with
+  or without grad, run through it from their second call, and give the float64 oracle's outputs
+  and gradients;
+* every call it cannot take (another mask kind with tensors, bias, dropout, a negative scale,
+  return_lse, new strides, ``torch.no_grad`` on tensors that require grad) takes the full path,
+  with the same results;
+* what it binds: 16-byte aligned base pointers, a contiguous dO, gradients contiguous in the
+  call's layout, the graphs the plan built (one execute per direction).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cudnn_attn as ca
+import cudnn_fake
+import oracle
+from cudnn_attn.core.caches import clear_caches
+from cudnn_attn.graphs import launch
+from cudnn_attn.graphs._emit import UID
+from cudnn_attn.model import masks
+
+F16, F64 = torch.float16, torch.float64
+pytestmark = pytest.mark.skipif(not cudnn_fake.frontend_present(),
+                                reason="nvidia-cudnn-frontend is not installed")
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setattr(masks, "_runtime_lengths", lambda value: isinstance(value, torch.Tensor))
+    state = cudnn_fake.install(monkeypatch)
+    yield state
+    clear_caches()
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    """Each ``DirectCall`` call's answer: ``"ran"`` or ``"declined"`` (``None``: full path)."""
+    seen = []
+    original = launch.DirectCall.__call__
+
+    def spy(self, q, k, v):
+        out = original(self, q, k, v)
+        seen.append("declined" if out is None else "ran")
+        return out
+
+    monkeypatch.setattr(launch.DirectCall, "__call__", spy)
+    return seen
+
+
+def _qkv(B=2, H=2, S=24, D=16, grad=False, seed=0, layout="bhsd"):
+    g = torch.Generator().manual_seed(seed)
+    shape = (B, H, S, D) if layout == "bhsd" else (B, S, H, D)
+    return tuple(torch.randn(shape, generator=g).to(F16).requires_grad_(grad) for _ in range(3))
+
+
+def _reference(q, k, v, layout="bhsd", **visibility):
+    b, s = q.shape[0], q.shape[2] if layout == "bhsd" else q.shape[1]
+    vis = oracle.build_visibility(b, s, s, **visibility) if visibility else None
+    leaves = [t.detach().to(F64).requires_grad_(True) for t in (q, k, v)]
+    out, _ = oracle.reference_attention(*leaves, vis, layout=layout)
+    return out, leaves
+
+
+CASES = {  # name -> (mask, oracle visibility)
+    "dense": (None, {}),
+    "causal": (ca.Causal(), {"causal": "top_left"}),
+    "window": (ca.SlidingWindow(5, 0), {"window": (5, 0)}),
+}
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_and_gradients_through_the_runner_match_the_oracle(fake, direct, case, layout):
+    mask, visibility = CASES[case]
+    q, k, v = _qkv(grad=True, layout=layout)
+    ref, leaves = _reference(q, k, v, layout, **visibility)
+    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1)).to(F16)
+    ref_grads = torch.autograd.grad(ref, leaves, dout.to(F64))
+    for call in range(3):  # the first call prepares the runner, and each runs through it
+        out = ca.attention(q, k, v, mask=mask, layout=layout, backend="cudnn")
+        torch.testing.assert_close(out.to(F64), ref.detach(), atol=2e-3, rtol=2e-3)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got.to(F64), want, atol=5e-3, rtol=5e-3)
+    assert direct == ["ran"] * 3
+    # and so does a call that needs no gradient (a signature, and a runner, of its own)
+    with torch.no_grad():
+        plain = [t.detach() for t in (q, k, v)]
+        for _ in range(2):
+            out = ca.attention(*plain, mask=mask, layout=layout, backend="cudnn")
+            torch.testing.assert_close(out.to(F64), ref.detach(), atol=2e-3, rtol=2e-3)
+    assert direct == ["ran"] * 5
+
+
+def test_grouped_heads_and_a_narrower_value_head_dim(fake, direct):
+    """GQA (dK/dV of the kv heads) and D_v != D_qk (out from the plan's template, not q)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 24, 16, generator=g).to(F16).requires_grad_(True)
+    k = torch.randn(2, 2, 24, 16, generator=g).to(F16).requires_grad_(True)
+    v = torch.randn(2, 2, 24, 8, generator=g).to(F16).requires_grad_(True)
+    ref, leaves = _reference(q, k, v, causal="top_left")
+    want = torch.autograd.grad(ref.square().sum(), leaves)
+    for _ in range(2):
+        out = ca.attention(q, k, v, mask=ca.Causal(), backend="cudnn")
+        assert out.shape == (2, 4, 24, 8) and out.is_contiguous()
+        torch.testing.assert_close(out.to(F64), ref.detach(), atol=2e-3, rtol=2e-3)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        for got, expected in zip(grads, want):
+            torch.testing.assert_close(got.to(F64), expected, atol=1e-2, rtol=1e-2)
+    assert direct == ["ran", "ran"]
+
+
+def test_the_runner_executes_one_graph_per_direction_with_aligned_contiguous_buffers(fake,
+                                                                                     monkeypatch):
+    """Misaligned inputs are copied (cuDNN faults on them); an expanded dO (the gradient of a
+    ``sum``) is bound contiguous; dQ/dK/dV are new contiguous tensors in the call's layout."""
+    seen = []
+    execute = launch.execute
+
+    def recording(built, buffers, device):
+        seen.append((built.backward, dict(buffers)))
+        return execute(built, buffers, device)
+
+    monkeypatch.setattr(launch, "execute", recording)
+    q, k, v = _qkv(grad=True, layout="bshd")
+    base = torch.zeros(q.numel() + 1, dtype=F16)
+    shifted = base[1:].view(q.shape).copy_(q.detach()).requires_grad_(True)  # 2 bytes off
+    assert shifted.data_ptr() % 16
+    for _ in range(2):
+        ca.attention(shifted, k, v, layout="bshd", backend="cudnn")
+    seen.clear()
+    out = ca.attention(shifted, k, v, layout="bshd", backend="cudnn")
+    grads = torch.autograd.grad(out.float().sum(), (shifted, k, v))
+    assert [backward for backward, _ in seen] == [False, True]
+    for _, buffers in seen:
+        assert all(t.data_ptr() % 16 == 0 for t in buffers.values() if t.device.type != "meta")
+    dout = seen[1][1][int(UID.DO)]
+    assert dout.is_contiguous() and dout.shape == out.shape
+    assert all(g.is_contiguous() and g.shape == t.shape for g, t in zip(grads, (q, k, v)))
+    ref, leaves = _reference(q, k, v, "bshd")
+    for got, want in zip(grads, torch.autograd.grad(ref.sum(), leaves)):
+        torch.testing.assert_close(got.to(F64), want, atol=5e-3, rtol=5e-3)
+
+
+def test_calls_it_cannot_take_run_the_full_path_with_the_same_results(fake, direct):
+    q, k, v = _qkv(grad=True)
+    causal, visibility = CASES["causal"]
+    ref, leaves = _reference(q, k, v, **visibility)
+    for _ in range(2):  # prepared: the runner exists for this signature
+        ca.attention(q, k, v, mask=causal, backend="cudnn")
+    direct.clear()
+    # grad mode off on tensors that require grad: the runner declines, no node is recorded
+    with torch.no_grad():
+        out = ca.attention(q, k, v, mask=causal, backend="cudnn")
+    assert direct == ["declined"] and out.grad_fn is None
+    torch.testing.assert_close(out.to(F64), ref.detach(), atol=2e-3, rtol=2e-3)
+    # new strides (q inside a wider buffer): the stride-free signature finds the runner, whose
+    # graphs were built for other strides: it declines, and the call prepares (and runs) a plan
+    # and runner of its own
+    wide = torch.zeros(*q.shape[:3], 2 * q.shape[3], dtype=F16)
+    odd = wide[..., :q.shape[3]].copy_(q.detach()).requires_grad_(True)
+    direct.clear()
+    out = ca.attention(odd, k, v, mask=causal, backend="cudnn")
+    assert direct == ["declined", "ran"]
+    torch.testing.assert_close(out.to(F64), ref.detach(), atol=2e-3, rtol=2e-3)
+    (dq,) = torch.autograd.grad(out.float().sum(), (odd,))
+    (want,) = torch.autograd.grad(ref.sum(), leaves[:1])
+    torch.testing.assert_close(dq.to(F64), want, atol=5e-3, rtol=5e-3)
+
+
+NO_RUNNER = {
+    "static padding": dict(mask=ca.Causal() & ca.Padding([20, 9])),
+    "runtime padding": dict(mask=ca.Causal() & ca.Padding(torch.tensor([20, 9]))),
+    "bias": dict(bias=torch.zeros(1, 2, 24, 24, dtype=F16)),
+    "dropout": dict(dropout_p=0.1),
+    "negative scale": dict(scale=-0.25),
+    "lse": dict(return_lse=True),
+}
+
+
+@pytest.mark.parametrize("name", list(NO_RUNNER))
+def test_calls_that_bind_more_than_q_k_v_get_no_runner(fake, direct, name):
+    q, k, v = _qkv()
+    for _ in range(3):
+        ca.attention(q, k, v, backend="cudnn", **NO_RUNNER[name])
+    assert direct == []
