@@ -19,22 +19,13 @@ import torch
 import cudnn_attn as ca
 import cudnn_fake
 import oracle
-from cudnn_attn.core.caches import clear_caches
+from test_cudnn_host_path import fake  # noqa: F401  (fixture: the fake engine)
 from cudnn_attn.graphs import launch
 from cudnn_attn.graphs._emit import UID
-from cudnn_attn.model import masks
 
 F16, F64 = torch.float16, torch.float64
 pytestmark = pytest.mark.skipif(not cudnn_fake.frontend_present(),
                                 reason="nvidia-cudnn-frontend is not installed")
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    monkeypatch.setattr(masks, "_runtime_lengths", lambda value: isinstance(value, torch.Tensor))
-    state = cudnn_fake.install(monkeypatch)
-    yield state
-    clear_caches()
 
 
 @pytest.fixture
