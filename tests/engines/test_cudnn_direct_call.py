@@ -180,3 +180,19 @@ def test_calls_that_bind_more_than_q_k_v_get_no_runner(fake, direct, name):
     for _ in range(3):
         ca.attention(q, k, v, backend="cudnn", **NO_RUNNER[name])
     assert direct == []
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_any_one_tensor_with_other_strides_is_declined(fake, direct, which):
+    """The runner compares q's, k's and v's strides each: one of them alone inside a wider buffer
+    sends the call to a plan (and runner) of its own, with the oracle's result."""
+    tensors = list(_qkv())
+    ref, _ = _reference(*tensors, causal="top_left")
+    ca.attention(*tensors, mask=ca.Causal(), backend="cudnn")
+    t = tensors[which]
+    wide = torch.zeros(*t.shape[:3], 2 * t.shape[3], dtype=F16)
+    tensors[which] = wide[..., :t.shape[3]].copy_(t)
+    direct.clear()
+    out = ca.attention(*tensors, mask=ca.Causal(), backend="cudnn")
+    assert direct == ["declined", "ran"]
+    torch.testing.assert_close(out.to(F64), ref.detach(), atol=2e-3, rtol=2e-3)
