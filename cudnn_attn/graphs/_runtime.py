@@ -163,10 +163,13 @@ def workspace(size: int, device: torch.device) -> Optional[torch.Tensor]:
     return stream_context(device).workspace(size)
 
 
+ALIGNMENT = 16  # bytes: cuDNN faults on a base pointer aligned less
+
+
 def aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when its base pointer is 16-byte aligned (cuDNN faults otherwise), else a
-    copy with the same strides (the graph was built for them)."""
-    if t.data_ptr() % 16 == 0:
+    """``t`` itself when its base pointer is ``ALIGNMENT``-byte aligned (cuDNN faults
+    otherwise), else a copy with the same strides (the graph was built for them)."""
+    if t.data_ptr() % ALIGNMENT == 0:
         return t
     copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
     return copy.copy_(t)

@@ -167,7 +167,8 @@ def _bias_layout(problem: AttnProblem) -> tuple[tuple, tuple]:
     return dims, tuple(out)
 
 
-def _contiguous_strides(dims: tuple) -> tuple:
+def contiguous_strides(dims) -> tuple:
+    """Row-major strides of a tensor of sizes ``dims`` (the last axis fastest)."""
     out, inner = [0] * len(dims), 1
     for axis in range(len(dims) - 1, -1, -1):
         out[axis], inner = inner, inner * dims[axis]
@@ -304,7 +305,7 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
             # 23) while the forward was right. The backward graph declares the full rows; the
             # plan materialises the bias to them per call (graphs/_runtime.bias_operand).
             bias_dims = (bias_dims[0], bias_dims[1], problem.seq_q, problem.seq_kv)
-            bias_stride = _contiguous_strides(bias_dims)
+            bias_stride = contiguous_strides(bias_dims)
     # The explicit (mask, scale) dropout form: a builder option, or the problem's own.
     mask_dropout = options.dropout_mask or problem.dropout_mask is not None
     dropout = problem.dropout_p > 0 or mask_dropout

@@ -20,6 +20,7 @@ import torch
 
 from ..core.caches import LRU
 from .build_stages import GraphRefused, run_build_stages
+from ._spec import contiguous_strides
 from ._emit import UID, cudnn_module  # one uid space for every graph the engine builds
 
 __all__ = ["UID", "Fp8Limits", "FP8_LIMITS", "Fp8Spec", "FP8_TYPE_NAMES", "fp8_reasons", "emit_fp8",
@@ -145,27 +146,20 @@ def fp8_reasons(spec: Fp8Spec, backward: bool, sm: int, version: int) -> list[st
 # emission
 # ---------------------------------------------------------------------------------------------
 
-def _contiguous(dim) -> list:
-    stride, acc = [0] * len(dim), 1
-    for axis in range(len(dim) - 1, -1, -1):
-        stride[axis], acc = acc, acc * dim[axis]
-    return stride
-
-
 class _Emitter:
     def __init__(self, g, spec: Fp8Spec):
         self.g, self.spec, self.dt = g, spec, cudnn_module().data_type
         self.uids: list[int] = []
 
     def tensor(self, uid: int, dim, dtype: str):
-        t = self.g.tensor(name=f"t{uid}", dim=list(dim), stride=_contiguous(dim),
+        t = self.g.tensor(name=f"t{uid}", dim=list(dim), stride=list(contiguous_strides(dim)),
                           data_type=getattr(self.dt, dtype))
         t.set_uid(int(uid))
         self.uids.append(int(uid))
         return t
 
     def output(self, t, uid: int, dim, dtype: str):
-        t.set_output(True).set_dim(list(dim)).set_stride(_contiguous(dim)).set_uid(int(uid))
+        t.set_output(True).set_dim(list(dim)).set_stride(list(contiguous_strides(dim))).set_uid(int(uid))
         t.set_data_type(getattr(self.dt, dtype))
         self.uids.append(int(uid))
 

@@ -19,6 +19,7 @@ import torch
 
 from . import _runtime, autotune
 from ._emit import UID
+from ._spec import contiguous_strides
 from ..core.autograd_node import record_direct
 
 __all__ = ["execute", "DirectCall"]
@@ -26,7 +27,6 @@ __all__ = ["execute", "DirectCall"]
 _Q, _K, _V, _O, _SCALE, _STATS = (int(UID.Q), int(UID.K), int(UID.V), int(UID.O),
                                   int(UID.SCALE), int(UID.STATS))
 _DO, _DQ, _DK, _DV = int(UID.DO), int(UID.DQ), int(UID.DK), int(UID.DV)
-_ALIGNMENT = 16  # bytes: cuDNN faults on a less aligned base pointer (_runtime.aligned)
 
 
 def execute(built, buffers: dict, device: torch.device) -> None:
@@ -38,14 +38,6 @@ def execute(built, buffers: dict, device: torch.device) -> None:
                 built.tune(buffers, context.workspace, context.shared.bind(context.stream),
                            autotune.cuda_time_ms)
     context.execute(built, buffers, built.workspace_size)
-
-
-def _contiguous_strides(shape) -> tuple:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
 
 
 class DirectCall:
@@ -61,7 +53,7 @@ class DirectCall:
     """
 
     __slots__ = ("forward", "backward", "device", "scale", "strides", "out_like",
-                 "stats_like", "grads_contiguous")
+                 "stats_like", "inputs_contiguous")
 
     def __init__(self, problem, forward, backward, scale: torch.Tensor,
                  out_template: torch.Tensor | None, stats_template: torch.Tensor | None):
@@ -73,8 +65,8 @@ class DirectCall:
         # (an expanded template's; q's when q is contiguous).
         self.out_like = out_template
         self.stats_like = stats_template
-        self.grads_contiguous = all(
-            spec.stride == _contiguous_strides(spec.shape)
+        self.inputs_contiguous = all(
+            spec.stride == contiguous_strides(spec.shape)
             for spec in (problem.q, problem.k, problem.v))
 
     def __call__(self, q, k, v):
@@ -91,16 +83,16 @@ class DirectCall:
     def _new_out(self, q: torch.Tensor) -> torch.Tensor:
         if self.out_like is not None:
             return torch.empty_like(self.out_like)
-        if self.grads_contiguous:
+        if self.inputs_contiguous:
             return torch.empty_like(q)
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     def _bind(self, q, k, v, out) -> dict:
-        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % _ALIGNMENT:  # rare: copies
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % _runtime.ALIGNMENT:  # rare: copies
             q, k, v = _runtime.aligned(q), _runtime.aligned(k), _runtime.aligned(v)
         return {_Q: q, _K: k, _V: v, _SCALE: self.scale, _O: out}
 
-    # -- the autograd node's two halves (core.execution.record_direct) ----------------------------
+    # -- the autograd node's two halves (core.autograd_node.record_direct) ----------------------------
     def record(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, stats)`` of the forward with stats (``[B, H, S_q, 1]`` fp32)."""
         out, stats = self._new_out(q), torch.empty_like(self.stats_like)
@@ -111,7 +103,7 @@ class DirectCall:
 
     def gradients(self, q, k, v, out, stats, dout) -> tuple:
         """``(dq, dk, dv)`` from the forward's ``out`` and ``stats``."""
-        if self.grads_contiguous:
+        if self.inputs_contiguous:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         else:
             contiguous = torch.contiguous_format
