@@ -6,12 +6,15 @@ CPU through the stand-in executor of ``cudnn_fake`` (float64 from the buffers ea
   and gradients;
 * every call it cannot take (another mask kind with tensors, bias, dropout, a negative scale,
   return_lse, new strides, ``torch.no_grad`` on tensors that require grad) takes the full path,
-  with the same results;
+  with the same results; a plan whose graphs read a tile mask, ragged offsets or page tables has
+  no runner, and varlen and paged-cache calls never reach one;
 * what it binds: 16-byte aligned base pointers, a contiguous dO, gradients contiguous in the
   call's layout, the graphs the plan built (one execute per direction).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -20,7 +23,13 @@ import cudnn_attn as ca
 import cudnn_fake
 import oracle
 from test_cudnn_host_path import fake  # noqa: F401  (fixture: the fake engine)
+from cudnn_attn.core import dispatch
 from cudnn_attn.graphs import launch
+from cudnn_attn.graphs._spec import PagedKV
+from cudnn_attn.graphs.backend import CudnnPlan
+from cudnn_attn.model.problem import AttnProblem
+from cudnn_attn.packed import calls
+from cudnn_attn.varlen import attention_varlen, attention_with_kvcache
 from cudnn_attn.graphs._emit import UID
 
 F16, F64 = torch.float16, torch.float64
@@ -196,3 +205,49 @@ def test_any_one_tensor_with_other_strides_is_declined(fake, direct, which):
     out = ca.attention(*tensors, mask=ca.Causal(), backend="cudnn")
     assert direct == ["declined", "ran"]
     torch.testing.assert_close(out.to(F64), ref.detach(), atol=2e-3, rtol=2e-3)
+
+
+SPEC_FEATURES = {  # a graph-spec field that binds tensors beyond q, k, v -> a value that sets it
+    "tile mask": ("block_mask", True),
+    "packed storage": ("ragged", True),
+    "paged storage": ("paged", PagedKV(num_blocks=4, page_size=8)),
+}
+
+
+@pytest.mark.parametrize("name", list(SPEC_FEATURES))
+def test_a_plan_whose_graphs_read_a_tile_mask_or_packed_or_paged_storage_has_no_runner(fake,
+                                                                                      name):
+    """The rule itself (``CudnnPlan.direct``), on the plain call's own spec with one field set:
+    a runner would bind q, k, v alone to graphs that also read a bit mask, ragged offsets or
+    page tables. (Such calls reach the engine through ``cudnn_attn.varlen`` and the cuDNN
+    builder, not through ``attention``'s signature cache; this checks the plan, which every
+    entry point asks.)"""
+    q, k, v = _qkv(grad=True)
+    problem = AttnProblem.from_tensors(q, k, v, mask=ca.Causal())
+    _, plan = dispatch.plan_for(problem, "cudnn")
+    assert isinstance(plan.direct(problem), launch.DirectCall)  # the plain call has one
+    field, value = SPEC_FEATURES[name]
+    assert CudnnPlan(problem, dataclasses.replace(plan.spec, **{field: value})).direct(
+        problem) is None
+
+
+def test_varlen_and_paged_cache_calls_never_reach_a_runner(fake, direct, monkeypatch):
+    """End to end: packed (``attention_varlen``) and paged (``attention_with_kvcache``) calls,
+    repeated, run through their plans' full path only."""
+    monkeypatch.setattr(calls, "on_accelerator", lambda t: isinstance(t, torch.Tensor))
+    lens = (5, 11)
+    g = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+    packed = [torch.randn(sum(lens), 2, 16, generator=g).to(F16) for _ in range(3)]
+    page, pages = 8, 4
+    pools = [torch.randn(pages, page, 2, 16, generator=g).to(F16) for _ in range(2)]
+    table = torch.arange(pages, dtype=torch.int32).view(2, 2)
+    q1 = torch.randn(2, 1, 2, 16, generator=g).to(F16)
+    for _ in range(3):
+        attention_varlen(*packed, cu, cu, max(lens), max(lens), mask=ca.Causal(),
+                         backend="cudnn")
+        attention_with_kvcache(q1, *pools, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                               block_table=table, backend="cudnn")
+    assert direct == []
+    kinds = {(spec.ragged, spec.paged is not None) for spec, _ in fake[1]}
+    assert kinds == {(True, False), (False, True)}  # both ran on cuDNN's (fake) graphs
