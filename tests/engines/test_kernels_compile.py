@@ -8,8 +8,11 @@ job of the GPU-marked tests.
 Every kernel, head dim, build and arch compiles; of each fp16/bf16 pair of a variant (one
 template, the storage type's conversions and mma type apart: the same registers and spills in
 every record of the full sweep) one compiles per arch, the other on the other arch where both
-archs have the variant (``sampled_programs``; ``CUDNN_ATTN_FULL_SWEEP=1`` compiles every
-variant for every arch, and so does ``benchmarks/gpu_proof.py --prebuild`` for the device's).
+archs have the variant. The plain fused build's fp16/bf16 variants, which a launch takes only
+under ``CUDNN_ATTN_FUSED_PIPELINED=0`` (16-bit inputs take the pipelined build on every arch the
+kernels support), compile on one arch, ``OPT_OUT_ARCH`` (``sampled_programs``;
+``CUDNN_ATTN_FULL_SWEEP=1`` compiles every variant for every arch, and so does
+``benchmarks/gpu_proof.py --prebuild`` for the device's).
 """
 
 import re
@@ -23,14 +26,24 @@ from cudnn_attn.fallback_kernels import _loader
 
 ARCHS = ("sm_80", "sm_90")
 TWINS = ("na_half", "na_bf16")
+OPT_OUT_ARCH = "sm_80"  # the cheaper ptxas (sm_90 takes twice as long on the fused kernels)
 _ALL_PROGRAMS = fallback_kernels.kernel_programs  # before any test patches it
+
+
+def opt_out_only(name: str, kernel: str) -> bool:
+    """Whether a variant is one of the plain fused build's fp16/bf16 ones (the build a 16-bit
+    launch takes only under ``CUDNN_ATTN_FUSED_PIPELINED=0``)."""
+    return name == "fused" and _kind(kernel)[1] in TWINS
 
 
 def sampled_programs(arch: str) -> dict:
     """``kernel_programs(arch)`` with one variant of each fp16/bf16 pair, alternating along the
-    pairs (so along the head dims of a kernel) and between the archs."""
+    pairs (so along the head dims of a kernel) and between the archs; the opt-out build's
+    16-bit variants on ``OPT_OUT_ARCH`` only."""
     programs = {}
     for name, variants in _ALL_PROGRAMS(arch).items():
+        if arch != OPT_OUT_ARCH and not FULL:
+            variants = [v for v in variants if not opt_out_only(name, v.kernel)]
         twins: dict[str, list] = {}
         for variant in variants:
             twins.setdefault(variant.kernel.replace(TWINS[1], TWINS[0]), []).append(variant)
@@ -66,7 +79,8 @@ def test_the_sample_compiles_every_kernel_head_dim_and_type_for_every_arch():
         full, sampled = _ALL_PROGRAMS(arch), sampled_programs(arch)
         assert list(sampled) == list(full)
         for name, variants in full.items():
-            ids = {v.kernel for v in variants}
+            ids = {v.kernel for v in variants
+                   if arch == OPT_OUT_ARCH or FULL or not opt_out_only(name, v.kernel)}
             kept[arch, name] = {v.kernel for v in sampled[name]}
             # every kernel at every head dim (its storage type as T), every fp32/fp64 variant
             assert {_kind(k)[0] for k in kept[arch, name]} == {_kind(k)[0] for k in ids}
@@ -77,9 +91,13 @@ def test_the_sample_compiles_every_kernel_head_dim_and_type_for_every_arch():
                     assert ({_kind(k)[1] for k in kept[arch, name] if _family(k) == family}
                             == {_kind(k)[1] for k in ids if _family(k) == family}), family
     for name in set(_ALL_PROGRAMS("sm_80")) & set(_ALL_PROGRAMS("sm_90")):
-        # a module both archs compile: each variant on one arch or the other
-        assert kept["sm_80", name] | kept["sm_90", name] == {
-            v.kernel for v in _ALL_PROGRAMS("sm_80")[name]}
+        # a module both archs compile: each variant on one arch or the other (of the opt-out
+        # build's fp16/bf16 pairs, one)
+        every = {v.kernel for v in _ALL_PROGRAMS("sm_80")[name]}
+        both = kept["sm_80", name] | kept["sm_90", name]
+        assert {k for k in every if not opt_out_only(name, k)} <= both <= every
+        assert {_kind(k)[0] for k in both} == {_kind(k)[0] for k in every}
+    assert any(opt_out_only("fused", k) for k in kept[OPT_OUT_ARCH, "fused"])
 
 
 def test_every_variant_compiles_with_a_record(records):
@@ -136,11 +154,13 @@ def test_unfused_kernels_include_double():
 
 def test_half_kernels_use_tensor_cores(records):
     # mma.sync must be in the fp16/bf16 fused forward; fp32 must not silently use tf32.
-    module = __import__("cudnn_attn.fallback_kernels.fused", fromlist=["SOURCE"])
     # The program compile_all built for the 16-bit forward at head dim 64 (memoized: compiles
-    # nothing more).
+    # nothing more): the plain build's where this arch compiles it, else the pipelined build's.
+    module = __import__("cudnn_attn.fallback_kernels.fused" if records[0].arch == OPT_OUT_ARCH
+                        else "cudnn_attn.fallback_kernels.fused_pipelined", fromlist=["SOURCE"])
     (expression,) = [r.expression for r in records
-                     if re.fullmatch(r"na_fused_forward<na_(half|bf16),64>", r.kernel)]
+                     if re.fullmatch(r"na_fused_forward<na_(half|bf16),64>(/pipelined)?", r.kernel)
+                     and ("pipelined" in r.kernel) != (records[0].arch == OPT_OUT_ARCH)]
     program = _loader.compile_program(module.SOURCE, module.DEFINES, [expression],
                                       records[0].arch)
     text = _loader.source_text(module.SOURCE, module.DEFINES)
