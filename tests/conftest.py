@@ -11,6 +11,13 @@ for _p in (_ROOT, _HERE, *_LAYERS):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+# Bytecode is cached even where PYTHONDONTWRITEBYTECODE is set (this machine sets it): otherwise
+# every pytest process of the suite (two workers, and the pytest runs the GPU proof's smoke tests
+# start) rewrites the asserts of and compiles all ~250 test modules again, ~15 s of CPU each;
+# the subprocesses inherit the setting. (__pycache__ is ignored by git.)
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 # NVRTC cubins compiled by the tests go to a throwaway directory, not the user's cache.
 if "CUDNN_ATTN_CUBIN_CACHE" not in os.environ:
     import atexit
@@ -33,3 +40,27 @@ if importlib.util.find_spec("cudnn") is not None:
         driver_standin.ensure_driver()
     except driver_standin.DriverUnavailable:
         pass
+
+
+# The files that take longest (seconds of a 2-core run under ``-n 2 --dist loadfile``), started
+# first: pytest-xdist hands files out in collection order, so a long file collected late would
+# run alone while the other worker sits idle at the end (longest first packs two workers best).
+LONGEST_FIRST = (
+    "engines/test_kernels_compile.py",      # ~300 s: NVRTC + ptxas, two threads
+    "engines/test_emulation_16bit.py",      # ~170 s: g++ host builds of the kernels
+    "engines/test_emulation_mutations.py",  # ~155 s
+    "tools/test_gpu_proof.py",              # ~140 s: subprocess runs of the proof
+    "tools/test_gpu_proof_survival.py",     # ~110 s
+    "surfaces/test_natten_grids.py",        # ~100 s
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        path = item.path.as_posix()
+        for i, suffix in enumerate(LONGEST_FIRST):
+            if path.endswith("tests/" + suffix):
+                return i
+        return len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their order

@@ -333,6 +333,7 @@ def test_score_mod_graphs_run_as_the_problem_means(kw, fake_cudnn):
 # -- deviceless execution plans: every new graph kind, on every architecture ---------------------
 
 from deviceless_plans import TARGETS, assert_plans, deviceless  # noqa: E402,F401  (fixture)
+from full_sweep import rotate  # noqa: E402
 
 SCORE_MOD_FAMILIES = {
     "softcap": dict(softcap=30.0),
@@ -345,9 +346,17 @@ SCORE_MOD_FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("target", TARGETS)
-@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
-@pytest.mark.parametrize("name", list(SCORE_MOD_FAMILIES))
+# Each family and direction on the first target and one more, rotating with the family so that
+# every family meets every target and each direction meets each target (``full_sweep.rotate``;
+# ``CUDNN_ATTN_FULL_SWEEP=1``: every target): 28 of the 42 plan builds, sm_100's the slowest.
+SCORE_MOD_PLANS = [pytest.param(name, backward, target,
+                                id=f"{name}-{'bwd' if backward else 'fwd'}-{target}")
+                   for f, name in enumerate(SCORE_MOD_FAMILIES)
+                   for backward in (False, True)
+                   for target in rotate(TARGETS, f + backward)]
+
+
+@pytest.mark.parametrize("name, backward, target", SCORE_MOD_PLANS)
 def test_score_mod_graphs_plan_where_the_engine_claims_them(name, backward, target, deviceless):
     problem = _problem((2, 4, 256, 64), **SCORE_MOD_FAMILIES[name])
     if backward:
