@@ -52,6 +52,13 @@ LONGEST_FIRST = (
     "tools/test_gpu_proof.py",              # ~140 s: subprocess runs of the proof
     "tools/test_gpu_proof_survival.py",     # ~110 s
     "surfaces/test_natten_grids.py",        # ~100 s
+    "surfaces/test_transformers_static_packed.py",  # ~90 s: torch.compile of generation
+    "tools/test_docs_run.py",               # ~90 s: a fresh interpreter per block
+    "engines/test_score_mods.py",           # ~60 s
+    "tracing/test_compile.py",              # ~60 s
+    "tools/test_selftest_isolation.py",     # ~55 s, mostly waiting on a hung engine's timeout
+    "surfaces/test_natten_peer.py",         # ~50 s
+    "surfaces/test_distributed.py",         # ~40 s: torchrun processes
 )
 
 

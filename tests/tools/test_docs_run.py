@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -41,19 +39,48 @@ def test_the_docs_have_python_blocks():
     assert "README.md" in where and len(BLOCKS) >= 8, sorted(where)
 
 
+@pytest.fixture(scope="module")
+def fresh_python():
+    """Each block as ``python -c`` in a process of its own (forked from one that imported torch
+    only: ``fresh_python``), on the CPU, offline."""
+    from fresh_python import FreshPython
+
+    return FreshPython({**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "",
+                        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                        "OMP_NUM_THREADS": "1"})
+
+
 @pytest.mark.parametrize("name, code", BLOCKS, ids=[name for name, _ in BLOCKS])
-def test_python_block_runs_on_its_own(name, code, tmp_path):
+def test_python_block_runs_on_its_own(name, code, tmp_path, fresh_python):
     first = code.lstrip().splitlines()[0].strip() if code.strip() else ""
     compile(code, name, "exec")  # every block is valid Python, skipped ones included
     if first in SKIP_MARKERS:
         return
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": "",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "CUDNN_ATTN_CACHE_DIR": str(tmp_path / "graphs"),
-           "CUDNN_ATTN_CACHE_KEY_FILE": str(tmp_path / "graph-cache.key")}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{name} failed on its own:\n{proc.stderr[-3000:]}"
+    log = tmp_path.parent / f"{tmp_path.name}.log"  # the block's folder holds what it writes
+    status = fresh_python.run(code, tmp_path, log, env={
+        "CUDNN_ATTN_CACHE_DIR": str(tmp_path / "graphs"),
+        "CUDNN_ATTN_CACHE_KEY_FILE": str(tmp_path / "graph-cache.key")})
+    assert status == 0, f"{name} failed on its own:\n{log.read_text()[-3000:]}"
+
+
+def test_a_block_runs_in_a_fresh_process_and_its_failure_shows(fresh_python, tmp_path):
+    """The runner itself: a new ``__main__`` and working directory per block, the environment
+    given, the exit status and the traceback of a failing block."""
+    log = tmp_path / "out.log"
+    probe = ("import os, sys, torch\n"
+             "assert 'cudnn_attn' not in sys.modules and 'pytest' not in sys.modules\n"
+             "assert os.getcwd() == os.environ['WANT_CWD'] and sys.argv == ['-c']\n"
+             "assert sys.path[0] == '' and os.environ['OMP_NUM_THREADS'] == '1'\n"
+             "leftover = globals().get('leftover')\n"
+             "assert leftover is None, leftover\n"
+             "print('ran'); leftover = 1\n")
+    for _ in range(2):  # the second run must not see the first one's globals
+        assert fresh_python.run(probe, tmp_path, log, env={"WANT_CWD": str(tmp_path)}) == 0, \
+            log.read_text()
+        assert log.read_text() == "ran\n"
+    assert fresh_python.run("import sys; sys.exit(3)", tmp_path, log) == 3
+    assert fresh_python.run("1 / 0", tmp_path, log) == 1
+    assert "ZeroDivisionError" in log.read_text()
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,92 @@
+"""``python -c CODE`` in a fresh process, without paying torch's import each time.
+
+A test that runs many small programs, each on its own (the docs' python blocks), spends most of
+its time importing torch, ~3 s of CPU per interpreter. ``FreshPython`` keeps one
+``multiprocessing`` fork server that imported torch (and nothing of the package or the tests)
+and forks each program from it: a process of its own, with its own working directory,
+environment, ``sys.path`` (that of ``python -c`` under that environment), ``sys.argv`` and
+``__main__``, its stdout and stderr (file descriptors included) in a log file.
+
+What differs from a new interpreter: torch and the standard modules it imports are already in
+``sys.modules``, the thread count torch's OpenMP read at import is the server's (start it with
+the ``OMP_NUM_THREADS`` the programs will have), and ``atexit`` handlers do not run at the end.
+Stdlib only at import: this module is what the server imports besides torch.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _run(code: str, cwd: str, env: dict, path: list, log: str) -> None:
+    """In a child of the server: run ``code`` as ``python -c`` would; the exit code is the
+    program's (1 after an uncaught exception, whose traceback goes to the log)."""
+    import traceback
+    import types
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = path
+    sys.argv = ["-c"]
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    status = 0
+    try:
+        exec(compile(code, "<string>", "exec"), main.__dict__)
+    except SystemExit as exit_:
+        code_ = exit_.code
+        status = code_ if isinstance(code_, int) else (0 if code_ is None else 1)
+        if not isinstance(code_, int) and code_ is not None:
+            print(code_, file=sys.stderr)
+    except BaseException:  # noqa: BLE001  (reported as the interpreter would)
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+class FreshPython:
+    """Runs programs as ``python -c`` under one environment; see the module's docstring."""
+
+    def __init__(self, env: dict):
+        self.env = dict(env)
+        probe = subprocess.run(
+            [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path))"],
+            env=self.env, capture_output=True, text=True, check=True)
+        self.path = json.loads(probe.stdout)
+        self._context = multiprocessing.get_context("forkserver")
+        self._context.set_forkserver_preload(["torch", __name__])
+        # The server starts with the first program, from this environment (what torch reads as
+        # it loads, OpenMP's thread count among it).
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(self.env)
+        try:
+            self.run("pass", Path.cwd(), os.devnull)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    def run(self, code: str, cwd, log, timeout: float = 600.0, env: dict | None = None) -> int:
+        """The exit code of ``code`` run in ``cwd`` (with ``env`` added to the environment),
+        its output in the file ``log``; a program still running after ``timeout`` seconds is
+        killed and reported as -9."""
+        process = self._context.Process(
+            target=_run, args=(code, str(cwd), {**self.env, **(env or {})}, self.path, str(log)))
+        process.start()
+        process.join(timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()
+            return -9
+        return process.exitcode
