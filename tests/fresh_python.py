@@ -23,15 +23,15 @@ import sys
 from pathlib import Path
 
 
-def _run(code: str, cwd: str, env: dict, path: list, log: str) -> None:
+def _run(code: str, cwd: str, env: dict, path: list, log: str, err_log: str | None) -> None:
     """In a child of the server: run ``code`` as ``python -c`` would; the exit code is the
-    program's (1 after an uncaught exception, whose traceback goes to the log)."""
+    program's (1 after an uncaught exception, whose traceback goes to stderr)."""
     import traceback
     import types
 
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    os.dup2(os.open(log, flags, 0o644), 1)
+    os.dup2(os.open(err_log, flags, 0o644) if err_log else 1, 2)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -77,12 +77,14 @@ class FreshPython:
             os.environ.clear()
             os.environ.update(saved)
 
-    def run(self, code: str, cwd, log, timeout: float = 600.0, env: dict | None = None) -> int:
+    def run(self, code: str, cwd, log, timeout: float = 600.0, env: dict | None = None,
+            err_log=None) -> int:
         """The exit code of ``code`` run in ``cwd`` (with ``env`` added to the environment),
-        its output in the file ``log``; a program still running after ``timeout`` seconds is
-        killed and reported as -9."""
+        its stdout in the file ``log`` and its stderr there too, or in ``err_log``; a program
+        still running after ``timeout`` seconds is killed and reported as -9."""
         process = self._context.Process(
-            target=_run, args=(code, str(cwd), {**self.env, **(env or {})}, self.path, str(log)))
+            target=_run, args=(code, str(cwd), {**self.env, **(env or {})}, self.path, str(log),
+                               None if err_log is None else str(err_log)))
         process.start()
         process.join(timeout)
         if process.is_alive():

@@ -5,9 +5,7 @@ any work."""
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
@@ -49,56 +47,30 @@ def test_every_option_has_help_text(name, monkeypatch):
     assert parser.description and not parser.description.rstrip().endswith(("(", ",", "the"))
 
 
-# Runs each example as ``python EXAMPLE --help`` would (``__main__``, that argv, in a folder of
-# its own), one after the other in one fresh interpreter: one start of torch for all of them, not
-# one each (a tenth of the suite's subprocess time). Prints nothing itself; the results go to a
-# JSON file, so anything an example starts that writes to the process's stdout shows.
-_HELP_DRIVER = """
-import contextlib, io, json, os, runpy, sys
-work, target = json.loads(sys.argv[1]), sys.argv[2]
-results = {}
-for name, path, folder in work:
-    os.chdir(folder)
-    sys.argv = [path, "--help"]
-    out, err, code = io.StringIO(), io.StringIO(), None
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_path(path, run_name="__main__")
-        except SystemExit as exit_:
-            code = exit_.code
-        except BaseException as exc:  # noqa: BLE001  (reported, not raised: the others still run)
-            code = f"raised {exc!r}"
-    results[name] = {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
-with open(target, "w") as f:
-    json.dump(results, f)
-"""
-
-
 @pytest.fixture(scope="module")
-def help_runs(tmp_path_factory):
-    """name -> ``{"code", "stdout", "stderr", "folder"}`` of each example's ``--help``."""
-    root = tmp_path_factory.mktemp("help")
-    work = [(name, str(EXAMPLES / f"{name}.py"), str(root / name)) for name in SCRIPTS]
-    for _, _, folder in work:
-        Path(folder).mkdir()
-    result = root / "results.json"
-    proc = subprocess.run([sys.executable, "-c", _HELP_DRIVER, json.dumps(work), str(result)],
-                          cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout == "", proc.stdout + proc.stderr
-    runs = json.loads(result.read_text())
-    for name, _, folder in work:
-        runs[name]["folder"] = Path(folder)
-    return runs
+def fresh_python():
+    """Each example's ``--help`` in a process of its own, forked from one that imported torch
+    (``fresh_python``): one start of torch for all of them."""
+    from fresh_python import FreshPython
+
+    return FreshPython(dict(os.environ))
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_help_only_prints(name, help_runs):
+def test_help_only_prints(name, fresh_python, tmp_path):
     """``--help`` prints usage and exits 0 without running anything (context_parallel used to
     start its processes) and without writing anything."""
-    run = help_runs[name]
-    assert run["code"] in (0, None), run["stderr"]
-    assert run["stdout"].startswith("usage:") and "rank" not in run["stdout"].split("options:")[0]
-    assert list(run["folder"].iterdir()) == []
+    script = EXAMPLES / f"{name}.py"
+    as_python_runs_it = (f"import runpy, sys\nsys.argv = [{str(script)!r}, '--help']\n"
+                         f"sys.path[0] = {str(script.parent)!r}\n"
+                         f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
+    work, out, err = tmp_path / "work", tmp_path / "stdout", tmp_path / "stderr"
+    work.mkdir()
+    status = fresh_python.run(as_python_runs_it, work, out, timeout=120, err_log=err)
+    assert status == 0, err.read_text()
+    stdout = out.read_text()
+    assert stdout.startswith("usage:") and "rank" not in stdout.split("options:")[0]
+    assert list(work.iterdir()) == []
 
 
 @pytest.mark.parametrize("name, argv, match", [
