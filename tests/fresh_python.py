@@ -1,7 +1,7 @@
 """``python -c CODE`` in a fresh process, without paying torch's import each time.
 
-A test that runs many small programs, each on its own (the docs' python blocks), spends most of
-its time importing torch, ~3 s of CPU per interpreter. ``FreshPython`` keeps one
+A test that runs many small programs, each on its own (the docs' python blocks, the examples'
+``--help``), spends most of its time importing torch, ~3 s of CPU per interpreter. ``FreshPython`` keeps one
 ``multiprocessing`` fork server that imported torch (and nothing of the package or the tests)
 and forks each program from it: a process of its own, with its own working directory,
 environment, ``sys.path`` (that of ``python -c`` under that environment), ``sys.argv`` and
@@ -43,10 +43,11 @@ def _run(code: str, cwd: str, env: dict, path: list, log: str, err_log: str | No
     try:
         exec(compile(code, "<string>", "exec"), main.__dict__)
     except SystemExit as exit_:
-        code_ = exit_.code
-        status = code_ if isinstance(code_, int) else (0 if code_ is None else 1)
-        if not isinstance(code_, int) and code_ is not None:
-            print(code_, file=sys.stderr)
+        if exit_.code is None or isinstance(exit_.code, int):
+            status = exit_.code or 0
+        else:  # sys.exit("message"): printed, status 1
+            print(exit_.code, file=sys.stderr)
+            status = 1
     except BaseException:  # noqa: BLE001  (reported as the interpreter would)
         traceback.print_exc()
         status = 1
@@ -92,3 +93,11 @@ class FreshPython:
             process.join()
             return -9
         return process.exitcode
+
+    def run_script(self, script: Path, args: list, cwd, log, **options) -> int:
+        """``run`` of ``python SCRIPT ARGS...``: that argv, the script's folder first on
+        ``sys.path``, the script as ``__main__``."""
+        code = (f"import runpy, sys\nsys.argv = {[str(script), *args]!r}\n"
+                f"sys.path[0] = {str(script.parent)!r}\n"
+                f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
+        return self.run(code, cwd, log, **options)

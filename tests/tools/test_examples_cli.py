@@ -60,13 +60,10 @@ def fresh_python():
 def test_help_only_prints(name, fresh_python, tmp_path):
     """``--help`` prints usage and exits 0 without running anything (context_parallel used to
     start its processes) and without writing anything."""
-    script = EXAMPLES / f"{name}.py"
-    as_python_runs_it = (f"import runpy, sys\nsys.argv = [{str(script)!r}, '--help']\n"
-                         f"sys.path[0] = {str(script.parent)!r}\n"
-                         f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
     work, out, err = tmp_path / "work", tmp_path / "stdout", tmp_path / "stderr"
     work.mkdir()
-    status = fresh_python.run(as_python_runs_it, work, out, timeout=120, err_log=err)
+    status = fresh_python.run_script(EXAMPLES / f"{name}.py", ["--help"], work, out,
+                                     timeout=120, err_log=err)
     assert status == 0, err.read_text()
     stdout = out.read_text()
     assert stdout.startswith("usage:") and "rank" not in stdout.split("options:")[0]
