@@ -26,3 +26,12 @@ def cuda_missing() -> list[str]:
     if not torch.cuda.is_available():
         return ["no CUDA device is available to torch"]
     return []
+
+
+def capturing() -> bool:
+    """Whether torch's current CUDA stream is being captured into a CUDA graph (the C function
+    behind ``torch.cuda.is_current_stream_capturing``: one Python frame less per call)."""
+    try:
+        return torch._C._cuda_isCurrentStreamCapturing()
+    except (AttributeError, RuntimeError):  # a torch built without CUDA captures nothing
+        return False

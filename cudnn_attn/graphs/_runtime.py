@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from ..core.caches import LRU
+from ..core.probe import capturing
+from ..model.inputs import position_index, sequence_axis
 
 if TYPE_CHECKING:  # annotations only: _spec imports the runtime's users
     from ._spec import Band, GraphSpec
@@ -38,7 +40,7 @@ if TYPE_CHECKING:  # annotations only: _spec imports the runtime's users
 __all__ = ["DeviceHandle", "StreamContext", "stream_context", "handle_for", "workspace",
            "capturing", "ScalarCache", "LengthCache", "device_lengths", "ragged_offsets",
            "token_rows", "page_tables", "aligned", "philox_tensors", "positive_scale",
-           "scaled_same_strides", "empty_rows", "padded_rows"]
+           "scaled_same_strides", "empty_rows", "padded_rows", "empty_views"]
 
 # device index -> DeviceHandle: the device's one cuDNN handle.
 _HANDLES = LRU("cudnn.handles", 64)
@@ -59,15 +61,6 @@ def _raw_stream(index: int) -> int:
 
 def _current_device() -> int:
     return torch.cuda.current_device()
-
-
-def capturing() -> bool:
-    """Whether torch's current CUDA stream is being captured into a CUDA graph (the C function
-    behind ``torch.cuda.is_current_stream_capturing``: one Python frame less per call)."""
-    try:
-        return torch._C._cuda_isCurrentStreamCapturing()
-    except (AttributeError, RuntimeError):  # a torch built without CUDA captures nothing
-        return False
 
 
 class DeviceHandle:
@@ -237,10 +230,14 @@ class ScalarCache:
         return found
 
 
+_OFFSETS = ScalarCache(torch.int64)
+
+
 class LengthCache:
-    """Per padding-length tuple: device ``seq_len_q``/``seq_len_kv`` and the empty-row mask,
-    copied to the device once per value set (shared LRU ``cudnn.lengths``, keyed by the graph
-    spec too, behind a small dict of this cache's own)."""
+    """Per padding-length tuple: device ``seq_len_q``/``seq_len_kv`` and the rows that see no
+    key (``[B, S_q]``, and its ``empty_views``, or ``None`` when every row sees one), copied to
+    the device once per value set (shared LRU ``cudnn.lengths``, keyed by the graph spec too,
+    behind a small dict of this cache's own)."""
 
     __slots__ = ("_spec", "_local")
     _LOCAL_MAX = 64
@@ -250,6 +247,7 @@ class LengthCache:
         self._local: dict = {}
 
     def get(self, lens_q: tuple, lens_kv: tuple, device: torch.device):
+        """``(seq_len_q, seq_len_kv, empty, views)`` of these lengths on ``device``."""
         key = (lens_q, lens_kv, device)
         found = self._local.get(key)
         if found is None:
@@ -261,19 +259,21 @@ class LengthCache:
         return found
 
     def _make(self, lens_q, lens_kv, device):
-
         b = self._spec.batch
         host = torch.tensor([lens_q, lens_kv], dtype=torch.int32).view(2, b, 1, 1, 1)
         lens = host.to(device, non_blocking=False)  # once per value set (then cached)
         empty = padded_rows(self._spec, lens_q, lens_kv)
-        empty_dev = empty.to(device) if bool(empty.any()) else None
-        return lens[0], lens[1], empty_dev
+        if not bool(empty.any()):
+            return lens[0], lens[1], None, None
+        empty = empty.to(device)
+        return lens[0], lens[1], empty, empty_views(self._spec, empty)
 
 
 def philox_tensors(state) -> tuple[torch.Tensor, torch.Tensor]:
-    """cuDNN's pass-by-value Philox ``(seed, offset)`` tensors of a call's ``DropoutState``."""
+    """cuDNN's pass-by-value Philox ``(seed, offset)`` tensors of a call's ``DropoutState``: a
+    fresh seed per call, the offset (0 unless a surface replays a stream) from a cache."""
     return (torch.full((1, 1, 1, 1), state.seed, dtype=torch.int64),
-            torch.full((1, 1, 1, 1), state.offset, dtype=torch.int64))
+            _OFFSETS.get(state.offset))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,14 +284,12 @@ def _int32(t: torch.Tensor, shape: tuple) -> torch.Tensor:
     return aligned(t.to(torch.int32).contiguous().view(shape))
 
 
-def device_lengths(spec, padding, device):
-    """``(seq_len_q, seq_len_kv, empty)`` of a ``Padding`` with runtime (device) lengths:
-    ``[B, 1, 1, 1]`` int32 graph inputs and the ``[B, S_q]`` bool of rows that see no key."""
-
-    b = spec.batch
+def device_lengths(spec, padding, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(seq_len_q, seq_len_kv)`` of a ``Padding`` with runtime (device) lengths: the
+    ``[B, 1, 1, 1]`` int32 graph inputs (``padded_rows`` of them: the rows that see no key)."""
+    shape = (spec.batch, 1, 1, 1)
     lens_q, lens_kv = padding.tensors(device)
-    return (_int32(lens_q, (b, 1, 1, 1)), _int32(lens_kv, (b, 1, 1, 1)),
-            padded_rows(spec, lens_q, lens_kv))
+    return _int32(lens_q, shape), _int32(lens_kv, shape)
 
 
 def ragged_offsets(spec, storage) -> dict:
@@ -350,5 +348,14 @@ def padded_rows(spec: GraphSpec, lens_q, lens_kv) -> torch.Tensor:
     device = lens_q.device if isinstance(lens_q, torch.Tensor) else None
     # Compared against an int64 arange as they are (int32 device lengths need no cast kernel).
     lq, lkv = (torch.as_tensor(n, device=device).view(b, 1) for n in (lens_q, lens_kv))
-    i = torch.arange(spec.seq_q, dtype=torch.int64, device=device).view(1, -1)
-    return empty_rows(spec.band, i, lq, lkv)
+    return empty_rows(spec.band, position_index(spec.seq_q, lq.device), lq, lkv)
+
+
+def empty_views(spec: GraphSpec, empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows that see no key broadcast against out and stats: ``[B, S_q]`` against out (the
+    call's layout) and stats ``[B, H, S_q, 1]``; packed (``[total_q]``) against
+    ``[total_q, H, *]`` both."""
+    if spec.ragged:
+        rows = empty.view(-1, 1, 1)
+        return rows, rows
+    return sequence_axis(empty, spec.layout), sequence_axis(empty, "bhsd")

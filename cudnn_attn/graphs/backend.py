@@ -239,7 +239,11 @@ class CudnnPlan:
             self._get(problem, "backward")
 
     # -- runtime inputs ------------------------------------------------------------------------
-    def _common(self, problem, q, k, v, bias, device) -> tuple[dict, Optional[torch.Tensor]]:
+    def _common(self, problem, q, k, v, bias, device, forward: bool,
+                ) -> tuple[dict, Optional[tuple[torch.Tensor, torch.Tensor]]]:
+        """The buffers every graph of the plan binds (q, k, v, scale, bias, lengths, ragged
+        offsets, page tables) and, for a ``forward``, the ``empty_views`` of the rows that see
+        no key (``None`` when none can)."""
         if problem.dropout_p != self.dropout_p:
             raise ValueError(f"this plan was built for dropout_p={self.dropout_p}, got "
                              f"{problem.dropout_p}")
@@ -250,24 +254,31 @@ class CudnnPlan:
                    _U.V: _runtime.aligned(v), _U.SCALE: self._scales.get(scale)}
         if self.spec.bias_dim is not None:
             buffers[_U.BIAS] = _runtime.bias_operand(self.spec, bias)
-        empty = None
+        empty = views = None
         if self._lengths is not None:
             padding = problem.padding
             if padding is not None and padding.runtime is not None:
-                seq_q, seq_kv, empty = _runtime.device_lengths(self.spec, padding, device)
+                seq_q, seq_kv = _runtime.device_lengths(self.spec, padding, device)
+                if forward:  # the backward reads the forward's stats, -inf on those rows
+                    empty = _runtime.padded_rows(self.spec, seq_q, seq_kv)
             else:
                 lens_q, lens_kv = problem_lengths(problem)
-                seq_q, seq_kv, empty = self._lengths.get(lens_q, lens_kv, device)
+                seq_q, seq_kv, empty, views = self._lengths.get(lens_q, lens_kv, device)
             buffers[_U.SEQ_LEN_Q], buffers[_U.SEQ_LEN_KV] = seq_q, seq_kv
         storage = problem.storage
         if isinstance(storage, Ragged):
             buffers.update(_runtime.ragged_offsets(self.spec, storage))
-            if empty is not None:  # [B, S_q] -> one flag per packed token
+            if empty is not None and forward:  # [B, S_q] -> one flag per packed token
                 empty = _runtime.token_rows(empty, storage.cu_seqlens_q, q.shape[0])
+                views = None
         elif isinstance(storage, Paged):
             buffers[_U.PAGE_TABLE_K], buffers[_U.PAGE_TABLE_V] = \
                 _runtime.page_tables(self.spec, storage)
-        return buffers, empty
+        if not forward:
+            return buffers, None
+        if empty is not None and views is None:
+            views = _runtime.empty_views(self.spec, empty)
+        return buffers, views
 
     def _dropout_buffers(self, problem, inputs, buffers: dict, backward: bool) -> None:
         """Philox ``(seed, offset)`` of the call's ``DropoutState``, or the explicit mask form
@@ -294,14 +305,6 @@ class CudnnPlan:
                     "scale))"]}, forced=self.name)
             buffers[_U.DROPOUT_SEED], buffers[_U.DROPOUT_OFFSET] = \
                 _runtime.philox_tensors(inputs.dropout)
-
-    def _empty_views(self, empty):
-        """``empty`` broadcast against out and stats: ``[B, S_q]`` against out (call layout) and
-        stats ``[B, H, S_q, 1]``; packed (``[total_q]``) against ``[total_q, H, *]`` both."""
-        if self.spec.ragged:
-            return empty[:, None, None], empty[:, None, None]
-        rows = empty[:, :, None, None] if self.spec.layout == "bshd" else empty[:, None, :, None]
-        return rows, empty[:, None, :, None]
 
     def _out_shape(self, q) -> tuple:
         """Shape of out: the call layout's, or packed ``[total_q, H, D_v]``."""
@@ -356,7 +359,9 @@ class CudnnPlan:
         device = q.device
         built = self._graphs.get("stats" if need_lse else "plain") \
             or self._get(problem, "stats" if need_lse else "plain")
-        buffers, empty = self._common(problem, q, inputs.k, inputs.v, inputs.bias, device)
+        buffers, empty = self._common(problem, q, inputs.k, inputs.v, inputs.bias, device,
+                                      forward=True)
+        # empty: (rows of out, rows of stats) that see no key, or None
         if self._dropout:
             self._dropout_buffers(problem, inputs, buffers, backward=False)
         if self.spec.block_mask:  # the neighborhood's tiles, built once per plan
@@ -369,14 +374,12 @@ class CudnnPlan:
         if need_lse:
             stats = buffers[_U.STATS] = self._new_stats(q)
         launch.execute(built, buffers, device)
+        if empty is not None:
+            out.masked_fill_(empty[0], 0)
         if stats is None:
-            if empty is not None:
-                out.masked_fill_(self._empty_views(empty)[0], 0)
             return out, None
         if empty is not None:
-            rows, stat_rows = self._empty_views(empty)
-            out.masked_fill_(rows, 0)
-            stats = stats.masked_fill(stat_rows, -math.inf)
+            stats = stats.masked_fill(empty[1], -math.inf)
         return out, self._lse(stats)
 
     def backward(self, problem, inputs, out, lse, dout, dlse=None):
@@ -385,7 +388,7 @@ class CudnnPlan:
         q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
         s, device = self.spec, q.device
         built = self._graphs.get("backward") or self._get(problem, "backward")
-        buffers, _ = self._common(problem, q, k, v, bias, device)
+        buffers, _ = self._common(problem, q, k, v, bias, device, forward=False)
         # exp(S - (+inf)) = 0: rows that see no key (lse -inf) contribute nothing, whatever
         # cuDNN wrote for them in the forward (FlashAttention's convention).
         packed = lse.t() if s.ragged else lse  # back to the stats' own row order

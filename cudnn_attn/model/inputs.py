@@ -13,9 +13,11 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..core.caches import LRU
+from ..core.probe import capturing
 
 __all__ = ["SEED_BOUND", "DropoutState", "draw_seed", "host_draw", "Inputs", "valid_positions",
-           "PaddedPositions", "padding_positions", "hide_padding", "hide_padded_rows"]
+           "position_index", "sequence_axis", "PaddedPositions", "padding_positions",
+           "hide_padding", "hide_padded_rows"]
 
 # Seeds stay below 2**62: every engine (and cuDNN's int64 seed tensor) holds them exactly.
 SEED_BOUND = 2 ** 62
@@ -101,11 +103,46 @@ class Inputs:
 # Positions past a sequence's length
 # ---------------------------------------------------------------------------------------------
 
+# (seq, device) -> arange(seq) on the device, [1, seq]: what every padded call compares its
+# lengths against (a kernel and two dispatcher rounds saved per use).
+_INDEX = LRU("padding.index", 64)
+
+
+def position_index(seq: int, device) -> torch.Tensor:
+    """``[1, seq]`` int64 ``0 .. seq - 1`` on ``device`` (made once per size and device)."""
+    return _device_constant(_INDEX, (seq, device),
+                            lambda: torch.arange(seq, device=device).view(1, seq))
+
+
+# (dtype, device) -> a 0-dim zero: torch.where's ``other`` as a tensor (a Python 0 is wrapped
+# into one per call, three dispatcher rounds).
+_ZEROS = LRU("padding.zeros", 64)
+
+
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    """A 0-dim zero of ``like``'s dtype on its device."""
+    return _device_constant(_ZEROS, (like.dtype, like.device),
+                            lambda: torch.zeros((), dtype=like.dtype, device=like.device))
+
+
+def _device_constant(cache: LRU, key, make) -> torch.Tensor:
+    """``cache[key]``, made by ``make()`` on a miss and kept when it is a real tensor with its
+    values: not a fake one (a tracing mode made it), and not one made inside a CUDA-graph
+    capture (its kernel runs only when the graph is replayed)."""
+    found = cache.get(key)
+    if found is None:
+        found = make()
+        if type(found) is torch.Tensor and not capturing():
+            cache.put(key, found)
+    return found
+
+
 def valid_positions(lengths, seq: int, device) -> torch.Tensor:
     """``[B, seq]`` bool, ``position < lengths[b]``; ``lengths`` host ints or an integer tensor
     (moved, never read on the host, so a device tensor costs no synchronisation)."""
     lens = lengths if isinstance(lengths, torch.Tensor) else torch.tensor(lengths)
-    return torch.arange(seq, device=device) < lens.to(device, non_blocking=True)[:, None]
+    lens = lens.to(device, non_blocking=True)
+    return position_index(seq, device) < lens.view(lens.shape[0], 1)
 
 
 class PaddedPositions(NamedTuple):
@@ -154,11 +191,15 @@ def _static_positions(padding, seq_q: int, seq_kv: int, device, layout: str):
 def _positions(valid_q: torch.Tensor, valid_kv: torch.Tensor, layout: str) -> PaddedPositions:
     """``[B, S]`` masks with their views on the sequence axis of ``[B, H, S, D]`` (bhsd) or
     ``[B, S, H, D]`` (bshd)."""
-    if layout == "bhsd":
-        return PaddedPositions(valid_q, valid_kv, valid_q[:, None, :, None],
-                               valid_kv[:, None, :, None])
-    return PaddedPositions(valid_q, valid_kv, valid_q[:, :, None, None],
-                           valid_kv[:, :, None, None])
+    return PaddedPositions(valid_q, valid_kv, sequence_axis(valid_q, layout),
+                           sequence_axis(valid_kv, layout))
+
+
+def sequence_axis(per_position: torch.Tensor, layout: str) -> torch.Tensor:
+    """A ``[B, S]`` tensor as a view broadcastable against ``[B, H, S, D]`` (bhsd) or
+    ``[B, S, H, D]`` (bshd): one ``view`` (two ``None`` indices cost two ops)."""
+    b, s = per_position.shape
+    return per_position.view(b, 1, s, 1) if layout == "bhsd" else per_position.view(b, s, 1, 1)
 
 
 def _bias_cells(valid_q: torch.Tensor, valid_kv: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -202,7 +243,7 @@ def _zeroed(keep: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     built from it) describes the caller's tensor, so the tensor bound in its place must have the
     same strides (a sliced view would otherwise come back contiguous, and cuDNN would read it
     through the view's strides, past its end)."""
-    out = torch.where(keep, t, 0)
+    out = torch.where(keep, t, _zero(t))
     if out.stride() == t.stride() or 0 in t.stride():
         return out
     like = torch.empty_strided(t.shape, t.stride(), dtype=out.dtype, device=out.device)
@@ -217,4 +258,4 @@ def hide_padded_rows(problem, out: torch.Tensor) -> torch.Tensor:
         return out
     positions = padding_positions(padding, problem.seq_q, problem.seq_kv, out.device,
                                   problem.layout)
-    return out if positions is None else torch.where(positions.rows, out, 0)
+    return out if positions is None else torch.where(positions.rows, out, _zero(out))
