@@ -164,9 +164,10 @@ def run(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool):
     and the plan kept for the backward). Positions past ``Padding`` lengths never reach the
     engine, and the gradient reaching them stops at the output."""
     padded = problem.mask is not None and problem.padding is not None
+    grad = problem.requires_grad and torch.is_grad_enabled()
     if padded:
-        inputs = hide_padding(problem, inputs)
-    if problem.requires_grad and torch.is_grad_enabled():
+        inputs = hide_padding(problem, inputs, queries=grad)
+    if grad:
         record = _Recorded.apply if _RECORD_DIRECT is None or _functorch_active() \
             else _RECORD_DIRECT
         out, lse = record((problem, plan, inputs.dropout, inputs.dropout_mask),

@@ -212,15 +212,17 @@ def _bias_cells(valid_q: torch.Tensor, valid_kv: torch.Tensor, shape: torch.Size
     return rows & cols
 
 
-
-
-def hide_padding(problem, inputs: Inputs) -> Inputs:
-    """``inputs`` with every position past the ``Padding`` lengths replaced by 0.
+def hide_padding(problem, inputs: Inputs, queries: bool = True) -> Inputs:
+    """``inputs`` with every position past the ``Padding`` lengths replaced by 0 (the query
+    rows only when ``queries``).
 
     Why: such positions are not tokens. Engines give them ``-inf`` scores, but a NaN or inf
     stored there would still reach real rows through ``0 * NaN`` (``p @ v``, ``ds^T @ q``) or an
     additive ``-inf + NaN`` mask. ``torch.where`` is differentiable (their gradient is exactly 0)
     and costs no host synchronisation. Calls without ``Padding`` pass through untouched.
+    A forward that no gradient will follow may keep the padded query rows (``queries=False``):
+    a query row reaches only its own output row, and a row past its length sees no key, so
+    every engine writes it as 0 (and its lse as ``-inf``) whatever q holds there.
     """
     padding = problem.padding
     if padding is None or problem.storage is not None:  # packed: no positions past a length;
@@ -234,8 +236,8 @@ def hide_padding(problem, inputs: Inputs) -> Inputs:
     if bias is not None and problem.bias is not None:
         full = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
         bias = torch.where(_bias_cells(valid_q, valid_kv, full.shape), full, 0).view(bias.shape)
-    return Inputs(_zeroed(rows, inputs.q), _zeroed(keys, inputs.k), _zeroed(keys, inputs.v),
-                  bias, inputs.dropout, inputs.dropout_mask)
+    return Inputs(_zeroed(rows, inputs.q) if queries else inputs.q, _zeroed(keys, inputs.k),
+                  _zeroed(keys, inputs.v), bias, inputs.dropout, inputs.dropout_mask)
 
 
 def _zeroed(keep: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

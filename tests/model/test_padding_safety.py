@@ -14,6 +14,9 @@ import torch
 from common import lib_mask
 
 import cudnn_attn as ca
+import cudnn_fake
+from cudnn_attn.core.caches import clear_caches
+from cudnn_attn.model import masks
 from cudnn_attn.compat.cudnn_frontend import (SdpaAttributes, SdpaBackwardAttributes,
                                                scaled_dot_product_flash_attention,
                                                scaled_dot_product_flash_attention_backward)
@@ -105,6 +108,37 @@ def test_attention_ignores_everything_past_padding_lengths(mask_name, extra, dty
     grads = torch.autograd.grad(out, leaves, dout)
     for name, got, want in zip(("dq", "dk", "dv", "dbias"), grads, want_grads):
         _assert_matches(got, want, dtype, name)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cudnn"])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_a_forward_without_gradient_ignores_everything_past_padding_lengths(
+        mask_name, backend, monkeypatch):
+    # Without a gradient to follow, the padded query rows reach the engine as they are (only
+    # k, v and the bias are zeroed there): each such row sees no key, so out is 0 and lse -inf
+    # there whatever q holds, and no real row reads it. cuDNN runs through the float64
+    # stand-in executor, which writes NaN on every row that sees no key.
+    dtype, tol = (torch.float64, 1e-10) if backend == "torch" else (torch.float16, 2e-3)
+    if backend == "cudnn":
+        if not cudnn_fake.frontend_present():
+            pytest.skip("nvidia-cudnn-frontend is not installed")
+        monkeypatch.setattr(masks, "_runtime_lengths", lambda v: isinstance(v, torch.Tensor))
+        cudnn_fake.install(monkeypatch)
+    mask_kw = MASKS[mask_name]
+    clean = _case(mask_name, "plain", dtype, False)
+    vis = oracle.build_visibility(B, SQ, SKV, seq_lens_q=LENS_Q, seq_lens_kv=LENS_KV, **mask_kw)
+    q, k, v, _, _ = _poisoned(*clean, dtype)
+    want_out, want_lse = oracle.reference_attention(*clean[:3], vis)  # float64, clean inputs
+    for lens in ((LENS_Q, LENS_KV), (torch.tensor(LENS_Q), torch.tensor(LENS_KV))):
+        base = lib_mask(causal=mask_kw.get("causal"), window=mask_kw.get("window"))
+        mask = ca.Padding(*lens) if base is None else base & ca.Padding(*lens)
+        out, lse = ca.attention(q, k, v, mask=mask, backend=backend, return_lse=True)
+        assert torch.isfinite(out).all(), "NaN/inf leaked from past the lengths"
+        torch.testing.assert_close(out.double(), want_out, rtol=tol, atol=tol)
+        hidden = ~_valid(LENS_Q, SQ)[:, None, :].expand_as(lse)
+        assert torch.isneginf(lse[hidden]).all()
+        torch.testing.assert_close(lse[~hidden].double(), want_lse[~hidden], rtol=tol, atol=tol)
+    clear_caches()
 
 
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
