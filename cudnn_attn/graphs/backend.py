@@ -200,15 +200,22 @@ class CudnnPlan:
 
     def direct(self, problem):
         """``launch.DirectCall`` of ``problem`` when its graphs bind nothing but q, k, v, the
-        scale and out (and the backward's stats and gradients): no bias, lengths, dropout, tile
-        mask, packed or paged storage, and a positive scale; else ``None`` (every call takes
-        ``forward``)."""
+        scale and out (and the backward's stats and gradients) and a static ``Padding``'s
+        lengths: no bias, tensor lengths, dropout, tile mask, packed or paged storage, and a
+        positive scale; else ``None`` (every call takes ``forward``)."""
         s = self.spec
         q_factor, scale = _runtime.positive_scale(problem.scale)
-        if (s.bias_dim is not None or s.padding or self._dropout or s.block_mask or s.ragged
+        if (s.bias_dim is not None or self._dropout or s.block_mask or s.ragged
                 or s.paged is not None or problem.storage is not None or q_factor != 1.0
                 or problem.dropout_p != self.dropout_p):
             return None
+        lengths = None
+        if s.padding:
+            padding = problem.padding
+            if padding is None or padding.runtime is not None:  # tensor lengths: per call
+                return None
+            lens = self._lengths.get(padding.seq_lens_q, padding.seq_lens_kv, problem.device)
+            lengths = launch.StaticLengths(problem, lens[0], lens[1], lens[3])
         grad = problem.requires_grad
         forward = self._get(problem, "stats" if grad else "plain")
         backward = self._get(problem, "backward") if grad else None
@@ -217,7 +224,7 @@ class CudnnPlan:
         stats_like = self._template("stats", self._stats_shape(None), torch.float32,  # not packed
                                     problem.device) if grad else None
         return launch.DirectCall(problem, forward, backward, self._scales.get(scale), out_like,
-                                 stats_like)
+                                 stats_like, lengths)
 
     # -- graphs --------------------------------------------------------------------------------
     def _get(self, problem, variant) -> BuiltGraph:

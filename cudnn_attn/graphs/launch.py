@@ -6,14 +6,19 @@ runner bound once per cached call signature.
   pooled workspace; a graph to autotune is tuned first, on these buffers (never inside a
   CUDA-graph capture: nothing can be timed there). Every graph the engine runs goes through here.
 * ``DirectCall``: ``(q, k, v) -> out`` of a call whose graphs bind nothing but q, k, v, the scale,
-  out (and the stats and gradients of its backward): no mask tensor, bias, dropout, packed or
-  paged storage, sign-carrying scale or lse. ``CudnnPlan.direct`` decides which calls qualify.
+  out (and the stats and gradients of its backward), and the lengths of a static ``Padding``
+  (host ints: part of the call's signature): no tensor lengths, bias, dropout, packed or paged
+  storage, sign-carrying scale or lse. ``CudnnPlan.direct`` decides which calls qualify.
   Why: such a call spends most of its host time rebuilding, per call, what its signature already
-  fixes (buffer dicts, uid lists, the scale tensor, shapes); the runner binds those once, so the
-  eager path costs about what a minimal ``autograd.Function`` around ``execute`` costs.
+  fixes (buffer dicts, uid lists, the scale tensor, shapes, device lengths); the runner binds
+  those once, so the eager path costs about what a minimal ``autograd.Function`` around
+  ``execute`` costs (plus, padded, the elementwise ops that hide the padded positions).
 """
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -21,12 +26,14 @@ from . import _runtime, autotune
 from ._emit import UID
 from ._spec import contiguous_strides
 from ..core.autograd_node import record_direct
+from ..model.inputs import Inputs, hide_padded_rows, hide_padding
 
-__all__ = ["execute", "DirectCall"]
+__all__ = ["execute", "DirectCall", "StaticLengths"]
 
 _Q, _K, _V, _O, _SCALE, _STATS = (int(UID.Q), int(UID.K), int(UID.V), int(UID.O),
                                   int(UID.SCALE), int(UID.STATS))
 _DO, _DQ, _DK, _DV = int(UID.DO), int(UID.DQ), int(UID.DK), int(UID.DV)
+_SEQ_LEN_Q, _SEQ_LEN_KV = int(UID.SEQ_LEN_Q), int(UID.SEQ_LEN_KV)
 
 
 def execute(built, buffers: dict, device: torch.device) -> None:
@@ -40,6 +47,17 @@ def execute(built, buffers: dict, device: torch.device) -> None:
     context.execute(built, buffers, built.workspace_size)
 
 
+class StaticLengths(NamedTuple):
+    """A static ``Padding`` as a runner binds it: the problem (whose ``Padding`` the elementwise
+    hiding reads: ``model.inputs.hide_padding``), the ``[B, 1, 1, 1]`` int32 device lengths, and
+    the ``empty_views`` of the rows that see no key (``None`` when every row sees one)."""
+
+    problem: object
+    seq_len_q: torch.Tensor
+    seq_len_kv: torch.Tensor
+    empty: Optional[tuple]
+
+
 class DirectCall:
     """One cached call signature's runner (see the module's docstring).
 
@@ -50,15 +68,19 @@ class DirectCall:
     path, whose graphs are built for them), the base pointers' alignment (copies, as the full path
     makes), and grad mode (a call that requires grad under ``torch.no_grad`` answers ``None``).
     Outputs and gradients are contiguous in the call's layout, as the graphs were built.
+    ``lengths``: a static ``Padding``'s (``StaticLengths``), or ``None``; the padded positions
+    are hidden as the full path hides them (``execution.run``), and the rows that see no key come
+    out 0 (their stats ``+inf`` for the backward, as ``CudnnPlan.backward`` sets them).
     """
 
     __slots__ = ("forward", "backward", "device", "scale", "strides", "out_like",
-                 "stats_like", "inputs_contiguous")
+                 "stats_like", "inputs_contiguous", "lengths")
 
     def __init__(self, problem, forward, backward, scale: torch.Tensor,
-                 out_template: torch.Tensor | None, stats_template: torch.Tensor | None):
+                 out_template: torch.Tensor | None, stats_template: torch.Tensor | None,
+                 lengths: Optional[StaticLengths] = None):
         self.forward, self.backward = forward, backward
-        self.device, self.scale = problem.device, scale
+        self.device, self.scale, self.lengths = problem.device, scale, lengths
         self.strides = (problem.q.stride, problem.k.stride, problem.v.stride)
         # empty_like costs the host a third of an empty with explicit sizes, and without a
         # memory-format argument less again: it preserves a format that is contiguous already
@@ -72,13 +94,25 @@ class DirectCall:
     def __call__(self, q, k, v):
         if (q.stride(), k.stride(), v.stride()) != self.strides:
             return None
+        padded = self.lengths
         if self.backward is None:
+            if padded is not None:
+                q, k, v = self._hidden(q, k, v, queries=False)
             out = self._new_out(q)
             execute(self.forward, self._bind(q, k, v, out), self.device)
+            if padded is not None and padded.empty is not None:
+                out.masked_fill_(padded.empty[0], 0)
             return out
         if not torch.is_grad_enabled():
             return None
-        return record_direct(self, q, k, v)
+        if padded is None:
+            return record_direct(self, q, k, v)
+        out = record_direct(self, *self._hidden(q, k, v, queries=True))
+        return hide_padded_rows(padded.problem, out)
+
+    def _hidden(self, q, k, v, queries: bool) -> tuple:
+        hidden = hide_padding(self.lengths.problem, Inputs(q, k, v), queries)
+        return hidden.q, hidden.k, hidden.v
 
     def _new_out(self, q: torch.Tensor) -> torch.Tensor:
         if self.out_like is not None:
@@ -90,7 +124,10 @@ class DirectCall:
     def _bind(self, q, k, v, out) -> dict:
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % _runtime.ALIGNMENT:  # rare: copies
             q, k, v = _runtime.aligned(q), _runtime.aligned(k), _runtime.aligned(v)
-        return {_Q: q, _K: k, _V: v, _SCALE: self.scale, _O: out}
+        if self.lengths is None:
+            return {_Q: q, _K: k, _V: v, _SCALE: self.scale, _O: out}
+        return {_Q: q, _K: k, _V: v, _SCALE: self.scale, _O: out,
+                _SEQ_LEN_Q: self.lengths.seq_len_q, _SEQ_LEN_KV: self.lengths.seq_len_kv}
 
     # -- the autograd node's two halves (core.autograd_node.record_direct) ----------------------------
     def record(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +136,10 @@ class DirectCall:
         buffers = self._bind(q, k, v, out)
         buffers[_STATS] = stats
         execute(self.forward, buffers, self.device)
+        empty = None if self.lengths is None else self.lengths.empty
+        if empty is not None:  # exp(S - (+inf)) = 0: such rows add nothing to the gradients
+            out.masked_fill_(empty[0], 0)
+            stats.masked_fill_(empty[1], math.inf)
         return out, stats
 
     def gradients(self, q, k, v, out, stats, dout) -> tuple:

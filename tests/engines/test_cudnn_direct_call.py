@@ -1,9 +1,10 @@
 """The cuDNN engine's direct runner (``graphs.launch.DirectCall``, issue 35's host time), on this
 CPU through the stand-in executor of ``cudnn_fake`` (float64 from the buffers each graph binds):
 
-* the plainest calls (no bias, lengths, dropout, packed/paged storage, lse; a positive scale), with
-  or without grad, run through it from their second call, and give the float64 oracle's outputs
-  and gradients;
+* the plainest calls (no bias, tensor lengths, dropout, packed/paged storage, lse; a positive
+  scale), with or without grad, run through it from their second call, and give the float64
+  oracle's outputs and gradients; static ``Padding`` lengths too, NaN past them hidden as on the
+  full path;
 * every call it cannot take (another mask kind with tensors, bias, dropout, a negative scale,
   return_lse, new strides, ``torch.no_grad`` on tensors that require grad) takes the full path,
   with the same results; a plan whose graphs read a tile mask, ragged offsets or page tables has
@@ -173,22 +174,91 @@ def test_calls_it_cannot_take_run_the_full_path_with_the_same_results(fake, dire
     torch.testing.assert_close(dq.to(F64), want, atol=5e-3, rtol=5e-3)
 
 
-NO_RUNNER = {
-    "static padding": dict(mask=ca.Causal() & ca.Padding([20, 9])),
-    "runtime padding": dict(mask=ca.Causal() & ca.Padding(torch.tensor([20, 9]))),
-    "bias": dict(bias=torch.zeros(1, 2, 24, 24, dtype=F16)),
-    "dropout": dict(dropout_p=0.1),
-    "negative scale": dict(scale=-0.25),
-    "lse": dict(return_lse=True),
+NO_RUNNER = {  # made inside the test: the fixture decides which lengths are runtime values
+    "runtime padding": lambda: dict(mask=ca.Causal() & ca.Padding(torch.tensor([20, 9]))),
+    "bias": lambda: dict(bias=torch.zeros(1, 2, 24, 24, dtype=F16)),
+    "dropout": lambda: dict(dropout_p=0.1),
+    "negative scale": lambda: dict(scale=-0.25),
+    "lse": lambda: dict(return_lse=True),
 }
 
 
 @pytest.mark.parametrize("name", list(NO_RUNNER))
 def test_calls_that_bind_more_than_q_k_v_get_no_runner(fake, direct, name):
     q, k, v = _qkv()
+    arguments = NO_RUNNER[name]()
     for _ in range(3):
-        ca.attention(q, k, v, backend="cudnn", **NO_RUNNER[name])
+        ca.attention(q, k, v, backend="cudnn", **arguments)
     assert direct == []
+
+
+PADDED = {  # name -> (lengths q, lengths kv, mask, oracle visibility)
+    # rows 20.. and 9.. of the two sequences see no key: out 0, no gradient through them
+    "causal, short queries": ((20, 9), (24, 13), ca.Causal(), {"causal": "top_left"}),
+    # every query row sees a key; only keys are padded (no empty rows to clear)
+    "keys only": ((24, 24), (7, 18), None, {}),
+    # a sequence without keys: all its rows see none
+    "no keys": ((24, 5), (11, 0), ca.SlidingWindow(3, 2), {"window": (3, 2)}),
+}
+
+
+def _poisoned(t, lengths, layout):
+    """``t`` with NaN at every position past ``lengths`` (the engine must never let it in)."""
+    seq_axis = 2 if layout == "bhsd" else 1
+    past = torch.arange(t.shape[seq_axis])[None, :] >= torch.tensor(lengths)[:, None]
+    shape = [t.shape[0], 1, 1, 1]
+    shape[seq_axis] = t.shape[seq_axis]
+    return t.detach().masked_fill(past.view(shape), float("nan")).requires_grad_(t.requires_grad)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("case", list(PADDED))
+def test_static_padding_runs_through_the_runner_and_hides_what_lies_past_the_lengths(
+        fake, direct, case, layout):
+    """Host lengths are part of the call's signature: the runner binds their device tensors
+    once. NaN past the lengths (q, k, v and the incoming gradient) reaches no output or
+    gradient; out is 0 on the rows that see no key, and so are their gradients."""
+    lens_q, lens_kv, mask, visibility = PADDED[case]
+    padding = ca.Padding(list(lens_q), list(lens_kv))
+    mask = padding if mask is None else mask & padding
+    clean = _qkv(grad=True, layout=layout)
+    ref, leaves = _reference(*clean, layout, seq_lens_q=lens_q, seq_lens_kv=lens_kv, **visibility)
+    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2)).to(F16)
+    ref_grads = torch.autograd.grad(ref, leaves, dout.to(F64))
+    q = _poisoned(clean[0], lens_q, layout)
+    k, v = (_poisoned(t, lens_kv, layout) for t in clean[1:])
+    dout = _poisoned(dout, lens_q, layout)
+    for _ in range(3):  # the first call prepares the runner, and each runs through it
+        out = ca.attention(q, k, v, mask=mask, layout=layout, backend="cudnn")
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.to(F64), ref.detach(), atol=2e-3, rtol=2e-3)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        for got, want in zip(grads, ref_grads):
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got.to(F64), want, atol=5e-3, rtol=5e-3)
+    with torch.no_grad():
+        plain = [t.detach() for t in (q, k, v)]
+        for _ in range(2):
+            out = ca.attention(*plain, mask=mask, layout=layout, backend="cudnn")
+            assert torch.isfinite(out).all()
+            torch.testing.assert_close(out.to(F64), ref.detach(), atol=2e-3, rtol=2e-3)
+    assert direct == ["ran"] * 5
+
+
+def test_static_lengths_reach_the_device_once_per_runner(fake, direct, monkeypatch):
+    """The runner's graphs read the lengths its plan copied to the device when it was made:
+    later calls copy nothing (``LengthCache`` makes them once per value set)."""
+    from cudnn_attn.graphs import _runtime
+
+    made = []
+    original = _runtime.LengthCache._make
+    monkeypatch.setattr(_runtime.LengthCache, "_make",
+                        lambda self, *args: made.append(args) or original(self, *args))
+    q, k, v = _qkv()
+    mask = ca.Causal() & ca.Padding([20, 9])
+    for _ in range(4):
+        ca.attention(q, k, v, mask=mask, backend="cudnn")
+    assert len(made) == 1 and direct == ["ran"] * 4
 
 
 @pytest.mark.parametrize("which", [0, 1, 2])

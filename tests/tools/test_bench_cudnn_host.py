@@ -84,6 +84,9 @@ def test_host_benchmark_runs_on_the_cpu_and_writes_its_rows(tmp_path):
     for case in ("fwd", "fwd (grad)", "fwd+bwd", "padding", "padding-rt", "dropout", "bias"):
         assert rows[f"ours {case}"]["us_per_call"] > 0
         assert rows[f"ours {case}"]["vs_torch"] > 0
-    assert rows["torch sdpa fwd"]["us_per_call"] > 0
+    for kind in ("fwd", "padding", "dropout", "bias"):  # each of ours against its own kind
+        assert rows[f"torch sdpa {kind}"]["us_per_call"] > 0
+    assert rows["ours padding-rt"]["vs_torch"] == pytest.approx(
+        rows["ours padding-rt"]["us_per_call"] / rows["torch sdpa padding"]["us_per_call"])
     # The stand-in executed every call: it counts them.
     assert "executed" in done.stdout
