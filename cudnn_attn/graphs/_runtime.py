@@ -284,12 +284,13 @@ def _int32(t: torch.Tensor, shape: tuple) -> torch.Tensor:
     return aligned(t.to(torch.int32).contiguous().view(shape))
 
 
-def device_lengths(spec, padding, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(seq_len_q, seq_len_kv)`` of a ``Padding`` with runtime (device) lengths: the
-    ``[B, 1, 1, 1]`` int32 graph inputs (``padded_rows`` of them: the rows that see no key)."""
+def device_lengths(spec, padding, device) -> tuple[torch.Tensor, ...]:
+    """``(seq_len_q, seq_len_kv, lens_q, lens_kv)`` of a ``Padding`` with runtime (device)
+    lengths: the ``[B, 1, 1, 1]`` int32 graph inputs, and the ``[B]`` lengths as given (what
+    ``padded_rows`` compares, with no cast)."""
     shape = (spec.batch, 1, 1, 1)
     lens_q, lens_kv = padding.tensors(device)
-    return _int32(lens_q, shape), _int32(lens_kv, shape)
+    return _int32(lens_q, shape), _int32(lens_kv, shape), lens_q, lens_kv
 
 
 def ragged_offsets(spec, storage) -> dict:

@@ -265,9 +265,10 @@ class CudnnPlan:
         if self._lengths is not None:
             padding = problem.padding
             if padding is not None and padding.runtime is not None:
-                seq_q, seq_kv = _runtime.device_lengths(self.spec, padding, device)
+                seq_q, seq_kv, lens_q, lens_kv = _runtime.device_lengths(self.spec, padding,
+                                                                         device)
                 if forward:  # the backward reads the forward's stats, -inf on those rows
-                    empty = _runtime.padded_rows(self.spec, seq_q, seq_kv)
+                    empty = _runtime.padded_rows(self.spec, lens_q, lens_kv)
             else:
                 lens_q, lens_kv = problem_lengths(problem)
                 seq_q, seq_kv, empty, views = self._lengths.get(lens_q, lens_kv, device)
