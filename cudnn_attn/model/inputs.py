@@ -147,12 +147,13 @@ def valid_positions(lengths, seq: int, device) -> torch.Tensor:
 
 class PaddedPositions(NamedTuple):
     """Which positions of a padded call are tokens: ``valid_q`` / ``valid_kv`` (``[B, S]`` bool),
-    and the same as ``rows`` / ``keys``, broadcastable against q / k and v in the call's layout."""
+    and the same as ``rows`` / ``keys``, broadcastable against q / k and v in the call's layout
+    (a side ``padding_positions`` was not asked for is ``None``)."""
 
-    valid_q: torch.Tensor
-    valid_kv: torch.Tensor
-    rows: torch.Tensor
-    keys: torch.Tensor
+    valid_q: Optional[torch.Tensor]
+    valid_kv: Optional[torch.Tensor]
+    rows: Optional[torch.Tensor]
+    keys: Optional[torch.Tensor]
 
 
 # (lens_q, lens_kv, S_q, S_kv, device, layout) -> the PaddedPositions of a static Padding, or None
@@ -161,12 +162,13 @@ class PaddedPositions(NamedTuple):
 _STATIC_POSITIONS = LRU("padding.positions", 256)
 
 
-def padding_positions(padding, seq_q: int, seq_kv: int, device,
-                      layout: str) -> Optional[PaddedPositions]:
+def padding_positions(padding, seq_q: int, seq_kv: int, device, layout: str,
+                      queries: bool = True, keys: bool = True) -> Optional[PaddedPositions]:
     """The ``PaddedPositions`` of ``padding`` on ``device``, or ``None`` when its lengths are ints
     that pad nothing. Static lengths: made on the host and copied to the device once per value
     set (cached; the copy completes before the first use), so a call never copies them again;
-    runtime lengths: computed on the device (never read)."""
+    runtime lengths: computed on the device (never read), the query side only when ``queries``
+    and the key side only when ``keys`` (the other is ``None``)."""
     if padding.runtime is None:
         key = (padding.seq_lens_q, padding.seq_lens_kv, seq_q, seq_kv, device, layout)
         found = _STATIC_POSITIONS.get(key, _STATIC_POSITIONS)
@@ -175,8 +177,8 @@ def padding_positions(padding, seq_q: int, seq_kv: int, device,
                                                                  layout))
         return found
     lens_q, lens_kv = padding.tensors(device)
-    return _positions(valid_positions(lens_q, seq_q, device),
-                      valid_positions(lens_kv, seq_kv, device), layout)
+    return _positions(valid_positions(lens_q, seq_q, device) if queries else None,
+                      valid_positions(lens_kv, seq_kv, device) if keys else None, layout)
 
 
 def _static_positions(padding, seq_q: int, seq_kv: int, device, layout: str):
@@ -188,11 +190,13 @@ def _static_positions(padding, seq_q: int, seq_kv: int, device, layout: str):
     return _positions(*(t.to(device) for t in host), layout)
 
 
-def _positions(valid_q: torch.Tensor, valid_kv: torch.Tensor, layout: str) -> PaddedPositions:
+def _positions(valid_q: Optional[torch.Tensor], valid_kv: Optional[torch.Tensor],
+               layout: str) -> PaddedPositions:
     """``[B, S]`` masks with their views on the sequence axis of ``[B, H, S, D]`` (bhsd) or
     ``[B, S, H, D]`` (bshd)."""
-    return PaddedPositions(valid_q, valid_kv, sequence_axis(valid_q, layout),
-                           sequence_axis(valid_kv, layout))
+    return PaddedPositions(valid_q, valid_kv,
+                           None if valid_q is None else sequence_axis(valid_q, layout),
+                           None if valid_kv is None else sequence_axis(valid_kv, layout))
 
 
 def sequence_axis(per_position: torch.Tensor, layout: str) -> torch.Tensor:
@@ -227,13 +231,14 @@ def hide_padding(problem, inputs: Inputs, queries: bool = True) -> Inputs:
     padding = problem.padding
     if padding is None or problem.storage is not None:  # packed: no positions past a length;
         return inputs                                   # paged: the pools are read, not copied
+    bias = inputs.bias
+    with_bias = bias is not None and problem.bias is not None
     positions = padding_positions(padding, problem.seq_q, problem.seq_kv, inputs.q.device,
-                                  problem.layout)
+                                  problem.layout, queries=queries or with_bias)
     if positions is None:  # lengths that pad nothing
         return inputs
     valid_q, valid_kv, rows, keys = positions
-    bias = inputs.bias
-    if bias is not None and problem.bias is not None:
+    if with_bias:
         full = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
         bias = torch.where(_bias_cells(valid_q, valid_kv, full.shape), full, 0).view(bias.shape)
     return Inputs(_zeroed(rows, inputs.q) if queries else inputs.q, _zeroed(keys, inputs.k),
@@ -259,5 +264,5 @@ def hide_padded_rows(problem, out: torch.Tensor) -> torch.Tensor:
     if padding is None or problem.storage is not None:
         return out
     positions = padding_positions(padding, problem.seq_q, problem.seq_kv, out.device,
-                                  problem.layout)
+                                  problem.layout, keys=False)
     return out if positions is None else torch.where(positions.rows, out, _zero(out))

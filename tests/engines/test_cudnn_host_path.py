@@ -260,6 +260,21 @@ def test_padding_positions_cache_per_value_set_and_skip_full_lengths():
     assert torch.equal(keys[:, :, 0, 0], valid_kv)
 
 
+def test_runtime_positions_compute_only_the_side_asked_for(fake):
+    """Tensor lengths are compared on the device per call: a forward without gradient hides no
+    query row and asks for the key side alone; the output's rows need the query side alone."""
+    padding = ca.Padding(torch.tensor([5, 3]), torch.tensor([4, 6]))
+    keys_only = model_inputs.padding_positions(padding, 6, 6, torch.device("cpu"), "bhsd",
+                                               queries=False)
+    assert keys_only.valid_q is None and keys_only.rows is None
+    assert keys_only.valid_kv.tolist() == [[True] * 4 + [False] * 2, [True] * 6]
+    assert keys_only.keys.shape == (2, 1, 6, 1)
+    rows_only = model_inputs.padding_positions(padding, 6, 6, torch.device("cpu"), "bshd",
+                                               keys=False)
+    assert rows_only.valid_kv is None and rows_only.keys is None
+    assert rows_only.rows[:, :, 0, 0].tolist() == [[True] * 5 + [False], [True] * 3 + [False] * 3]
+
+
 # ---------------------------------------------------------------------------------------------
 # dropout seeds from a CUDA generator: drawn on the host
 # ---------------------------------------------------------------------------------------------
