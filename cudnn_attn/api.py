@@ -75,6 +75,15 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
         return None
 
 
+def _run_direct(direct, q, k, v, bias):
+    """``direct(q, k, v)``, or ``direct(q, k, v, bias)`` with a bias tensor: the one per-call
+    operand a runner takes besides q, k, v (ALiBi's slopes live in the plan). ``None``: the
+    runner cannot take this call."""
+    if bias is None or not isinstance(bias, _Tensor):
+        return direct(q, k, v)
+    return direct(q, k, v, bias)
+
+
 def _runtime_padding(mask) -> Optional[Padding]:
     """The ``Padding`` of ``mask`` whose lengths are runtime tensors, if any."""
     if mask is None:
@@ -257,7 +266,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         except TypeError:  # unhashable argument: let validation explain it
             signature = direct = None
         if direct is not None:
-            out = direct(q, k, v)
+            out = _run_direct(direct, q, k, v, bias)
             if out is not None:  # None: a call the runner cannot take
                 return out
             declined = direct
@@ -281,7 +290,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         if problem.padding is not padding:
             problem = _with_padding(problem, padding)
     if direct is not None and direct is not declined:
-        out = direct(q, k, v)
+        out = _run_direct(direct, q, k, v, bias)
         if out is not None:
             return out
     table = split_bias(bias)[1]  # the runtime tensor (Alibi's slopes live in the problem)

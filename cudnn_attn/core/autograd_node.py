@@ -25,27 +25,29 @@ def apply_entry(function):
 
 
 class _DirectNode(torch.autograd.Function):
-    """``out`` of ``call.record(q, k, v) -> (out, saved)``; the backward is
-    ``call.gradients(q, k, v, out, saved, dout) -> (dq, dk, dv)``."""
+    """``out`` of ``call.record(q, k, v, bias) -> (out, saved)``; the backward is
+    ``call.gradients(q, k, v, bias, out, saved, dout) -> (dq, dk, dv)`` (``bias``: a tensor that
+    needs no gradient, or ``None``)."""
 
     @staticmethod
-    def forward(ctx, call, q, k, v):
-        out, saved = call.record(q, k, v)
+    def forward(ctx, call, q, k, v, bias):
+        out, saved = call.record(q, k, v, bias)
         ctx.call = call
-        ctx.save_for_backward(q, k, v, out, saved)
+        ctx.save_for_backward(q, k, v, bias, out, saved)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, saved = ctx.saved_tensors
-        return (None, *ctx.call.gradients(q, k, v, out, saved, dout))
+        q, k, v, bias, out, saved = ctx.saved_tensors
+        return (None, *ctx.call.gradients(q, k, v, bias, out, saved, dout), None)
 
 
 _DIRECT_ENTRY = apply_entry(_DirectNode)
 
 
-def record_direct(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def record_direct(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` of ``call`` (a ``DirectCall``) recorded as an autograd node. Only eager calls with
     plain tensors come here (``api._through_ops`` sends traced, functorch and autocast calls to
     the custom ops), so the C entry point serves."""
-    return (_DIRECT_ENTRY or _DirectNode.apply)(call, q, k, v)
+    return (_DIRECT_ENTRY or _DirectNode.apply)(call, q, k, v, bias)

@@ -94,7 +94,8 @@ def dropout_engine(probe: AttnProblem, backend: str = "auto"):
 def direct_runner(problem: AttnProblem, plan):
     """``(q, k, v) -> out`` when the plan runs this call through one runner bound to its
     signature (a call that needs no lse; one that requires grad records its own autograd node),
-    else ``None``: every plan answers ``direct(problem)``."""
+    else ``None``: every plan answers ``direct(problem)``. A runner of a call with a bias tensor
+    takes it too: ``(q, k, v, bias) -> out``."""
     if problem.return_lse:
         return None
     return plan.direct(problem)

@@ -200,22 +200,28 @@ class CudnnPlan:
 
     def direct(self, problem):
         """``launch.DirectCall`` of ``problem`` when its graphs bind nothing but q, k, v, the
-        scale and out (and the backward's stats and gradients) and a static ``Padding``'s
-        lengths: no bias, tensor lengths, dropout, tile mask, packed or paged storage, and a
-        positive scale; else ``None`` (every call takes ``forward``)."""
+        scale and out (and the backward's stats and gradients), a static ``Padding``'s lengths
+        and a bias that needs no gradient: no tensor lengths, dropout, tile mask, packed or
+        paged storage, and a positive scale; else ``None`` (every call takes ``forward``)."""
         s = self.spec
         q_factor, scale = _runtime.positive_scale(problem.scale)
-        if (s.bias_dim is not None or self._dropout or s.block_mask or s.ragged
+        if (problem.bias_requires_grad or self._dropout or s.block_mask or s.ragged
                 or s.paged is not None or problem.storage is not None or q_factor != 1.0
                 or problem.dropout_p != self.dropout_p):
             return None
-        lengths = None
-        if s.padding:
+        extras = launch.NO_EXTRAS
+        if s.padding or s.bias_dim is not None:
             padding = problem.padding
-            if padding is None or padding.runtime is not None:  # tensor lengths: per call
+            if padding is not None and padding.runtime is not None:  # tensor lengths: per call
                 return None
-            lens = self._lengths.get(padding.seq_lens_q, padding.seq_lens_kv, problem.device)
-            lengths = launch.StaticLengths(problem, lens[0], lens[1], lens[3])
+            lengths = empty = None
+            if s.padding:  # host lengths (a bias graph's full-length mask too): bound once
+                seq_q, seq_kv, _, empty = self._lengths.get(*problem_lengths(problem),
+                                                            problem.device)
+                lengths = (seq_q, seq_kv)
+            extras = launch.Extras(padded=problem if padding is not None else None,
+                                   lengths=lengths, empty=empty,
+                                   bias_spec=s if s.bias_dim is not None else None)
         grad = problem.requires_grad
         forward = self._get(problem, "stats" if grad else "plain")
         backward = self._get(problem, "backward") if grad else None
@@ -224,7 +230,7 @@ class CudnnPlan:
         stats_like = self._template("stats", self._stats_shape(None), torch.float32,  # not packed
                                     problem.device) if grad else None
         return launch.DirectCall(problem, forward, backward, self._scales.get(scale), out_like,
-                                 stats_like, lengths)
+                                 stats_like, extras)
 
     # -- graphs --------------------------------------------------------------------------------
     def _get(self, problem, variant) -> BuiltGraph:

@@ -5,10 +5,11 @@ runner bound once per cached call signature.
   device's handle (under its lock: the backward may run on autograd's thread) and the stream's
   pooled workspace; a graph to autotune is tuned first, on these buffers (never inside a
   CUDA-graph capture: nothing can be timed there). Every graph the engine runs goes through here.
-* ``DirectCall``: ``(q, k, v) -> out`` of a call whose graphs bind nothing but q, k, v, the scale,
-  out (and the stats and gradients of its backward), and the lengths of a static ``Padding``
-  (host ints: part of the call's signature): no tensor lengths, bias, dropout, packed or paged
-  storage, sign-carrying scale or lse. ``CudnnPlan.direct`` decides which calls qualify.
+* ``DirectCall``: ``(q, k, v[, bias]) -> out`` of a call whose graphs bind nothing but q, k, v,
+  the scale, out (and the stats and gradients of its backward), the lengths of a static
+  ``Padding`` (host ints: part of the call's signature) and a bias that needs no gradient: no
+  tensor lengths, dropout, packed or paged storage, sign-carrying scale or lse.
+  ``CudnnPlan.direct`` decides which calls qualify.
   Why: such a call spends most of its host time rebuilding, per call, what its signature already
   fixes (buffer dicts, uid lists, the scale tensor, shapes, device lengths); the runner binds
   those once, so the eager path costs about what a minimal ``autograd.Function`` around
@@ -28,12 +29,12 @@ from ._spec import contiguous_strides
 from ..core.autograd_node import record_direct
 from ..model.inputs import Inputs, hide_padded_rows, hide_padding
 
-__all__ = ["execute", "DirectCall", "StaticLengths"]
+__all__ = ["execute", "DirectCall", "Extras", "NO_EXTRAS"]
 
 _Q, _K, _V, _O, _SCALE, _STATS = (int(UID.Q), int(UID.K), int(UID.V), int(UID.O),
                                   int(UID.SCALE), int(UID.STATS))
 _DO, _DQ, _DK, _DV = int(UID.DO), int(UID.DQ), int(UID.DK), int(UID.DV)
-_SEQ_LEN_Q, _SEQ_LEN_KV = int(UID.SEQ_LEN_Q), int(UID.SEQ_LEN_KV)
+_SEQ_LEN_Q, _SEQ_LEN_KV, _BIAS = int(UID.SEQ_LEN_Q), int(UID.SEQ_LEN_KV), int(UID.BIAS)
 
 
 def execute(built, buffers: dict, device: torch.device) -> None:
@@ -47,15 +48,21 @@ def execute(built, buffers: dict, device: torch.device) -> None:
     context.execute(built, buffers, built.workspace_size)
 
 
-class StaticLengths(NamedTuple):
-    """A static ``Padding`` as a runner binds it: the problem (whose ``Padding`` the elementwise
-    hiding reads: ``model.inputs.hide_padding``), the ``[B, 1, 1, 1]`` int32 device lengths, and
-    the ``empty_views`` of the rows that see no key (``None`` when every row sees one)."""
+class Extras(NamedTuple):
+    """What a runner binds besides q, k, v, the scale and out (each ``None`` when its graphs
+    have none): ``padded``, the problem of a static ``Padding`` whose padded positions are
+    hidden per call as the full path hides them (``model.inputs.hide_padding``); ``lengths``,
+    the ``[B, 1, 1, 1]`` int32 device lengths the graphs read (also a bias graph's full-length
+    padding mask); ``empty``, the ``empty_views`` of the rows that see no key; ``bias_spec``, the
+    graph spec of a bias the call passes (``_runtime.bias_operand``)."""
 
-    problem: object
-    seq_len_q: torch.Tensor
-    seq_len_kv: torch.Tensor
-    empty: Optional[tuple]
+    padded: object = None
+    lengths: Optional[tuple] = None
+    empty: Optional[tuple] = None
+    bias_spec: object = None
+
+
+NO_EXTRAS = Extras()
 
 
 class DirectCall:
@@ -68,19 +75,20 @@ class DirectCall:
     path, whose graphs are built for them), the base pointers' alignment (copies, as the full path
     makes), and grad mode (a call that requires grad under ``torch.no_grad`` answers ``None``).
     Outputs and gradients are contiguous in the call's layout, as the graphs were built.
-    ``lengths``: a static ``Padding``'s (``StaticLengths``), or ``None``; the padded positions
-    are hidden as the full path hides them (``execution.run``), and the rows that see no key come
-    out 0 (their stats ``+inf`` for the backward, as ``CudnnPlan.backward`` sets them).
+    ``extras`` (``Extras``): a static ``Padding``'s lengths, whose padded positions are hidden
+    as the full path hides them (``execution.run``) and whose rows that see no key come out 0
+    (their stats ``+inf`` for the backward, as ``CudnnPlan.backward`` sets them); a bias tensor
+    the call passes (``__call__(q, k, v, bias)``; one that requires grad has no runner).
     """
 
     __slots__ = ("forward", "backward", "device", "scale", "strides", "out_like",
-                 "stats_like", "inputs_contiguous", "lengths")
+                 "stats_like", "inputs_contiguous", "extras")
 
     def __init__(self, problem, forward, backward, scale: torch.Tensor,
                  out_template: torch.Tensor | None, stats_template: torch.Tensor | None,
-                 lengths: Optional[StaticLengths] = None):
+                 extras: Extras = NO_EXTRAS):
         self.forward, self.backward = forward, backward
-        self.device, self.scale, self.lengths = problem.device, scale, lengths
+        self.device, self.scale, self.extras = problem.device, scale, extras
         self.strides = (problem.q.stride, problem.k.stride, problem.v.stride)
         # empty_like costs the host a third of an empty with explicit sizes, and without a
         # memory-format argument less again: it preserves a format that is contiguous already
@@ -91,28 +99,28 @@ class DirectCall:
             spec.stride == contiguous_strides(spec.shape)
             for spec in (problem.q, problem.k, problem.v))
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, bias=None):
         if (q.stride(), k.stride(), v.stride()) != self.strides:
             return None
-        padded = self.lengths
+        extras = self.extras
         if self.backward is None:
-            if padded is not None:
-                q, k, v = self._hidden(q, k, v, queries=False)
+            if extras.padded is not None:
+                q, k, v, bias = self._hidden(q, k, v, bias, queries=False)
             out = self._new_out(q)
-            execute(self.forward, self._bind(q, k, v, out), self.device)
-            if padded is not None and padded.empty is not None:
-                out.masked_fill_(padded.empty[0], 0)
+            execute(self.forward, self._bind(q, k, v, bias, out), self.device)
+            if extras.empty is not None:
+                out.masked_fill_(extras.empty[0], 0)
             return out
         if not torch.is_grad_enabled():
             return None
-        if padded is None:
-            return record_direct(self, q, k, v)
-        out = record_direct(self, *self._hidden(q, k, v, queries=True))
-        return hide_padded_rows(padded.problem, out)
+        if extras.padded is None:
+            return record_direct(self, q, k, v, bias)
+        out = record_direct(self, *self._hidden(q, k, v, bias, queries=True))
+        return hide_padded_rows(extras.padded, out)
 
-    def _hidden(self, q, k, v, queries: bool) -> tuple:
-        hidden = hide_padding(self.lengths.problem, Inputs(q, k, v), queries)
-        return hidden.q, hidden.k, hidden.v
+    def _hidden(self, q, k, v, bias, queries: bool) -> tuple:
+        hidden = hide_padding(self.extras.padded, Inputs(q, k, v, bias), queries)
+        return hidden.q, hidden.k, hidden.v, hidden.bias
 
     def _new_out(self, q: torch.Tensor) -> torch.Tensor:
         if self.out_like is not None:
@@ -121,35 +129,40 @@ class DirectCall:
             return torch.empty_like(q)
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
-    def _bind(self, q, k, v, out) -> dict:
+    def _bind(self, q, k, v, bias, out) -> dict:
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % _runtime.ALIGNMENT:  # rare: copies
             q, k, v = _runtime.aligned(q), _runtime.aligned(k), _runtime.aligned(v)
-        if self.lengths is None:
-            return {_Q: q, _K: k, _V: v, _SCALE: self.scale, _O: out}
-        return {_Q: q, _K: k, _V: v, _SCALE: self.scale, _O: out,
-                _SEQ_LEN_Q: self.lengths.seq_len_q, _SEQ_LEN_KV: self.lengths.seq_len_kv}
+        buffers = {_Q: q, _K: k, _V: v, _SCALE: self.scale, _O: out}
+        extras = self.extras
+        if extras is NO_EXTRAS:
+            return buffers
+        if extras.lengths is not None:
+            buffers[_SEQ_LEN_Q], buffers[_SEQ_LEN_KV] = extras.lengths
+        if extras.bias_spec is not None:
+            buffers[_BIAS] = _runtime.bias_operand(extras.bias_spec, bias)
+        return buffers
 
     # -- the autograd node's two halves (core.autograd_node.record_direct) ----------------------------
-    def record(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    def record(self, q, k, v, bias) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, stats)`` of the forward with stats (``[B, H, S_q, 1]`` fp32)."""
         out, stats = self._new_out(q), torch.empty_like(self.stats_like)
-        buffers = self._bind(q, k, v, out)
+        buffers = self._bind(q, k, v, bias, out)
         buffers[_STATS] = stats
         execute(self.forward, buffers, self.device)
-        empty = None if self.lengths is None else self.lengths.empty
+        empty = self.extras.empty
         if empty is not None:  # exp(S - (+inf)) = 0: such rows add nothing to the gradients
             out.masked_fill_(empty[0], 0)
             stats.masked_fill_(empty[1], math.inf)
         return out, stats
 
-    def gradients(self, q, k, v, out, stats, dout) -> tuple:
+    def gradients(self, q, k, v, bias, out, stats, dout) -> tuple:
         """``(dq, dk, dv)`` from the forward's ``out`` and ``stats``."""
         if self.inputs_contiguous:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         else:
             contiguous = torch.contiguous_format
             dq, dk, dv = (torch.empty_like(t, memory_format=contiguous) for t in (q, k, v))
-        buffers = self._bind(q, k, v, out)
+        buffers = self._bind(q, k, v, bias, out)
         # dO as the graph reads O: contiguous and aligned (autograd may hand an expanded one)
         buffers[_DO] = _runtime.aligned(dout.contiguous())
         buffers[_STATS] = stats

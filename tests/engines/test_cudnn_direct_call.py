@@ -44,8 +44,8 @@ def direct(monkeypatch):
     seen = []
     original = launch.DirectCall.__call__
 
-    def spy(self, q, k, v):
-        out = original(self, q, k, v)
+    def spy(self, q, k, v, bias=None):
+        out = original(self, q, k, v, bias)
         seen.append("declined" if out is None else "ran")
         return out
 
@@ -176,7 +176,8 @@ def test_calls_it_cannot_take_run_the_full_path_with_the_same_results(fake, dire
 
 NO_RUNNER = {  # made inside the test: the fixture decides which lengths are runtime values
     "runtime padding": lambda: dict(mask=ca.Causal() & ca.Padding(torch.tensor([20, 9]))),
-    "bias": lambda: dict(bias=torch.zeros(1, 2, 24, 24, dtype=F16)),
+    "bias that requires grad": lambda: dict(
+        bias=torch.zeros(1, 2, 24, 24, dtype=F16, requires_grad=True)),
     "dropout": lambda: dict(dropout_p=0.1),
     "negative scale": lambda: dict(scale=-0.25),
     "lse": lambda: dict(return_lse=True),
@@ -243,6 +244,58 @@ def test_static_padding_runs_through_the_runner_and_hides_what_lies_past_the_len
             assert torch.isfinite(out).all()
             torch.testing.assert_close(out.to(F64), ref.detach(), atol=2e-3, rtol=2e-3)
     assert direct == ["ran"] * 5
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("shape", [(1, 2, 24, 24), (2, 1, 1, 24)])
+def test_a_bias_that_needs_no_gradient_runs_through_the_runner(fake, direct, shape, padded,
+                                                               monkeypatch):
+    """The bias is the runner's fourth operand, bound per call (S_kv = 24, not a multiple of
+    128: the graphs add a full-length padding mask, whose lengths the runner binds too). With a
+    static ``Padding``, NaN in the bias past the lengths reaches nothing: the graphs are given a
+    bias without it (the stand-in executor masks by selection, so the output alone would not
+    show an additive mask's ``-inf + NaN``)."""
+    bound = []
+    execute = launch.execute
+    monkeypatch.setattr(launch, "execute", lambda built, buffers, device: (
+        bound.append(buffers[int(UID.BIAS)]), execute(built, buffers, device)))
+    g = torch.Generator().manual_seed(4)
+    q, k, v = _qkv(grad=True)
+    bias = torch.randn(shape, generator=g).to(F16)
+    lens = (20, 9)
+    visibility = {"causal": "top_left", **({"seq_lens_q": lens, "seq_lens_kv": lens}
+                                           if padded else {})}
+    mask = ca.Causal() & ca.Padding(list(lens)) if padded else ca.Causal()
+    vis = oracle.build_visibility(2, 24, 24, **visibility)
+    leaves = [t.detach().to(F64).requires_grad_(True) for t in (q, k, v)]
+    ref, _ = oracle.reference_attention(*leaves, vis, bias=bias.to(F64))
+    want = torch.autograd.grad(ref.sum(), leaves)
+    if padded:  # NaN at every bias cell of a key past its sequence's length (a bias shared
+        # by the batch: past the longest, as every sequence reads the cells inside its own)
+        ends = torch.tensor(lens if shape[0] == 2 else [max(lens)])
+        past = (torch.arange(24)[None, :] >= ends[:, None]).view(shape[0], 1, 1, 24)
+        bias = bias.masked_fill(past, float("nan"))
+    for _ in range(3):
+        out = ca.attention(q, k, v, mask=mask, bias=bias, backend="cudnn")
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.to(F64), ref.detach(), atol=2e-3, rtol=2e-3)
+        grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+        for got, expected in zip(grads, want):
+            torch.testing.assert_close(got.to(F64), expected, atol=5e-3, rtol=5e-3)
+    with torch.no_grad():
+        out = ca.attention(*(t.detach() for t in (q, k, v)), mask=mask, bias=bias,
+                           backend="cudnn")
+        torch.testing.assert_close(out.to(F64), ref.detach(), atol=2e-3, rtol=2e-3)
+    assert direct == ["ran"] * 4
+    assert len(bound) == 7 and all(torch.isfinite(b).all() for b in bound)
+    # another bias of the same signature: the runner binds each call's own
+    other = torch.randn(shape, generator=g).to(F16)
+    ref_other, _ = oracle.reference_attention(*leaves, vis, bias=other.to(F64))
+    with torch.no_grad():
+        out = ca.attention(*(t.detach() for t in (q, k, v)), mask=mask, bias=other,
+                           backend="cudnn")
+    torch.testing.assert_close(out.to(F64), ref_other.detach(), atol=2e-3, rtol=2e-3)
+    assert direct[-1] == "ran"
 
 
 def test_static_lengths_reach_the_device_once_per_runner(fake, direct, monkeypatch):
