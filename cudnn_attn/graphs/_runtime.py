@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # annotations only: _spec imports the runtime's users
 __all__ = ["DeviceHandle", "StreamContext", "stream_context", "handle_for", "workspace",
            "capturing", "ScalarCache", "LengthCache", "device_lengths", "ragged_offsets",
            "token_rows", "page_tables", "aligned", "philox_tensors", "positive_scale",
-           "scaled_same_strides", "empty_rows", "padded_rows", "empty_views"]
+           "scaled_same_strides", "empty_rows", "padded_rows", "empty_views", "bias_needs_copy"]
 
 # device index -> DeviceHandle: the device's one cuDNN handle.
 _HANDLES = LRU("cudnn.handles", 64)
@@ -172,15 +172,29 @@ def bias_operand(spec, bias: torch.Tensor) -> torch.Tensor:
     """The bias as ``spec`` declares it: ``bias`` itself (16-byte aligned), or, where the graph
     spans S_q or S_kv along which the bias broadcasts (a backward graph: cuDNN's backward reads
     ``(1|B, 1|H_q, S_q, S_kv)`` only), a contiguous copy broadcast to ``spec.bias_dim``."""
-    full = bias[(None,) * (4 - bias.dim())]
-    spans = [n > 1 and st != 0 for n, st in zip(full.shape, full.stride())]
-    if all(spans[a] or spec.bias_dim[a] == 1 for a in (2, 3)):
+    if not bias_needs_copy(spec, bias.shape, bias.stride()):
         return aligned(bias)
+    full = bias[(None,) * (4 - bias.dim())]
+    spans = _spans(full.shape, full.stride())
     source = full
     for axis in range(4):  # broadcast axes read from their first element
         if not spans[axis]:
             source = source.narrow(axis, 0, 1)
     return torch.empty(spec.bias_dim, dtype=bias.dtype, device=bias.device).copy_(source)
+
+
+def _spans(shape, stride) -> list[bool]:
+    """Per axis of a ``[B, H, S_q, S_kv]``-broadcastable tensor (leading axes implied), whether
+    it holds more than one value along it."""
+    implied = [False] * (4 - len(shape))
+    return implied + [n > 1 and st != 0 for n, st in zip(shape, stride)]
+
+
+def bias_needs_copy(spec, shape, stride) -> bool:
+    """Whether ``bias_operand`` copies a bias of this shape and these strides for ``spec``
+    (else it binds the bias itself): the call signature fixes both, so a runner asks once."""
+    spans = _spans(shape, stride)
+    return not all(spans[a] or spec.bias_dim[a] == 1 for a in (2, 3))
 
 
 def positive_scale(scale: float) -> tuple[float, float]:

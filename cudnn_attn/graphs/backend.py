@@ -219,9 +219,12 @@ class CudnnPlan:
                 seq_q, seq_kv, _, empty = self._lengths.get(*problem_lengths(problem),
                                                             problem.device)
                 lengths = (seq_q, seq_kv)
-            extras = launch.Extras(padded=problem if padding is not None else None,
-                                   lengths=lengths, empty=empty,
-                                   bias_spec=s if s.bias_dim is not None else None)
+            bias = problem.bias
+            extras = launch.Extras(
+                padded=problem if padding is not None else None, lengths=lengths, empty=empty,
+                bias_spec=s if s.bias_dim is not None else None,
+                bias_copy=bias is not None and _runtime.bias_needs_copy(s, bias.shape,
+                                                                        bias.stride))
         grad = problem.requires_grad
         forward = self._get(problem, "stats" if grad else "plain")
         backward = self._get(problem, "backward") if grad else None

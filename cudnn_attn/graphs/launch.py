@@ -54,12 +54,14 @@ class Extras(NamedTuple):
     hidden per call as the full path hides them (``model.inputs.hide_padding``); ``lengths``,
     the ``[B, 1, 1, 1]`` int32 device lengths the graphs read (also a bias graph's full-length
     padding mask); ``empty``, the ``empty_views`` of the rows that see no key; ``bias_spec``, the
-    graph spec of a bias the call passes (``_runtime.bias_operand``)."""
+    graph spec of a bias the call passes, which ``bias_copy`` says ``_runtime.bias_operand``
+    copies (else the bias is bound itself)."""
 
     padded: object = None
     lengths: Optional[tuple] = None
     empty: Optional[tuple] = None
     bias_spec: object = None
+    bias_copy: bool = False
 
 
 NO_EXTRAS = Extras()
@@ -139,7 +141,8 @@ class DirectCall:
         if extras.lengths is not None:
             buffers[_SEQ_LEN_Q], buffers[_SEQ_LEN_KV] = extras.lengths
         if extras.bias_spec is not None:
-            buffers[_BIAS] = _runtime.bias_operand(extras.bias_spec, bias)
+            buffers[_BIAS] = _runtime.bias_operand(extras.bias_spec, bias) \
+                if extras.bias_copy else _runtime.aligned(bias)
         return buffers
 
     # -- the autograd node's two halves (core.autograd_node.record_direct) ----------------------------
