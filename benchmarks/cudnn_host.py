@@ -25,8 +25,9 @@ CPU torch runs those through its math path, whose masking and dropout are host a
 a bar that is lower on a GPU, where they are one fused kernel's work;
 and, for scale, the floor of any engine written in Python: a minimal ``torch.autograd.Function``
 that allocates out and lse and returns three gradients ("python floor").
-The issue's target (issue 35): ours at most torch's. Timings are the minimum over repeats of the
-mean per call (host time is noise-free from below). JSON: benchmarks/results/cudnn_host-<date>.json.
+The issue's target (issue 35): ours at most torch's. Timings are the minimum over rounds of the
+mean per call (host time is noise-free from below), every case timed once per round so that all
+meet the machine's slow and fast phases alike. JSON: benchmarks/results/cudnn_host-<date>.json.
 """
 
 from __future__ import annotations
@@ -102,13 +103,21 @@ class _Null:
         return False
 
 
-def per_call_us(fn, calls: int, repeats: int) -> float:
-    for _ in range(max(10, calls // 10)):
-        fn()
-    return 1e6 * min(timeit.repeat(fn, number=calls, repeat=repeats)) / calls
+def per_call_us(cases: dict, calls: int, repeats: int) -> dict:
+    """Microseconds per call of each case: the minimum over ``repeats`` rounds of the mean of
+    ``calls`` calls, every case once per round (this machine drifts between a fast and a slow
+    phase for seconds at a time: interleaved, the cases meet the same phases)."""
+    for fn in cases.values():
+        for _ in range(max(10, calls // 10)):
+            fn()
+    best = dict.fromkeys(cases, float("inf"))
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            best[name] = min(best[name], timeit.timeit(fn, number=calls) / calls)
+    return {name: 1e6 * seconds for name, seconds in best.items()}
 
 
-def ours(calls: int, repeats: int) -> list[dict]:
+def ours() -> dict:
     import cudnn_attn as ca
 
     gen = torch.Generator().manual_seed(0)
@@ -133,11 +142,10 @@ def ours(calls: int, repeats: int) -> list[dict]:
         "dropout": lambda: ca.attention(q, k, v, mask=causal, dropout_p=0.1, backend="cudnn"),
         "bias": lambda: ca.attention(q, k, v, mask=causal, bias=bias, backend="cudnn"),
     }
-    return [{"call": f"ours {name}", "us_per_call": per_call_us(fn, calls, repeats)}
-            for name, fn in cases.items()]
+    return {f"ours {name}": fn for name, fn in cases.items()}
 
 
-def torch_sdpa(calls: int, repeats: int) -> list[dict]:
+def torch_sdpa() -> dict:
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     gen = torch.Generator().manual_seed(0)
@@ -162,8 +170,7 @@ def torch_sdpa(calls: int, repeats: int) -> list[dict]:
              "padding": padded,
              "dropout": lambda: sdpa(q, k, v, dropout_p=0.1, is_causal=True),
              "bias": lambda: sdpa(q, k, v, attn_mask=bias)}
-    return [{"call": f"torch sdpa {name}", "us_per_call": per_call_us(fn, calls, repeats)}
-            for name, fn in cases.items()]
+    return {f"torch sdpa {name}": fn for name, fn in cases.items()}
 
 
 class _Floor(torch.autograd.Function):
@@ -181,7 +188,7 @@ class _Floor(torch.autograd.Function):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def python_floor(calls: int, repeats: int) -> list[dict]:
+def python_floor() -> dict:
     """``_Floor`` on the same tensors: forward with grad, and forward + backward."""
     gen = torch.Generator().manual_seed(0)
     qg, kg, vg = (torch.randn(SHAPE, generator=gen).to(torch.float16).requires_grad_(True)
@@ -193,8 +200,7 @@ def python_floor(calls: int, repeats: int) -> list[dict]:
         torch.autograd.grad(out, (qg, kg, vg), dout)
 
     cases = {"fwd (grad)": lambda: _Floor.apply(qg, kg, vg), "fwd+bwd": fwd_bwd}
-    return [{"call": f"python floor {name}", "us_per_call": per_call_us(fn, calls, repeats)}
-            for name, fn in cases.items()]
+    return {f"python floor {name}": fn for name, fn in cases.items()}
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -211,8 +217,8 @@ def add_ratios(rows: list[dict]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=500)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=300, help="calls per case and round")
+    parser.add_argument("--repeats", type=int, default=15, help="rounds (every case once each)")
     parser.add_argument("--json", action="store_true",
                         help="also write the results file (benchmarks/results)")
     parser.add_argument("--json-to", type=Path, default=None,
@@ -220,8 +226,8 @@ def main() -> int:
     args = parser.parse_args()
     install()
     torch.set_grad_enabled(True)
-    rows = (torch_sdpa(args.calls, args.repeats) + python_floor(args.calls, args.repeats)
-            + ours(args.calls, args.repeats))
+    timed = per_call_us({**torch_sdpa(), **python_floor(), **ours()}, args.calls, args.repeats)
+    rows = [{"call": name, "us_per_call": us} for name, us in timed.items()]
     add_ratios(rows)
     _report.print_table(rows, ["call", "us_per_call", "vs_torch"])
     print(f"(the stand-in executed {EXECUTED[0]} graph calls)")
