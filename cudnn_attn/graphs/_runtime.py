@@ -32,7 +32,7 @@ import torch
 
 from ..core.caches import LRU
 from ..core.probe import capturing
-from ..model.inputs import position_index, sequence_axis
+from ..model.inputs import position_index, row_positions, sequence_axis
 
 if TYPE_CHECKING:  # annotations only: _spec imports the runtime's users
     from ._spec import Band, GraphSpec
@@ -40,7 +40,8 @@ if TYPE_CHECKING:  # annotations only: _spec imports the runtime's users
 __all__ = ["DeviceHandle", "StreamContext", "stream_context", "handle_for", "workspace",
            "capturing", "ScalarCache", "LengthCache", "device_lengths", "ragged_offsets",
            "token_rows", "page_tables", "aligned", "philox_tensors", "positive_scale",
-           "scaled_same_strides", "empty_rows", "padded_rows", "empty_views", "bias_needs_copy"]
+           "scaled_same_strides", "empty_rows", "padded_rows", "empty_views", "padded_row_views",
+           "bias_needs_copy"]
 
 # device index -> DeviceHandle: the device's one cuDNN handle.
 _HANDLES = LRU("cudnn.handles", 64)
@@ -364,6 +365,18 @@ def padded_rows(spec: GraphSpec, lens_q, lens_kv) -> torch.Tensor:
     # Compared against an int64 arange as they are (int32 device lengths need no cast kernel).
     lq, lkv = (torch.as_tensor(n, device=device).view(b, 1) for n in (lens_q, lens_kv))
     return empty_rows(spec.band, position_index(spec.seq_q, lq.device), lq, lkv)
+
+
+def padded_row_views(spec: GraphSpec, seq_len_q: torch.Tensor,
+                     seq_len_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``empty_views`` of the rows that see no key, from the ``[B, 1, 1, 1]`` graph lengths of a
+    dense (not packed) spec: computed in the stats' ``[B, 1, S_q, 1]`` shape directly (no
+    ``[B, S_q]`` to view twice), out's a view of it in bshd."""
+    i = row_positions(spec.seq_q, seq_len_q.device, seq_len_q.dtype)
+    empty = empty_rows(spec.band, i, seq_len_q, seq_len_kv)
+    if spec.layout == "bhsd":
+        return empty, empty
+    return empty.view(spec.batch, spec.seq_q, 1, 1), empty
 
 
 def empty_views(spec: GraphSpec, empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -276,8 +276,11 @@ class CudnnPlan:
             if padding is not None and padding.runtime is not None:
                 seq_q, seq_kv, lens_q, lens_kv = _runtime.device_lengths(self.spec, padding,
                                                                          device)
-                if forward:  # the backward reads the forward's stats, -inf on those rows
+                # the backward reads the forward's stats, -inf on those rows
+                if forward and self.spec.ragged:  # [B, S_q], one flag per packed token below
                     empty = _runtime.padded_rows(self.spec, lens_q, lens_kv)
+                elif forward:
+                    views = _runtime.padded_row_views(self.spec, seq_q, seq_kv)
             else:
                 lens_q, lens_kv = problem_lengths(problem)
                 seq_q, seq_kv, empty, views = self._lengths.get(lens_q, lens_kv, device)

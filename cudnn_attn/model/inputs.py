@@ -16,7 +16,7 @@ from ..core.caches import LRU
 from ..core.probe import capturing
 
 __all__ = ["SEED_BOUND", "DropoutState", "draw_seed", "host_draw", "Inputs", "valid_positions",
-           "position_index", "sequence_axis", "PaddedPositions", "padding_positions",
+           "position_index", "row_positions", "sequence_axis", "PaddedPositions", "padding_positions",
            "hide_padding", "hide_padded_rows"]
 
 # Seeds stay below 2**62: every engine (and cuDNN's int64 seed tensor) holds them exactly.
@@ -112,6 +112,13 @@ def position_index(seq: int, device) -> torch.Tensor:
     """``[1, seq]`` int64 ``0 .. seq - 1`` on ``device`` (made once per size and device)."""
     return _device_constant(_INDEX, (seq, device),
                             lambda: torch.arange(seq, device=device).view(1, seq))
+
+
+def row_positions(seq: int, device, dtype: torch.dtype) -> torch.Tensor:
+    """``[1, 1, seq, 1]`` ``0 .. seq - 1`` of ``dtype`` on ``device``: the query rows of
+    ``[B, H, S, *]``, compared with ``[B, 1, 1, 1]`` lengths of the same dtype (no cast)."""
+    return _device_constant(_INDEX, (seq, device, dtype), lambda: torch.arange(
+        seq, dtype=dtype, device=device).view(1, 1, seq, 1))
 
 
 # (dtype, device) -> a 0-dim zero: torch.where's ``other`` as a tensor (a Python 0 is wrapped
