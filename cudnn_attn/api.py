@@ -75,13 +75,15 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
         return None
 
 
-def _run_direct(direct, q, k, v, bias):
-    """``direct(q, k, v)``, or ``direct(q, k, v, bias)`` with a bias tensor: the one per-call
-    operand a runner takes besides q, k, v (ALiBi's slopes live in the plan). ``None``: the
-    runner cannot take this call."""
-    if bias is None or not isinstance(bias, _Tensor):
-        return direct(q, k, v)
-    return direct(q, k, v, bias)
+def _run_direct(direct, q, k, v, bias, dropout_p, generator):
+    """``direct(q, k, v)``; with a bias tensor ``direct(q, k, v, bias)`` (ALiBi's slopes live in
+    the plan); with dropout ``direct(q, k, v, bias or None, generator)`` (the runner draws the
+    call's seed): the per-call operands a runner takes besides q, k, v. ``None``: the runner
+    cannot take this call."""
+    table = bias if isinstance(bias, _Tensor) else None
+    if dropout_p:  # a runner exists only for a signature whose dropout_p was validated
+        return direct(q, k, v, table, generator)
+    return direct(q, k, v) if table is None else direct(q, k, v, table)
 
 
 def _runtime_padding(mask) -> Optional[Padding]:
@@ -266,7 +268,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         except TypeError:  # unhashable argument: let validation explain it
             signature = direct = None
         if direct is not None:
-            out = _run_direct(direct, q, k, v, bias)
+            out = _run_direct(direct, q, k, v, bias, dropout_p, generator)
             if out is not None:  # None: a call the runner cannot take
                 return out
             declined = direct
@@ -290,7 +292,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         if problem.padding is not padding:
             problem = _with_padding(problem, padding)
     if direct is not None and direct is not declined:
-        out = _run_direct(direct, q, k, v, bias)
+        out = _run_direct(direct, q, k, v, bias, dropout_p, generator)
         if out is not None:
             return out
     table = split_bias(bias)[1]  # the runtime tensor (Alibi's slopes live in the problem)

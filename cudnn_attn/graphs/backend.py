@@ -200,17 +200,18 @@ class CudnnPlan:
 
     def direct(self, problem):
         """``launch.DirectCall`` of ``problem`` when its graphs bind nothing but q, k, v, the
-        scale and out (and the backward's stats and gradients), a static ``Padding``'s lengths
-        and a bias that needs no gradient: no tensor lengths, dropout, tile mask, packed or
-        paged storage, and a positive scale; else ``None`` (every call takes ``forward``)."""
+        scale and out (and the backward's stats and gradients), a static ``Padding``'s lengths,
+        a bias that needs no gradient and a Philox dropout seed: no tensor lengths, explicit
+        dropout mask, tile mask, packed or paged storage, and a positive scale; else ``None``
+        (every call takes ``forward``)."""
         s = self.spec
         q_factor, scale = _runtime.positive_scale(problem.scale)
-        if (problem.bias_requires_grad or self._dropout or s.block_mask or s.ragged
+        if (problem.bias_requires_grad or s.dropout_mask or s.block_mask or s.ragged
                 or s.paged is not None or problem.storage is not None or q_factor != 1.0
                 or problem.dropout_p != self.dropout_p):
             return None
         extras = launch.NO_EXTRAS
-        if s.padding or s.bias_dim is not None:
+        if s.padding or s.bias_dim is not None or s.dropout_p > 0:
             padding = problem.padding
             if padding is not None and padding.runtime is not None:  # tensor lengths: per call
                 return None
@@ -224,7 +225,8 @@ class CudnnPlan:
                 padded=problem if padding is not None else None, lengths=lengths, empty=empty,
                 bias_spec=s if s.bias_dim is not None else None,
                 bias_copy=bias is not None and _runtime.bias_needs_copy(s, bias.shape,
-                                                                        bias.stride))
+                                                                        bias.stride),
+                dropout=s.dropout_p > 0)
         grad = problem.requires_grad
         forward = self._get(problem, "stats" if grad else "plain")
         backward = self._get(problem, "backward") if grad else None

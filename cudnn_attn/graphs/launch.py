@@ -5,11 +5,11 @@ runner bound once per cached call signature.
   device's handle (under its lock: the backward may run on autograd's thread) and the stream's
   pooled workspace; a graph to autotune is tuned first, on these buffers (never inside a
   CUDA-graph capture: nothing can be timed there). Every graph the engine runs goes through here.
-* ``DirectCall``: ``(q, k, v[, bias]) -> out`` of a call whose graphs bind nothing but q, k, v,
-  the scale, out (and the stats and gradients of its backward), the lengths of a static
-  ``Padding`` (host ints: part of the call's signature) and a bias that needs no gradient: no
-  tensor lengths, dropout, packed or paged storage, sign-carrying scale or lse.
-  ``CudnnPlan.direct`` decides which calls qualify.
+* ``DirectCall``: ``(q, k, v[, bias[, generator]]) -> out`` of a call whose graphs bind nothing
+  but q, k, v, the scale, out (and the stats and gradients of its backward), the lengths of a
+  static ``Padding`` (host ints: part of the call's signature), a bias that needs no gradient
+  and a Philox dropout seed drawn per call: no tensor lengths, explicit dropout mask, packed or
+  paged storage, sign-carrying scale or lse. ``CudnnPlan.direct`` decides which calls qualify.
   Why: such a call spends most of its host time rebuilding, per call, what its signature already
   fixes (buffer dicts, uid lists, the scale tensor, shapes, device lengths); the runner binds
   those once, so the eager path costs about what a minimal ``autograd.Function`` around
@@ -27,7 +27,7 @@ from . import _runtime, autotune
 from ._emit import UID
 from ._spec import contiguous_strides
 from ..core.autograd_node import record_direct
-from ..model.inputs import Inputs, hide_padded_rows, hide_padding
+from ..model.inputs import DropoutState, Inputs, hide_padded_rows, hide_padding
 
 __all__ = ["execute", "DirectCall", "Extras", "NO_EXTRAS"]
 
@@ -35,6 +35,7 @@ _Q, _K, _V, _O, _SCALE, _STATS = (int(UID.Q), int(UID.K), int(UID.V), int(UID.O)
                                   int(UID.SCALE), int(UID.STATS))
 _DO, _DQ, _DK, _DV = int(UID.DO), int(UID.DQ), int(UID.DK), int(UID.DV)
 _SEQ_LEN_Q, _SEQ_LEN_KV, _BIAS = int(UID.SEQ_LEN_Q), int(UID.SEQ_LEN_KV), int(UID.BIAS)
+_SEED, _OFFSET = int(UID.DROPOUT_SEED), int(UID.DROPOUT_OFFSET)
 
 
 def execute(built, buffers: dict, device: torch.device) -> None:
@@ -55,13 +56,15 @@ class Extras(NamedTuple):
     the ``[B, 1, 1, 1]`` int32 device lengths the graphs read (also a bias graph's full-length
     padding mask); ``empty``, the ``empty_views`` of the rows that see no key; ``bias_spec``, the
     graph spec of a bias the call passes, which ``bias_copy`` says ``_runtime.bias_operand``
-    copies (else the bias is bound itself)."""
+    copies (else the bias is bound itself); ``dropout``: the graphs drop weights with a Philox
+    stream whose seed each call draws from its generator (``DropoutState.draw``)."""
 
     padded: object = None
     lengths: Optional[tuple] = None
     empty: Optional[tuple] = None
     bias_spec: object = None
     bias_copy: bool = False
+    dropout: bool = False
 
 
 NO_EXTRAS = Extras()
@@ -80,7 +83,9 @@ class DirectCall:
     ``extras`` (``Extras``): a static ``Padding``'s lengths, whose padded positions are hidden
     as the full path hides them (``execution.run``) and whose rows that see no key come out 0
     (their stats ``+inf`` for the backward, as ``CudnnPlan.backward`` sets them); a bias tensor
-    the call passes (``__call__(q, k, v, bias)``; one that requires grad has no runner).
+    the call passes (``__call__(q, k, v, bias)``; one that requires grad has no runner); dropout
+    (``__call__(q, k, v, bias, generator)``: a seed per call, the backward replays it; under a
+    CUDA-graph capture the runner answers ``None`` and the full path refuses, with its reason).
     """
 
     __slots__ = ("forward", "backward", "device", "scale", "strides", "out_like",
@@ -101,23 +106,28 @@ class DirectCall:
             spec.stride == contiguous_strides(spec.shape)
             for spec in (problem.q, problem.k, problem.v))
 
-    def __call__(self, q, k, v, bias=None):
+    def __call__(self, q, k, v, bias=None, generator=None):
         if (q.stride(), k.stride(), v.stride()) != self.strides:
             return None
         extras = self.extras
+        if self.backward is not None and not torch.is_grad_enabled():
+            return None
+        dropout = None
+        if extras.dropout:
+            if _runtime.capturing():
+                return None
+            dropout = DropoutState.draw(generator)
         if self.backward is None:
             if extras.padded is not None:
                 q, k, v, bias = self._hidden(q, k, v, bias, queries=False)
             out = self._new_out(q)
-            execute(self.forward, self._bind(q, k, v, bias, out), self.device)
+            execute(self.forward, self._bind(q, k, v, bias, dropout, out), self.device)
             if extras.empty is not None:
                 out.masked_fill_(extras.empty[0], 0)
             return out
-        if not torch.is_grad_enabled():
-            return None
         if extras.padded is None:
-            return record_direct(self, q, k, v, bias)
-        out = record_direct(self, *self._hidden(q, k, v, bias, queries=True))
+            return record_direct(self, q, k, v, bias, dropout)
+        out = record_direct(self, *self._hidden(q, k, v, bias, queries=True), dropout)
         return hide_padded_rows(extras.padded, out)
 
     def _hidden(self, q, k, v, bias, queries: bool) -> tuple:
@@ -131,7 +141,7 @@ class DirectCall:
             return torch.empty_like(q)
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
-    def _bind(self, q, k, v, bias, out) -> dict:
+    def _bind(self, q, k, v, bias, dropout, out) -> dict:
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % _runtime.ALIGNMENT:  # rare: copies
             q, k, v = _runtime.aligned(q), _runtime.aligned(k), _runtime.aligned(v)
         buffers = {_Q: q, _K: k, _V: v, _SCALE: self.scale, _O: out}
@@ -143,13 +153,15 @@ class DirectCall:
         if extras.bias_spec is not None:
             buffers[_BIAS] = _runtime.bias_operand(extras.bias_spec, bias) \
                 if extras.bias_copy else _runtime.aligned(bias)
+        if dropout is not None:
+            buffers[_SEED], buffers[_OFFSET] = _runtime.philox_tensors(dropout)
         return buffers
 
     # -- the autograd node's two halves (core.autograd_node.record_direct) ----------------------------
-    def record(self, q, k, v, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    def record(self, q, k, v, bias, dropout) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, stats)`` of the forward with stats (``[B, H, S_q, 1]`` fp32)."""
         out, stats = self._new_out(q), torch.empty_like(self.stats_like)
-        buffers = self._bind(q, k, v, bias, out)
+        buffers = self._bind(q, k, v, bias, dropout, out)
         buffers[_STATS] = stats
         execute(self.forward, buffers, self.device)
         empty = self.extras.empty
@@ -158,14 +170,14 @@ class DirectCall:
             stats.masked_fill_(empty[1], math.inf)
         return out, stats
 
-    def gradients(self, q, k, v, bias, out, stats, dout) -> tuple:
-        """``(dq, dk, dv)`` from the forward's ``out`` and ``stats``."""
+    def gradients(self, q, k, v, bias, dropout, out, stats, dout) -> tuple:
+        """``(dq, dk, dv)`` from the forward's ``out`` and ``stats`` (and its dropout stream)."""
         if self.inputs_contiguous:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         else:
             contiguous = torch.contiguous_format
             dq, dk, dv = (torch.empty_like(t, memory_format=contiguous) for t in (q, k, v))
-        buffers = self._bind(q, k, v, bias, out)
+        buffers = self._bind(q, k, v, bias, dropout, out)
         # dO as the graph reads O: contiguous and aligned (autograd may hand an expanded one)
         buffers[_DO] = _runtime.aligned(dout.contiguous())
         buffers[_STATS] = stats

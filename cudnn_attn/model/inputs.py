@@ -16,8 +16,8 @@ from ..core.caches import LRU
 from ..core.probe import capturing
 
 __all__ = ["SEED_BOUND", "DropoutState", "draw_seed", "host_draw", "Inputs", "valid_positions",
-           "position_index", "row_positions", "sequence_axis", "PaddedPositions", "padding_positions",
-           "hide_padding", "hide_padded_rows"]
+           "position_index", "row_positions", "sequence_axis", "PaddedPositions",
+           "padding_positions", "hide_padding", "hide_padded_rows"]
 
 # Seeds stay below 2**62: every engine (and cuDNN's int64 seed tensor) holds them exactly.
 SEED_BOUND = 2 ** 62

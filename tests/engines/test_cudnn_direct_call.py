@@ -4,7 +4,7 @@ CPU through the stand-in executor of ``cudnn_fake`` (float64 from the buffers ea
 * the plainest calls (no bias, tensor lengths, dropout, packed/paged storage, lse; a positive
   scale), with or without grad, run through it from their second call, and give the float64
   oracle's outputs and gradients; static ``Padding`` lengths too, NaN past them hidden as on the
-  full path;
+  full path; a bias that needs no gradient; dropout, a seed per call as the full path draws it;
 * every call it cannot take (another mask kind with tensors, bias, dropout, a negative scale,
   return_lse, new strides, ``torch.no_grad`` on tensors that require grad) takes the full path,
   with the same results; a plan whose graphs read a tile mask, ragged offsets or page tables has
@@ -44,8 +44,8 @@ def direct(monkeypatch):
     seen = []
     original = launch.DirectCall.__call__
 
-    def spy(self, q, k, v, bias=None):
-        out = original(self, q, k, v, bias)
+    def spy(self, q, k, v, *operands):
+        out = original(self, q, k, v, *operands)
         seen.append("declined" if out is None else "ran")
         return out
 
@@ -178,7 +178,6 @@ NO_RUNNER = {  # made inside the test: the fixture decides which lengths are run
     "runtime padding": lambda: dict(mask=ca.Causal() & ca.Padding(torch.tensor([20, 9]))),
     "bias that requires grad": lambda: dict(
         bias=torch.zeros(1, 2, 24, 24, dtype=F16, requires_grad=True)),
-    "dropout": lambda: dict(dropout_p=0.1),
     "negative scale": lambda: dict(scale=-0.25),
     "lse": lambda: dict(return_lse=True),
 }
@@ -296,6 +295,42 @@ def test_a_bias_that_needs_no_gradient_runs_through_the_runner(fake, direct, sha
                            backend="cudnn")
     torch.testing.assert_close(out.to(F64), ref_other.detach(), atol=2e-3, rtol=2e-3)
     assert direct[-1] == "ran"
+
+
+def test_dropout_runs_through_the_runner_with_a_seed_per_call(fake, direct, monkeypatch):
+    """The runner draws each call's seed from the call's generator, as the full path does, and
+    the backward replays it: with equally seeded generators, the runner's outputs and gradients
+    are the full path's (return_lse=True has no runner), call after call. Under a CUDA-graph
+    capture it declines, and the full path refuses with its reason."""
+    q, k, v = _qkv(grad=True)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(F16)
+    ours, full = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    outs = []
+    for _ in range(3):
+        out = ca.attention(q, k, v, mask=ca.Causal(), dropout_p=0.3, generator=ours,
+                           backend="cudnn")
+        want, _ = ca.attention(q, k, v, mask=ca.Causal(), dropout_p=0.3, generator=full,
+                               return_lse=True, backend="cudnn")
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+        for got, expected in zip(torch.autograd.grad(out, (q, k, v), dout),
+                                 torch.autograd.grad(want, (q, k, v), dout)):
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)
+        outs.append(out)
+    assert not torch.equal(outs[0], outs[1])  # a new stream per call
+    with torch.no_grad():
+        plain = [t.detach() for t in (q, k, v)]
+        out = ca.attention(*plain, mask=ca.Causal(), dropout_p=0.3, generator=ours,
+                           backend="cudnn")
+        want, _ = ca.attention(*plain, mask=ca.Causal(), dropout_p=0.3, generator=full,
+                               return_lse=True, backend="cudnn")
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+    assert direct == ["ran"] * 4
+    from cudnn_attn.graphs import _runtime
+
+    monkeypatch.setattr(_runtime, "capturing", lambda: True)
+    with torch.no_grad(), pytest.raises(ca.NotSupportedError, match="CUDA graph capture"):
+        ca.attention(*plain, mask=ca.Causal(), dropout_p=0.3, backend="cudnn")
+    assert direct[-1] == "declined"
 
 
 def test_static_lengths_reach_the_device_once_per_runner(fake, direct, monkeypatch):
