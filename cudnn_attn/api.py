@@ -268,7 +268,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         except TypeError:  # unhashable argument: let validation explain it
             signature = direct = None
         if direct is not None:
-            out = _run_direct(direct, q, k, v, bias, dropout_p, generator)
+            out = direct(q, k, v) if bias is None and not dropout_p else \
+                _run_direct(direct, q, k, v, bias, dropout_p, generator)
             if out is not None:  # None: a call the runner cannot take
                 return out
             declined = direct
@@ -292,7 +293,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         if problem.padding is not padding:
             problem = _with_padding(problem, padding)
     if direct is not None and direct is not declined:
-        out = _run_direct(direct, q, k, v, bias, dropout_p, generator)
+        out = direct(q, k, v) if bias is None and not dropout_p else \
+            _run_direct(direct, q, k, v, bias, dropout_p, generator)
         if out is not None:
             return out
     table = split_bias(bias)[1]  # the runtime tensor (Alibi's slopes live in the problem)

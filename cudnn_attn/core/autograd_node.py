@@ -25,31 +25,31 @@ def apply_entry(function):
 
 
 class _DirectNode(torch.autograd.Function):
-    """``out`` of ``call.record(q, k, v, bias, dropout) -> (out, saved)``; the backward is
-    ``call.gradients(q, k, v, bias, dropout, out, saved, dout) -> (dq, dk, dv)`` (``bias``: a
-    tensor that needs no gradient, or ``None``; ``dropout``: the call's ``DropoutState``, or
-    ``None``)."""
+    """``out`` of ``call.record(q, k, v, extra) -> (out, saved)``; the backward is
+    ``call.gradients(q, k, v, extra, out, saved, dout) -> (dq, dk, dv)``. ``extra``: ``None``,
+    or the call's ``(bias, dropout)`` (a bias tensor that needs no gradient, a
+    ``DropoutState``), kept on the node as they are: one argument, so that the plainest call's
+    node costs what it did."""
 
     @staticmethod
-    def forward(ctx, call, q, k, v, bias, dropout):
-        out, saved = call.record(q, k, v, bias, dropout)
-        ctx.call, ctx.dropout = call, dropout
-        ctx.save_for_backward(q, k, v, bias, out, saved)
+    def forward(ctx, call, q, k, v, extra):
+        out, saved = call.record(q, k, v, extra)
+        ctx.call, ctx.extra = call, extra
+        ctx.save_for_backward(q, k, v, out, saved)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, bias, out, saved = ctx.saved_tensors
-        return (None, *ctx.call.gradients(q, k, v, bias, ctx.dropout, out, saved, dout), None,
-                None)
+        q, k, v, out, saved = ctx.saved_tensors
+        return (None, *ctx.call.gradients(q, k, v, ctx.extra, out, saved, dout), None)
 
 
 _DIRECT_ENTRY = apply_entry(_DirectNode)
 
 
 def record_direct(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  bias: torch.Tensor | None = None, dropout=None) -> torch.Tensor:
+                  extra: tuple | None = None) -> torch.Tensor:
     """``out`` of ``call`` (a ``DirectCall``) recorded as an autograd node. Only eager calls with
     plain tensors come here (``api._through_ops`` sends traced, functorch and autocast calls to
     the custom ops), so the C entry point serves."""
-    return (_DIRECT_ENTRY or _DirectNode.apply)(call, q, k, v, bias, dropout)
+    return (_DIRECT_ENTRY or _DirectNode.apply)(call, q, k, v, extra)

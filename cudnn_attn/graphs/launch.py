@@ -126,9 +126,9 @@ class DirectCall:
                 out.masked_fill_(extras.empty[0], 0)
             return out
         if extras.padded is None:
-            return record_direct(self, q, k, v, bias, dropout)
-        out = record_direct(self, *self._hidden(q, k, v, bias, queries=True), dropout)
-        return hide_padded_rows(extras.padded, out)
+            return record_direct(self, q, k, v, None if extras is NO_EXTRAS else (bias, dropout))
+        q, k, v, bias = self._hidden(q, k, v, bias, queries=True)
+        return hide_padded_rows(extras.padded, record_direct(self, q, k, v, (bias, dropout)))
 
     def _hidden(self, q, k, v, bias, queries: bool) -> tuple:
         hidden = hide_padding(self.extras.padded, Inputs(q, k, v, bias), queries)
@@ -158,10 +158,11 @@ class DirectCall:
         return buffers
 
     # -- the autograd node's two halves (core.autograd_node.record_direct) ----------------------------
-    def record(self, q, k, v, bias, dropout) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, stats)`` of the forward with stats (``[B, H, S_q, 1]`` fp32)."""
+    def record(self, q, k, v, extra) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, stats)`` of the forward with stats (``[B, H, S_q, 1]`` fp32); ``extra``:
+        ``None`` or the call's ``(bias, dropout)``."""
         out, stats = self._new_out(q), torch.empty_like(self.stats_like)
-        buffers = self._bind(q, k, v, bias, dropout, out)
+        buffers = self._bind(q, k, v, *(extra or (None, None)), out)
         buffers[_STATS] = stats
         execute(self.forward, buffers, self.device)
         empty = self.extras.empty
@@ -170,14 +171,15 @@ class DirectCall:
             stats.masked_fill_(empty[1], math.inf)
         return out, stats
 
-    def gradients(self, q, k, v, bias, dropout, out, stats, dout) -> tuple:
-        """``(dq, dk, dv)`` from the forward's ``out`` and ``stats`` (and its dropout stream)."""
+    def gradients(self, q, k, v, extra, out, stats, dout) -> tuple:
+        """``(dq, dk, dv)`` from the forward's ``out`` and ``stats`` (and its ``extra``: the bias
+        and dropout stream, as ``record`` had them)."""
         if self.inputs_contiguous:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         else:
             contiguous = torch.contiguous_format
             dq, dk, dv = (torch.empty_like(t, memory_format=contiguous) for t in (q, k, v))
-        buffers = self._bind(q, k, v, bias, dropout, out)
+        buffers = self._bind(q, k, v, *(extra or (None, None)), out)
         # dO as the graph reads O: contiguous and aligned (autograd may hand an expanded one)
         buffers[_DO] = _runtime.aligned(dout.contiguous())
         buffers[_STATS] = stats
