@@ -95,7 +95,8 @@ def direct_runner(problem: AttnProblem, plan):
     """``(q, k, v) -> out`` when the plan runs this call through one runner bound to its
     signature (a call that needs no lse; one that requires grad records its own autograd node),
     else ``None``: every plan answers ``direct(problem)``. A runner of a call with a bias tensor
-    takes it too: ``(q, k, v, bias) -> out``."""
+    takes it too, ``(q, k, v, bias) -> out``, and one with dropout the call's generator,
+    ``(q, k, v, bias or None, generator) -> out`` (``api._run_direct``)."""
     if problem.return_lse:
         return None
     return plan.direct(problem)
