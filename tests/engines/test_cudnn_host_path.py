@@ -260,6 +260,30 @@ def test_padding_positions_cache_per_value_set_and_skip_full_lengths():
     assert torch.equal(keys[:, :, 0, 0], valid_kv)
 
 
+def test_device_constants_are_kept_only_when_they_hold_their_values(monkeypatch):
+    """The position index and the 0-dim zero are made once per size, dtype and device, but not
+    kept when made inside a CUDA-graph capture (their kernels run only at a replay: an eager
+    call after it would read garbage) or under a tracing mode (a fake tensor)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    clear_caches()
+    monkeypatch.setattr(model_inputs, "capturing", lambda: True)
+    first = model_inputs.position_index(7, torch.device("cpu"))
+    assert model_inputs.position_index(7, torch.device("cpu")) is not first
+    monkeypatch.setattr(model_inputs, "capturing", lambda: False)
+    with FakeTensorMode():
+        traced = model_inputs.row_positions(7, torch.device("cpu"), torch.int32)
+    assert type(traced) is not torch.Tensor
+    kept = model_inputs.position_index(7, torch.device("cpu"))
+    assert model_inputs.position_index(7, torch.device("cpu")) is kept
+    assert kept.tolist() == [list(range(7))]
+    rows = model_inputs.row_positions(7, torch.device("cpu"), torch.int32)
+    assert type(rows) is torch.Tensor and rows.dtype == torch.int32
+    assert rows.shape == (1, 1, 7, 1) and rows.flatten().tolist() == list(range(7))
+    assert model_inputs.row_positions(7, torch.device("cpu"), torch.int32) is rows
+    clear_caches()
+
+
 def test_runtime_positions_compute_only_the_side_asked_for(fake):
     """Tensor lengths are compared on the device per call: a forward without gradient hides no
     query row and asks for the key side alone; the output's rows need the query side alone."""
