@@ -210,23 +210,9 @@ class CudnnPlan:
                 or s.paged is not None or problem.storage is not None or q_factor != 1.0
                 or problem.dropout_p != self.dropout_p):
             return None
-        extras = launch.NO_EXTRAS
-        if s.padding or s.bias_dim is not None or s.dropout_p > 0:
-            padding = problem.padding
-            if padding is not None and padding.runtime is not None:  # tensor lengths: per call
-                return None
-            lengths = empty = None
-            if s.padding:  # host lengths (a bias graph's full-length mask too): bound once
-                seq_q, seq_kv, _, empty = self._lengths.get(*problem_lengths(problem),
-                                                            problem.device)
-                lengths = (seq_q, seq_kv)
-            bias = problem.bias
-            extras = launch.Extras(
-                padded=problem if padding is not None else None, lengths=lengths, empty=empty,
-                bias_spec=s if s.bias_dim is not None else None,
-                bias_copy=bias is not None and _runtime.bias_needs_copy(s, bias.shape,
-                                                                        bias.stride),
-                dropout=s.dropout_p > 0)
+        extras = launch.extras_of(problem, s, self._lengths)
+        if extras is None:
+            return None
         grad = problem.requires_grad
         forward = self._get(problem, "stats" if grad else "plain")
         backward = self._get(problem, "backward") if grad else None

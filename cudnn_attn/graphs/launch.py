@@ -25,11 +25,11 @@ import torch
 
 from . import _runtime, autotune
 from ._emit import UID
-from ._spec import contiguous_strides
+from ._spec import contiguous_strides, problem_lengths
 from ..core.autograd_node import record_direct
 from ..model.inputs import DropoutState, Inputs, hide_padded_rows, hide_padding
 
-__all__ = ["execute", "DirectCall", "Extras", "NO_EXTRAS"]
+__all__ = ["execute", "DirectCall", "Extras", "NO_EXTRAS", "extras_of"]
 
 _Q, _K, _V, _O, _SCALE, _STATS = (int(UID.Q), int(UID.K), int(UID.V), int(UID.O),
                                   int(UID.SCALE), int(UID.STATS))
@@ -68,6 +68,27 @@ class Extras(NamedTuple):
 
 
 NO_EXTRAS = Extras()
+
+
+def extras_of(problem, spec, lengths: "_runtime.LengthCache | None") -> Optional[Extras]:
+    """The ``Extras`` a runner of ``problem`` binds (``spec`` its graphs', ``lengths`` its plan's
+    cache of device lengths), or ``None`` when a runner cannot hold them: tensor lengths, which
+    every call brings anew."""
+    if not (spec.padding or spec.bias_dim is not None or spec.dropout_p > 0):
+        return NO_EXTRAS
+    padding = problem.padding
+    if padding is not None and padding.runtime is not None:
+        return None
+    seq_lens = empty = None
+    if spec.padding:  # host lengths (a bias graph's full-length mask too): bound once
+        seq_q, seq_kv, _, empty = lengths.get(*problem_lengths(problem), problem.device)
+        seq_lens = (seq_q, seq_kv)
+    bias = problem.bias
+    return Extras(padded=problem if padding is not None else None, lengths=seq_lens,
+                  empty=empty, bias_spec=spec if spec.bias_dim is not None else None,
+                  bias_copy=bias is not None and _runtime.bias_needs_copy(spec, bias.shape,
+                                                                          bias.stride),
+                  dropout=spec.dropout_p > 0)
 
 
 class DirectCall:
