@@ -32,7 +32,7 @@ import torch
 
 from ..core.caches import LRU
 from ..core.probe import capturing
-from ..model.inputs import position_index, row_positions, sequence_axis
+from ..model.inputs import row_positions, sequence_axis
 
 if TYPE_CHECKING:  # annotations only: _spec imports the runtime's users
     from ._spec import Band, GraphSpec
@@ -299,13 +299,13 @@ def _int32(t: torch.Tensor, shape: tuple) -> torch.Tensor:
     return aligned(t.to(torch.int32).contiguous().view(shape))
 
 
-def device_lengths(spec, padding, device) -> tuple[torch.Tensor, ...]:
-    """``(seq_len_q, seq_len_kv, lens_q, lens_kv)`` of a ``Padding`` with runtime (device)
-    lengths: the ``[B, 1, 1, 1]`` int32 graph inputs, and the ``[B]`` lengths as given (what
-    ``padded_rows`` compares, with no cast)."""
+def device_lengths(spec, padding, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(seq_len_q, seq_len_kv)`` of a ``Padding`` with runtime (device) lengths: the
+    ``[B, 1, 1, 1]`` int32 graph inputs (``padded_row_views`` / ``padded_rows`` of them: the
+    rows that see no key)."""
     shape = (spec.batch, 1, 1, 1)
     lens_q, lens_kv = padding.tensors(device)
-    return _int32(lens_q, shape), _int32(lens_kv, shape), lens_q, lens_kv
+    return _int32(lens_q, shape), _int32(lens_kv, shape)
 
 
 def ragged_offsets(spec, storage) -> dict:
@@ -358,25 +358,29 @@ def empty_rows(band: Optional[Band], i: torch.Tensor, lq: torch.Tensor,
 
 def padded_rows(spec: GraphSpec, lens_q, lens_kv) -> torch.Tensor:
     """Bool ``[B, S_q]``: query rows that see no key (padding, or a band with per-batch
-    bottom-right alignment that misses every valid key). Host lengths give a CPU tensor; length
-    tensors stay on their device (never read)."""
+    bottom-right alignment that misses every valid key). ``lens_q`` / ``lens_kv``: host ints
+    (a CPU result) or ``[B]`` / ``[B, 1, 1, 1]`` integer tensors (kept on their device, never
+    read)."""
     b = spec.batch
-    device = lens_q.device if isinstance(lens_q, torch.Tensor) else None
-    # Compared against an int64 arange as they are (int32 device lengths need no cast kernel).
-    lq, lkv = (torch.as_tensor(n, device=device).view(b, 1) for n in (lens_q, lens_kv))
-    return empty_rows(spec.band, position_index(spec.seq_q, lq.device), lq, lkv)
+    lq, lkv = (torch.as_tensor(n).view(b, 1, 1, 1) for n in (lens_q, lens_kv))
+    return _rows_without_keys(spec, lq, lkv).view(b, spec.seq_q)
 
 
 def padded_row_views(spec: GraphSpec, seq_len_q: torch.Tensor,
                      seq_len_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``empty_views`` of the rows that see no key, from the ``[B, 1, 1, 1]`` graph lengths of a
-    dense (not packed) spec: computed in the stats' ``[B, 1, S_q, 1]`` shape directly (no
-    ``[B, S_q]`` to view twice), out's a view of it in bshd."""
-    i = row_positions(spec.seq_q, seq_len_q.device, seq_len_q.dtype)
-    empty = empty_rows(spec.band, i, seq_len_q, seq_len_kv)
+    dense (not packed) spec: made in the stats' ``[B, 1, S_q, 1]`` shape (no ``[B, S_q]`` to
+    view twice), out's a view of it in bshd."""
+    empty = _rows_without_keys(spec, seq_len_q, seq_len_kv)
     if spec.layout == "bhsd":
         return empty, empty
     return empty.view(spec.batch, spec.seq_q, 1, 1), empty
+
+
+def _rows_without_keys(spec: GraphSpec, lq: torch.Tensor, lkv: torch.Tensor) -> torch.Tensor:
+    """``[B, 1, S_q, 1]`` ``empty_rows`` of ``[B, 1, 1, 1]`` lengths (positions of ``lq``'s
+    dtype: no cast to compare)."""
+    return empty_rows(spec.band, row_positions(spec.seq_q, lq.device, lq.dtype), lq, lkv)
 
 
 def empty_views(spec: GraphSpec, empty: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

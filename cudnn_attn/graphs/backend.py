@@ -262,11 +262,10 @@ class CudnnPlan:
         if self._lengths is not None:
             padding = problem.padding
             if padding is not None and padding.runtime is not None:
-                seq_q, seq_kv, lens_q, lens_kv = _runtime.device_lengths(self.spec, padding,
-                                                                         device)
+                seq_q, seq_kv = _runtime.device_lengths(self.spec, padding, device)
                 # the backward reads the forward's stats, -inf on those rows
                 if forward and self.spec.ragged:  # [B, S_q], one flag per packed token below
-                    empty = _runtime.padded_rows(self.spec, lens_q, lens_kv)
+                    empty = _runtime.padded_rows(self.spec, seq_q, seq_kv)
                 elif forward:
                     views = _runtime.padded_row_views(self.spec, seq_q, seq_kv)
             else:
