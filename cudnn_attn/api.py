@@ -75,12 +75,15 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
         return None
 
 
-def _run_direct(direct, q, k, v, bias, dropout_p, generator):
+def _run_direct(direct, q, k, v, bias, dropout_p, generator, padding=None):
     """``direct(q, k, v)``; with a bias tensor ``direct(q, k, v, bias)`` (ALiBi's slopes live in
     the plan); with dropout ``direct(q, k, v, bias or None, generator)`` (the runner draws the
-    call's seed): the per-call operands a runner takes besides q, k, v. ``None``: the runner
+    call's seed); with runtime ``Padding`` lengths ``direct(q, k, v, bias or None, generator,
+    padding)``: the per-call operands a runner takes besides q, k, v. ``None``: the runner
     cannot take this call."""
     table = bias if isinstance(bias, _Tensor) else None
+    if padding is not None:  # only a runner that takes_lengths is kept for such a call
+        return direct(q, k, v, table, generator, padding)
     if dropout_p:  # a runner exists only for a signature whose dropout_p was validated
         return direct(q, k, v, table, generator)
     return direct(q, k, v) if table is None else direct(q, k, v, table)
@@ -147,11 +150,15 @@ def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
     plan = dispatch.plan_for(problem, backend)[1]
     # A call that needs no lse and no gradient may run through one public op (the plan says).
     direct = execution.direct_runner(problem, plan)
+    if direct is not None and _runtime_padding(mask) is not None:
+        # Such a call's lengths are its own: only a runner that takes them per call serves it,
+        # and only from this cache (the fast lookup passes no Padding).
+        direct = direct if getattr(direct, "takes_lengths", False) else None
+    elif direct is not None and key is not None:
+        _DIRECT.put(signature, direct)
     entry = (problem, plan, direct)
     if key is not None:
         _CALLS.put(key, entry)
-        if direct is not None and _runtime_padding(mask) is None:
-            _DIRECT.put(signature, direct)
     return entry
 
 
@@ -288,15 +295,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
                          backend, signature)
     problem, plan, direct = entry
     padding = _runtime_padding(mask)
-    if padding is not None:
-        direct = None  # a one-op runner would hold the lengths of the call that prepared it
-        if problem.padding is not padding:
-            problem = _with_padding(problem, padding)
     if direct is not None and direct is not declined:
-        out = direct(q, k, v) if bias is None and not dropout_p else \
-            _run_direct(direct, q, k, v, bias, dropout_p, generator)
+        out = direct(q, k, v) if bias is None and not dropout_p and padding is None else \
+            _run_direct(direct, q, k, v, bias, dropout_p, generator, padding)
         if out is not None:
             return out
+    if padding is not None and problem.padding is not padding:
+        problem = _with_padding(problem, padding)
     table = split_bias(bias)[1]  # the runtime tensor (Alibi's slopes live in the problem)
     dropout = DropoutState.draw(generator) if problem.dropout_p > 0 else None
     out, lse = execution.run(problem, plan, Inputs(q, k, v, table, dropout), return_lse)

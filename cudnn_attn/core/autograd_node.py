@@ -27,9 +27,9 @@ def apply_entry(function):
 class _DirectNode(torch.autograd.Function):
     """``out`` of ``call.record(q, k, v, extra) -> (out, saved)``; the backward is
     ``call.gradients(q, k, v, extra, out, saved, dout) -> (dq, dk, dv)``. ``extra``: ``None``,
-    or the call's ``(bias, dropout)`` (a bias tensor that needs no gradient, a
-    ``DropoutState``), kept on the node as they are: one argument, so that the plainest call's
-    node costs what it did."""
+    or what the call binds besides q, k, v (``graphs.launch.PerCall``: its bias, dropout stream,
+    lengths and empty rows), kept on the node as it is: one argument, so that the plainest
+    call's node costs what it did."""
 
     @staticmethod
     def forward(ctx, call, q, k, v, extra):
@@ -48,7 +48,7 @@ _DIRECT_ENTRY = apply_entry(_DirectNode)
 
 
 def record_direct(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  extra: tuple | None = None) -> torch.Tensor:
+                  extra=None) -> torch.Tensor:
     """``out`` of ``call`` (a ``DirectCall``) recorded as an autograd node. Only eager calls with
     plain tensors come here (``api._through_ops`` sends traced, functorch and autocast calls to
     the custom ops), so the C entry point serves."""

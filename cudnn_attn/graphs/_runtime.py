@@ -32,7 +32,7 @@ import torch
 
 from ..core.caches import LRU
 from ..core.probe import capturing
-from ..model.inputs import row_positions, sequence_axis
+from ..model.inputs import row_positions, scalar_zero, sequence_axis
 
 if TYPE_CHECKING:  # annotations only: _spec imports the runtime's users
     from ._spec import Band, GraphSpec
@@ -295,17 +295,24 @@ def philox_tensors(state) -> tuple[torch.Tensor, torch.Tensor]:
 # Device-side lengths, ragged offsets and page tables (never read on the host)
 # ---------------------------------------------------------------------------------------------
 
-def _int32(t: torch.Tensor, shape: tuple) -> torch.Tensor:
-    return aligned(t.to(torch.int32).contiguous().view(shape))
+def _int32(t: torch.Tensor, shape: tuple, device=None) -> torch.Tensor:
+    """``t`` as a contiguous, aligned int32 tensor of ``shape`` (moved to ``device`` when given,
+    without waiting: one op for the move and the cast)."""
+    moved = t.to(torch.int32) if device is None else \
+        t.to(device=device, dtype=torch.int32, non_blocking=True)
+    return aligned(moved.contiguous().view(shape))
 
 
 def device_lengths(spec, padding, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(seq_len_q, seq_len_kv)`` of a ``Padding`` with runtime (device) lengths: the
     ``[B, 1, 1, 1]`` int32 graph inputs (``padded_row_views`` / ``padded_rows`` of them: the
-    rows that see no key)."""
+    rows that see no key), moved to ``device`` and never read. One tensor for both sides (the
+    usual self-attention ``Padding(lengths)``) is converted once and returned twice: the rows
+    that see no key then take one comparison (``empty_rows``)."""
     shape = (spec.batch, 1, 1, 1)
-    lens_q, lens_kv = padding.tensors(device)
-    return _int32(lens_q, shape), _int32(lens_kv, shape)
+    lens_q, lens_kv = padding.runtime
+    seq_q = _int32(lens_q, shape, device)
+    return seq_q, seq_q if lens_kv is lens_q else _int32(lens_kv, shape, device)
 
 
 def ragged_offsets(spec, storage) -> dict:
@@ -344,8 +351,11 @@ def page_tables(spec, storage) -> tuple[torch.Tensor, torch.Tensor]:
 def empty_rows(band: Optional[Band], i: torch.Tensor, lq: torch.Tensor,
                lkv: torch.Tensor) -> torch.Tensor:
     """Whether query row ``i`` of a sequence with ``lq`` queries and ``lkv`` keys sees no key
-    (past its length, no keys, or a band that misses every key); broadcasts elementwise."""
-    empty = (i >= lq) | (lkv == 0)
+    (past its length, no keys, or a band that misses every key); broadcasts elementwise. The
+    same tensor for both lengths: a sequence without keys has no rows either (one op less)."""
+    empty = i >= lq
+    if lkv is not lq:
+        empty = empty | (lkv == scalar_zero(lkv))  # a 0-dim tensor: no scalar to wrap per call
     # A top-left band unbounded on the left (causal) keeps key 0 for every row: it empties no
     # row of a sequence with keys (the common runtime-padding call skips six tensor ops).
     if band is not None and not (band.left is None and band.alignment == "top_left"):

@@ -200,10 +200,10 @@ class CudnnPlan:
 
     def direct(self, problem):
         """``launch.DirectCall`` of ``problem`` when its graphs bind nothing but q, k, v, the
-        scale and out (and the backward's stats and gradients), a static ``Padding``'s lengths,
-        a bias that needs no gradient and a Philox dropout seed: no tensor lengths, explicit
-        dropout mask, tile mask, packed or paged storage, and a positive scale; else ``None``
-        (every call takes ``forward``)."""
+        scale and out (and the backward's stats and gradients), a ``Padding``'s lengths (static
+        ones bound once, tensors passed per call), a bias that needs no gradient (and no tensor
+        lengths) and a Philox dropout seed: no explicit dropout mask, tile mask, packed or paged
+        storage, and a positive scale; else ``None`` (every call takes ``forward``)."""
         s = self.spec
         q_factor, scale = _runtime.positive_scale(problem.scale)
         if (problem.bias_requires_grad or s.dropout_mask or s.block_mask or s.ragged

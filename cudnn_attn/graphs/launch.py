@@ -5,11 +5,12 @@ runner bound once per cached call signature.
   device's handle (under its lock: the backward may run on autograd's thread) and the stream's
   pooled workspace; a graph to autotune is tuned first, on these buffers (never inside a
   CUDA-graph capture: nothing can be timed there). Every graph the engine runs goes through here.
-* ``DirectCall``: ``(q, k, v[, bias[, generator]]) -> out`` of a call whose graphs bind nothing
-  but q, k, v, the scale, out (and the stats and gradients of its backward), the lengths of a
-  static ``Padding`` (host ints: part of the call's signature), a bias that needs no gradient
-  and a Philox dropout seed drawn per call: no tensor lengths, explicit dropout mask, packed or
-  paged storage, sign-carrying scale or lse. ``CudnnPlan.direct`` decides which calls qualify.
+* ``DirectCall``: ``(q, k, v[, bias[, generator[, padding]]]) -> out`` of a call whose graphs
+  bind nothing but q, k, v, the scale, out (and the stats and gradients of its backward), the
+  lengths of a ``Padding`` (host ints, part of the call's signature, bound once; or tensors,
+  passed per call), a bias that needs no gradient and a Philox dropout seed drawn per call: no
+  explicit dropout mask, packed or paged storage, sign-carrying scale, lse, or bias with tensor
+  lengths. ``CudnnPlan.direct`` decides which calls qualify.
   Why: such a call spends most of its host time rebuilding, per call, what its signature already
   fixes (buffer dicts, uid lists, the scale tensor, shapes, device lengths); the runner binds
   those once, so the eager path costs about what a minimal ``autograd.Function`` around
@@ -27,9 +28,10 @@ from . import _runtime, autotune
 from ._emit import UID
 from ._spec import contiguous_strides, problem_lengths
 from ..core.autograd_node import record_direct
-from ..model.inputs import DropoutState, Inputs, hide_padded_rows, hide_padding
+from ..model.inputs import (DropoutState, Inputs, hide_padded_rows, hide_padding,
+                            length_positions)
 
-__all__ = ["execute", "DirectCall", "Extras", "NO_EXTRAS", "extras_of"]
+__all__ = ["execute", "DirectCall", "Extras", "NO_EXTRAS", "PerCall", "extras_of"]
 
 _Q, _K, _V, _O, _SCALE, _STATS = (int(UID.Q), int(UID.K), int(UID.V), int(UID.O),
                                   int(UID.SCALE), int(UID.STATS))
@@ -51,17 +53,21 @@ def execute(built, buffers: dict, device: torch.device) -> None:
 
 class Extras(NamedTuple):
     """What a runner binds besides q, k, v, the scale and out (each ``None`` when its graphs
-    have none): ``padded``, the problem of a static ``Padding`` whose padded positions are
-    hidden per call as the full path hides them (``model.inputs.hide_padding``); ``lengths``,
-    the ``[B, 1, 1, 1]`` int32 device lengths the graphs read (also a bias graph's full-length
-    padding mask); ``empty``, the ``empty_views`` of the rows that see no key; ``bias_spec``, the
-    graph spec of a bias the call passes, which ``bias_copy`` says ``_runtime.bias_operand``
-    copies (else the bias is bound itself); ``dropout``: the graphs drop weights with a Philox
-    stream whose seed each call draws from its generator (``DropoutState.draw``)."""
+    have none): ``padded``, the problem of a ``Padding`` whose padded positions are hidden per
+    call as the full path hides them (``model.inputs.hide_padding``); ``lengths``, the
+    ``[B, 1, 1, 1]`` int32 device lengths of static lengths the graphs read (also a bias graph's
+    full-length padding mask); ``empty``, the ``empty_views`` of their rows that see no key;
+    ``runtime_spec``, the graph spec of a ``Padding`` with tensor lengths, which each call
+    brings (``__call__``'s ``padding``: its lengths, empty rows and positions are made per call,
+    on the device); ``bias_spec``, the graph spec of a bias the call passes, which ``bias_copy``
+    says ``_runtime.bias_operand`` copies (else the bias is bound itself); ``dropout``: the
+    graphs drop weights with a Philox stream whose seed each call draws from its generator
+    (``DropoutState.draw``)."""
 
     padded: object = None
     lengths: Optional[tuple] = None
     empty: Optional[tuple] = None
+    runtime_spec: object = None
     bias_spec: object = None
     bias_copy: bool = False
     dropout: bool = False
@@ -70,15 +76,28 @@ class Extras(NamedTuple):
 NO_EXTRAS = Extras()
 
 
+class PerCall(NamedTuple):
+    """What one call of a runner with ``Extras`` binds: its bias (hidden where padded), its
+    dropout stream (a ``DropoutState``), its ``[B, 1, 1, 1]`` lengths and the views of its rows
+    that see no key (each ``None`` when the graphs have none). The backward replays them."""
+
+    bias: Optional[torch.Tensor]
+    dropout: Optional[DropoutState]
+    lengths: Optional[tuple]
+    empty: Optional[tuple]
+
+
 def extras_of(problem, spec, lengths: "_runtime.LengthCache | None") -> Optional[Extras]:
     """The ``Extras`` a runner of ``problem`` binds (``spec`` its graphs', ``lengths`` its plan's
-    cache of device lengths), or ``None`` when a runner cannot hold them: tensor lengths, which
-    every call brings anew."""
+    cache of device lengths), or ``None`` when a runner cannot hold them: tensor lengths with a
+    bias tensor (hiding a bias's padded cells needs the ``[B, S]`` masks the full path makes)."""
     if not (spec.padding or spec.bias_dim is not None or spec.dropout_p > 0):
         return NO_EXTRAS
     padding = problem.padding
     if padding is not None and padding.runtime is not None:
-        return None
+        if spec.bias_dim is not None:
+            return None
+        return Extras(padded=problem, runtime_spec=spec, dropout=spec.dropout_p > 0)
     seq_lens = empty = None
     if spec.padding:  # host lengths (a bias graph's full-length mask too): bound once
         seq_q, seq_kv, _, empty = lengths.get(*problem_lengths(problem), problem.device)
@@ -101,10 +120,12 @@ class DirectCall:
     path, whose graphs are built for them), the base pointers' alignment (copies, as the full path
     makes), and grad mode (a call that requires grad under ``torch.no_grad`` answers ``None``).
     Outputs and gradients are contiguous in the call's layout, as the graphs were built.
-    ``extras`` (``Extras``): a static ``Padding``'s lengths, whose padded positions are hidden
-    as the full path hides them (``execution.run``) and whose rows that see no key come out 0
-    (their stats ``+inf`` for the backward, as ``CudnnPlan.backward`` sets them); a bias tensor
-    the call passes (``__call__(q, k, v, bias)``; one that requires grad has no runner); dropout
+    ``extras`` (``Extras``): a ``Padding``, whose padded positions are hidden as the full path
+    hides them (``execution.run``) and whose rows that see no key come out 0 (their stats
+    ``+inf`` for the backward, as ``CudnnPlan.backward`` sets them), its lengths bound once
+    (static) or passed per call (``__call__(q, k, v, bias, generator, padding)``: runtime
+    tensors, never read on the host); a bias tensor the call passes
+    (``__call__(q, k, v, bias)``; one that requires grad has no runner); dropout
     (``__call__(q, k, v, bias, generator)``: a seed per call, the backward replays it; under a
     CUDA-graph capture the runner answers ``None`` and the full path refuses, with its reason).
     """
@@ -127,33 +148,55 @@ class DirectCall:
             spec.stride == contiguous_strides(spec.shape)
             for spec in (problem.q, problem.k, problem.v))
 
-    def __call__(self, q, k, v, bias=None, generator=None):
+    @property
+    def takes_lengths(self) -> bool:
+        """Whether each call passes its ``Padding`` (runtime lengths) to the runner."""
+        return self.extras.runtime_spec is not None
+
+    def __call__(self, q, k, v, bias=None, generator=None, padding=None):
         if (q.stride(), k.stride(), v.stride()) != self.strides:
             return None
-        extras = self.extras
-        if self.backward is not None and not torch.is_grad_enabled():
+        grad = self.backward is not None
+        if grad and not torch.is_grad_enabled():
             return None
+        if self.extras is not NO_EXTRAS:
+            return self._with_extras(q, k, v, bias, generator, padding, grad)
+        if grad:
+            return record_direct(self, q, k, v)
+        out = self._new_out(q)
+        execute(self.forward, self._bind(q, k, v, out), self.device)
+        return out
+
+    def _with_extras(self, q, k, v, bias, generator, padding, grad: bool):
+        extras = self.extras
         dropout = None
         if extras.dropout:
             if _runtime.capturing():
                 return None
             dropout = DropoutState.draw(generator)
-        if self.backward is None:
-            if extras.padded is not None:
-                q, k, v, bias = self._hidden(q, k, v, bias, queries=False)
-            out = self._new_out(q)
-            execute(self.forward, self._bind(q, k, v, bias, dropout, out), self.device)
-            if extras.empty is not None:
-                out.masked_fill_(extras.empty[0], 0)
-            return out
-        if extras.padded is None:
-            return record_direct(self, q, k, v, None if extras is NO_EXTRAS else (bias, dropout))
-        q, k, v, bias = self._hidden(q, k, v, bias, queries=True)
-        return hide_padded_rows(extras.padded, record_direct(self, q, k, v, (bias, dropout)))
-
-    def _hidden(self, q, k, v, bias, queries: bool) -> tuple:
-        hidden = hide_padding(self.extras.padded, Inputs(q, k, v, bias), queries)
-        return hidden.q, hidden.k, hidden.v, hidden.bias
+        lengths, empty, positions = extras.lengths, extras.empty, None
+        spec = extras.runtime_spec
+        if spec is not None:
+            if padding is None:
+                return None
+            lengths = _runtime.device_lengths(spec, padding, self.device)
+            empty = _runtime.padded_row_views(spec, *lengths)
+            # the query rows are hidden only for a gradient (hide_padding's queries)
+            positions = length_positions(lengths[0] if grad else None, lengths[1], spec.seq_q,
+                                         spec.seq_kv, spec.layout)
+        if extras.padded is not None:
+            hidden = hide_padding(extras.padded, Inputs(q, k, v, bias), grad, positions)
+            q, k, v, bias = hidden.q, hidden.k, hidden.v, hidden.bias
+        call = PerCall(bias, dropout, lengths, empty)
+        if grad:
+            out = record_direct(self, q, k, v, call)
+            return out if extras.padded is None else \
+                hide_padded_rows(extras.padded, out, positions)
+        out = self._new_out(q)
+        execute(self.forward, self._bind(q, k, v, out, call), self.device)
+        if empty is not None:
+            out.masked_fill_(empty[0], 0)
+        return out
 
     def _new_out(self, q: torch.Tensor) -> torch.Tensor:
         if self.out_like is not None:
@@ -162,45 +205,45 @@ class DirectCall:
             return torch.empty_like(q)
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
-    def _bind(self, q, k, v, bias, dropout, out) -> dict:
+    def _bind(self, q, k, v, out, call: Optional[PerCall] = None) -> dict:
         if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % _runtime.ALIGNMENT:  # rare: copies
             q, k, v = _runtime.aligned(q), _runtime.aligned(k), _runtime.aligned(v)
         buffers = {_Q: q, _K: k, _V: v, _SCALE: self.scale, _O: out}
-        extras = self.extras
-        if extras is NO_EXTRAS:
+        if call is None:
             return buffers
-        if extras.lengths is not None:
-            buffers[_SEQ_LEN_Q], buffers[_SEQ_LEN_KV] = extras.lengths
+        if call.lengths is not None:
+            buffers[_SEQ_LEN_Q], buffers[_SEQ_LEN_KV] = call.lengths
+        extras = self.extras
         if extras.bias_spec is not None:
-            buffers[_BIAS] = _runtime.bias_operand(extras.bias_spec, bias) \
-                if extras.bias_copy else _runtime.aligned(bias)
-        if dropout is not None:
-            buffers[_SEED], buffers[_OFFSET] = _runtime.philox_tensors(dropout)
+            buffers[_BIAS] = _runtime.bias_operand(extras.bias_spec, call.bias) \
+                if extras.bias_copy else _runtime.aligned(call.bias)
+        if call.dropout is not None:
+            buffers[_SEED], buffers[_OFFSET] = _runtime.philox_tensors(call.dropout)
         return buffers
 
     # -- the autograd node's two halves (core.autograd_node.record_direct) ----------------------------
-    def record(self, q, k, v, extra) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, stats)`` of the forward with stats (``[B, H, S_q, 1]`` fp32); ``extra``:
-        ``None`` or the call's ``(bias, dropout)``."""
+    def record(self, q, k, v, call: Optional[PerCall]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, stats)`` of the forward with stats (``[B, H, S_q, 1]`` fp32); ``call``: the
+        ``PerCall`` of a runner with ``Extras``, else ``None``."""
         out, stats = self._new_out(q), torch.empty_like(self.stats_like)
-        buffers = self._bind(q, k, v, *(extra or (None, None)), out)
+        buffers = self._bind(q, k, v, out, call)
         buffers[_STATS] = stats
         execute(self.forward, buffers, self.device)
-        empty = self.extras.empty
+        empty = None if call is None else call.empty
         if empty is not None:  # exp(S - (+inf)) = 0: such rows add nothing to the gradients
             out.masked_fill_(empty[0], 0)
             stats.masked_fill_(empty[1], math.inf)
         return out, stats
 
-    def gradients(self, q, k, v, extra, out, stats, dout) -> tuple:
-        """``(dq, dk, dv)`` from the forward's ``out`` and ``stats`` (and its ``extra``: the bias
-        and dropout stream, as ``record`` had them)."""
+    def gradients(self, q, k, v, call: Optional[PerCall], out, stats, dout) -> tuple:
+        """``(dq, dk, dv)`` from the forward's ``out`` and ``stats`` (and its ``call``, as
+        ``record`` had it)."""
         if self.inputs_contiguous:
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         else:
             contiguous = torch.contiguous_format
             dq, dk, dv = (torch.empty_like(t, memory_format=contiguous) for t in (q, k, v))
-        buffers = self._bind(q, k, v, *(extra or (None, None)), out)
+        buffers = self._bind(q, k, v, out, call)
         # dO as the graph reads O: contiguous and aligned (autograd may hand an expanded one)
         buffers[_DO] = _runtime.aligned(dout.contiguous())
         buffers[_STATS] = stats

@@ -16,8 +16,8 @@ from ..core.caches import LRU
 from ..core.probe import capturing
 
 __all__ = ["SEED_BOUND", "DropoutState", "draw_seed", "host_draw", "Inputs", "valid_positions",
-           "position_index", "row_positions", "sequence_axis", "PaddedPositions",
-           "padding_positions", "hide_padding", "hide_padded_rows"]
+           "position_index", "row_positions", "scalar_zero", "sequence_axis", "PaddedPositions",
+           "padding_positions", "length_positions", "hide_padding", "hide_padded_rows"]
 
 # Seeds stay below 2**62: every engine (and cuDNN's int64 seed tensor) holds them exactly.
 SEED_BOUND = 2 ** 62
@@ -114,11 +114,13 @@ def position_index(seq: int, device) -> torch.Tensor:
                             lambda: torch.arange(seq, device=device).view(1, seq))
 
 
-def row_positions(seq: int, device, dtype: torch.dtype) -> torch.Tensor:
-    """``[1, 1, seq, 1]`` ``0 .. seq - 1`` of ``dtype`` on ``device``: the query rows of
-    ``[B, H, S, *]``, compared with ``[B, 1, 1, 1]`` lengths of the same dtype (no cast)."""
-    return _device_constant(_INDEX, (seq, device, dtype), lambda: torch.arange(
-        seq, dtype=dtype, device=device).view(1, 1, seq, 1))
+def row_positions(seq: int, device, dtype: torch.dtype, layout: str = "bhsd") -> torch.Tensor:
+    """``0 .. seq - 1`` of ``dtype`` on ``device`` on the sequence axis of ``[B, H, S, *]``
+    (``[1, 1, seq, 1]``, bhsd) or ``[B, S, H, *]`` (``[1, seq, 1, 1]``, bshd): compared with
+    ``[B, 1, 1, 1]`` lengths of the same dtype (no cast), it broadcasts against that layout."""
+    shape = (1, 1, seq, 1) if layout == "bhsd" else (1, seq, 1, 1)
+    return _device_constant(_INDEX, (seq, device, dtype, layout), lambda: torch.arange(
+        seq, dtype=dtype, device=device).view(shape))
 
 
 # (dtype, device) -> a 0-dim zero: torch.where's ``other`` as a tensor (a Python 0 is wrapped
@@ -126,8 +128,10 @@ def row_positions(seq: int, device, dtype: torch.dtype) -> torch.Tensor:
 _ZEROS = LRU("padding.zeros", 64)
 
 
-def _zero(like: torch.Tensor) -> torch.Tensor:
-    """A 0-dim zero of ``like``'s dtype on its device."""
+def scalar_zero(like: torch.Tensor) -> torch.Tensor:
+    """A 0-dim zero of ``like``'s dtype on its device (made once per dtype and device): an
+    elementwise op's operand without a Python scalar to wrap per call. Not for ``masked_fill``'s
+    value: a 0-dim CUDA value is read back on the host there."""
     return _device_constant(_ZEROS, (like.dtype, like.device),
                             lambda: torch.zeros((), dtype=like.dtype, device=like.device))
 
@@ -188,6 +192,18 @@ def padding_positions(padding, seq_q: int, seq_kv: int, device, layout: str,
                       valid_positions(lens_kv, seq_kv, device) if keys else None, layout)
 
 
+def length_positions(seq_len_q: Optional[torch.Tensor], seq_len_kv: torch.Tensor, seq_q: int,
+                     seq_kv: int, layout: str) -> PaddedPositions:
+    """The ``rows`` (when ``seq_len_q`` is given) and ``keys`` of ``PaddedPositions`` from the
+    ``[B, 1, 1, 1]`` lengths a graph reads: one comparison each, made in the call's layout (no
+    ``[B, S]`` masks: ``valid_q`` / ``valid_kv`` are ``None``)."""
+    device, dtype = seq_len_kv.device, seq_len_kv.dtype
+    rows = None if seq_len_q is None else \
+        row_positions(seq_q, device, dtype, layout) < seq_len_q
+    return PaddedPositions(None, None, rows, row_positions(seq_kv, device, dtype, layout)
+                           < seq_len_kv)
+
+
 def _static_positions(padding, seq_q: int, seq_kv: int, device, layout: str):
     if min(padding.seq_lens_q) >= seq_q and min(padding.seq_lens_kv) >= seq_kv:
         return None
@@ -223,7 +239,8 @@ def _bias_cells(valid_q: torch.Tensor, valid_kv: torch.Tensor, shape: torch.Size
     return rows & cols
 
 
-def hide_padding(problem, inputs: Inputs, queries: bool = True) -> Inputs:
+def hide_padding(problem, inputs: Inputs, queries: bool = True,
+                 positions: Optional[PaddedPositions] = None) -> Inputs:
     """``inputs`` with every position past the ``Padding`` lengths replaced by 0 (the query
     rows only when ``queries``).
 
@@ -234,14 +251,17 @@ def hide_padding(problem, inputs: Inputs, queries: bool = True) -> Inputs:
     A forward that no gradient will follow may keep the padded query rows (``queries=False``):
     a query row reaches only its own output row, and a row past its length sees no key, so
     every engine writes it as 0 (and its lse as ``-inf``) whatever q holds there.
+    ``positions``: the call's own (``length_positions``: runtime lengths a caller already holds
+    as a graph reads them; no bias), in place of ``padding_positions``'.
     """
     padding = problem.padding
     if padding is None or problem.storage is not None:  # packed: no positions past a length;
         return inputs                                   # paged: the pools are read, not copied
     bias = inputs.bias
     with_bias = bias is not None and problem.bias is not None
-    positions = padding_positions(padding, problem.seq_q, problem.seq_kv, inputs.q.device,
-                                  problem.layout, queries=queries or with_bias)
+    if positions is None:
+        positions = padding_positions(padding, problem.seq_q, problem.seq_kv, inputs.q.device,
+                                      problem.layout, queries=queries or with_bias)
     if positions is None:  # lengths that pad nothing
         return inputs
     valid_q, valid_kv, rows, keys = positions
@@ -257,19 +277,22 @@ def _zeroed(keep: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     built from it) describes the caller's tensor, so the tensor bound in its place must have the
     same strides (a sliced view would otherwise come back contiguous, and cuDNN would read it
     through the view's strides, past its end)."""
-    out = torch.where(keep, t, _zero(t))
+    out = torch.where(keep, t, scalar_zero(t))
     if out.stride() == t.stride() or 0 in t.stride():
         return out
     like = torch.empty_strided(t.shape, t.stride(), dtype=out.dtype, device=out.device)
     return like.copy_(out)
 
 
-def hide_padded_rows(problem, out: torch.Tensor) -> torch.Tensor:
+def hide_padded_rows(problem, out: torch.Tensor,
+                     positions: Optional[PaddedPositions] = None) -> torch.Tensor:
     """``out`` with the query rows past the ``Padding`` lengths set to 0 (they already are): the
-    gradient reaching them, whatever it holds, then stops here instead of entering the backward."""
+    gradient reaching them, whatever it holds, then stops here instead of entering the backward.
+    ``positions``: the call's own, as ``hide_padding`` takes them."""
     padding = problem.padding
     if padding is None or problem.storage is not None:
         return out
-    positions = padding_positions(padding, problem.seq_q, problem.seq_kv, out.device,
-                                  problem.layout, keys=False)
-    return out if positions is None else torch.where(positions.rows, out, _zero(out))
+    if positions is None:
+        positions = padding_positions(padding, problem.seq_q, problem.seq_kv, out.device,
+                                      problem.layout, keys=False)
+    return out if positions is None else torch.where(positions.rows, out, scalar_zero(out))

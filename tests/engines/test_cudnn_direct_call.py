@@ -3,10 +3,11 @@ CPU through the stand-in executor of ``cudnn_fake`` (float64 from the buffers ea
 
 * the plainest calls (no bias, tensor lengths, dropout, packed/paged storage, lse; a positive
   scale), with or without grad, run through it from their second call, and give the float64
-  oracle's outputs and gradients; static ``Padding`` lengths too, NaN past them hidden as on the
-  full path; a bias that needs no gradient; dropout, a seed per call as the full path draws it;
-* every call it cannot take (another mask kind with tensors, bias, dropout, a negative scale,
-  return_lse, new strides, ``torch.no_grad`` on tensors that require grad) takes the full path,
+  oracle's outputs and gradients; ``Padding`` lengths too (host ints bound once, tensors passed
+  per call), NaN past them hidden as on the full path; a bias that needs no gradient; dropout, a
+  seed per call as the full path draws it;
+* every call it cannot take (a bias with tensor lengths or one that requires grad, a negative
+  scale, return_lse, new strides, ``torch.no_grad`` on tensors that require grad) takes the full path,
   with the same results; a plan whose graphs read a tile mask, ragged offsets or page tables has
   no runner, and varlen and paged-cache calls never reach one;
 * what it binds: 16-byte aligned base pointers, a contiguous dO, gradients contiguous in the
@@ -175,7 +176,10 @@ def test_calls_it_cannot_take_run_the_full_path_with_the_same_results(fake, dire
 
 
 NO_RUNNER = {  # made inside the test: the fixture decides which lengths are runtime values
-    "runtime padding": lambda: dict(mask=ca.Causal() & ca.Padding(torch.tensor([20, 9]))),
+    # hiding the bias's padded cells takes the [B, S] masks of the full path
+    "bias with runtime padding": lambda: dict(
+        mask=ca.Causal() & ca.Padding(torch.tensor([20, 9])),
+        bias=torch.zeros(1, 2, 24, 24, dtype=F16)),
     "bias that requires grad": lambda: dict(
         bias=torch.zeros(1, 2, 24, 24, dtype=F16, requires_grad=True)),
     "negative scale": lambda: dict(scale=-0.25),
@@ -199,6 +203,8 @@ PADDED = {  # name -> (lengths q, lengths kv, mask, oracle visibility)
     "keys only": ((24, 24), (7, 18), None, {}),
     # a sequence without keys: all its rows see none
     "no keys": ((24, 5), (11, 0), ca.SlidingWindow(3, 2), {"window": (3, 2)}),
+    # the same with a causal band, which alone empties no row of a sequence with keys
+    "no keys, causal": ((20, 6), (24, 0), ca.Causal(), {"causal": "top_left"}),
 }
 
 
@@ -211,15 +217,27 @@ def _poisoned(t, lengths, layout):
     return t.detach().masked_fill(past.view(shape), float("nan")).requires_grad_(t.requires_grad)
 
 
+def _padding(kind, lens_q, lens_kv):
+    """Host lengths, tensors (runtime values under the fixture), or one tensor for both sides
+    when the lengths agree (the usual self-attention ``Padding(lengths)``)."""
+    if kind == "static":
+        return ca.Padding(list(lens_q), list(lens_kv))
+    if kind == "runtime" or lens_q != lens_kv:
+        return ca.Padding(torch.tensor(lens_q), torch.tensor(lens_kv, dtype=torch.int32))
+    return ca.Padding(torch.tensor(lens_q))
+
+
+@pytest.mark.parametrize("kind", ["static", "runtime", "runtime, one tensor"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("case", list(PADDED))
-def test_static_padding_runs_through_the_runner_and_hides_what_lies_past_the_lengths(
-        fake, direct, case, layout):
+def test_padding_runs_through_the_runner_and_hides_what_lies_past_the_lengths(
+        fake, direct, case, layout, kind):
     """Host lengths are part of the call's signature: the runner binds their device tensors
-    once. NaN past the lengths (q, k, v and the incoming gradient) reaches no output or
-    gradient; out is 0 on the rows that see no key, and so are their gradients."""
+    once; tensor lengths are passed per call (moved and compared on the device). NaN past the
+    lengths (q, k, v and the incoming gradient) reaches no output or gradient; out is 0 on the
+    rows that see no key, and so are their gradients."""
     lens_q, lens_kv, mask, visibility = PADDED[case]
-    padding = ca.Padding(list(lens_q), list(lens_kv))
+    padding = _padding(kind, lens_q, lens_kv)
     mask = padding if mask is None else mask & padding
     clean = _qkv(grad=True, layout=layout)
     ref, leaves = _reference(*clean, layout, seq_lens_q=lens_q, seq_lens_kv=lens_kv, **visibility)
@@ -243,6 +261,50 @@ def test_static_padding_runs_through_the_runner_and_hides_what_lies_past_the_len
             assert torch.isfinite(out).all()
             torch.testing.assert_close(out.to(F64), ref.detach(), atol=2e-3, rtol=2e-3)
     assert direct == ["ran"] * 5
+
+
+@pytest.mark.parametrize("one_tensor", [False, True])
+def test_runtime_lengths_are_each_calls_own(fake, direct, one_tensor):
+    """A runner serves every call of its signature whatever lengths it brings: new tensors,
+    and one tensor updated in place between calls (as a CUDA graph's inputs are), including a
+    sequence of length 0 (every row of it sees no key: out 0, no gradient)."""
+    q, k, v = _qkv(grad=True)
+    lens_q = torch.tensor([20, 9])
+    lens_kv = lens_q if one_tensor else torch.tensor([20, 9], dtype=torch.int32)
+    mask = ca.Causal() & ca.Padding(lens_q, lens_kv)
+    for values in ([20, 9], [24, 3], [0, 17], [5, 24]):
+        lens_q.copy_(torch.tensor(values))
+        lens_kv.copy_(torch.tensor(values))
+        for call_mask in (mask, ca.Causal() & ca.Padding(torch.tensor(values))):
+            ref, leaves = _reference(q, k, v, causal="top_left", seq_lens_q=values,
+                                     seq_lens_kv=values)
+            out = ca.attention(q, k, v, mask=call_mask, backend="cudnn")
+            torch.testing.assert_close(out.to(F64), ref.detach(), atol=2e-3, rtol=2e-3)
+            grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+            for got, want in zip(grads, torch.autograd.grad(ref.sum(), leaves)):
+                torch.testing.assert_close(got.to(F64), want, atol=5e-3, rtol=5e-3)
+            with torch.no_grad():
+                out = ca.attention(*(t.detach() for t in (q, k, v)), mask=call_mask,
+                                   backend="cudnn")
+            torch.testing.assert_close(out.to(F64), ref.detach(), atol=2e-3, rtol=2e-3)
+    assert direct == ["ran"] * 16
+
+
+def test_dropout_with_runtime_lengths_runs_through_the_runner(fake, direct):
+    """Both per-call operands at once: the seed drawn from the call's generator and the call's
+    lengths; bitwise the full path's outputs and gradients (equally seeded generators)."""
+    q, k, v = _qkv(grad=True)
+    ours, full = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    for values in ([20, 9], [3, 24]):
+        mask = ca.Causal() & ca.Padding(torch.tensor(values))
+        out = ca.attention(q, k, v, mask=mask, dropout_p=0.3, generator=ours, backend="cudnn")
+        want, _ = ca.attention(q, k, v, mask=mask, dropout_p=0.3, generator=full,
+                               return_lse=True, backend="cudnn")
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+        for got, expected in zip(torch.autograd.grad(out.float().sum(), (q, k, v)),
+                                 torch.autograd.grad(want.float().sum(), (q, k, v))):
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert direct == ["ran"] * 2
 
 
 @pytest.mark.parametrize("padded", [False, True])
