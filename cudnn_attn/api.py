@@ -41,9 +41,11 @@ _CALLS = LRU("api.calls", maxsize=256)
 _DIRECT = LRU("api.direct_calls", maxsize=256)
 
 
-def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse, backend):
-    """A flat, hashable summary of a call, strides aside; ``None`` when an argument is not what
-    it should be (validation then explains what is wrong)."""
+def _signature(q, k, v, mask, padding, bias, scale, dropout_p, softcap, layout, return_lse,
+               backend):
+    """A flat, hashable summary of a call, strides aside (``padding``: ``mask``'s runtime
+    ``Padding``, if any); ``None`` when an argument is not what it should be (validation then
+    explains what is wrong)."""
     if bias is None:
         bias_key = None
     else:
@@ -53,7 +55,6 @@ def _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_ls
             return None
         bias_key = alibi if t is None else \
             (kind, t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-    padding = _runtime_padding(mask)
     if padding is not None:
         # Runtime Paddings of one batch size compare equal (their tensors are values, not
         # keys): the cached problem, holding another call's lengths, gets this call's
@@ -135,8 +136,9 @@ def _cached(signature, q, k, v):
 
 
 def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse, backend,
-             signature):
-    """``(problem, plan, direct runner or None)`` of a call whose ``_signature`` is given."""
+             signature, padding):
+    """``(problem, plan, direct runner or None)`` of a call whose ``_signature`` is given
+    (``padding``: its runtime ``Padding``, if any)."""
     key = None if signature is None else (signature, q.stride(), k.stride(), v.stride())
     try:
         cached = _CALLS.get(key) if key is not None else None
@@ -150,11 +152,10 @@ def _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
     plan = dispatch.plan_for(problem, backend)[1]
     # A call that needs no lse and no gradient may run through one public op (the plan says).
     direct = execution.direct_runner(problem, plan)
-    if direct is not None and _runtime_padding(mask) is not None:
-        # Such a call's lengths are its own: only a runner that takes them per call serves it,
-        # and only from this cache (the fast lookup passes no Padding).
-        direct = direct if getattr(direct, "takes_lengths", False) else None
-    elif direct is not None and key is not None:
+    if direct is not None and padding is not None \
+            and not getattr(direct, "takes_lengths", False):
+        direct = None  # a runner bound to this call's lengths would serve the next with them
+    if direct is not None and key is not None:
         _DIRECT.put(signature, direct)
     entry = (problem, plan, direct)
     if key is not None:
@@ -267,16 +268,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         return (out, lse) if return_lse else out
     traced = _through_ops(q, k, v)
     entry = declined = None
+    padding = _runtime_padding(mask)
     if not traced:
         try:
-            signature = _signature(q, k, v, mask, bias, scale, dropout_p, softcap, layout,
-                                   return_lse, backend)
+            signature = _signature(q, k, v, mask, padding, bias, scale, dropout_p, softcap,
+                                   layout, return_lse, backend)
             direct = _DIRECT.get(signature)
         except TypeError:  # unhashable argument: let validation explain it
             signature = direct = None
         if direct is not None:
-            out = direct(q, k, v) if bias is None and not dropout_p else \
-                _run_direct(direct, q, k, v, bias, dropout_p, generator)
+            out = direct(q, k, v) if bias is None and not dropout_p and padding is None else \
+                _run_direct(direct, q, k, v, bias, dropout_p, generator, padding)
             if out is not None:  # None: a call the runner cannot take
                 return out
             declined = direct
@@ -292,9 +294,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
                 softcap=softcap, layout=layout, return_lse=return_lse, backend=backend,
                 generator=generator)
         entry = _prepare(q, k, v, mask, bias, scale, dropout_p, softcap, layout, return_lse,
-                         backend, signature)
+                         backend, signature, padding)
     problem, plan, direct = entry
-    padding = _runtime_padding(mask)
     if direct is not None and direct is not declined:
         out = direct(q, k, v) if bias is None and not dropout_p and padding is None else \
             _run_direct(direct, q, k, v, bias, dropout_p, generator, padding)
