@@ -159,16 +159,13 @@ class DirectCall:
         grad = self.backward is not None
         if grad and not torch.is_grad_enabled():
             return None
-        if self.extras is not NO_EXTRAS:
-            return self._with_extras(q, k, v, bias, generator, padding, grad)
-        if grad:
-            return record_direct(self, q, k, v)
-        out = self._new_out(q)
-        execute(self.forward, self._bind(q, k, v, out), self.device)
-        return out
-
-    def _with_extras(self, q, k, v, bias, generator, padding, grad: bool):
         extras = self.extras
+        if extras is NO_EXTRAS:
+            if grad:
+                return record_direct(self, q, k, v)
+            out = self._new_out(q)
+            execute(self.forward, self._bind(q, k, v, out), self.device)
+            return out
         dropout = None
         if extras.dropout:
             if _runtime.capturing():

@@ -196,12 +196,17 @@ def length_positions(seq_len_q: Optional[torch.Tensor], seq_len_kv: torch.Tensor
                      seq_kv: int, layout: str) -> PaddedPositions:
     """The ``rows`` (when ``seq_len_q`` is given) and ``keys`` of ``PaddedPositions`` from the
     ``[B, 1, 1, 1]`` lengths a graph reads: one comparison each, made in the call's layout (no
-    ``[B, S]`` masks: ``valid_q`` / ``valid_kv`` are ``None``)."""
+    ``[B, S]`` masks: ``valid_q`` / ``valid_kv`` are ``None``). One lengths tensor for both
+    sides of a self-attention call: one comparison serves both."""
     device, dtype = seq_len_kv.device, seq_len_kv.dtype
-    rows = None if seq_len_q is None else \
-        row_positions(seq_q, device, dtype, layout) < seq_len_q
-    return PaddedPositions(None, None, rows, row_positions(seq_kv, device, dtype, layout)
-                           < seq_len_kv)
+    keys = row_positions(seq_kv, device, dtype, layout) < seq_len_kv
+    if seq_len_q is None:
+        rows = None
+    elif seq_len_q is seq_len_kv and seq_q == seq_kv:
+        rows = keys
+    else:
+        rows = row_positions(seq_q, device, dtype, layout) < seq_len_q
+    return PaddedPositions(None, None, rows, keys)
 
 
 def _static_positions(padding, seq_q: int, seq_kv: int, device, layout: str):
