@@ -16,7 +16,9 @@ median). For each we time
   * torch-flash / torch-cudnn: torch.nn.functional.scaled_dot_product_attention under
             sdpa_kernel(FLASH_ATTENTION / CUDNN_ATTENTION)
 Host time (issue 35): the tiny call 1 x 8 x 128 x 64 bf16 causal forward, us per call of ours,
-torch SDPA's cuDNN and flash backends and the bare execute, back to back. Kernels (issue 35): the
+torch SDPA's cuDNN and flash backends and the bare execute, back to back; and the same call with
+``Padding`` lengths (device tensors and host ints) against torch's padded call as its users write
+it (the mask made from the lengths, then ``attn_mask=``). Kernels (issue 35): the
 CUDA kernels one forward + backward launches, ours and torch SDPA's cuDNN backend, from
 torch.profiler, and the ones ours launches that torch's does not.
 Targets (issues 3, 14 and 35): ours >= 0.98 x bare at large shapes; call within 1.05 x bare execute
@@ -294,6 +296,54 @@ def bench_tiny_causal(args):
              "tiny causal: torch-flash": under(SDPBackend.FLASH_ATTENTION),
              "tiny causal: bare execute": lambda: g.execute(bufs, ws, handle=handle,
                                                             tensor_uids=uids)}
+    us = _host_us(calls, args)
+    bare_us, torch_us = us.get("tiny causal: bare execute"), us.get("tiny causal: torch-cudnn")
+    return [{"call": label, "us_per_call": t, "vs_bare": t / bare_us if bare_us else None,
+             "vs_torch_cudnn": t / torch_us if torch_us else None}
+            for label, t in us.items()] + bench_tiny_padded(args, q, k, v)
+
+
+def bench_tiny_padded(args, q, k, v):
+    """The same tiny causal call with ``Padding`` lengths (the sequence 100 of 128 tokens):
+    ours with device lengths (runtime, passed to the runner per call) and with host lengths
+    (static, bound once), against torch SDPA as its users write it (the boolean mask made from
+    the lengths per call, then ``attn_mask=``) on its cuDNN and efficient backends;
+    ``vs_torch_cudnn`` = us / that torch-cudnn row (torch-efficient's where cuDNN declines)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import cudnn_attn as ca
+
+    seq = q.shape[2]
+    lengths = torch.tensor([100], device="cuda", dtype=torch.int32)
+    runtime = ca.Causal() & ca.Padding(lengths)
+    static = ca.Causal() & ca.Padding([100])
+    positions = torch.arange(seq, device="cuda")
+    below = torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril()
+
+    def under(backend):
+        def call():
+            keep = positions[None, :] < lengths[:, None]
+            allowed = below & keep[:, None, :, None] & keep[:, None, None, :]
+            with sdpa_kernel(backend):
+                return sdpa(q, k, v, attn_mask=allowed)
+        return call
+
+    calls = {"tiny padded (device lengths): ours":
+             lambda: ca.attention(q, k, v, mask=runtime, backend="cudnn"),
+             "tiny padded (host lengths): ours":
+             lambda: ca.attention(q, k, v, mask=static, backend="cudnn"),
+             "tiny padded: torch-cudnn": under(SDPBackend.CUDNN_ATTENTION),
+             "tiny padded: torch-efficient": under(SDPBackend.EFFICIENT_ATTENTION)}
+    us = _host_us(calls, args)
+    torch_us = us.get("tiny padded: torch-cudnn") or us.get("tiny padded: torch-efficient")
+    return [{"call": label, "us_per_call": t, "vs_bare": None,
+             "vs_torch_cudnn": t / torch_us if torch_us else None} for label, t in us.items()]
+
+
+def _host_us(calls: dict, args) -> dict:
+    """Microseconds per call of each of ``calls``, back to back (one sync per sample); a call
+    an SDPA backend cannot run here is left out, with its reason printed."""
     n, us = args.overhead_iters, {}
     for label, fn in calls.items():
         try:
@@ -301,9 +351,7 @@ def bench_tiny_causal(args):
                                               sync=torch.cuda.synchronize)
         except RuntimeError as exc:  # that SDPA backend cannot run it here
             print(f"{label}: {str(exc).splitlines()[0]}")
-    bare_us, torch_us = us.get("tiny causal: bare execute"), us.get("tiny causal: torch-cudnn")
-    return [{"call": label, "us_per_call": t, "vs_bare": t / bare_us if bare_us else None,
-             "vs_torch_cudnn": t / torch_us if torch_us else None} for label, t in us.items()]
+    return us
 
 
 def bench_builds(args):
@@ -341,6 +389,8 @@ def target_verdicts(rows, overhead):
     tiny = next((r["vs_bare"] for r in overhead if r["call"] == TINY_CALL), None)
     host = next((r.get("vs_torch_cudnn") for r in overhead
                  if r["call"] == "tiny causal: ours"), None)
+    padded = next((r.get("vs_torch_cudnn") for r in overhead
+                   if r["call"] == "tiny padded (device lengths): ours"), None)
     large = [r["ours/bare"] for r in rows if r["S"] >= 4096 and "ours/bare" in r]  # not FP8
     vs_torch_cudnn = [r["ours_tflops"] / r["torch-cudnn_tflops"] for r in rows
                       if r.get("torch-cudnn_tflops")]
@@ -350,6 +400,8 @@ def target_verdicts(rows, overhead):
         f"tiny call vs bare <= {TARGET_OVERHEAD}": _verdict(tiny, lambda x: x <= TARGET_OVERHEAD),
         f"tiny causal call host time vs torch-cudnn <= {TARGET_HOST_VS_TORCH}":
             _verdict(host, lambda x: x <= TARGET_HOST_VS_TORCH),
+        f"tiny padded call (device lengths) host time vs torch's padded call <= "
+        f"{TARGET_HOST_VS_TORCH}": _verdict(padded, lambda x: x <= TARGET_HOST_VS_TORCH),
         f"large shapes ours/bare >= {TARGET_VS_BARE} (min)":
             _verdict(min(large, default=None), lambda x: x >= TARGET_VS_BARE),
         f"ours/torch-cudnn >= {TARGET_VS_TORCH_CUDNN} on the same shapes (min)":

@@ -67,11 +67,16 @@ def test_verdicts_judge_latency_and_the_tiny_calls_host_time(bench):
     throughput = next(v for k, v in verdicts.items()
                       if k.startswith("ours/torch-cudnn >=") and "latency" not in k)
     assert throughput["value"] == pytest.approx(1.297 / 1.544) and throughput["met"] is False
+    padded = next(v for k, v in verdicts.items() if k.startswith("tiny padded call"))
+    assert padded == {"value": None, "met": None}  # not measured: no verdict
     fast = [_row(bench, "fwd", 0.25, 0.268, 0.29, 0.31)]
     verdicts = bench.target_verdicts(fast, [{"call": "tiny causal: ours", "us_per_call": 36.0,
-                                             "vs_torch_cudnn": 36.0 / 37.9}])
+                                             "vs_torch_cudnn": 36.0 / 37.9},
+                                            {"call": "tiny padded (device lengths): ours",
+                                             "us_per_call": 40.0, "vs_torch_cudnn": 0.9}])
     assert all(v["met"] for k, v in verdicts.items()
-               if "latency" in k or k.startswith(("tiny causal", "ours/torch-cudnn")))
+               if "latency" in k or k.startswith(("tiny causal", "tiny padded",
+                                                  "ours/torch-cudnn")))
 
 
 def test_host_benchmark_runs_on_the_cpu_and_writes_its_rows(tmp_path):
