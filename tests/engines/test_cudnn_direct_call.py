@@ -471,3 +471,53 @@ def test_varlen_and_paged_cache_calls_never_reach_a_runner(fake, direct, monkeyp
     assert direct == []
     kinds = {(spec.ragged, spec.paged is not None) for spec, _ in fake[1]}
     assert kinds == {(True, False), (False, True)}  # both ran on cuDNN's (fake) graphs
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_length_positions_compare_graph_lengths_in_the_calls_layout(layout):
+    """``model.inputs.length_positions``: ``[B, 1, 1, 1]`` lengths against the positions of the
+    sequence axis, broadcast against ``[B, H, S, D]`` or ``[B, S, H, D]``; the query side only
+    when its lengths are given; one comparison when one tensor serves both sides."""
+    from cudnn_attn.model.inputs import length_positions
+
+    lens_q = torch.tensor([3, 6], dtype=torch.int32).view(2, 1, 1, 1)
+    lens_kv = torch.tensor([5, 0], dtype=torch.int32).view(2, 1, 1, 1)
+    seq_axis = 2 if layout == "bhsd" else 1
+    shape = [2, 1, 1, 1]
+    shape[seq_axis] = 6
+
+    def want(lengths):
+        return (torch.arange(6)[None, :] < torch.tensor(lengths)[:, None]).view(shape)
+
+    positions = length_positions(lens_q, lens_kv, 6, 6, layout)
+    assert positions.valid_q is None and positions.valid_kv is None
+    assert torch.equal(positions.rows, want([3, 6])) and torch.equal(positions.keys, want([5, 0]))
+    keys_only = length_positions(None, lens_kv, 6, 6, layout)
+    assert keys_only.rows is None and torch.equal(keys_only.keys, want([5, 0]))
+    shared = length_positions(lens_q, lens_q, 6, 6, layout)
+    assert shared.rows is shared.keys and torch.equal(shared.rows, want([3, 6]))
+    # other sequence lengths on the two sides: each side its own comparison
+    longer = length_positions(lens_q, lens_q, 6, 8, layout)
+    assert longer.rows is not longer.keys and longer.keys.shape[seq_axis] == 8
+
+
+def test_runtime_lengths_through_the_runner_inside_a_capture(fake, direct, monkeypatch):
+    """Inside a CUDA-graph capture (simulated: ``capturing()`` answers True) a runtime-Padding
+    call still runs through the runner, with the oracle's result, and keeps none of the device
+    constants it makes there (their kernels would run only at a replay)."""
+    from cudnn_attn.graphs import _runtime
+    from cudnn_attn.model import inputs as model_inputs
+
+    q, k, v = _qkv()
+    lens = torch.tensor([20, 9], dtype=torch.int32)
+    ref, _ = _reference(q, k, v, causal="top_left", seq_lens_q=[20, 9], seq_lens_kv=[20, 9])
+    mask = ca.Causal() & ca.Padding(lens)
+    ca.attention(q, k, v, mask=mask, backend="cudnn")  # warm-up, outside the capture
+    ca.clear_caches()
+    monkeypatch.setattr(model_inputs, "capturing", lambda: True)
+    monkeypatch.setattr(_runtime, "capturing", lambda: True)
+    for _ in range(2):
+        out = ca.attention(q, k, v, mask=mask, backend="cudnn")
+        torch.testing.assert_close(out.to(F64), ref.detach(), atol=2e-3, rtol=2e-3)
+    assert direct[-2:] == ["ran", "ran"]
+    assert len(model_inputs._INDEX) == 0 and len(model_inputs._ZEROS) == 0
