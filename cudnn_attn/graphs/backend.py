@@ -201,9 +201,9 @@ class CudnnPlan:
     def direct(self, problem):
         """``launch.DirectCall`` of ``problem`` when its graphs bind nothing but q, k, v, the
         scale and out (and the backward's stats and gradients), a ``Padding``'s lengths (static
-        ones bound once, tensors passed per call), a bias that needs no gradient (and no tensor
-        lengths) and a Philox dropout seed: no explicit dropout mask, tile mask, packed or paged
-        storage, and a positive scale; else ``None`` (every call takes ``forward``)."""
+        ones bound once, tensors passed per call), a bias that needs no gradient and a Philox
+        dropout seed: no explicit dropout mask, tile mask, packed or paged storage, and a
+        positive scale; else ``None`` (every call takes ``forward``)."""
         s = self.spec
         q_factor, scale = _runtime.positive_scale(problem.scale)
         if (problem.bias_requires_grad or s.dropout_mask or s.block_mask or s.ragged
@@ -211,8 +211,6 @@ class CudnnPlan:
                 or problem.dropout_p != self.dropout_p):
             return None
         extras = launch.extras_of(problem, s, self._lengths)
-        if extras is None:
-            return None
         grad = problem.requires_grad
         forward = self._get(problem, "stats" if grad else "plain")
         backward = self._get(problem, "backward") if grad else None

@@ -9,8 +9,8 @@ runner bound once per cached call signature.
   bind nothing but q, k, v, the scale, out (and the stats and gradients of its backward), the
   lengths of a ``Padding`` (host ints, part of the call's signature, bound once; or tensors,
   passed per call), a bias that needs no gradient and a Philox dropout seed drawn per call: no
-  explicit dropout mask, packed or paged storage, sign-carrying scale, lse, or bias with tensor
-  lengths. ``CudnnPlan.direct`` decides which calls qualify.
+  explicit dropout mask, packed or paged storage, sign-carrying scale or lse.
+  ``CudnnPlan.direct`` decides which calls qualify.
   Why: such a call spends most of its host time rebuilding, per call, what its signature already
   fixes (buffer dicts, uid lists, the scale tensor, shapes, device lengths); the runner binds
   those once, so the eager path costs about what a minimal ``autograd.Function`` around
@@ -87,24 +87,21 @@ class PerCall(NamedTuple):
     empty: Optional[tuple]
 
 
-def extras_of(problem, spec, lengths: "_runtime.LengthCache | None") -> Optional[Extras]:
+def extras_of(problem, spec, lengths: "_runtime.LengthCache | None") -> Extras:
     """The ``Extras`` a runner of ``problem`` binds (``spec`` its graphs', ``lengths`` its plan's
-    cache of device lengths), or ``None`` when a runner cannot hold them: tensor lengths with a
-    bias tensor (hiding a bias's padded cells needs the ``[B, S]`` masks the full path makes)."""
+    cache of device lengths)."""
     if not (spec.padding or spec.bias_dim is not None or spec.dropout_p > 0):
         return NO_EXTRAS
     padding = problem.padding
-    if padding is not None and padding.runtime is not None:
-        if spec.bias_dim is not None:
-            return None
-        return Extras(padded=problem, runtime_spec=spec, dropout=spec.dropout_p > 0)
+    runtime = padding is not None and padding.runtime is not None
     seq_lens = empty = None
-    if spec.padding:  # host lengths (a bias graph's full-length mask too): bound once
+    if spec.padding and not runtime:  # host lengths (a bias graph's full-length mask too):
         seq_q, seq_kv, _, empty = lengths.get(*problem_lengths(problem), problem.device)
-        seq_lens = (seq_q, seq_kv)
+        seq_lens = (seq_q, seq_kv)  # bound once
     bias = problem.bias
     return Extras(padded=problem if padding is not None else None, lengths=seq_lens,
-                  empty=empty, bias_spec=spec if spec.bias_dim is not None else None,
+                  empty=empty, runtime_spec=spec if runtime else None,
+                  bias_spec=spec if spec.bias_dim is not None else None,
                   bias_copy=bias is not None and _runtime.bias_needs_copy(spec, bias.shape,
                                                                           bias.stride),
                   dropout=spec.dropout_p > 0)
@@ -178,9 +175,10 @@ class DirectCall:
                 return None
             lengths = _runtime.device_lengths(spec, padding, self.device)
             empty = _runtime.padded_row_views(spec, *lengths)
-            # the query rows are hidden only for a gradient (hide_padding's queries)
-            positions = length_positions(lengths[0] if grad else None, lengths[1], spec.seq_q,
-                                         spec.seq_kv, spec.layout)
+            # the query rows: hidden for a gradient (hide_padding's queries), and a bias's
+            queries = grad or extras.bias_spec is not None  # cells past them too
+            positions = length_positions(lengths[0] if queries else None, lengths[1],
+                                         spec.seq_q, spec.seq_kv, spec.layout)
         if extras.padded is not None:
             hidden = hide_padding(extras.padded, Inputs(q, k, v, bias), grad, positions)
             q, k, v, bias = hidden.q, hidden.k, hidden.v, hidden.bias

@@ -257,7 +257,8 @@ def hide_padding(problem, inputs: Inputs, queries: bool = True,
     a query row reaches only its own output row, and a row past its length sees no key, so
     every engine writes it as 0 (and its lse as ``-inf``) whatever q holds there.
     ``positions``: the call's own (``length_positions``: runtime lengths a caller already holds
-    as a graph reads them; no bias), in place of ``padding_positions``'.
+    as a graph reads them; with ``rows`` when a bias is hidden), in place of
+    ``padding_positions``'.
     """
     padding = problem.padding
     if padding is None or problem.storage is not None:  # packed: no positions past a length;
@@ -271,6 +272,8 @@ def hide_padding(problem, inputs: Inputs, queries: bool = True,
         return inputs
     valid_q, valid_kv, rows, keys = positions
     if with_bias:
+        if valid_q is None:  # length_positions': the [B, S] masks are views of rows and keys
+            valid_q, valid_kv = rows.view(rows.shape[0], -1), keys.view(keys.shape[0], -1)
         full = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
         bias = torch.where(_bias_cells(valid_q, valid_kv, full.shape), full, 0).view(bias.shape)
     return Inputs(_zeroed(rows, inputs.q) if queries else inputs.q, _zeroed(keys, inputs.k),

@@ -6,9 +6,9 @@ CPU through the stand-in executor of ``cudnn_fake`` (float64 from the buffers ea
   oracle's outputs and gradients; ``Padding`` lengths too (host ints bound once, tensors passed
   per call), NaN past them hidden as on the full path; a bias that needs no gradient; dropout, a
   seed per call as the full path draws it;
-* every call it cannot take (a bias with tensor lengths or one that requires grad, a negative
-  scale, return_lse, new strides, ``torch.no_grad`` on tensors that require grad) takes the full path,
-  with the same results; a plan whose graphs read a tile mask, ragged offsets or page tables has
+* every call it cannot take (a bias that requires grad, a negative scale, return_lse, new
+  strides, ``torch.no_grad`` on tensors that require grad) takes the full path, with the same
+  results; a plan whose graphs read a tile mask, ragged offsets or page tables has
   no runner, and varlen and paged-cache calls never reach one;
 * what it binds: 16-byte aligned base pointers, a contiguous dO, gradients contiguous in the
   call's layout, the graphs the plan built (one execute per direction).
@@ -176,10 +176,6 @@ def test_calls_it_cannot_take_run_the_full_path_with_the_same_results(fake, dire
 
 
 NO_RUNNER = {  # made inside the test: the fixture decides which lengths are runtime values
-    # hiding the bias's padded cells takes the [B, S] masks of the full path
-    "bias with runtime padding": lambda: dict(
-        mask=ca.Causal() & ca.Padding(torch.tensor([20, 9])),
-        bias=torch.zeros(1, 2, 24, 24, dtype=F16)),
     "bias that requires grad": lambda: dict(
         bias=torch.zeros(1, 2, 24, 24, dtype=F16, requires_grad=True)),
     "negative scale": lambda: dict(scale=-0.25),
@@ -307,15 +303,15 @@ def test_dropout_with_runtime_lengths_runs_through_the_runner(fake, direct):
     assert direct == ["ran"] * 2
 
 
-@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("padded", [None, "static", "runtime"])
 @pytest.mark.parametrize("shape", [(1, 2, 24, 24), (2, 1, 1, 24)])
 def test_a_bias_that_needs_no_gradient_runs_through_the_runner(fake, direct, shape, padded,
                                                                monkeypatch):
     """The bias is the runner's fourth operand, bound per call (S_kv = 24, not a multiple of
     128: the graphs add a full-length padding mask, whose lengths the runner binds too). With a
-    static ``Padding``, NaN in the bias past the lengths reaches nothing: the graphs are given a
-    bias without it (the stand-in executor masks by selection, so the output alone would not
-    show an additive mask's ``-inf + NaN``)."""
+    ``Padding`` (host or tensor lengths), NaN in the bias past the lengths reaches nothing: the
+    graphs are given a bias without it (the stand-in executor masks by selection, so the output
+    alone would not show an additive mask's ``-inf + NaN``)."""
     bound = []
     execute = launch.execute
     monkeypatch.setattr(launch, "execute", lambda built, buffers, device: (
@@ -326,7 +322,8 @@ def test_a_bias_that_needs_no_gradient_runs_through_the_runner(fake, direct, sha
     lens = (20, 9)
     visibility = {"causal": "top_left", **({"seq_lens_q": lens, "seq_lens_kv": lens}
                                            if padded else {})}
-    mask = ca.Causal() & ca.Padding(list(lens)) if padded else ca.Causal()
+    mask = ca.Causal() if padded is None else ca.Causal() & ca.Padding(
+        list(lens) if padded == "static" else torch.tensor(lens))
     vis = oracle.build_visibility(2, 24, 24, **visibility)
     leaves = [t.detach().to(F64).requires_grad_(True) for t in (q, k, v)]
     ref, _ = oracle.reference_attention(*leaves, vis, bias=bias.to(F64))
