@@ -163,20 +163,20 @@ class DirectCall:
             out = self._new_out(q)
             execute(self.forward, self._bind(q, k, v, out), self.device)
             return out
+        spec = extras.runtime_spec
+        if spec is not None and padding is None:
+            return None
         dropout = None
         if extras.dropout:
             if _runtime.capturing():
                 return None
             dropout = DropoutState.draw(generator)
         lengths, empty, positions = extras.lengths, extras.empty, None
-        spec = extras.runtime_spec
         if spec is not None:
-            if padding is None:
-                return None
             lengths = _runtime.device_lengths(spec, padding, self.device)
             empty = _runtime.padded_row_views(spec, *lengths)
-            # the query rows: hidden for a gradient (hide_padding's queries), and a bias's
-            queries = grad or extras.bias_spec is not None  # cells past them too
+            # query rows past the lengths: hidden for a gradient, and a bias's cells there too
+            queries = grad or extras.bias_spec is not None
             positions = length_positions(lengths[0] if queries else None, lengths[1],
                                          spec.seq_q, spec.seq_kv, spec.layout)
         if extras.padded is not None:
