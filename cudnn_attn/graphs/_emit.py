@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from ..core.caches import memoize
 from ._spec import GraphSpec
+from .callback_cycles import freed_with
 
 __all__ = ["UID", "FORWARD_KWARGS", "BACKWARD_KWARGS", "emit", "io_uids", "cudnn_module", "cudnn_dtype"]
 
@@ -157,7 +158,9 @@ class _Emitter:
         if s.alibi:
             kw["use_alibi_mask"] = True
         if s.score_mod is not None:  # the program's ops, replayed with cuDNN's pointwise ops
-            kw["score_mod"], self.score_mod_bprop = s.score_mod.callbacks()
+            forward, bprop = s.score_mod.callbacks()
+            kw["score_mod"] = freed_with(self.g, forward)
+            self.score_mod_bprop = freed_with(self.g, bprop)
         band = s.band
         if band is not None:
             kw["diagonal_alignment"] = (cd.diagonal_alignment.BOTTOM_RIGHT

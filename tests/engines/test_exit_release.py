@@ -1,4 +1,4 @@
-"""Issue 36: a process that used the cuDNN engine exits quietly. What the package's caches hold
+"""Issue 36: a process that used the cuDNN engine exits quietly, score_mod graphs included. What the package's caches hold
 from the frontend (built graphs, plans, handles, deviceless results) is released by an exit hook
 that runs before the frontend's module is torn down; nanobind then has nothing to report.
 
@@ -10,10 +10,13 @@ cuDNN caches still hold at that point.
 from __future__ import annotations
 
 import ast
+import gc
 import os
 import subprocess
 import sys
 import textwrap
+import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -63,6 +66,95 @@ def test_deviceless_graphs_are_released_before_the_frontend_and_exit_is_quiet():
     """)
     assert held == {}, f"cuDNN caches still hold {held} when the frontend is torn down"
     assert "nanobind" not in stderr and "leak" not in stderr, stderr[-3000:]
+
+
+@needs_fe
+def test_score_mod_graphs_are_released_and_exit_is_quiet():
+    """A softcap graph carries a score_mod callback (and a bprop in the backward): the frontend
+    keeps it in a C++ <-> Python cycle that only ``callback_cycles`` breaks."""
+    held, stderr = _run("""
+        import torch
+        from cudnn_attn.graphs import deviceless
+        from cudnn_attn.model.problem import AttnProblem
+
+        q = torch.empty(1, 2, 256, 64, dtype=torch.float16, device="meta", requires_grad=True)
+        problem = AttnProblem.from_tensors(q, q, q, softcap=30.0)
+        for backward in (False, True):
+            assert deviceless.plan_problem(problem, "h100", backward=backward).ok
+    """)
+    assert held == {}, f"cuDNN caches still hold {held} when the frontend is torn down"
+    assert "nanobind" not in stderr and "leak" not in stderr, stderr[-3000:]
+
+
+def _frontend_callback_wrappers() -> int:
+    """Live closures the frontend wrapped around a graph's callbacks (one per callback)."""
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, types.FunctionType)
+               and o.__code__.co_qualname.startswith("_wrap_callback."))
+
+
+@needs_fe
+def test_a_dropped_score_mod_graph_frees_its_callbacks():
+    from cudnn_attn.graphs import sdpa, targets
+    from cudnn_attn.model.problem import AttnProblem
+
+    q = torch.empty(1, 2, 128, 64, dtype=torch.float16, device="meta", requires_grad=True)
+    problem = AttnProblem.from_tensors(q, q, q, softcap=20.0)
+    before = _frontend_callback_wrappers()
+    forward = sdpa.build_forward(problem, target=targets.target("h100"))
+    backward = sdpa.build_backward(problem, target=targets.target("h100"))
+    assert _frontend_callback_wrappers() == before + 3  # score_mod; score_mod and its bprop
+    del forward, backward
+    assert _frontend_callback_wrappers() == before
+
+
+class _Shim:
+    """Stands in for the frontend's graph shim: its ``_lower`` closes over the C++ graph."""
+
+    def __init__(self, lower):
+        self._lower = lower
+
+
+def test_freed_with_releases_the_noted_closures_when_the_graph_goes():
+    from cudnn_attn.graphs.callback_cycles import freed_with
+
+    class Graph:  # the Python graph the package holds
+        pass
+
+    class CppGraph:  # the C++ graph, holding the callback as the frontend does
+        pass
+
+    def lowering(target):  # the frontend's lower_tensor, closing over its C++ graph
+        tensor_map: dict = {}
+
+        def lower(t):
+            return target, tensor_map
+        return lower
+
+    graph, cpp = Graph(), CppGraph()
+    lower = lowering(cpp)
+    callback = freed_with(graph, lambda g, score: (g, score))
+    cpp.callback = callback
+    shim = _Shim(lower)
+    assert callback(shim, 7) == (shim, 7)
+    assert callback(shim, 8) == (shim, 8)  # noted once
+    gone = weakref.ref(cpp)
+    del cpp, shim, callback
+    assert gone() is not None  # the cycle lives while the Python graph does
+    del graph
+    assert lower.__closure__ is not None
+    assert all(cell.cell_contents is None for cell in lower.__closure__)
+    assert gone() is None  # freed by reference counting alone, no collection needed
+
+
+def test_freed_with_leaves_unweakrefable_graphs_and_missing_callbacks_alone():
+    from cudnn_attn.graphs.callback_cycles import freed_with
+
+    def fn(g, t):
+        return t
+
+    assert freed_with(object(), None) is None
+    assert freed_with(object(), fn) is fn  # a plain object() takes no weak reference
 
 
 @pytest.mark.gpu

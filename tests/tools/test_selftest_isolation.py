@@ -8,7 +8,8 @@ reaches a log file line by line.
 
 Only the torch engine runs on a CPU, so the fault is staged in a second engine: a
 ``sitecustomize`` on the children's path makes "cupy" run the torch engine's computation and
-abort (or hang) in one named case. Everything else is the real command line.
+abort (or hang) in one named case, and can slow every run down so that an interrupt reliably
+lands while runs remain. Everything else is the real command line.
 """
 
 import json
@@ -31,36 +32,40 @@ FAULTY_CASE = "window-8-0"
 
 FAULT_HOOK = """
 import os
+import time
+
+from cudnn_attn.verify import runs
+
+judge = runs.run_case
+delay_s = float(os.environ.get("SELFTEST_DELAY_S", "0"))
+
+def staged(case, backend, dtype, device):
+    time.sleep(delay_s)  # a slower machine: an interrupt lands while runs remain
+    if backend != "cupy":
+        return judge(case, backend, dtype, device)
+    if case.name == os.environ["SELFTEST_FAULT_CASE"]:
+        if os.environ["SELFTEST_FAULT"] == "abort":
+            os.abort()
+        time.sleep(600)
+    outcome = judge(case, "torch", dtype, device)
+    outcome.backend = "cupy"
+    return outcome
 
 if os.environ.get("SELFTEST_FAULT"):
     from cudnn_attn.core.dispatch import get_backend
-    from cudnn_attn.verify import runs
 
     type(get_backend("cupy")).availability = lambda self: []
-    judge = runs.run_case
-
-    def staged(case, backend, dtype, device):
-        if backend != "cupy":
-            return judge(case, backend, dtype, device)
-        if case.name == os.environ["SELFTEST_FAULT_CASE"]:
-            if os.environ["SELFTEST_FAULT"] == "abort":
-                os.abort()
-            import time
-            time.sleep(600)
-        outcome = judge(case, "torch", dtype, device)
-        outcome.backend = "cupy"
-        return outcome
-
-    runs.run_case = staged
+runs.run_case = staged
 """
 
 
-def _selftest(tmp_path, *args, fault=None, **popen):
+def _selftest(tmp_path, *args, fault=None, delay_s=0.0, **popen):
     hook = tmp_path / "hook"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(textwrap.dedent(FAULT_HOOK))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)]),
-           "OMP_NUM_THREADS": "1", "SELFTEST_FAULT_CASE": FAULTY_CASE}
+           "OMP_NUM_THREADS": "1", "SELFTEST_FAULT_CASE": FAULTY_CASE,
+           "SELFTEST_DELAY_S": str(delay_s)}
     if fault:
         env["SELFTEST_FAULT"] = fault
     argv = [sys.executable, "-m", "cudnn_attn", "selftest", "--dtype", "float32",
@@ -105,7 +110,8 @@ def _wait_for_results(stream: Path, count: int, proc, timeout_s: float = 300.0) 
 
 
 def test_a_killed_selftest_still_says_what_it_judged(tmp_path):
-    proc = _selftest(tmp_path, "--backend", "torch", start_new_session=True)
+    # 30 runs at >= 0.2 s each: the kill lands long before the last
+    proc = _selftest(tmp_path, "--backend", "torch", delay_s=0.2, start_new_session=True)
     _wait_for_results(tmp_path / "st.jsonl", 4, proc)
     os.killpg(proc.pid, signal.SIGKILL)  # no chance to write anything more
     proc.communicate()
@@ -118,7 +124,7 @@ def test_a_killed_selftest_still_says_what_it_judged(tmp_path):
 
 
 def test_sigint_ends_it_with_the_table_of_what_was_judged(tmp_path):
-    proc = _selftest(tmp_path, "--backend", "torch", start_new_session=True)
+    proc = _selftest(tmp_path, "--backend", "torch", delay_s=0.2, start_new_session=True)
     _wait_for_results(tmp_path / "st.jsonl", 3, proc)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: parent and engines together
     out, err = proc.communicate(timeout=120)
