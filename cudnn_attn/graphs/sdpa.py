@@ -34,6 +34,7 @@ from ._spec import Band, GraphOptions, GraphSpec, PagedKV, analyze, cudnn_reason
 from . import driver_standin
 from .entry_calls import CALL_ARGS, call_problem
 from . import autotune
+from .ordered_launch import launcher
 from .plan_choice import EngineChoice, engine_at, selected_engine
 
 if TYPE_CHECKING:
@@ -80,6 +81,8 @@ class BuiltGraph:
     autotune: bool = False
     tuned: bool = False
     order: tuple = field(init=False)
+    # how execute() runs the graph (ordered_launch.launcher), made on the first execute
+    launch: Any = field(init=False, default=None, repr=False, compare=False)
 
     serial_kind = "cudnn_attn.sdpa"
 
@@ -92,8 +95,10 @@ class BuiltGraph:
 
     def execute(self, buffers: Mapping, workspace, handle) -> None:
         """Run on ``handle``'s stream; ``buffers`` maps every uid of ``order`` to a tensor."""
-        self.graph.execute([buffers[u] for u in self.order], workspace, handle=handle,
-                           tensor_uids=self.order)
+        launch = self.launch
+        if launch is None:
+            launch = self.launch = launcher(self.graph, self.order)
+        launch([buffers[u] for u in self.order], workspace, handle)
 
     def tune(self, buffers: Mapping, workspace_for, handle, time_ms) -> None:
         """Time every plan on ``buffers`` (``workspace_for(size)`` gives each its workspace;
@@ -114,6 +119,7 @@ class BuiltGraph:
             kernels = self.engine.kernels if self.engine is not None else ()
             self.engine = dataclasses.replace(chosen, kernels=kernels, timings=tuple(timings))
         self.workspace_size = int(graph.get_workspace_size())
+        self.launch = None  # made again for the plan now selected
         self.tuned = True
 
     # -- persistence through graph_cache.save/load (GPU only: needs a built plan) ------------

@@ -89,7 +89,7 @@ def test_score_mod_graphs_are_released_and_exit_is_quiet():
 def _frontend_callback_wrappers() -> int:
     """Live closures the frontend wrapped around a graph's callbacks (one per callback)."""
     gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, types.FunctionType)
+    return sum(1 for o in gc.get_objects() if type(o) is types.FunctionType
                and o.__code__.co_qualname.startswith("_wrap_callback."))
 
 

@@ -6,6 +6,7 @@ cudnn.py's measurements need a GPU; its pure parts are checked here with rows wr
 per case, in a subprocess: it installs its stand-in process-wide).
 """
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -93,5 +94,8 @@ def test_host_benchmark_runs_on_the_cpu_and_writes_its_rows(tmp_path):
         assert rows[f"torch sdpa {kind}"]["us_per_call"] > 0
     assert rows["ours padding-rt"]["vs_torch"] == pytest.approx(
         rows["ours padding-rt"]["us_per_call"] / rows["torch sdpa padding"]["us_per_call"])
+    if importlib.util.find_spec("cudnn") is not None:  # the frontend's dispatch, and ours
+        for launch in ("pygraph.execute", "ordered launch"):
+            assert rows[f"frontend dispatch: {launch}"]["us_per_call"] > 0
     # The stand-in executed every call: it counts them.
     assert "executed" in done.stdout
