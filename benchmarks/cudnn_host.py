@@ -15,7 +15,10 @@ cuDNN's own kernel launch is not. The same tiny problem (1 x 2 x 16 x 64 fp16, c
   padding        static ``Padding`` lengths (ints)
   padding-rt     runtime ``Padding`` lengths (tensors: never read on the host)
   dropout        dropout_p = 0.1 (the seed drawn, the Philox inputs bound)
-  bias           an additive [1, 8, 128, 128] bias
+  bias           an additive [1, 2, 16, 16] bias
+  kvcache decode attention_with_kvcache: one query per sequence against a dense cache of S
+                 tokens, device lengths (against torch's padded call)
+  paged decode   the same through a block table over pages of 4 tokens
 
 and, as the bar to clear, torch SDPA's own dispatch on this CPU for the smallest call of the same
 kind (1 x 1 x 1 x 8, fp32, causal: what it costs beyond arithmetic), no grad / grad / fwd+bwd,
@@ -78,6 +81,7 @@ def install() -> None:
     from cudnn_attn.graphs._spec import analyze
     from cudnn_attn.graphs.sdpa import BuiltGraph
     from cudnn_attn.model import masks
+    from cudnn_attn.packed import calls
 
     def build(problem, spec, backward):
         inputs, outputs = _emit.io_uids(spec, backward)
@@ -90,6 +94,7 @@ def install() -> None:
     engine = dispatch.get_backend("cudnn")
     engine.supports = lambda problem: analyze(problem)[1]
     masks._runtime_lengths = lambda value: isinstance(value, torch.Tensor)
+    calls.on_accelerator = lambda t: isinstance(t, torch.Tensor)  # KV-cache lengths stay unread
     # The CUDA queries a call makes, answered for "device 0, its default stream".
     _runtime._raw_stream = lambda index: 0
     _runtime._current_device = lambda: 0  # (absent before issue 35: harmless)
@@ -123,6 +128,7 @@ def per_call_us(cases: dict, calls: int, repeats: int) -> dict:
 
 def ours() -> dict:
     import cudnn_attn as ca
+    from cudnn_attn.varlen import attention_with_kvcache
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(SHAPE, generator=gen).to(torch.float16) for _ in range(3))
@@ -137,6 +143,16 @@ def ours() -> dict:
         out = ca.attention(qg, kg, vg, mask=causal, backend="cudnn")
         torch.autograd.grad(out, (qg, kg, vg), dout)
 
+    # One decode step: a query per sequence against a KV cache of S tokens (its bshd pools),
+    # with device lengths; paged: pages of 4 tokens through a block table.
+    batch, heads, seq, dim = SHAPE
+    step = torch.randn(batch, 1, heads, dim, generator=gen).to(torch.float16)
+    cache = torch.randn(batch, seq, heads, dim, generator=gen).to(torch.float16)
+    pools = cache.view(batch * seq // 4, 4, heads, dim)
+    table = torch.arange(batch * seq // 4, dtype=torch.int32).view(batch, -1)
+    cache_lens = torch.full((batch,), 12, dtype=torch.int32)
+    bottom_right = ca.Causal("bottom_right")
+
     cases = {
         "fwd": lambda: ca.attention(q, k, v, mask=causal, backend="cudnn"),
         "fwd (grad)": lambda: ca.attention(qg, kg, vg, mask=causal, backend="cudnn"),
@@ -145,6 +161,11 @@ def ours() -> dict:
         "padding-rt": lambda: ca.attention(q, k, v, mask=runtime, backend="cudnn"),
         "dropout": lambda: ca.attention(q, k, v, mask=causal, dropout_p=0.1, backend="cudnn"),
         "bias": lambda: ca.attention(q, k, v, mask=causal, bias=bias, backend="cudnn"),
+        "kvcache decode": lambda: attention_with_kvcache(step, cache, cache, cache_lens,
+                                                         mask=bottom_right, backend="cudnn"),
+        "paged decode": lambda: attention_with_kvcache(step, pools, pools, cache_lens,
+                                                       block_table=table, mask=bottom_right,
+                                                       backend="cudnn"),
     }
     return {f"ours {name}": fn for name, fn in cases.items()}
 
@@ -250,6 +271,11 @@ def frontend_dispatch() -> dict:
             "frontend dispatch: ordered launch": lambda: launch(buffers, None, None)}
 
 
+# ours' cases measured against torch's call of another name: a decode step is a padded call
+# (the lengths made into a mask, attn_mask=) for a torch user
+_KIND = {"kvcache decode": "padding", "paged decode": "padding"}
+
+
 def add_ratios(rows: list[dict]) -> None:
     """``vs_torch``: ours over torch's row of the same kind (runtime padding: torch's padding,
     whose lengths are tensors too)."""
@@ -258,7 +284,8 @@ def add_ratios(rows: list[dict]) -> None:
     for row in rows:
         for prefix in ("ours ", "python floor "):
             if row["call"].startswith(prefix):
-                kind = row["call"].removeprefix(prefix).removesuffix("-rt")
+                kind = _KIND.get(row["call"].removeprefix(prefix).removesuffix("-rt"))
+                kind = kind or row["call"].removeprefix(prefix).removesuffix("-rt")
                 row["vs_torch"] = row["us_per_call"] / torch_us[kind]
 
 

@@ -12,7 +12,7 @@ from .core import dispatch, execution
 from .core.explanation import Explanation
 from .core.caches import LRU
 from .model.masks import (Alibi, Causal, Mask, MaskSet, Padding, RelPosBias, SlidingWindow,
-                          mask_parts, split_bias)
+                          split_bias)
 from .model.problem import AttnProblem, deterministic_requested
 from .rewrites.kv_heads import head_counts_differ, repeat_to_common_heads
 from .model.inputs import DropoutState, Inputs
@@ -58,7 +58,7 @@ def _signature(q, k, v, mask, padding, bias, scale, dropout_p, softcap, layout, 
     if padding is not None:
         # Runtime Paddings of one batch size compare equal (their tensors are values, not
         # keys): the cached problem, holding another call's lengths, gets this call's
-        # (_with_padding). The lengths' shapes are what validation checked.
+        # (AttnProblem.rebound). The lengths' shapes are what validation checked.
         mask = (mask, padding.runtime[0].shape, padding.runtime[1].shape)
     if type(scale) is bool or type(dropout_p) is bool or type(softcap) is bool \
             or type(return_lse) is not bool:
@@ -110,18 +110,6 @@ def _runtime_padding(mask) -> Optional[Padding]:
 
 
 _SIMPLE_MASKS = frozenset({Causal, SlidingWindow})
-
-
-def _with_padding(problem: AttnProblem, padding: Padding) -> AttnProblem:
-    """``problem`` (a cached call's) with ``padding`` (this call's runtime lengths) in place of
-    its own ``Padding``: equal as values, so nothing that validation or a plan read changes.
-    Copied field by field: ``dataclasses.replace`` would re-run the whole construction."""
-    parts = tuple(padding if isinstance(m, Padding) else m for m in mask_parts(problem.mask))
-    fresh = object.__new__(AttnProblem)
-    fresh.__dict__.update(problem.__dict__)
-    fresh.__dict__["mask"] = parts[0] if len(parts) == 1 else MaskSet(parts)
-    fresh.__dict__["padding"] = padding  # the cached property's value, copied with the rest
-    return fresh
 
 
 def _cached(signature, q, k, v):
@@ -302,7 +290,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Mask |
         if out is not None:
             return out
     if padding is not None and problem.padding is not padding:
-        problem = _with_padding(problem, padding)
+        problem = problem.rebound(padding)
     table = split_bias(bias)[1]  # the runtime tensor (Alibi's slopes live in the problem)
     dropout = DropoutState.draw(generator) if problem.dropout_p > 0 else None
     out, lse = execution.run(problem, plan, Inputs(q, k, v, table, dropout), return_lse)

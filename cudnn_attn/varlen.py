@@ -44,7 +44,8 @@ from .core import execution
 from .packed import calls
 from .api import attention
 from .model.inputs import DropoutState, Inputs, draw_seed
-from .packed.calls import kvcache_problem, varlen_problem
+from .packed.calls import varlen_problem
+from .packed.prepared import stored_kvcache
 from .rewrites.sinks import check_sinks, merge_sinks
 from .packed.groups import by_length_groups, grouped_varlen
 from .packed.args import (cache_lengths,
@@ -296,12 +297,11 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return _traced("kvcache", [q, k_cache, v_cache, traced_lens, block_table], ints, mask, bias,
                        scale, 0.0, softcap, return_lse, backend, None)
     if _native_route(q, backend, bias):  # the whole cache, lengths on the device, page tables
-        res = _run_native(lambda: kvcache_problem(
-            q, k_cache, v_cache, cache_seqlens, block_table, mask=mask, bias=bias, read=False,
-            scale=scale, softcap=softcap, return_lse=return_lse), q, k_cache, v_cache, backend,
-            None, return_lse)
-        if res is not None:
-            return res
+        found = stored_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, mask=mask,
+                               bias=bias, backend=backend, scale=scale, softcap=softcap,
+                               return_lse=return_lse)
+        if found is not None:
+            return _run_stored(found, q, k_cache, v_cache, None, return_lse)
     q, k_cache, v_cache, block_table, capacity, where = check_cache(q, k_cache, v_cache,
                                                                     block_table)
     batch, seq_q, heads_q, _ = q.shape
@@ -344,8 +344,11 @@ def _run_native(problem_of, q, k, v, backend, generator, return_lse):
     ``None`` when none can and the backend is ``"auto"`` (the caller then builds dense
     batches). Malformed arguments raise as usual."""
     found = execution.plan_stored(problem_of(), backend)
-    if found is None:
-        return None
+    return None if found is None else _run_stored(found, q, k, v, generator, return_lse)
+
+
+def _run_stored(found, q, k, v, generator, return_lse):
+    """``attention``'s result of ``plan_stored``'s ``(engine, problem, plan)``."""
     _, problem, plan = found
     dropout = DropoutState.draw(generator) if problem.dropout_p > 0 else None
     out, lse = execution.run(problem, plan, Inputs(q, k, v, None, dropout), return_lse)

@@ -23,6 +23,7 @@ from .checks import FLOAT_DTYPES
 from .masks import (Alibi,
     Causal,
     Mask,
+    MaskSet,
     Neighborhood,
     Padding,
     RelPosBias,
@@ -184,6 +185,22 @@ class AttnProblem:
     def neighborhood(self) -> Optional[Neighborhood]:
         found = self.masks_of(Neighborhood)
         return found[0] if found else None
+
+    def rebound(self, padding: Padding, storage: Optional[Storage] = None) -> "AttnProblem":
+        """This problem with ``padding`` (another call's runtime lengths) in place of its own
+        ``Padding`` and, when given, ``storage`` (its offsets or page tables) in place of its
+        storage. Equal as values (runtime lengths and storage tensors are not compared), so
+        nothing validation or a plan read changes. Copied field by field:
+        ``dataclasses.replace`` would re-run the whole construction, the per-call cost this
+        saves a cached call."""
+        parts = tuple(padding if isinstance(m, Padding) else m for m in mask_parts(self.mask))
+        fresh = object.__new__(AttnProblem)
+        fresh.__dict__.update(self.__dict__)
+        fresh.__dict__["mask"] = parts[0] if len(parts) == 1 else MaskSet(parts)
+        fresh.__dict__["padding"] = padding  # the cached property's value, copied with the rest
+        if storage is not None:
+            fresh.__dict__["storage"] = storage
+        return fresh
 
     def describe(self) -> str:
         masks = " & ".join(repr(m) for m in mask_parts(self.mask)) or "none"

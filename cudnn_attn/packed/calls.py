@@ -30,7 +30,8 @@ from ..model.masks import Padding
 from ..model.problem import AttnProblem
 from ..model.storage import Paged, Ragged
 
-__all__ = ["varlen_problem", "kvcache_problem", "bucket_seqlen", "meta_like", "on_accelerator"]
+__all__ = ["varlen_problem", "kvcache_problem", "kvcache_padding", "paged_storage", "bucket_seqlen",
+           "meta_like", "on_accelerator"]
 
 
 def _readable(t) -> bool:
@@ -146,9 +147,7 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, block_table, *, mask=Non
         _lengths_tensor("cache_seqlens", cache_seqlens, batch, q.device)
         padding = Padding([seq_q] * batch, [capacity] * batch)
     elif isinstance(cache_seqlens, torch.Tensor) and not read and on_accelerator(cache_seqlens):
-        lens = _lengths_tensor("cache_seqlens", cache_seqlens, batch, q.device)
-        full = torch.full((batch,), seq_q, dtype=torch.int32, device=q.device)
-        padding = Padding(full, lens.to(q.device, non_blocking=True))
+        padding = kvcache_padding(q, cache_seqlens)
     else:  # checked on the host, where reading is free
         lens = args.cache_lengths(cache_seqlens, batch, capacity, q.device, where)
         padding = Padding([seq_q] * batch, lens)
@@ -171,7 +170,24 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, block_table, *, mask=Non
             raise NotSupportedError(problem, {"cudnn": [
                 f"cuDNN's paged {name} must be a contiguous [num_blocks, page_size, H_kv, D] "
                 f"container, got strides {tuple(cache.stride())}"]}, forced="cudnn")
-    num_blocks, page_size = k_cache.shape[:2]
-    if not read:  # the page tables are read where the graph runs: on q's device
+    return dataclasses.replace(problem, storage=paged_storage(q, k_cache, block_table, read))
+
+
+def kvcache_padding(q: torch.Tensor, cache_seqlens: torch.Tensor) -> Padding:
+    """The runtime ``Padding`` of a KV-cache call whose lengths stay on the device: every query
+    row, and the first ``cache_seqlens[b]`` keys of each sequence (moved to q's device, never
+    read)."""
+    batch, seq_q = q.shape[:2]
+    lens = _lengths_tensor("cache_seqlens", cache_seqlens, batch, q.device)
+    # made per call, not cached: a CUDA graph captured over the call then owns it
+    full = torch.full((batch,), seq_q, dtype=torch.int32, device=q.device)
+    return Padding(full, lens.to(q.device, non_blocking=True))
+
+
+def paged_storage(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                  read: bool = False) -> Paged:
+    """``Paged`` storage of ``k_cache``'s pools through ``block_table``, moved to q's device
+    unless ``read`` (the page tables are read where the graph runs)."""
+    if not read:
         block_table = block_table.to(q.device, non_blocking=True)
-    return dataclasses.replace(problem, storage=Paged(num_blocks, page_size, block_table))
+    return Paged(k_cache.shape[0], k_cache.shape[1], block_table)

@@ -87,11 +87,14 @@ def test_host_benchmark_runs_on_the_cpu_and_writes_its_rows(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     [path] = tmp_path.glob("cudnn_host-*.json")
     rows = {r["call"]: r for r in json.loads(path.read_text())["rows"]}
-    for case in ("fwd", "fwd (grad)", "fwd+bwd", "padding", "padding-rt", "dropout", "bias"):
+    for case in ("fwd", "fwd (grad)", "fwd+bwd", "padding", "padding-rt", "dropout", "bias",
+                 "kvcache decode", "paged decode"):
         assert rows[f"ours {case}"]["us_per_call"] > 0
         assert rows[f"ours {case}"]["vs_torch"] > 0
     for kind in ("fwd", "padding", "dropout", "bias"):  # each of ours against its own kind
         assert rows[f"torch sdpa {kind}"]["us_per_call"] > 0
+    assert rows["ours paged decode"]["vs_torch"] == pytest.approx(  # a padded call, to torch
+        rows["ours paged decode"]["us_per_call"] / rows["torch sdpa padding"]["us_per_call"])
     assert rows["ours padding-rt"]["vs_torch"] == pytest.approx(
         rows["ours padding-rt"]["us_per_call"] / rows["torch sdpa padding"]["us_per_call"])
     if importlib.util.find_spec("cudnn") is not None:  # the frontend's dispatch, and ours

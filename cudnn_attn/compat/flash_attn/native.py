@@ -24,7 +24,8 @@ from ...packed import calls
 from ...errors import NotSupportedError
 from ...model.problem import AttnProblem
 from ...model.inputs import DropoutState, Inputs
-from ...packed.calls import kvcache_problem, varlen_problem
+from ...packed.calls import varlen_problem
+from ...packed.prepared import stored_kvcache
 from ._args import Options
 from ._core import fa_mask, fa_positions_per_token
 from .rotary import apply_rotary
@@ -127,13 +128,12 @@ def kvcache(q, cache, k, v, cache_seqlens, block_table, rotary, interleaved: boo
         q = apply_rotary(q, *rotary, starts + step, interleaved)
         k = apply_rotary(k, *rotary, starts + torch.arange(seq_new, device=q.device), interleaved)
     try:
-        problem = kvcache_problem(q, cache.k_cache, cache.v_cache, lens + seq_new, block_table,
-                                  mask=fa_mask(opts, cache.capacity, False), read=False,
-                                  scale=opts.scale, softcap=opts.softcap, return_lse=True)
+        found = stored_kvcache(q, cache.k_cache, cache.v_cache, lens + seq_new, block_table,
+                               mask=fa_mask(opts, cache.capacity, False),
+                               adjust={"repeatable": True},  # FlashAttention's: repeatable
+                               scale=opts.scale, softcap=opts.softcap, return_lse=True)
     except NotSupportedError:
         return None
-    problem = dataclasses.replace(problem, repeatable=True)  # FlashAttention's: repeatable
-    found = execution.plan_stored(problem)
     if found is None:
         return None
     _, problem, plan = found

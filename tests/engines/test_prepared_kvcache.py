@@ -1,0 +1,130 @@
+"""``packed.prepared``: a KV-cache call with device lengths builds and plans its problem once per
+call signature; later decode steps bring only their own lengths and page tables, never read on
+the host, and get the float64 oracle's results. Run on this CPU through ``cudnn_fake`` (as
+``test_native_storage``, whose fixture and oracle these reuse)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_native_storage import (F16, F64, _kvcache_oracle, _paged_cache, device_only,
+                                 fake)  # noqa: F401  (fake: the fixture)
+
+import cudnn_attn as ca
+import cudnn_fake
+from cudnn_attn.core import execution
+from cudnn_attn.packed import calls, prepared
+from cudnn_attn.varlen import attention_with_kvcache
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """Counts the problems built and the plans looked up for KV-cache calls."""
+    counts = {"problems": 0, "plans": 0}
+    build, plan = calls.kvcache_problem, execution.plan_stored
+
+    def counting_build(*args, **kwargs):
+        counts["problems"] += 1
+        return build(*args, **kwargs)
+
+    def counting_plan(*args, **kwargs):
+        counts["plans"] += 1
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(calls, "kvcache_problem", counting_build)
+    monkeypatch.setattr(execution, "plan_stored", counting_plan)
+    return counts
+
+
+def _step(lens, seed, page=16, pages=4, B_heads=(4, 2), D=16, mask=None, scale=None):
+    Hq, Hkv = B_heads
+    k_pool, v_pool, table, dense_k, dense_v = _paged_cache(lens, page, Hkv, D, seed=seed,
+                                                           pages=pages)
+    q = torch.randn(len(lens), 1, Hq, D, generator=torch.Generator().manual_seed(seed)).to(F16)
+    out = attention_with_kvcache(q, k_pool, v_pool,
+                                 device_only(torch.tensor(lens, dtype=torch.int32)),
+                                 block_table=device_only(table), mask=mask, scale=scale,
+                                 backend="cudnn")
+    ref, _ = _kvcache_oracle(q, dense_k, dense_v, lens, None if mask is None else "bottom_right")
+    if scale is not None:  # the oracle's default scale, undone: recompute with this one
+        ref = _scaled_oracle(q, dense_k, dense_v, lens, scale)
+    torch.testing.assert_close(cudnn_fake.host(out).to(F64), ref, atol=2e-3, rtol=2e-3)
+
+
+def _scaled_oracle(q, dense_k, dense_v, lens, scale):
+    outs = []
+    for b, n in enumerate(lens):
+        k = dense_k[b, :n].to(F64).repeat_interleave(q.shape[2] // dense_k.shape[2], 1)
+        v = dense_v[b, :n].to(F64).repeat_interleave(q.shape[2] // dense_v.shape[2], 1)
+        s = torch.einsum("qhd,khd->hqk", q[b].to(F64), k) * scale
+        outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v) if n else
+                    torch.zeros(q.shape[1], q.shape[2], v.shape[2], dtype=F64))
+    return torch.stack(outs)
+
+
+def test_decode_steps_build_and_plan_once_and_bind_their_own_lengths_and_tables(fake, builds):
+    for seed, lens in enumerate(([40, 1, 17, 0], [41, 2, 18, 1], [57, 33, 3, 16], [0, 0, 1, 64])):
+        _step(lens, seed, mask=ca.Causal("bottom_right"))  # new pools, tables and lengths
+    assert builds == {"problems": 1, "plans": 1}
+
+
+def test_another_signature_is_prepared_on_its_own(fake, builds):
+    _step([5, 9], 0)
+    _step([6, 10], 1)
+    assert builds["problems"] == 1
+    _step([5, 9, 3], 2)                        # another batch size
+    _step([5, 9], 3, mask=ca.Causal("bottom_right"))  # another mask
+    _step([5, 9], 4, scale=0.3)                # another scale
+    _step([5, 9], 5, pages=5)                  # another table width (capacity)
+    assert builds["problems"] == 5
+    _step([1, 2], 6, scale=0.3)                # each of them again: kept
+    _step([7, 2, 1], 7)
+    assert builds["problems"] == 5
+    torch.use_deterministic_algorithms(True)   # a problem field the signature must carry
+    try:
+        _step([5, 9], 8)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert builds["problems"] == 6
+
+
+def test_host_lengths_are_not_kept(fake, builds, monkeypatch):
+    monkeypatch.setattr(calls, "on_accelerator", lambda t: False)
+    q = torch.randn(2, 1, 2, 16).to(F16)
+    k_cache = torch.randn(2, 32, 2, 16).to(F16)
+    for lens in ([3, 32], [4, 1]):  # read and checked on the host: part of each problem
+        found = prepared.stored_kvcache(q, k_cache, k_cache, torch.tensor(lens), None,
+                                        backend="cudnn")
+        assert found[1].padding.seq_lens_kv == tuple(lens)
+    assert builds["problems"] == 2
+
+
+def test_a_call_no_engine_runs_as_it_lies_is_remembered_as_such(fake, builds):
+    lens, page = [7, 3], 5  # a page size cuDNN refuses: "auto" builds dense batches
+    k_pool, v_pool, table, dense_k, dense_v = _paged_cache(lens, page, 2, 16, seed=0,
+                                                           poison=False)
+    table[table < 0] = 0
+    q = torch.randn(2, 1, 2, 16).to(F16)
+    for _ in range(3):
+        out = attention_with_kvcache(q, k_pool, v_pool, torch.tensor(lens), block_table=table)
+        ref, _ = _kvcache_oracle(q, dense_k, dense_v, lens, None)
+        torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
+    assert builds == {"problems": 1, "plans": 1}
+
+
+def test_adjusted_fields_hold_on_every_call_and_the_tensors_are_the_calls(fake):
+    q = torch.randn(2, 1, 2, 16).to(F16)
+    k_pool = torch.randn(9, 16, 2, 16).to(F16)
+    problems = []
+    for lens in ([3, 20], [4, 21]):
+        table = torch.randperm(8).view(2, 4).to(torch.int32)
+        lengths = torch.tensor(lens, dtype=torch.int32)
+        _, problem, _ = prepared.stored_kvcache(q, k_pool, k_pool, lengths, table,
+                                                adjust={"repeatable": True}, return_lse=True)
+        assert problem.repeatable and problem.return_lse
+        assert torch.equal(problem.storage.block_table, table)
+        assert torch.equal(problem.padding.runtime[1], lengths)
+        assert problem.padding.runtime[0].tolist() == [1, 1]
+        problems.append(problem)
+    assert problems[0] == problems[1] and problems[0] is not problems[1]
+    assert problems[0].storage.block_table is not problems[1].storage.block_table
