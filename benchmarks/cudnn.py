@@ -20,7 +20,9 @@ torch SDPA's cuDNN and flash backends and the bare execute, back to back; and th
 ``Padding`` lengths (device tensors and host ints) against torch's padded call as its users write
 it (the mask made from the lengths, then ``attn_mask=``). Kernels (issue 35): the
 CUDA kernels one forward + backward launches, ours and torch SDPA's cuDNN backend, from
-torch.profiler, and the ones ours launches that torch's does not.
+torch.profiler, and the ones ours launches that torch's does not. Decode (``decode_rows.py``):
+one step against a dense and a paged KV cache with device lengths, us per call, and whether
+cuDNN alone keeps NaN stored past the lengths out of the result.
 Targets (issues 3, 14 and 35): ours >= 0.98 x bare at large shapes; call within 1.05 x bare execute
 on a tiny problem; ours >= torch-cudnn on every shape both ran, in throughput and in latency; the
 tiny call's host time <= 1.05 x torch-cudnn's; H200 bf16 D=128 causal S=8k: forward >= 640,
@@ -43,6 +45,7 @@ from pathlib import Path
 import _report  # benchmarks/_report.py (this script's folder is on sys.path)
 import call_costs  # latency, kernel lists (this folder's)
 import ceilings  # imported before unshadowing: that takes this folder off sys.path
+import decode_rows  # one decode step against a KV cache, and NaN past the lengths
 import fp8_rows  # the FP8 rows (sdpa_fp8 / sdpa_fp8_backward, E4M3, D=128)
 
 _report.unshadow_cudnn()  # this folder's cudnn.py is not the cuDNN frontend
@@ -485,7 +488,10 @@ def main() -> int:
     else:
         overhead = bench_overhead(args)
         save()
-        _report.print_table(overhead, ["call", "us_per_call", "vs_bare", "vs_torch_cudnn"])
+        overhead += decode_rows.bench(args)
+        save()
+        _report.print_table(overhead, ["call", "us_per_call", "vs_bare", "vs_torch_cudnn",
+                                       "finite_with_nan_past_lengths", "max_diff_vs_hidden"])
         print(f"target: attention(backend='cudnn') <= {TARGET_OVERHEAD} x bare execute; tiny "
               f"causal ours <= {TARGET_HOST_VS_TORCH} x torch-cudnn\n")
         builds = bench_builds(args)

@@ -44,7 +44,10 @@ CUDNN_COLUMNS = [("dtype", "dtype"), ("D", "D"), ("S", "S"), ("causal", "causal"
                  ("ours TFLOP/s", "ours_tflops"), ("bare", "bare_tflops"), ("ours/bare", "ours/bare"),
                  ("torch-flash", "torch-flash_tflops"), ("torch-cudnn", "torch-cudnn_tflops"),
                  ("ours/ceiling", "ours/ceiling")]
-OVERHEAD_COLUMNS = [("call", "call"), ("us per call", "us_per_call"), ("vs bare", "vs_bare")]
+OVERHEAD_COLUMNS = [("call", "call"), ("us per call", "us_per_call"), ("vs bare", "vs_bare"),
+                    ("vs torch-cudnn", "vs_torch_cudnn"),
+                    ("finite with NaN past the lengths", "finite_with_nan_past_lengths"),
+                    ("max diff vs hidden", "max_diff_vs_hidden")]
 NEIGHBORHOOD_COLUMNS = [("problem", "problem"), ("dtype", "dtype"), ("D", "D"), ("dir", "dir"),
                         ("ours ms", "ours_ms"), ("ours TFLOP/s", "ours_tflops"),
                         ("wgmma TFLOP/s", "ours-wgmma_tflops"), ("wgmma/ours", "wgmma/ours"),

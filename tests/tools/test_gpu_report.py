@@ -64,7 +64,10 @@ def overhead_rows(tiny_vs_bare=1.02):
             {"call": "attention(backend='cudnn')", "us_per_call": bare * tiny_vs_bare,
              "vs_bare": tiny_vs_bare},
             {"call": "attention() auto", "us_per_call": 13.5, "vs_bare": 13.5 / bare},
-            {"call": "graph_cache hit (host lookup)", "us_per_call": 0.4, "vs_bare": None}]
+            {"call": "graph_cache hit (host lookup)", "us_per_call": 0.4, "vs_bare": None},
+            {"call": "decode paged: ours", "us_per_call": 31.0, "vs_bare": None},
+            {"call": "decode paged: NaN past the lengths", "us_per_call": None, "vs_bare": None,
+             "finite_with_nan_past_lengths": False, "max_diff_vs_hidden": None}]
 
 
 def neighborhood_rows(report, ours_fwd=300.0, flex_fwd=180.0, natten_error=True):
@@ -166,8 +169,10 @@ def test_markdown_holds_every_figure_of_every_row(report, tmp_path):
             "ours_tflops", "bare_tflops", "ours/bare", "torch-flash_tflops", "torch-cudnn_tflops",
             "ours/ceiling")]
     for row in overhead_rows():
-        assert table_line(text, row["call"]) == (
-            f"| {row['call']} | {cell(row['us_per_call'])} | {cell(row['vs_bare'])} |")
+        assert table_line(text, row["call"]) == "| " + " | ".join(
+            [row["call"]] + [cell(row.get(key)) for key in (
+                "us_per_call", "vs_bare", "vs_torch_cudnn", "finite_with_nan_past_lengths",
+                "max_diff_vs_hidden")]) + " |"
     for row in na:
         line = table_line(text, row["problem"], row["dtype"], row["D"], row["dir"])
         for key in ("ours_ms", "ours_tflops", "flex_tflops", "ours/flex", "ours/ceiling", "sdpa-cudnn_ms"):

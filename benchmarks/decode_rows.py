@@ -1,0 +1,110 @@
+"""GPU rows of ``benchmarks/cudnn.py``: one decode step against a KV cache with device lengths
+(``attention_with_kvcache`` on the cuDNN engine's native route), and what cuDNN does with values
+stored past the lengths.
+
+The problem: 8 sequences, a cache of 8192 tokens each, 8 KV heads and 8 query heads, D = 128,
+bf16 (128 MiB per cache), lengths between 2048 and 4096, bottom-right causal. Microseconds per
+call, back to back (one synchronisation per batch of calls, as a decode loop runs):
+
+  decode dense: ours            the dense cache; the engine hides the positions past the lengths
+                                (two cache-sized ``torch.where`` copies per call)
+  decode dense, unhidden: probe the same graph on the cache as it lies (hiding switched off)
+  decode paged: ours            the same tokens in pages of 64 through a block table (the engine
+                                never copies the pools)
+
+and, with NaN stored past every length (in both caches and, through them, the pages), whether
+the result stays finite and equal to the hidden call's for the unhidden dense graph and for the
+paged one (``finite_with_nan_past_lengths``, ``max_diff_vs_hidden``): if cuDNN alone keeps such
+values out, the dense route can drop its copies; if it does not, the paged route needs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+import _report
+
+DECODE = (8, 8192, 8, 128)  # batch, cache capacity, heads (q and kv), head dim
+PAGE = 64
+
+
+@contextlib.contextmanager
+def _unhidden():
+    """The engine's hiding of padded positions switched off (a probe, never the library's)."""
+    from cudnn_attn.core import execution
+
+    hide = execution.hide_padding
+    execution.hide_padding = lambda problem, inputs, *args, **kwargs: inputs
+    try:
+        yield
+    finally:
+        execution.hide_padding = hide
+
+
+def bench(args) -> list[dict]:
+    """The decode rows (see the module's docstring); ``args.overhead_iters`` calls a batch."""
+    import cudnn_attn as ca
+    from cudnn_attn.varlen import attention_with_kvcache
+
+    batch, capacity, heads, dim = DECODE
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, 1, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    k_cache, v_cache = (torch.randn(batch, capacity, heads, dim, device="cuda",
+                                    dtype=torch.bfloat16, generator=g) for _ in range(2))
+    lens = torch.randint(capacity // 4, capacity // 2, (batch,), device="cuda",
+                         dtype=torch.int32, generator=g)
+    # pages b * pages_per_seq + j hold tokens j * PAGE .. of sequence b: the dense cache's bytes
+    pools = [c.view(batch * capacity // PAGE, PAGE, heads, dim) for c in (k_cache, v_cache)]
+    table = torch.arange(batch * capacity // PAGE, device="cuda", dtype=torch.int32).view(batch, -1)
+    mask = ca.Causal("bottom_right")
+
+    def dense():
+        return attention_with_kvcache(q, k_cache, v_cache, lens, mask=mask, backend="cudnn")
+
+    def paged():
+        return attention_with_kvcache(q, *pools, lens, block_table=table, mask=mask,
+                                      backend="cudnn")
+
+    def dense_unhidden():
+        with _unhidden():
+            return dense()
+
+    calls = {"decode dense: ours": dense, "decode dense, unhidden: probe": dense_unhidden,
+             "decode paged: ours": paged}
+    n = args.overhead_iters
+    rows = []
+    for label, fn in calls.items():
+        try:
+            us = 1e3 * _report.time_ms(fn, warmup=10, repeats=args.repeats, number=n,
+                                       sync=torch.cuda.synchronize)
+        except RuntimeError as exc:
+            print(f"{label}: {str(exc).splitlines()[0]}")
+            continue
+        rows.append({"call": label, "us_per_call": us, "vs_bare": None, "vs_torch_cudnn": None})
+    rows += _nan_probe(dense, dense_unhidden, paged, k_cache, v_cache, lens)
+    return rows
+
+
+def _nan_probe(dense, dense_unhidden, paged, k_cache, v_cache, lens) -> list[dict]:
+    """NaN past every length: the unhidden dense graph and the paged one against the hidden
+    call (which never sees them)."""
+    past = torch.arange(k_cache.shape[1], device="cuda")[None, :] >= lens[:, None].long()
+    for cache in (k_cache, v_cache):
+        cache[past] = float("nan")
+    reference = dense().float()
+    rows = []
+    for label, fn in (("decode dense, unhidden: NaN past the lengths", dense_unhidden),
+                      ("decode paged: NaN past the lengths", paged)):
+        try:
+            out = fn().float()
+        except RuntimeError as exc:
+            print(f"{label}: {str(exc).splitlines()[0]}")
+            continue
+        finite = bool(torch.isfinite(out).all())
+        rows.append({"call": label, "us_per_call": None, "vs_bare": None, "vs_torch_cudnn": None,
+                     "finite_with_nan_past_lengths": finite,
+                     "max_diff_vs_hidden": float((out - reference).abs().max()) if finite
+                     else None})
+    return rows
