@@ -37,6 +37,8 @@ _Tensor = torch.Tensor
 def _runtime_tensor(t) -> bool:
     """A tensor whose values the call passes on unread (a subclass too: never looked into),
     not a meta or fake one (tracing: the traced path decides)."""
+    if type(t) is _Tensor:  # the common case, and never a fake one
+        return not t.is_meta
     return isinstance(t, _Tensor) and not t.is_meta and not is_fake(t)
 
 
