@@ -19,6 +19,8 @@ cuDNN's own kernel launch is not. The same tiny problem (1 x 2 x 16 x 64 fp16, c
   kvcache decode attention_with_kvcache: one query per sequence against a dense cache of S
                  tokens, device lengths (against torch's padded call)
   paged decode   the same through a block table over pages of 4 tokens
+  varlen         attention_varlen: the S tokens packed as sequences of 12 and 4, device
+                 offsets, causal (against torch's padded call)
 
 and, as the bar to clear, torch SDPA's own dispatch on this CPU for the smallest call of the same
 kind (1 x 1 x 1 x 8, fp32, causal: what it costs beyond arithmetic), no grad / grad / fwd+bwd,
@@ -128,7 +130,7 @@ def per_call_us(cases: dict, calls: int, repeats: int) -> dict:
 
 def ours() -> dict:
     import cudnn_attn as ca
-    from cudnn_attn.varlen import attention_with_kvcache
+    from cudnn_attn.varlen import attention_varlen, attention_with_kvcache
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(SHAPE, generator=gen).to(torch.float16) for _ in range(3))
@@ -152,6 +154,9 @@ def ours() -> dict:
     table = torch.arange(batch * seq // 4, dtype=torch.int32).view(batch, -1)
     cache_lens = torch.full((batch,), 12, dtype=torch.int32)
     bottom_right = ca.Causal("bottom_right")
+    # Packed sequences of 12 and 4 tokens (the same tokens as q), device offsets.
+    packed = q.transpose(1, 2).reshape(batch * seq, heads, dim)
+    offsets = torch.tensor([0, 12, seq], dtype=torch.int32)
 
     cases = {
         "fwd": lambda: ca.attention(q, k, v, mask=causal, backend="cudnn"),
@@ -166,6 +171,8 @@ def ours() -> dict:
         "paged decode": lambda: attention_with_kvcache(step, pools, pools, cache_lens,
                                                        block_table=table, mask=bottom_right,
                                                        backend="cudnn"),
+        "varlen": lambda: attention_varlen(packed, packed, packed, offsets, offsets, 12, 12,
+                                           mask=causal, backend="cudnn"),
     }
     return {f"ours {name}": fn for name, fn in cases.items()}
 
@@ -273,7 +280,7 @@ def frontend_dispatch() -> dict:
 
 # ours' cases measured against torch's call of another name: a decode step is a padded call
 # (the lengths made into a mask, attn_mask=) for a torch user
-_KIND = {"kvcache decode": "padding", "paged decode": "padding"}
+_KIND = {"kvcache decode": "padding", "paged decode": "padding", "varlen": "padding"}
 
 
 def add_ratios(rows: list[dict]) -> None:

@@ -44,8 +44,7 @@ from .core import execution
 from .packed import calls
 from .api import attention
 from .model.inputs import DropoutState, Inputs, draw_seed
-from .packed.calls import varlen_problem
-from .packed.prepared import stored_kvcache
+from .packed.prepared import stored_kvcache, stored_varlen
 from .rewrites.sinks import check_sinks, merge_sinks
 from .packed.groups import by_length_groups, grouped_varlen
 from .packed.args import (cache_lengths,
@@ -182,12 +181,11 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     q, k, v = check_packed(q, k, v)
     if _native_route(q, backend, bias):  # cuDNN's ragged layout: nothing read on the host
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the offsets' token stride
-        res = _run_native(lambda: varlen_problem(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask=mask,
-            bias=bias, read=False, scale=scale, dropout_p=dropout_p, softcap=softcap,
-            return_lse=return_lse), q, k, v, backend, generator, return_lse)
-        if res is not None:
-            return res
+        found = stored_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              mask=mask, bias=bias, backend=backend, scale=scale,
+                              dropout_p=dropout_p, softcap=softcap, return_lse=return_lse)
+        if found is not None:
+            return _run_stored(found, q, k, v, generator, return_lse)
     lens_q, lens_k = varlen_lengths(q, k, cu_seqlens_q, cu_seqlens_k)
     max_q, max_k = check_maxima(max_seqlen_q, max_seqlen_k, lens_q, lens_k)
     check_user_mask(mask, "attention_varlen")
@@ -337,14 +335,6 @@ def _native_route(q, backend, bias) -> bool:
     if isinstance(bias, torch.Tensor) or not isinstance(q, torch.Tensor):
         return False
     return backend == "cudnn" or (backend == "auto" and calls.on_accelerator(q))
-
-
-def _run_native(problem_of, q, k, v, backend, generator, return_lse):
-    """``attention``'s result through an engine that runs ``problem_of()`` as stored, or
-    ``None`` when none can and the backend is ``"auto"`` (the caller then builds dense
-    batches). Malformed arguments raise as usual."""
-    found = execution.plan_stored(problem_of(), backend)
-    return None if found is None else _run_stored(found, q, k, v, generator, return_lse)
 
 
 def _run_stored(found, q, k, v, generator, return_lse):

@@ -30,7 +30,7 @@ from ..model.masks import Padding
 from ..model.problem import AttnProblem
 from ..model.storage import Paged, Ragged
 
-__all__ = ["varlen_problem", "kvcache_problem", "kvcache_padding", "paged_storage", "bucket_seqlen",
+__all__ = ["varlen_problem", "varlen_runtime", "kvcache_problem", "kvcache_padding", "paged_storage", "bucket_seqlen",
            "meta_like", "on_accelerator"]
 
 
@@ -110,12 +110,11 @@ def varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, *, mask=None, bias=None, r
             raise ValueError(f"cu_seqlens_q must have B + 1 >= 2 entries, got shape "
                              f"{tuple(cu_q.shape)}")
         lens_q = lens_k = None
-    if not read:  # offsets are read where the graph runs: on q's device
+    if not read and padding is None:
+        padding, offsets = varlen_runtime(q, cu_q, cu_k, seqused_k)
+        cu_q, cu_k = offsets.cu_seqlens_q, offsets.cu_seqlens_k
+    elif not read:  # offsets are read where the graph runs: on q's device
         cu_q, cu_k = (t.to(q.device, non_blocking=True) for t in (cu_q, cu_k))
-        if padding is None:
-            used_k = cu_k[1:] - cu_k[:-1] if seqused_k is None else \
-                _lengths_tensor("seqused_k", seqused_k, cu_q.shape[0] - 1, q.device)
-            padding = Padding(cu_q[1:] - cu_q[:-1], used_k)
     batch = (cu_q.shape[0] - 1) if lens_q is None else len(lens_q)
     max_q, max_k = args.check_maxima(max_q, max_k, lens_q, lens_k)
     if not read and not isinstance(bias, torch.Tensor):
@@ -129,6 +128,17 @@ def varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, *, mask=None, bias=None, r
                                        _as_batched(v, batch, max_k), mask=_with(mask, padding),
                                        bias=meta_like(bias), layout="bshd", **kwargs)
     return dataclasses.replace(problem, device=q.device, storage=Ragged(cu_q, cu_k))
+
+
+def varlen_runtime(q: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                   seqused_k: Optional[torch.Tensor] = None) -> tuple[Padding, Ragged]:
+    """The runtime ``Padding`` and ``Ragged`` storage of a varlen call whose offsets stay on the
+    device (moved to q's device, never read): the lengths are the offsets' differences (the
+    keys' ``seqused_k`` when given)."""
+    cu_q, cu_k = (t.to(q.device, non_blocking=True) for t in (cu_q, cu_k))
+    used_k = cu_k[1:] - cu_k[:-1] if seqused_k is None else \
+        _lengths_tensor("seqused_k", seqused_k, cu_q.shape[0] - 1, q.device)
+    return Padding(cu_q[1:] - cu_q[:-1], used_k), Ragged(cu_q, cu_k)
 
 
 def kvcache_problem(q, k_cache, v_cache, cache_seqlens, block_table, *, mask=None, bias=None,

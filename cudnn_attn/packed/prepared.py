@@ -1,4 +1,5 @@
-"""KV-cache calls on the native route, their problem and plan made once per call signature.
+"""KV-cache and varlen calls on the native route, their problem and plan made once per call
+signature.
 
 A decode step (``attention_with_kvcache`` / ``flash_attn_with_kvcache`` with device lengths and
 page tables) used to rebuild its problem (argument checks, meta tensors, the mask with its
@@ -10,6 +11,9 @@ page tables are not compared), so ``stored_kvcache`` keeps ``execution.plan_stor
 signature. A later call makes only its own runtime tensors (``calls.kvcache_padding``,
 ``calls.paged_storage``) and runs the kept problem with them in place (``AttnProblem.rebound``).
 Every check the first call made reads shapes, dtypes and devices, which the signature fixes.
+Varlen calls (``stored_varlen``) likewise, with their offsets (``calls.varlen_runtime``): their
+problem never depends on the packed token count, so the signature leaves it out (a batch of
+other lengths with the same bucketed maxima reuses the entry).
 """
 
 from __future__ import annotations
@@ -20,15 +24,15 @@ from typing import Any, Optional
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from . import calls
+from . import args, calls
 from ..core import dispatch, execution
 from ..core.caches import LRU
 from ..model.problem import deterministic_default
 
-__all__ = ["stored_kvcache"]
+__all__ = ["stored_kvcache", "stored_varlen"]
 
 # call signature -> plan_stored's (engine, problem, plan), or _DENSE when no engine runs the
-# cache as it lies (the surface then builds dense batches).
+# storage as it lies (the surface then builds dense batches).
 _PREPARED = LRU("packed.prepared", maxsize=256)
 _DENSE = object()
 _Tensor = torch.Tensor
@@ -46,6 +50,38 @@ def _tensor_key(t: torch.Tensor) -> tuple:
     return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
 
 
+def _flags(mask, bias, backend, adjust: Optional[dict], kwargs: dict) -> tuple:
+    """What besides the tensors a problem depends on: the call's arguments and the modes."""
+    return (mask, bias, backend, tuple(sorted((adjust or {}).items())),
+            tuple(sorted(kwargs.items())), deterministic_default(), dispatch.policy_key())
+
+
+def _hashable(key: tuple) -> Optional[tuple]:
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _stored(key, build, adjust: Optional[dict], backend: str, required: bool, rebind):
+    """``plan_stored(build())`` (``adjust`` replaced first) once per ``key`` (``None``: every
+    call); a kept answer gets this call's runtime tensors through ``rebind(problem)``."""
+    found = None if key is None else _PREPARED.get(key)
+    if found is None:
+        problem = build()
+        if adjust:
+            problem = dataclasses.replace(problem, **adjust)
+        planned = execution.plan_stored(problem, backend, required=required)
+        if key is not None:
+            _PREPARED.put(key, _DENSE if planned is None else planned)
+        return planned
+    if found is _DENSE:
+        return None
+    engine, problem, plan = found
+    return engine, rebind(problem), plan
+
+
 def _kvcache_key(q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, backend,
                  adjust: Optional[dict], kwargs: dict) -> Optional[tuple]:
     """The signature of a KV-cache call whose lengths (and page table) stay on the device, or
@@ -58,15 +94,9 @@ def _kvcache_key(q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, ba
         return None
     table = None if block_table is None else \
         (block_table.shape, block_table.dtype, block_table.device)
-    key = (_tensor_key(q), _tensor_key(k_cache), _tensor_key(v_cache),
-           (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device), table, mask, bias,
-           backend, tuple(sorted((adjust or {}).items())), tuple(sorted(kwargs.items())),
-           deterministic_default(), dispatch.policy_key())
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return _hashable((_tensor_key(q), _tensor_key(k_cache), _tensor_key(v_cache),
+                      (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device), table,
+                      *_flags(mask, bias, backend, adjust, kwargs)))
 
 
 def stored_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, *, mask=None, bias=None,
@@ -78,18 +108,54 @@ def stored_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, *, mask=None
     those raise (a forced backend that declines: ``NotSupportedError``)."""
     key = _kvcache_key(q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, backend,
                        adjust, kwargs)
-    found = None if key is None else _PREPARED.get(key)
-    if found is None:
-        problem = calls.kvcache_problem(q, k_cache, v_cache, cache_seqlens, block_table,
-                                        mask=mask, bias=bias, read=False, **kwargs)
-        if adjust:
-            problem = dataclasses.replace(problem, **adjust)
-        planned = execution.plan_stored(problem, backend)
-        if key is not None:
-            _PREPARED.put(key, _DENSE if planned is None else planned)
-        return planned
-    if found is _DENSE:
+
+    def build():
+        return calls.kvcache_problem(q, k_cache, v_cache, cache_seqlens, block_table, mask=mask,
+                                     bias=bias, read=False, **kwargs)
+
+    def rebind(problem):
+        storage = None if block_table is None else calls.paged_storage(q, k_cache, block_table)
+        return problem.rebound(calls.kvcache_padding(q, cache_seqlens), storage)
+
+    return _stored(key, build, adjust, backend, False, rebind)
+
+
+def _varlen_key(q, k, v, cu_q, cu_k, max_q, max_k, seqused_k, mask, bias, backend,
+                adjust: Optional[dict], kwargs: dict) -> Optional[tuple]:
+    """The signature of a varlen call whose offsets stay on the device (the token count left
+    out, the maxima bucketed as the problem buckets them), or ``None`` for one the cache does
+    not keep (host offsets, a bias tensor, which fixes the maxima, tensor subclasses)."""
+    if not (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
+            and _runtime_tensor(cu_q) and _runtime_tensor(cu_k)
+            and (calls.on_accelerator(cu_q) or calls.on_accelerator(cu_k)
+                 or seqused_k is not None)
+            and (seqused_k is None or _runtime_tensor(seqused_k))
+            and not isinstance(bias, _Tensor) and not torch.compiler.is_compiling()):
         return None
-    engine, problem, plan = found
-    storage = None if block_table is None else calls.paged_storage(q, k_cache, block_table)
-    return engine, problem.rebound(calls.kvcache_padding(q, cache_seqlens), storage), plan
+    max_q, max_k = (calls.bucket_seqlen(n) for n in args.check_maxima(max_q, max_k, None, None))
+    used = None if seqused_k is None else (seqused_k.shape, seqused_k.dtype, seqused_k.device)
+    return _hashable((*(_tensor_key(t)[1:] + (t.shape[1:],) for t in (q, k, v)),
+                      k.shape[0] == v.shape[0], (cu_q.shape, cu_q.dtype, cu_q.device),
+                      (cu_k.shape, cu_k.dtype, cu_k.device), used, max_q, max_k,
+                      *_flags(mask, bias, backend, adjust, kwargs)))
+
+
+def stored_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, mask=None, bias=None, seqused_k=None,
+                  backend: str = "auto", required: bool = False, adjust: Optional[dict] = None,
+                  **kwargs: Any) -> Optional[tuple]:
+    """``execution.plan_stored(varlen_problem(..., read=False, **kwargs), backend, required=...)``
+    (the problem's fields in ``adjust`` replaced first): ``(engine, problem, plan)`` with this
+    call's offsets and lengths, or ``None`` when no engine runs the packed tensors as they lie.
+    Raises what those raise."""
+    key = _varlen_key(q, k, v, cu_q, cu_k, max_q, max_k, seqused_k, mask, bias, backend, adjust,
+                      kwargs)
+    key = None if key is None else (key, required)  # a decline raises or answers None
+
+    def build():
+        return calls.varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, mask=mask, bias=bias,
+                                    read=False, seqused_k=seqused_k, **kwargs)
+
+    def rebind(problem):
+        return problem.rebound(*calls.varlen_runtime(q, cu_q, cu_k, seqused_k))
+
+    return _stored(key, build, adjust, backend, required, rebind)

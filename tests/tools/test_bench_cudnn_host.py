@@ -88,7 +88,7 @@ def test_host_benchmark_runs_on_the_cpu_and_writes_its_rows(tmp_path):
     [path] = tmp_path.glob("cudnn_host-*.json")
     rows = {r["call"]: r for r in json.loads(path.read_text())["rows"]}
     for case in ("fwd", "fwd (grad)", "fwd+bwd", "padding", "padding-rt", "dropout", "bias",
-                 "kvcache decode", "paged decode"):
+                 "kvcache decode", "paged decode", "varlen"):
         assert rows[f"ours {case}"]["us_per_call"] > 0
         assert rows[f"ours {case}"]["vs_torch"] > 0
     for kind in ("fwd", "padding", "dropout", "bias"):  # each of ours against its own kind

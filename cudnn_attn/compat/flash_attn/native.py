@@ -13,7 +13,6 @@ as keys and top-left is the same diagonal (which cuDNN combines with dropout).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
@@ -22,10 +21,8 @@ from ...model import checks
 from ...core import execution
 from ...packed import calls
 from ...errors import NotSupportedError
-from ...model.problem import AttnProblem
 from ...model.inputs import DropoutState, Inputs
-from ...packed.calls import varlen_problem
-from ...packed.prepared import stored_kvcache
+from ...packed.prepared import stored_kvcache, stored_varlen
 from ._args import Options
 from ._core import fa_mask, fa_positions_per_token
 from .rotary import apply_rotary
@@ -40,14 +37,16 @@ def takes(q, paged: bool, alibi_slopes, return_softmax: bool, p_dropout: float =
             and (not return_softmax or p_dropout > 0))
 
 
-def _problem(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts: Options, grad: bool,
-             deterministic: bool = False) -> AttnProblem:
+def _planned(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts: Options, grad: bool,
+             deterministic: bool = False, required: bool = False) -> Optional[tuple]:
+    """``plan_stored``'s ``(engine, problem, plan)`` of the packed call, or ``None``."""
     same = cu_q is cu_k and seqused_k is None
-    problem = varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, mask=fa_mask(opts, max_k, same),
-                             read=False, seqused_k=seqused_k, scale=opts.scale,
-                             dropout_p=opts.p_dropout, softcap=opts.softcap, return_lse=True)
-    return dataclasses.replace(problem, requires_grad=grad, deterministic=deterministic,
-                               repeatable=True)  # FlashAttention's forward is repeatable
+    return stored_varlen(q, k, v, cu_q, cu_k, max_q, max_k, mask=fa_mask(opts, max_k, same),
+                         seqused_k=seqused_k, required=required,
+                         adjust={"requires_grad": grad, "deterministic": deterministic,
+                                 "repeatable": True},  # FlashAttention's forward: repeatable
+                         scale=opts.scale, dropout_p=opts.p_dropout, softcap=opts.softcap,
+                         return_lse=True)
 
 
 def forward(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts: Options, gen_,
@@ -57,8 +56,7 @@ def forward(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts: Options, gen_,
     engine's, of its padded batch ``[B, H, S_q, S_k]``); another engine leaves them to the
     caller's dense batches (``None``)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    found = execution.plan_stored(_problem(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts,
-                                           grad=False))
+    found = _planned(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, opts, grad=False)
     if found is None or (weights is not None and found[0].name != "torch"):
         return None  # the caller builds dense batches
     _, problem, plan = found
@@ -73,9 +71,9 @@ def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, opts: Options,
     """``(dq, dk, dv)`` through the packed engine's backward, or ``None`` when none runs it.
     A dropout mask can only be replayed by the engine that drew it: then a decline raises."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    problem = _problem(q, k, v, cu_q, cu_k, None, max_q, max_k, opts, grad=True,
-                       deterministic=deterministic or torch.are_deterministic_algorithms_enabled())
-    found = execution.plan_stored(problem, required=opts.p_dropout > 0)
+    found = _planned(q, k, v, cu_q, cu_k, None, max_q, max_k, opts, grad=True,
+                     deterministic=deterministic or torch.are_deterministic_algorithms_enabled(),
+                     required=opts.p_dropout > 0)
     if found is None:
         return None
     _, problem, plan = found

@@ -1,38 +1,41 @@
 """``packed.prepared``: a KV-cache call with device lengths builds and plans its problem once per
 call signature; later decode steps bring only their own lengths and page tables, never read on
-the host, and get the float64 oracle's results. Run on this CPU through ``cudnn_fake`` (as
-``test_native_storage``, whose fixture and oracle these reuse)."""
+the host, and get the float64 oracle's results. Varlen calls likewise with their offsets, across
+token counts and maxima of one bucket. Run on this CPU through ``cudnn_fake`` (as
+``test_native_storage``, whose fixture and oracles these reuse)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_native_storage import (F16, F64, _kvcache_oracle, _paged_cache, device_only,
-                                 fake)  # noqa: F401  (fake: the fixture)
+from test_native_storage import (F16, F64, _kvcache_oracle, _paged_cache, _varlen_inputs,
+                                 device_only, fake)  # noqa: F401  (fake: the fixture)
+from test_varlen import cu, oracle_varlen
 
 import cudnn_attn as ca
 import cudnn_fake
 from cudnn_attn.core import execution
 from cudnn_attn.packed import calls, prepared
-from cudnn_attn.varlen import attention_with_kvcache
+from cudnn_attn.varlen import attention_varlen, attention_with_kvcache
 
 
 @pytest.fixture
 def builds(monkeypatch):
-    """Counts the problems built and the plans looked up for KV-cache calls."""
+    """Counts the problems built and the plans looked up for KV-cache and varlen calls."""
     counts = {"problems": 0, "plans": 0}
-    build, plan = calls.kvcache_problem, execution.plan_stored
 
-    def counting_build(*args, **kwargs):
-        counts["problems"] += 1
-        return build(*args, **kwargs)
+    def counting(name, key):
+        real = getattr(owner_of[name], name)
 
-    def counting_plan(*args, **kwargs):
-        counts["plans"] += 1
-        return plan(*args, **kwargs)
+        def counted(*args, **kwargs):
+            counts[key] += 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(owner_of[name], name, counted)
 
-    monkeypatch.setattr(calls, "kvcache_problem", counting_build)
-    monkeypatch.setattr(execution, "plan_stored", counting_plan)
+    owner_of = {"kvcache_problem": calls, "varlen_problem": calls, "plan_stored": execution}
+    counting("kvcache_problem", "problems")
+    counting("varlen_problem", "problems")
+    counting("plan_stored", "plans")
     return counts
 
 
@@ -128,3 +131,44 @@ def test_adjusted_fields_hold_on_every_call_and_the_tensors_are_the_calls(fake):
         problems.append(problem)
     assert problems[0] == problems[1] and problems[0] is not problems[1]
     assert problems[0].storage.block_table is not problems[1].storage.block_table
+
+
+def _varlen_step(lens_q, lens_k, **kwargs):
+    q, k, v = _varlen_inputs(lens_q, lens_k, grad=kwargs.pop("grad", False))
+    out = attention_varlen(q, k, v, device_only(cu(lens_q)), device_only(cu(lens_k)),
+                           max(lens_q), max(lens_k), mask=ca.Causal("bottom_right"),
+                           backend="cudnn", **kwargs)
+    ref, _ = oracle_varlen(q.detach().to(F64), k.detach().to(F64), v.detach().to(F64), lens_q,
+                           lens_k, causal="bottom_right", **kwargs)
+    torch.testing.assert_close(cudnn_fake.host(out).to(F64), ref, atol=2e-3, rtol=2e-3)
+    return q, k, v, out
+
+
+def test_varlen_batches_of_one_bucket_share_a_problem_whatever_their_token_count(fake, builds):
+    for lens_q, lens_k in (((30, 2, 9), (30, 2, 9)), ((1, 60, 4), (3, 64, 4)),
+                           ((0, 0, 33), (5, 5, 40)), ((64, 64, 64), (64, 64, 64))):
+        _varlen_step(lens_q, lens_k)  # 41 .. 192 tokens, maxima 33 .. 64: bucket 64
+    assert builds == {"problems": 1, "plans": 1}
+    _varlen_step((65, 1, 1), (65, 1, 1))  # bucket 128
+    _varlen_step((3, 4), (3, 4))  # another batch size
+    _varlen_step((3, 4, 5), (3, 4, 5), scale=0.3)
+    assert builds["problems"] == 4
+    q, k, v = _varlen_inputs((3, 4, 5), (3, 4, 5))
+    for bad, error in ((2.5, TypeError), (1 << 40, ValueError)):  # checked on every call
+        with pytest.raises(error, match="max_seqlen_q"):
+            attention_varlen(q, k, v, device_only(cu((3, 4, 5))), device_only(cu((3, 4, 5))),
+                             bad, 5, mask=ca.Causal("bottom_right"), scale=0.3,
+                             backend="cudnn")
+
+
+def test_a_kept_varlen_problem_still_gets_its_gradients(fake, builds):
+    for lens in ((5, 9, 2), (7, 1, 8)):
+        q, k, v, out = _varlen_step(lens, lens, grad=True)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(sum(lens)))
+        got = torch.autograd.grad(cudnn_fake.host(out).to(F64), (q, k, v), dout.to(F64))
+        ref_inputs = [t.detach().to(F64).requires_grad_(True) for t in (q, k, v)]
+        ref, _ = oracle_varlen(*ref_inputs, lens, lens, causal="bottom_right")
+        expected = torch.autograd.grad(ref, ref_inputs, dout.to(F64))
+        for a, e in zip(got, expected):
+            torch.testing.assert_close(a.to(F64), e, atol=2e-2, rtol=2e-2)
+    assert builds["problems"] == 1
