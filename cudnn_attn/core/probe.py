@@ -28,10 +28,29 @@ def cuda_missing() -> list[str]:
     return []
 
 
+_CUDA_BUILT = torch.backends.cuda.is_built()
+
+
 def capturing() -> bool:
     """Whether torch's current CUDA stream is being captured into a CUDA graph (the C function
     behind ``torch.cuda.is_current_stream_capturing``: one Python frame less per call)."""
+    if not _CUDA_BUILT:  # a torch built without CUDA captures nothing (and its C stub raises)
+        return False
     try:
         return torch._C._cuda_isCurrentStreamCapturing()
-    except (AttributeError, RuntimeError):  # a torch built without CUDA captures nothing
+    except (AttributeError, RuntimeError):
         return False
+
+
+# What a CUDA-graph capture read from the package's caches (device constants, lengths): the
+# captured graph reads the same memory on every replay, so it must outlive a cache's eviction,
+# which would hand it back to the allocator. Kept for the process's life; few and small.
+_CAPTURED: dict = {}
+
+
+def kept_if_captured(value):
+    """``value``, kept alive for the process's life (its tensors with it) when torch's current
+    stream is being captured; returned as is."""
+    if capturing():
+        _CAPTURED[id(value)] = value
+    return value

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from ..core.caches import LRU
-from ..core.probe import capturing
+from ..core.probe import capturing, kept_if_captured
 from ..model.inputs import row_positions, scalar_zero, sequence_axis
 
 if TYPE_CHECKING:  # annotations only: _spec imports the runtime's users
@@ -271,7 +271,7 @@ class LengthCache:
             if len(self._local) >= self._LOCAL_MAX:
                 self._local.clear()
             self._local[key] = found
-        return found
+        return kept_if_captured(found)  # a captured graph keeps reading them, evicted or not
 
     def _make(self, lens_q, lens_kv, device):
         b = self._spec.batch

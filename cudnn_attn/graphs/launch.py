@@ -28,6 +28,7 @@ from . import _runtime, autotune
 from ._emit import UID
 from ._spec import contiguous_strides, problem_lengths
 from ..core.autograd_node import record_direct
+from ..core.probe import kept_if_captured
 from ..model.inputs import (DropoutState, Inputs, hide_padded_rows, hide_padding,
                             length_positions)
 
@@ -166,6 +167,8 @@ class DirectCall:
         spec = extras.runtime_spec
         if spec is not None and padding is None:
             return None
+        if extras.lengths is not None:  # bound once: a captured graph keeps reading them
+            kept_if_captured(extras)
         dropout = None
         if extras.dropout:
             if _runtime.capturing():

@@ -13,11 +13,12 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..core.caches import LRU
-from ..core.probe import capturing
+from ..core.probe import capturing, kept_if_captured
 
 __all__ = ["SEED_BOUND", "DropoutState", "draw_seed", "host_draw", "Inputs", "valid_positions",
-           "position_index", "row_positions", "scalar_zero", "sequence_axis", "PaddedPositions",
-           "padding_positions", "length_positions", "hide_padding", "hide_padded_rows"]
+           "position_index", "full_lengths", "row_positions", "scalar_zero", "sequence_axis",
+           "PaddedPositions", "padding_positions", "length_positions", "hide_padding",
+           "hide_padded_rows"]
 
 # Seeds stay below 2**62: every engine (and cuDNN's int64 seed tensor) holds them exactly.
 SEED_BOUND = 2 ** 62
@@ -114,6 +115,13 @@ def position_index(seq: int, device) -> torch.Tensor:
                             lambda: torch.arange(seq, device=device).view(1, seq))
 
 
+def full_lengths(batch: int, seq: int, device) -> torch.Tensor:
+    """``[batch]`` int32 lengths, every one ``seq``, on ``device`` (made once per size and
+    device): the query side of a ``Padding`` whose every row is a token (a KV-cache call's)."""
+    return _device_constant(_INDEX, ("full", batch, seq, device), lambda: torch.full(
+        (batch,), seq, dtype=torch.int32, device=device))
+
+
 def row_positions(seq: int, device, dtype: torch.dtype, layout: str = "bhsd") -> torch.Tensor:
     """``0 .. seq - 1`` of ``dtype`` on ``device`` on the sequence axis of ``[B, H, S, *]``
     (``[1, 1, seq, 1]``, bhsd) or ``[B, S, H, *]`` (``[1, seq, 1, 1]``, bshd): compared with
@@ -139,13 +147,15 @@ def scalar_zero(like: torch.Tensor) -> torch.Tensor:
 def _device_constant(cache: LRU, key, make) -> torch.Tensor:
     """``cache[key]``, made by ``make()`` on a miss and kept when it is a real tensor with its
     values: not a fake one (a tracing mode made it), and not one made inside a CUDA-graph
-    capture (its kernel runs only when the graph is replayed)."""
+    capture (its kernel runs only when the graph is replayed). One a capture reads is kept for
+    good (``kept_if_captured``)."""
     found = cache.get(key)
     if found is None:
         found = make()
         if type(found) is torch.Tensor and not capturing():
             cache.put(key, found)
-    return found
+        return found
+    return kept_if_captured(found)  # a captured graph keeps reading it, evicted or not
 
 
 def valid_positions(lengths, seq: int, device) -> torch.Tensor:

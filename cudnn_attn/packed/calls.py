@@ -26,12 +26,13 @@ import torch
 
 from . import args
 from ..errors import NotSupportedError
+from ..model.inputs import full_lengths
 from ..model.masks import Padding
 from ..model.problem import AttnProblem
 from ..model.storage import Paged, Ragged
 
-__all__ = ["varlen_problem", "varlen_runtime", "kvcache_problem", "kvcache_padding", "paged_storage", "bucket_seqlen",
-           "meta_like", "on_accelerator"]
+__all__ = ["varlen_problem", "varlen_runtime", "kvcache_problem", "kvcache_padding",
+           "paged_storage", "bucket_seqlen", "meta_like", "on_accelerator"]
 
 
 def _readable(t) -> bool:
@@ -189,9 +190,7 @@ def kvcache_padding(q: torch.Tensor, cache_seqlens: torch.Tensor) -> Padding:
     read)."""
     batch, seq_q = q.shape[:2]
     lens = _lengths_tensor("cache_seqlens", cache_seqlens, batch, q.device)
-    # made per call, not cached: a CUDA graph captured over the call then owns it
-    full = torch.full((batch,), seq_q, dtype=torch.int32, device=q.device)
-    return Padding(full, lens.to(q.device, non_blocking=True))
+    return Padding(full_lengths(batch, seq_q, q.device), lens.to(q.device, non_blocking=True))
 
 
 def paged_storage(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
