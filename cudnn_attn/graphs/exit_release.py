@@ -7,8 +7,8 @@ module, which then reports them as leaked instances and functions on stderr (iss
 process that used the cuDNN engine on an H200). ``register()`` runs on the first import of
 ``cudnn`` through the engine, so the hook is registered after the frontend's own (``atexit``
 runs hooks last-in, first-out): ours empties the caches and collects cycles while the frontend is
-intact, then the frontend destroys its default handles. A graph with a score_mod callback is freed with
-the others only because ``callback_cycles`` breaks the cycle the frontend keeps it in.
+intact, then the frontend destroys its default handles. A graph with a score_mod callback is
+freed with the others only because ``callback_cycles`` breaks the cycle the frontend keeps it in.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""Issue 36: a process that used the cuDNN engine exits quietly, score_mod graphs included. What the package's caches hold
-from the frontend (built graphs, plans, handles, deviceless results) is released by an exit hook
-that runs before the frontend's module is torn down; nanobind then has nothing to report.
+"""Issue 36: a process that used the cuDNN engine exits quietly, score_mod graphs included.
+What the package's caches hold from the frontend (built graphs, plans, handles, deviceless
+results) is released by an exit hook that runs before the frontend's module is torn down; a
+score_mod graph's cycle inside the frontend is broken when the graph is dropped
+(``graphs.callback_cycles``); nanobind then has nothing to report.
 
 Each check runs a fresh interpreter: a probe registered with ``atexit`` before ``cudnn_attn`` is
 imported runs after every hook the library registers (last in, first out) and prints what the
