@@ -85,8 +85,8 @@ def _stored(key, build, adjust: Optional[dict], backend: str, required: bool, re
 def _kvcache_key(q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, backend,
                  adjust: Optional[dict], kwargs: dict) -> Optional[tuple]:
     """The signature of a KV-cache call whose lengths (and page table) stay on the device, or
-    ``None`` for a call the cache does not keep (host lengths, tensor subclasses, unhashable
-    arguments)."""
+    ``None`` for a call the cache does not keep (host lengths, q, k or v of a tensor subclass,
+    unhashable arguments)."""
     if not (type(q) is _Tensor and type(k_cache) is _Tensor and type(v_cache) is _Tensor
             and _runtime_tensor(cache_seqlens) and calls.on_accelerator(cache_seqlens)
             and (block_table is None or _runtime_tensor(block_table))
@@ -124,7 +124,8 @@ def _varlen_key(q, k, v, cu_q, cu_k, max_q, max_k, seqused_k, mask, bias, backen
                 adjust: Optional[dict], kwargs: dict) -> Optional[tuple]:
     """The signature of a varlen call whose offsets stay on the device (the token count left
     out, the maxima bucketed as the problem buckets them), or ``None`` for one the cache does
-    not keep (host offsets, a bias tensor, which fixes the maxima, tensor subclasses)."""
+    not keep (host offsets, a bias tensor, which fixes the maxima, q, k or v of a tensor
+    subclass)."""
     if not (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
             and _runtime_tensor(cu_q) and _runtime_tensor(cu_k)
             and (calls.on_accelerator(cu_q) or calls.on_accelerator(cu_k)
