@@ -32,7 +32,7 @@ import torch
 
 from ..core.caches import LRU
 from ..core.probe import capturing, kept_if_captured
-from ..model.inputs import row_positions, scalar_zero, sequence_axis
+from ..model.inputs import device_constant, row_positions, scalar_zero, sequence_axis
 
 if TYPE_CHECKING:  # annotations only: _spec imports the runtime's users
     from ._spec import Band, GraphSpec
@@ -49,6 +49,8 @@ _HANDLES = LRU("cudnn.handles", 64)
 _STREAMS = LRU("cudnn.streams", 256)
 # (dtype, value) -> pass-by-value (1, 1, 1, 1) host tensor.
 _SCALARS = LRU("cudnn.scalars", 256)
+# (elements per token, device) -> [5, 1] int32 elements per token of Q, O, Stats, K, V.
+_OFFSET_MULTIPLIERS = LRU("cudnn.offset_multipliers", 64)
 # (spec, lens_q, lens_kv, device) -> device seq_len_q, seq_len_kv and the empty-row mask.
 _LENGTHS = LRU("cudnn.lengths", 256)
 
@@ -317,17 +319,40 @@ def device_lengths(spec, padding, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def ragged_offsets(spec, storage) -> dict:
     """Element offsets of each sequence's first token in the packed (contiguous, token-major)
-    Q, K, V, O and Stats, ``[B + 1, 1, 1, 1]`` int32, from the cumulative lengths."""
+    Q, K, V, O and Stats, ``[B + 1, 1, 1, 1]`` int32, from the cumulative lengths: two
+    elementwise products (the q side's three, the k side's two, rows of one buffer whose rows
+    start 16-byte aligned), where one product and one cast per offset cost ten kernels. int32
+    arithmetic wraps as the cast of an int64 product would (cuDNN reads int32 offsets)."""
     from ._emit import UID
 
-    shape = (spec.batch + 1, 1, 1, 1)
-    cu_q = storage.cu_seqlens_q.to(torch.int64)
-    cu_k = storage.cu_seqlens_k.to(torch.int64)
-    return {UID.RAGGED_Q: _int32(cu_q * (spec.heads_q * spec.dim_qk), shape),
-            UID.RAGGED_K: _int32(cu_k * (spec.heads_kv * spec.dim_qk), shape),
-            UID.RAGGED_V: _int32(cu_k * (spec.heads_kv * spec.dim_v), shape),
-            UID.RAGGED_O: _int32(cu_q * (spec.heads_q * spec.dim_v), shape),
-            UID.RAGGED_STATS: _int32(cu_q * spec.heads_q, shape)}
+    b1 = spec.batch + 1
+    width = -(-b1 // 4) * 4  # 4 int32 = 16 bytes: every row starts aligned
+    cu_q = storage.cu_seqlens_q.to(torch.int32)
+    cu_k = storage.cu_seqlens_k.to(torch.int32)
+    rows = torch.empty((5, width), dtype=torch.int32, device=cu_q.device)
+    q_side, k_side = _offset_multipliers(spec, cu_q.device)
+    torch.mul(cu_q, q_side, out=rows[:3, :b1])
+    torch.mul(cu_k, k_side, out=rows[3:, :b1])
+    shape = (b1, 1, 1, 1)
+    return {uid: rows[r, :b1].view(shape) for r, uid in enumerate(
+        (UID.RAGGED_Q, UID.RAGGED_O, UID.RAGGED_STATS, UID.RAGGED_K, UID.RAGGED_V))}
+
+
+def _offset_multipliers(spec, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elements per token of the q side's Q, O, Stats (``[3, 1]``) and the k side's K, V
+    (``[2, 1]``), int32 on ``device`` (made once per head counts, dims and device, by fills on
+    the device: no host copy, which a capture would refuse)."""
+    per_token = (spec.heads_q * spec.dim_qk, spec.heads_q * spec.dim_v, spec.heads_q,
+                 spec.heads_kv * spec.dim_qk, spec.heads_kv * spec.dim_v)
+
+    def make():
+        both = torch.empty((5, 1), dtype=torch.int32, device=device)
+        for row, n in enumerate(per_token):
+            both[row].fill_(n)
+        return both
+
+    both = device_constant(_OFFSET_MULTIPLIERS, (per_token, device), make)
+    return both[:3], both[3:]
 
 
 def token_rows(per_row: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

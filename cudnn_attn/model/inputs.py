@@ -18,7 +18,7 @@ from ..core.probe import capturing, kept_if_captured
 __all__ = ["SEED_BOUND", "DropoutState", "draw_seed", "host_draw", "Inputs", "valid_positions",
            "position_index", "full_lengths", "row_positions", "scalar_zero", "sequence_axis",
            "PaddedPositions", "padding_positions", "length_positions", "hide_padding",
-           "hide_padded_rows"]
+           "hide_padded_rows", "device_constant"]
 
 # Seeds stay below 2**62: every engine (and cuDNN's int64 seed tensor) holds them exactly.
 SEED_BOUND = 2 ** 62
@@ -111,14 +111,14 @@ _INDEX = LRU("padding.index", 64)
 
 def position_index(seq: int, device) -> torch.Tensor:
     """``[1, seq]`` int64 ``0 .. seq - 1`` on ``device`` (made once per size and device)."""
-    return _device_constant(_INDEX, (seq, device),
+    return device_constant(_INDEX, (seq, device),
                             lambda: torch.arange(seq, device=device).view(1, seq))
 
 
 def full_lengths(batch: int, seq: int, device) -> torch.Tensor:
     """``[batch]`` int32 lengths, every one ``seq``, on ``device`` (made once per size and
     device): the query side of a ``Padding`` whose every row is a token (a KV-cache call's)."""
-    return _device_constant(_INDEX, ("full", batch, seq, device), lambda: torch.full(
+    return device_constant(_INDEX, ("full", batch, seq, device), lambda: torch.full(
         (batch,), seq, dtype=torch.int32, device=device))
 
 
@@ -127,7 +127,7 @@ def row_positions(seq: int, device, dtype: torch.dtype, layout: str = "bhsd") ->
     (``[1, 1, seq, 1]``, bhsd) or ``[B, S, H, *]`` (``[1, seq, 1, 1]``, bshd): compared with
     ``[B, 1, 1, 1]`` lengths of the same dtype (no cast), it broadcasts against that layout."""
     shape = (1, 1, seq, 1) if layout == "bhsd" else (1, seq, 1, 1)
-    return _device_constant(_INDEX, (seq, device, dtype, layout), lambda: torch.arange(
+    return device_constant(_INDEX, (seq, device, dtype, layout), lambda: torch.arange(
         seq, dtype=dtype, device=device).view(shape))
 
 
@@ -140,11 +140,11 @@ def scalar_zero(like: torch.Tensor) -> torch.Tensor:
     """A 0-dim zero of ``like``'s dtype on its device (made once per dtype and device): an
     elementwise op's operand without a Python scalar to wrap per call. Not for ``masked_fill``'s
     value: a 0-dim CUDA value is read back on the host there."""
-    return _device_constant(_ZEROS, (like.dtype, like.device),
+    return device_constant(_ZEROS, (like.dtype, like.device),
                             lambda: torch.zeros((), dtype=like.dtype, device=like.device))
 
 
-def _device_constant(cache: LRU, key, make) -> torch.Tensor:
+def device_constant(cache: LRU, key, make) -> torch.Tensor:
     """``cache[key]``, made by ``make()`` on a miss and kept when it is a real tensor with its
     values: not a fake one (a tracing mode made it), and not one made inside a CUDA-graph
     capture (its kernel runs only when the graph is replayed). One a capture reads is kept for

@@ -361,3 +361,31 @@ def test_dropout_under_capture_is_refused_not_repeated(fake, monkeypatch):
     out = ca.attention(q, k, v, backend="cudnn")
     ref, _ = oracle.reference_attention(q.to(F64), k.to(F64), v.to(F64))
     torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_ragged_offsets_are_the_element_offsets_of_each_first_token(batch, dtype):
+    """Q/O/Stats from cu_seqlens_q, K/V from cu_seqlens_k, times the elements per token, as
+    int32 ``[B + 1, 1, 1, 1]`` tensors cuDNN can bind (contiguous, 16-byte aligned), wrapping
+    as an int64 product cast to int32 does."""
+    from types import SimpleNamespace
+
+    from cudnn_attn.graphs._emit import UID
+    from cudnn_attn.model.storage import Ragged
+
+    g = torch.Generator().manual_seed(batch)
+    cu_q = torch.randint(0, 50, (batch + 1,), generator=g).cumsum(0).to(dtype)
+    cu_k = torch.randint(0, 50, (batch + 1,), generator=g).cumsum(0).to(dtype)
+    cu_k[-1] = 1 << 28  # its products pass 2**31: they wrap as cuDNN's int32 would read them
+    spec = SimpleNamespace(batch=batch, heads_q=8, heads_kv=2, dim_qk=128, dim_v=64)
+    got = _runtime.ragged_offsets(spec, Ragged(cu_q, cu_k))
+    per_token = {UID.RAGGED_Q: (cu_q, 8 * 128), UID.RAGGED_O: (cu_q, 8 * 64),
+                 UID.RAGGED_STATS: (cu_q, 8), UID.RAGGED_K: (cu_k, 2 * 128),
+                 UID.RAGGED_V: (cu_k, 2 * 64)}
+    assert set(got) == set(per_token)
+    for uid, (cu, n) in per_token.items():
+        want = (cu.to(torch.int64) * n).to(torch.int32).view(batch + 1, 1, 1, 1)
+        t = got[uid]
+        assert t.dtype == torch.int32 and t.is_contiguous() and t.data_ptr() % 16 == 0
+        assert torch.equal(t, want), uid
