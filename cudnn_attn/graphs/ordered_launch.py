@@ -12,15 +12,20 @@ callable that makes the same C++ call with the same arguments (cudnn-frontend 1.
 (not built, a Python engine's plan, a frontend without these entries, a stand-in object) it
 returns ``graph.execute`` bound to the uids instead, so every caller has one way to run a graph.
 A plan selected after the launcher was made (autotuning) makes it defer to ``graph.execute``.
+These entries are the frontend's internals: only the releases whose ``execute`` was read and
+tested against (``VALIDATED``) get the launch; any other keeps the frontend's dispatch.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["launcher"]
+__all__ = ["launcher", "VALIDATED"]
 
 Launch = Callable[[list, Any, Any], None]  # (buffers in uid order, workspace, handle)
+
+# cudnn-frontend releases (version prefixes) whose pygraph._execute this mirrors
+VALIDATED = ("1.32.",)
 
 
 def launcher(graph: Any, uids: tuple) -> Launch:
@@ -50,8 +55,11 @@ class _BackendLaunch:
     def of(cls, graph, uids: tuple):
         """The launcher of ``graph``, or ``None`` where the frontend's dispatch must decide."""
         try:
+            import cudnn
             from cudnn._handle import to_backend_handle
 
+            if not str(getattr(cudnn, "__version__", "")).startswith(VALIDATED):
+                return None  # another release: its dispatch may decide otherwise
             if not graph._is_built or graph.selected_engine is not None:
                 return None  # not built yet, or a Python engine serves the plan
             lowered = graph._lowered_graph

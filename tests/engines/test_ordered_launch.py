@@ -12,13 +12,18 @@ import torch
 
 import cudnn_attn as ca
 
-pytest.importorskip("cudnn")
+cudnn = pytest.importorskip("cudnn")
 
 from cudnn._handle import Handle  # noqa: E402
 
 from cudnn_attn.graphs import sdpa, targets  # noqa: E402
-from cudnn_attn.graphs.ordered_launch import launcher  # noqa: E402
+from cudnn_attn.graphs.ordered_launch import VALIDATED, launcher  # noqa: E402
 from cudnn_attn.model.problem import AttnProblem  # noqa: E402
+
+
+# A frontend release the launch was not validated against keeps its own dispatch (which makes
+# the same C++ calls: every comparison below holds either way).
+_EXPECTED = "_BackendLaunch" if cudnn.__version__.startswith(VALIDATED) else "_FrontendLaunch"
 
 
 class _Recorded:
@@ -66,7 +71,7 @@ def test_the_launch_makes_the_frontends_own_cpp_call(mask, backward):
     graph.execute(buffers, "workspace", handle=handle, tensor_uids=built.order)
     by_frontend, recorded.calls = recorded.calls, []
     launch = launcher(graph, built.order)
-    assert type(launch).__name__ == "_BackendLaunch"
+    assert type(launch).__name__ == _EXPECTED
     launch(buffers, "workspace", handle)
     _same_calls(by_frontend, recorded.calls)
     assert by_frontend[0][2] is buffers and by_frontend[0][-2] == 0x1234  # buffers, handle
@@ -107,6 +112,12 @@ def test_another_selected_plan_goes_back_to_the_frontends_dispatch(monkeypatch):
     assert through == [((buffers, None), {"handle": None, "tensor_uids": built.order})]
 
 
+def test_a_frontend_release_not_validated_keeps_its_own_dispatch(monkeypatch):
+    built = _planned(ca.Causal())
+    monkeypatch.setattr(cudnn, "__version__", "9.99.0")
+    assert type(launcher(built.graph, built.order)).__name__ == "_FrontendLaunch"
+
+
 def test_graphs_the_launch_cannot_serve_keep_the_frontends_dispatch():
     unplanned = sdpa.build_forward(AttnProblem.from_tensors(
         *(torch.empty(1, 2, 16, 64, dtype=torch.float16, device="meta"),) * 3))
@@ -127,7 +138,7 @@ def test_built_graphs_execute_through_their_launch_made_again_for_a_tuned_plan()
     tensors = {u: torch.empty(1) for u in built.order}
     built.execute(tensors, None, None)
     first = built.launch
-    assert type(first).__name__ == "_BackendLaunch"
+    assert type(first).__name__ == _EXPECTED
     assert recorded.calls[-1][2] == [tensors[u] for u in built.order]
     built.execute(tensors, None, None)
     assert built.launch is first and len(recorded.calls) == 2
@@ -139,7 +150,7 @@ def test_built_graphs_execute_through_their_launch_made_again_for_a_tuned_plan()
     graph.execute([tensors[u] for u in built.order], None, handle=None, tensor_uids=built.order)
     by_frontend, recorded.calls = recorded.calls, []
     built.execute(tensors, None, None)
-    assert built.launch.plan_index == graph._plan_index
+    assert getattr(built.launch, "plan_index", graph._plan_index) == graph._plan_index
     _same_calls(by_frontend, recorded.calls)
 
 
@@ -160,7 +171,7 @@ def test_on_the_gpu_the_launch_runs_and_equals_the_frontends_execute(mask):
     built = sdpa.build_forward(problem)
     launch = launcher(built.graph, built.order)
     if built.graph.selected_engine is None:  # a backend plan (sm_90): the launch serves it
-        assert type(launch).__name__ == "_BackendLaunch"
+        assert type(launch).__name__ == _EXPECTED
     context = _runtime.stream_context(q.device)
     outs = []
     for run in (launch, lambda ordered, ws, handle: built.graph.execute(
