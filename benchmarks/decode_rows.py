@@ -11,11 +11,15 @@ call, back to back (one synchronisation per batch of calls, as a decode loop run
   decode dense, unhidden: probe the same graph on the cache as it lies (hiding switched off)
   decode paged: ours            the same tokens in pages of 64 through a block table (the engine
                                 never copies the pools)
+  decode dense: torch-<backend> the peer in the same run: torch SDPA as its users decode (the
+                                boolean mask made from the lengths per call, ``attn_mask=``) on its
+                                efficient and cuDNN backends (one that cannot run it is left out)
 
 and, with NaN stored past every length (in both caches and, through them, the pages), whether
 the result stays finite and equal to the hidden call's for the unhidden dense graph and for the
 paged one (``finite_with_nan_past_lengths``, ``max_diff_vs_hidden``): if cuDNN alone keeps such
 values out, the dense route can drop its copies; if it does not, the paged route needs them.
+``vs_torch_cudnn`` of ours' rows: over torch's padded call (cuDNN backend, else efficient).
 """
 
 from __future__ import annotations
@@ -71,8 +75,25 @@ def bench(args) -> list[dict]:
         with _unhidden():
             return dense()
 
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    positions = torch.arange(capacity, device="cuda")
+    q_bhsd, k_bhsd, v_bhsd = (t.transpose(1, 2) for t in (q, k_cache, v_cache))
+
+    def torch_padded(backend):
+        def call():  # as a torch user decodes: the mask made from the lengths, attn_mask=
+            keep = (positions[None, :] < lens[:, None])[:, None, None, :]
+            with sdpa_kernel(backend):
+                return sdpa(q_bhsd, k_bhsd, v_bhsd, attn_mask=keep)
+        return call
+
     calls = {"decode dense: ours": dense, "decode dense, unhidden: probe": dense_unhidden,
-             "decode paged: ours": paged}
+             "decode paged: ours": paged,
+             "decode dense: torch-efficient (mask from lengths)":
+             torch_padded(SDPBackend.EFFICIENT_ATTENTION),
+             "decode dense: torch-cudnn (mask from lengths)":
+             torch_padded(SDPBackend.CUDNN_ATTENTION)}
     n = args.overhead_iters
     rows = []
     for label, fn in calls.items():
@@ -83,6 +104,12 @@ def bench(args) -> list[dict]:
             print(f"{label}: {str(exc).splitlines()[0]}")
             continue
         rows.append({"call": label, "us_per_call": us, "vs_bare": None, "vs_torch_cudnn": None})
+    peer = {r["call"]: r["us_per_call"] for r in rows}
+    torch_us = peer.get("decode dense: torch-cudnn (mask from lengths)") or \
+        peer.get("decode dense: torch-efficient (mask from lengths)")
+    for row in rows:  # ours over torch's padded call (its efficient backend where cuDNN's fails)
+        if torch_us and row["call"].endswith(": ours"):
+            row["vs_torch_cudnn"] = row["us_per_call"] / torch_us
     rows += _nan_probe(dense, dense_unhidden, paged, k_cache, v_cache, lens)
     return rows
 
