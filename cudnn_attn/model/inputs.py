@@ -112,7 +112,7 @@ _INDEX = LRU("padding.index", 64)
 def position_index(seq: int, device) -> torch.Tensor:
     """``[1, seq]`` int64 ``0 .. seq - 1`` on ``device`` (made once per size and device)."""
     return device_constant(_INDEX, (seq, device),
-                            lambda: torch.arange(seq, device=device).view(1, seq))
+                           lambda: torch.arange(seq, device=device).view(1, seq))
 
 
 def full_lengths(batch: int, seq: int, device) -> torch.Tensor:
@@ -141,7 +141,7 @@ def scalar_zero(like: torch.Tensor) -> torch.Tensor:
     elementwise op's operand without a Python scalar to wrap per call. Not for ``masked_fill``'s
     value: a 0-dim CUDA value is read back on the host there."""
     return device_constant(_ZEROS, (like.dtype, like.device),
-                            lambda: torch.zeros((), dtype=like.dtype, device=like.device))
+                           lambda: torch.zeros((), dtype=like.dtype, device=like.device))
 
 
 def device_constant(cache: LRU, key, make) -> torch.Tensor:
