@@ -381,14 +381,19 @@ def empty_rows(band: Optional[Band], i: torch.Tensor, lq: torch.Tensor,
     empty = i >= lq
     if lkv is not lq:
         empty = empty | (lkv == scalar_zero(lkv))  # a 0-dim tensor: no scalar to wrap per call
-    # A top-left band unbounded on the left (causal) keeps key 0 for every row: it empties no
-    # row of a sequence with keys (the common runtime-padding call skips six tensor ops).
-    if band is not None and not (band.left is None and band.alignment == "top_left"):
+    if _band_empties_rows(band):
         aligned = i + (lkv - lq if band.alignment == "bottom_right" else 0)
         lo = torch.clamp(aligned - band.left + 1, min=0) if band.left is not None else 0
         hi = torch.minimum(aligned + band.right, lkv - 1) if band.right is not None else lkv - 1
         empty = empty | ((hi < lo) if isinstance(lo, torch.Tensor) else (hi < 0))
     return empty
+
+
+def _band_empties_rows(band: Optional[Band]) -> bool:
+    """Whether ``band`` can leave a row of a sequence with keys without any: not when there is
+    none, nor for a top-left band unbounded on the left (causal), which keeps key 0 for every
+    row (the common runtime-padding call then skips six tensor ops)."""
+    return band is not None and not (band.left is None and band.alignment == "top_left")
 
 
 def padded_rows(spec: GraphSpec, lens_q, lens_kv) -> torch.Tensor:
@@ -401,11 +406,16 @@ def padded_rows(spec: GraphSpec, lens_q, lens_kv) -> torch.Tensor:
     return _rows_without_keys(spec, lq, lkv).view(b, spec.seq_q)
 
 
-def padded_row_views(spec: GraphSpec, seq_len_q: torch.Tensor,
-                     seq_len_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_row_views(spec: GraphSpec, seq_len_q: torch.Tensor, seq_len_kv: torch.Tensor,
+                     queries_full: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``empty_views`` of the rows that see no key, from the ``[B, 1, 1, 1]`` graph lengths of a
     dense (not packed) spec: made in the stats' ``[B, 1, S_q, 1]`` shape (no ``[B, S_q]`` to
-    view twice), out's a view of it in bshd."""
+    view twice), out's a view of it in bshd. ``queries_full``: every query row is a token (a
+    KV-cache call's): without a band that can empty rows, only a sequence without keys has rows
+    that see none, one ``[B, 1, 1, 1]`` comparison that broadcasts against out and stats."""
+    if queries_full and not _band_empties_rows(spec.band):
+        empty = seq_len_kv == scalar_zero(seq_len_kv)
+        return empty, empty
     empty = _rows_without_keys(spec, seq_len_q, seq_len_kv)
     if spec.layout == "bhsd":
         return empty, empty

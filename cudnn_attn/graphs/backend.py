@@ -24,6 +24,7 @@ import torch
 from ..core.probe import cuda_missing, module_missing
 from ..core.caches import LRU, memoize
 from ..errors import NotSupportedError
+from ..model.inputs import is_full_lengths
 from ..model.problem import AttnProblem
 from ..model.storage import Paged, Ragged
 from . import _runtime, decode_rows, launch
@@ -265,7 +266,8 @@ class CudnnPlan:
                 if forward and self.spec.ragged:  # [B, S_q], one flag per packed token below
                     empty = _runtime.padded_rows(self.spec, seq_q, seq_kv)
                 elif forward:
-                    views = _runtime.padded_row_views(self.spec, seq_q, seq_kv)
+                    views = _runtime.padded_row_views(self.spec, seq_q, seq_kv, is_full_lengths(
+                        padding.runtime[0], self.spec.batch, self.spec.seq_q, device))
             else:
                 lens_q, lens_kv = problem_lengths(problem)
                 seq_q, seq_kv, empty, views = self._lengths.get(lens_q, lens_kv, device)

@@ -16,9 +16,9 @@ from ..core.caches import LRU
 from ..core.probe import capturing, kept_if_captured
 
 __all__ = ["SEED_BOUND", "DropoutState", "draw_seed", "host_draw", "Inputs", "valid_positions",
-           "position_index", "full_lengths", "row_positions", "scalar_zero", "sequence_axis",
-           "PaddedPositions", "padding_positions", "length_positions", "hide_padding",
-           "hide_padded_rows", "device_constant"]
+           "position_index", "full_lengths", "is_full_lengths", "row_positions", "scalar_zero",
+           "sequence_axis", "PaddedPositions", "padding_positions", "length_positions",
+           "hide_padding", "hide_padded_rows", "device_constant"]
 
 # Seeds stay below 2**62: every engine (and cuDNN's int64 seed tensor) holds them exactly.
 SEED_BOUND = 2 ** 62
@@ -120,6 +120,11 @@ def full_lengths(batch: int, seq: int, device) -> torch.Tensor:
     device): the query side of a ``Padding`` whose every row is a token (a KV-cache call's)."""
     return device_constant(_INDEX, ("full", batch, seq, device), lambda: torch.full(
         (batch,), seq, dtype=torch.int32, device=device))
+
+
+def is_full_lengths(t: torch.Tensor, batch: int, seq: int, device) -> bool:
+    """Whether ``t`` is ``full_lengths(batch, seq, device)`` itself (never makes one)."""
+    return _INDEX.get(("full", batch, seq, device)) is t
 
 
 def row_positions(seq: int, device, dtype: torch.dtype, layout: str = "bhsd") -> torch.Tensor:

@@ -389,3 +389,26 @@ def test_ragged_offsets_are_the_element_offsets_of_each_first_token(batch, dtype
         t = got[uid]
         assert t.dtype == torch.int32 and t.is_contiguous() and t.data_ptr() % 16 == 0
         assert torch.equal(t, want), uid
+
+
+@pytest.mark.parametrize("band", [None, "causal-top-left", "window-bottom-right"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_rows_without_keys_of_full_queries_match_the_general_rule(band, layout):
+    """A KV-cache call's queries are all tokens: its rows that see no key, from one comparison
+    of the key lengths where no band can empty a row, are those the general rule finds."""
+    from types import SimpleNamespace
+
+    from cudnn_attn.graphs._spec import Band
+
+    bands = {None: None, "causal-top-left": Band("top_left", None, 0),
+             "window-bottom-right": Band("bottom_right", 2, 0)}
+    batch, seq_q = 4, 3
+    spec = SimpleNamespace(batch=batch, seq_q=seq_q, layout=layout, band=bands[band])
+    lq = torch.full((batch, 1, 1, 1), seq_q, dtype=torch.int32)
+    lkv = torch.tensor([0, 1, 2, 9], dtype=torch.int32).view(batch, 1, 1, 1)
+    fast = _runtime.padded_row_views(spec, lq, lkv, queries_full=True)
+    general = _runtime.padded_row_views(spec, lq, lkv)
+    out_shape = (batch, 2, seq_q, 1) if layout == "bhsd" else (batch, seq_q, 2, 1)
+    for got, want, shape in zip(fast, general, (out_shape, (batch, 2, seq_q, 1))):
+        assert torch.equal(got.expand(shape), want.expand(shape))
+    assert general[1].any()  # the sequence without keys
