@@ -291,8 +291,8 @@ def add_ratios(rows: list[dict]) -> None:
     for row in rows:
         for prefix in ("ours ", "python floor "):
             if row["call"].startswith(prefix):
-                kind = _KIND.get(row["call"].removeprefix(prefix).removesuffix("-rt"))
-                kind = kind or row["call"].removeprefix(prefix).removesuffix("-rt")
+                case = row["call"].removeprefix(prefix).removesuffix("-rt")
+                kind = _KIND.get(case, case)
                 row["vs_torch"] = row["us_per_call"] / torch_us[kind]
 
 

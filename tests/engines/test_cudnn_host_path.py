@@ -391,24 +391,37 @@ def test_ragged_offsets_are_the_element_offsets_of_each_first_token(batch, dtype
         assert torch.equal(t, want), uid
 
 
-@pytest.mark.parametrize("band", [None, "causal-top-left", "window-bottom-right"])
+@pytest.mark.parametrize("band", [None, "causal-top-left", "causal-bottom-right",
+                                  "window-bottom-right"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_rows_without_keys_of_full_queries_match_the_general_rule(band, layout):
-    """A KV-cache call's queries are all tokens: its rows that see no key, from one comparison
-    of the key lengths where no band can empty a row, are those the general rule finds."""
+def test_rows_without_keys_of_full_queries_follow_cudnns_band_rule(band, layout):
+    """A KV-cache call's queries are all tokens (``queries_full``): its rows that see no key,
+    against a brute force of cuDNN's documented rule (padding, then ``i' - L < j <= i' + R``,
+    ``i' = i + (S_kv - S_q)`` bottom-right) over each row and key."""
     from types import SimpleNamespace
 
     from cudnn_attn.graphs._spec import Band
 
     bands = {None: None, "causal-top-left": Band("top_left", None, 0),
+             "causal-bottom-right": Band("bottom_right", None, 0),
              "window-bottom-right": Band("bottom_right", 2, 0)}
-    batch, seq_q = 4, 3
+    batch, seq_q, lens_kv = 5, 3, [0, 1, 2, 4, 9]
     spec = SimpleNamespace(batch=batch, seq_q=seq_q, layout=layout, band=bands[band])
     lq = torch.full((batch, 1, 1, 1), seq_q, dtype=torch.int32)
-    lkv = torch.tensor([0, 1, 2, 9], dtype=torch.int32).view(batch, 1, 1, 1)
-    fast = _runtime.padded_row_views(spec, lq, lkv, queries_full=True)
-    general = _runtime.padded_row_views(spec, lq, lkv)
-    out_shape = (batch, 2, seq_q, 1) if layout == "bhsd" else (batch, seq_q, 2, 1)
-    for got, want, shape in zip(fast, general, (out_shape, (batch, 2, seq_q, 1))):
-        assert torch.equal(got.expand(shape), want.expand(shape))
-    assert general[1].any()  # the sequence without keys
+    lkv = torch.tensor(lens_kv, dtype=torch.int32).view(batch, 1, 1, 1)
+    out_rows, stats_rows = _runtime.padded_row_views(spec, lq, lkv, queries_full=True)
+    want = torch.ones(batch, seq_q, dtype=torch.bool)  # [b, i]: sees no key
+    b_ = spec.band
+    for b, n in enumerate(lens_kv):
+        for i in range(seq_q):
+            shifted = i + (n - seq_q if b_ is not None and b_.alignment == "bottom_right" else 0)
+            for j in range(n):
+                if b_ is None or ((b_.left is None or j > shifted - b_.left)
+                                  and (b_.right is None or j <= shifted + b_.right)):
+                    want[b, i] = False
+    assert want.any() and not want.all()
+    stats_shape = (batch, 2, seq_q, 1)
+    out_shape = stats_shape if layout == "bhsd" else (batch, seq_q, 2, 1)
+    assert torch.equal(stats_rows.expand(stats_shape), want[:, None, :, None].expand(stats_shape))
+    out_want = want[:, None, :, None] if layout == "bhsd" else want[:, :, None, None]
+    assert torch.equal(out_rows.expand(out_shape), out_want.expand(out_shape))

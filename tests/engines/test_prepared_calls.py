@@ -48,21 +48,12 @@ def _step(lens, seed, page=16, pages=4, B_heads=(4, 2), D=16, mask=None, scale=N
                                  device_only(torch.tensor(lens, dtype=torch.int32)),
                                  block_table=device_only(table), mask=mask, scale=scale,
                                  backend="cudnn")
-    ref, _ = _kvcache_oracle(q, dense_k, dense_v, lens, None if mask is None else "bottom_right")
-    if scale is not None:  # the oracle's default scale, undone: recompute with this one
-        ref = _scaled_oracle(q, dense_k, dense_v, lens, scale)
+    ref = torch.stack([oracle_varlen(q[b].to(F64), dense_k[b, :n].to(F64),
+                                     dense_v[b, :n].to(F64), [1], [n],
+                                     causal=None if mask is None else "bottom_right",
+                                     **({} if scale is None else {"scale": scale}))[0]
+                       for b, n in enumerate(lens)])
     torch.testing.assert_close(cudnn_fake.host(out).to(F64), ref, atol=2e-3, rtol=2e-3)
-
-
-def _scaled_oracle(q, dense_k, dense_v, lens, scale):
-    outs = []
-    for b, n in enumerate(lens):
-        k = dense_k[b, :n].to(F64).repeat_interleave(q.shape[2] // dense_k.shape[2], 1)
-        v = dense_v[b, :n].to(F64).repeat_interleave(q.shape[2] // dense_v.shape[2], 1)
-        s = torch.einsum("qhd,khd->hqk", q[b].to(F64), k) * scale
-        outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v) if n else
-                    torch.zeros(q.shape[1], q.shape[2], v.shape[2], dtype=F64))
-    return torch.stack(outs)
 
 
 def test_decode_steps_build_and_plan_once_and_bind_their_own_lengths_and_tables(fake, builds):
