@@ -155,7 +155,7 @@ def ours() -> dict:
     cache_lens = torch.full((batch,), 12, dtype=torch.int32)
     bottom_right = ca.Causal("bottom_right")
     # Packed sequences of 12 and 4 tokens (the same tokens as q), device offsets.
-    packed = q.transpose(1, 2).reshape(batch * seq, heads, dim)
+    packed = q.transpose(1, 2).reshape(batch * seq, heads, dim).contiguous()  # as a user has it
     offsets = torch.tensor([0, 12, seq], dtype=torch.int32)
 
     cases = {

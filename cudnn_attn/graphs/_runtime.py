@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # annotations only: _spec imports the runtime's users
 
 __all__ = ["DeviceHandle", "StreamContext", "stream_context", "handle_for", "workspace",
            "capturing", "ScalarCache", "LengthCache", "device_lengths", "ragged_offsets",
-           "token_rows", "page_tables", "aligned", "philox_tensors", "positive_scale",
+           "token_rows_without_keys", "token_positions", "page_tables", "aligned", "philox_tensors", "positive_scale",
            "scaled_same_strides", "empty_rows", "padded_rows", "empty_views", "padded_row_views",
            "bias_needs_copy"]
 
@@ -53,6 +53,8 @@ _SCALARS = LRU("cudnn.scalars", 256)
 _OFFSET_MULTIPLIERS = LRU("cudnn.offset_multipliers", 64)
 # (spec, lens_q, lens_kv, device) -> device seq_len_q, seq_len_kv and the empty-row mask.
 _LENGTHS = LRU("cudnn.lengths", 256)
+# (power of two, device) -> int32 arange: the packed tokens' positions.
+_TOKENS = LRU("cudnn.token_positions", 16)
 
 
 def _raw_stream(index: int) -> int:
@@ -252,7 +254,8 @@ _OFFSETS = ScalarCache(torch.int64)
 
 class LengthCache:
     """Per padding-length tuple: device ``seq_len_q``/``seq_len_kv`` and the rows that see no
-    key (``[B, S_q]``, and its ``empty_views``, or ``None`` when every row sees one), copied to
+    key (``[B, S_q]``, or one flag per packed token of a ragged spec, and its ``empty_views``, or
+    ``None`` when every row sees one), copied to
     the device once per value set (shared LRU ``cudnn.lengths``, keyed by the graph spec too,
     behind a small dict of this cache's own)."""
 
@@ -263,23 +266,28 @@ class LengthCache:
         self._spec = spec
         self._local: dict = {}
 
-    def get(self, lens_q: tuple, lens_kv: tuple, device: torch.device):
-        """``(seq_len_q, seq_len_kv, empty, views)`` of these lengths on ``device``."""
-        key = (lens_q, lens_kv, device)
+    def get(self, lens_q: tuple, lens_kv: tuple, device: torch.device, total: int = 0):
+        """``(seq_len_q, seq_len_kv, empty, views)`` of these lengths on ``device``; ``total``:
+        the packed query tokens of a ragged spec."""
+        key = (lens_q, lens_kv, device, total)
         found = self._local.get(key)
         if found is None:
             found = _LENGTHS.get_or_create((self._spec, *key),
-                                           lambda: self._make(lens_q, lens_kv, device))
+                                           lambda: self._make(lens_q, lens_kv, device, total))
             if len(self._local) >= self._LOCAL_MAX:
                 self._local.clear()
             self._local[key] = found
         return kept_if_captured(found)  # a captured graph keeps reading them, evicted or not
 
-    def _make(self, lens_q, lens_kv, device):
+    def _make(self, lens_q, lens_kv, device, total):
         b = self._spec.batch
         host = torch.tensor([lens_q, lens_kv], dtype=torch.int32).view(2, b, 1, 1, 1)
         lens = host.to(device, non_blocking=False)  # once per value set (then cached)
-        empty = padded_rows(self._spec, lens_q, lens_kv)
+        if self._spec.ragged:  # the offsets are the lengths' running sums
+            cu = torch.nn.functional.pad(host[0].view(b).cumsum(0), (1, 0))
+            empty = token_rows_without_keys(self._spec.band, cu, host[0], host[1], total)
+        else:
+            empty = padded_rows(self._spec, lens_q, lens_kv)
         if not bool(empty.any()):
             return lens[0], lens[1], None, None
         empty = empty.to(device)
@@ -321,48 +329,70 @@ def ragged_offsets(spec, storage) -> dict:
     """Element offsets of each sequence's first token in the packed (contiguous, token-major)
     Q, K, V, O and Stats, ``[B + 1, 1, 1, 1]`` int32, from the cumulative lengths: two
     elementwise products (the q side's three, the k side's two, rows of one buffer whose rows
-    start 16-byte aligned), where one product and one cast per offset cost ten kernels. int32
-    arithmetic wraps as the cast of an int64 product would (cuDNN reads int32 offsets)."""
+    start 16-byte aligned; one product when both sides share their offsets), where one product
+    and one cast per offset cost ten kernels. int32 arithmetic wraps as the cast of an int64
+    product would (cuDNN reads int32 offsets)."""
     from ._emit import UID
 
     b1 = spec.batch + 1
     width = -(-b1 // 4) * 4  # 4 int32 = 16 bytes: every row starts aligned
-    cu_q = storage.cu_seqlens_q.to(torch.int32)
-    cu_k = storage.cu_seqlens_k.to(torch.int32)
-    rows = torch.empty((5, width), dtype=torch.int32, device=cu_q.device)
-    q_side, k_side = _offset_multipliers(spec, cu_q.device)
-    torch.mul(cu_q, q_side, out=rows[:3, :b1])
-    torch.mul(cu_k, k_side, out=rows[3:, :b1])
-    shape = (b1, 1, 1, 1)
-    return {uid: rows[r, :b1].view(shape) for r, uid in enumerate(
-        (UID.RAGGED_Q, UID.RAGGED_O, UID.RAGGED_STATS, UID.RAGGED_K, UID.RAGGED_V))}
+    column = (b1, 1, 1, 1)  # cu as a column of [5, B + 1, 1, 1, 1]: products come out as
+    cu_q = storage.cu_seqlens_q.to(torch.int32).view(column)  # five graph-shaped rows
+    rows = torch.empty((5, width, 1, 1, 1), dtype=torch.int32, device=cu_q.device)[:, :b1]
+    per_token = _offset_multipliers(spec, cu_q.device)
+    if storage.cu_seqlens_k is storage.cu_seqlens_q:
+        torch.mul(cu_q, per_token, out=rows)
+    else:
+        torch.mul(cu_q, per_token[:3], out=rows[:3])
+        torch.mul(storage.cu_seqlens_k.to(torch.int32).view(column), per_token[3:], out=rows[3:])
+    return dict(zip((UID.RAGGED_Q, UID.RAGGED_O, UID.RAGGED_STATS, UID.RAGGED_K, UID.RAGGED_V),
+                    rows.unbind(0)))
 
 
-def _offset_multipliers(spec, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Elements per token of the q side's Q, O, Stats (``[3, 1]``) and the k side's K, V
-    (``[2, 1]``), int32 on ``device`` (made once per head counts, dims and device, by fills on
+def _offset_multipliers(spec, device) -> torch.Tensor:
+    """Elements per token of the q side's Q, O, Stats and the k side's K, V, int32
+    ``[5, 1, 1, 1, 1]`` on ``device`` (made once per head counts, dims and device, by fills on
     the device: no host copy, which a capture would refuse)."""
     per_token = (spec.heads_q * spec.dim_qk, spec.heads_q * spec.dim_v, spec.heads_q,
                  spec.heads_kv * spec.dim_qk, spec.heads_kv * spec.dim_v)
 
     def make():
-        both = torch.empty((5, 1), dtype=torch.int32, device=device)
+        both = torch.empty((5, 1, 1, 1, 1), dtype=torch.int32, device=device)
         for row, n in enumerate(per_token):
             both[row].fill_(n)
         return both
 
-    both = device_constant(_OFFSET_MULTIPLIERS, (per_token, device), make)
-    return both[:3], both[3:]
+    return device_constant(_OFFSET_MULTIPLIERS, (per_token, device), make)
 
 
-def token_rows(per_row: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """A ``[B, S]`` per-(sequence, row) tensor read at each of ``total`` packed tokens."""
-    token = torch.arange(total, device=per_row.device)
-    cu = cu_seqlens.to(device=per_row.device, dtype=torch.int64)
-    seq = torch.searchsorted(cu[1:].contiguous(), token, right=True)
-    seq = seq.clamp_(max=per_row.shape[0] - 1)  # tokens past cu[-1] (none in a valid call)
-    row = (token - cu[seq]).clamp_(0, per_row.shape[1] - 1)
-    return per_row[seq, row]
+def token_rows_without_keys(band: Optional[Band], cu_seqlens_q: torch.Tensor,
+                            lens_q: torch.Tensor, lens_kv: torch.Tensor,
+                            total: int) -> torch.Tensor:
+    """Bool ``[total]``: the packed query tokens that see no key (``empty_rows`` of each token's
+    row in its sequence), from ``[B + 1]`` offsets and ``[B]`` lengths (any shape of ``B``
+    elements) on one device, never read. Tokens past ``cu_seqlens_q[-1]`` (none in a valid call)
+    see none. A token is a row of its sequence, so without a band that can empty rows only a
+    sequence without keys has such rows: five ops where the ``[B, S_q]`` rows read back at
+    every token cost eleven."""
+    cu = cu_seqlens_q.view(-1)
+    token = token_positions(total, cu.device)
+    # the sequence of each token; past the end: the last one (the searchsorted bounds skip it)
+    seq = torch.searchsorted(cu[1:-1], token, right=True)
+    lkv = lens_kv.view(-1)
+    if not _band_empties_rows(band):
+        return (lkv == scalar_zero(lkv))[seq] | (token >= cu[-1:])
+    lq = lens_q.view(-1)
+    lq_t = lq[seq]
+    lkv_t = lq_t if lens_kv is lens_q else lkv[seq]
+    return empty_rows(band, token - cu[seq], lq_t, lkv_t)
+
+
+def token_positions(total: int, device) -> torch.Tensor:
+    """``0 .. total - 1`` (int32) on ``device``: a view of one cached arange per power of two,
+    so that the token counts of varlen calls (new each batch) share a few."""
+    size = 1 << max(total - 1, 0).bit_length()
+    return device_constant(_TOKENS, (size, device), lambda: torch.arange(
+        size, dtype=torch.int32, device=device))[:total]
 
 
 def page_tables(spec, storage) -> tuple[torch.Tensor, torch.Tensor]:

@@ -258,26 +258,25 @@ class CudnnPlan:
         if self.spec.bias_dim is not None:
             buffers[_U.BIAS] = _runtime.bias_operand(self.spec, bias)
         empty = views = None
+        storage = problem.storage
         if self._lengths is not None:
             padding = problem.padding
             if padding is not None and padding.runtime is not None:
                 seq_q, seq_kv = _runtime.device_lengths(self.spec, padding, device)
                 # the backward reads the forward's stats, -inf on those rows
-                if forward and self.spec.ragged:  # [B, S_q], one flag per packed token below
-                    empty = _runtime.padded_rows(self.spec, seq_q, seq_kv)
+                if forward and self.spec.ragged:  # one flag per packed token
+                    empty = _runtime.token_rows_without_keys(
+                        self.spec.band, storage.cu_seqlens_q, seq_q, seq_kv, q.shape[0])
                 elif forward:
                     views = _runtime.padded_row_views(self.spec, seq_q, seq_kv, is_full_lengths(
                         padding.runtime[0], self.spec.batch, self.spec.seq_q, device))
             else:
                 lens_q, lens_kv = problem_lengths(problem)
-                seq_q, seq_kv, empty, views = self._lengths.get(lens_q, lens_kv, device)
+                seq_q, seq_kv, empty, views = self._lengths.get(
+                    lens_q, lens_kv, device, q.shape[0] if self.spec.ragged else 0)
             buffers[_U.SEQ_LEN_Q], buffers[_U.SEQ_LEN_KV] = seq_q, seq_kv
-        storage = problem.storage
         if isinstance(storage, Ragged):
             buffers.update(_runtime.ragged_offsets(self.spec, storage))
-            if empty is not None and forward:  # [B, S_q] -> one flag per packed token
-                empty = _runtime.token_rows(empty, storage.cu_seqlens_q, q.shape[0])
-                views = None
         elif isinstance(storage, Paged):
             buffers[_U.PAGE_TABLE_K], buffers[_U.PAGE_TABLE_V] = \
                 _runtime.page_tables(self.spec, storage)

@@ -135,11 +135,16 @@ def varlen_runtime(q: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                    seqused_k: Optional[torch.Tensor] = None) -> tuple[Padding, Ragged]:
     """The runtime ``Padding`` and ``Ragged`` storage of a varlen call whose offsets stay on the
     device (moved to q's device, never read): the lengths are the offsets' differences (the
-    keys' ``seqused_k`` when given)."""
+    keys' ``seqused_k`` when given). One offsets tensor for both sides (self-attention) makes
+    one lengths tensor for both: one op, and the rows without keys take one comparison less."""
+    same = cu_k is cu_q
     cu_q, cu_k = (t.to(q.device, non_blocking=True) for t in (cu_q, cu_k))
-    used_k = cu_k[1:] - cu_k[:-1] if seqused_k is None else \
-        _lengths_tensor("seqused_k", seqused_k, cu_q.shape[0] - 1, q.device)
-    return Padding(cu_q[1:] - cu_q[:-1], used_k), Ragged(cu_q, cu_k)
+    lens_q = cu_q[1:] - cu_q[:-1]
+    if seqused_k is not None:
+        used_k = _lengths_tensor("seqused_k", seqused_k, cu_q.shape[0] - 1, q.device)
+    else:
+        used_k = lens_q if same else cu_k[1:] - cu_k[:-1]
+    return Padding(lens_q, used_k), Ragged(cu_q, cu_k)
 
 
 def kvcache_problem(q, k_cache, v_cache, cache_seqlens, block_table, *, mask=None, bias=None,

@@ -365,10 +365,11 @@ def test_dropout_under_capture_is_refused_not_repeated(fake, monkeypatch):
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_ragged_offsets_are_the_element_offsets_of_each_first_token(batch, dtype):
-    """Q/O/Stats from cu_seqlens_q, K/V from cu_seqlens_k, times the elements per token, as
-    int32 ``[B + 1, 1, 1, 1]`` tensors cuDNN can bind (contiguous, 16-byte aligned), wrapping
-    as an int64 product cast to int32 does."""
+@pytest.mark.parametrize("shared", [False, True], ids=["two-offsets", "one-offsets"])
+def test_ragged_offsets_are_the_element_offsets_of_each_first_token(batch, dtype, shared):
+    """Q/O/Stats from cu_seqlens_q, K/V from cu_seqlens_k (the same tensor: self-attention),
+    times the elements per token, as int32 ``[B + 1, 1, 1, 1]`` tensors cuDNN can bind
+    (contiguous, 16-byte aligned), wrapping as an int64 product cast to int32 does."""
     from types import SimpleNamespace
 
     from cudnn_attn.graphs._emit import UID
@@ -378,6 +379,7 @@ def test_ragged_offsets_are_the_element_offsets_of_each_first_token(batch, dtype
     cu_q = torch.randint(0, 50, (batch + 1,), generator=g).cumsum(0).to(dtype)
     cu_k = torch.randint(0, 50, (batch + 1,), generator=g).cumsum(0).to(dtype)
     cu_k[-1] = 1 << 28  # its products pass 2**31: they wrap as cuDNN's int32 would read them
+    cu_q = cu_k if shared else cu_q
     spec = SimpleNamespace(batch=batch, heads_q=8, heads_kv=2, dim_qk=128, dim_v=64)
     got = _runtime.ragged_offsets(spec, Ragged(cu_q, cu_k))
     per_token = {UID.RAGGED_Q: (cu_q, 8 * 128), UID.RAGGED_O: (cu_q, 8 * 64),
@@ -391,6 +393,28 @@ def test_ragged_offsets_are_the_element_offsets_of_each_first_token(batch, dtype
         assert torch.equal(t, want), uid
 
 
+def _sees_no_key(band, i: int, n_q: int, n_kv: int) -> bool:
+    """cuDNN's documented rule, brute force over every key: row ``i`` of a sequence with ``n_q``
+    queries and ``n_kv`` keys sees key ``j < n_kv`` when ``i' - L < j <= i' + R`` (``i' = i +
+    n_kv - n_q`` bottom-right, ``i`` top-left; an absent bound does not limit); a row past
+    ``n_q`` sees none."""
+    if i >= n_q:
+        return True
+    shifted = i + (n_kv - n_q if band is not None and band.alignment == "bottom_right" else 0)
+    return not any(band is None or ((band.left is None or j > shifted - band.left)
+                                    and (band.right is None or j <= shifted + band.right))
+                   for j in range(n_kv))
+
+
+def _band(name):
+    from cudnn_attn.graphs._spec import Band
+
+    return {None: None, "causal-top-left": Band("top_left", None, 0),
+            "causal-bottom-right": Band("bottom_right", None, 0),
+            "window-bottom-right": Band("bottom_right", 2, 0),
+            "window-top-left": Band("top_left", 3, 1)}[name]
+
+
 @pytest.mark.parametrize("band", [None, "causal-top-left", "causal-bottom-right",
                                   "window-bottom-right"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
@@ -400,28 +424,69 @@ def test_rows_without_keys_of_full_queries_follow_cudnns_band_rule(band, layout)
     ``i' = i + (S_kv - S_q)`` bottom-right) over each row and key."""
     from types import SimpleNamespace
 
-    from cudnn_attn.graphs._spec import Band
-
-    bands = {None: None, "causal-top-left": Band("top_left", None, 0),
-             "causal-bottom-right": Band("bottom_right", None, 0),
-             "window-bottom-right": Band("bottom_right", 2, 0)}
     batch, seq_q, lens_kv = 5, 3, [0, 1, 2, 4, 9]
-    spec = SimpleNamespace(batch=batch, seq_q=seq_q, layout=layout, band=bands[band])
+    spec = SimpleNamespace(batch=batch, seq_q=seq_q, layout=layout, band=_band(band))
     lq = torch.full((batch, 1, 1, 1), seq_q, dtype=torch.int32)
     lkv = torch.tensor(lens_kv, dtype=torch.int32).view(batch, 1, 1, 1)
     out_rows, stats_rows = _runtime.padded_row_views(spec, lq, lkv, queries_full=True)
-    want = torch.ones(batch, seq_q, dtype=torch.bool)  # [b, i]: sees no key
-    b_ = spec.band
-    for b, n in enumerate(lens_kv):
-        for i in range(seq_q):
-            shifted = i + (n - seq_q if b_ is not None and b_.alignment == "bottom_right" else 0)
-            for j in range(n):
-                if b_ is None or ((b_.left is None or j > shifted - b_.left)
-                                  and (b_.right is None or j <= shifted + b_.right)):
-                    want[b, i] = False
+    want = torch.tensor([[_sees_no_key(spec.band, i, seq_q, n) for i in range(seq_q)]
+                         for n in lens_kv])  # [b, i]: sees no key
     assert want.any() and not want.all()
     stats_shape = (batch, 2, seq_q, 1)
     out_shape = stats_shape if layout == "bhsd" else (batch, seq_q, 2, 1)
     assert torch.equal(stats_rows.expand(stats_shape), want[:, None, :, None].expand(stats_shape))
     out_want = want[:, None, :, None] if layout == "bhsd" else want[:, :, None, None]
     assert torch.equal(out_rows.expand(out_shape), out_want.expand(out_shape))
+
+
+def _packed_want(band, lens_q: list, lens_kv: list, total: int) -> torch.Tensor:
+    """Bool ``[total]``: each packed token's row in its sequence, by the brute-force rule; a
+    token past the last sequence sees no key."""
+    want = [_sees_no_key(band, i, n_q, n_kv) for n_q, n_kv in zip(lens_q, lens_kv)
+            for i in range(n_q)]
+    return torch.tensor(want + [True] * (total - len(want)), dtype=torch.bool)
+
+
+_PACKED_CASES = {  # lens_q, lens_kv, tokens past the last sequence
+    "self": ([3, 0, 5, 1], None, 0),
+    "cross": ([3, 0, 5, 1, 2], [4, 2, 0, 6, 1], 0),
+    "tokens-past-the-end": ([2, 4, 1], [0, 3, 5], 3),
+    "one-sequence": ([6], [2], 1)}
+
+
+@pytest.mark.parametrize("band", [None, "causal-top-left", "causal-bottom-right",
+                                  "window-bottom-right", "window-top-left"])
+@pytest.mark.parametrize("case", sorted(_PACKED_CASES))
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+def test_packed_tokens_without_keys_follow_cudnns_band_rule(band, case, cu_dtype):
+    """One flag per packed query token, from device offsets and lengths (self-attention: one
+    lengths tensor for both sides), and from host lengths through the ``LengthCache`` of a
+    ragged spec: both against the brute-force rule at each token's row in its sequence."""
+    from collections import namedtuple
+
+    lens_q, lens_kv, past = _PACKED_CASES[case]
+    same = lens_kv is None
+    lens_kv = lens_q if same else lens_kv
+    total = sum(lens_q) + past
+    want = _packed_want(_band(band), lens_q, lens_kv, total)
+    cu_q = torch.tensor([0] + lens_q, dtype=cu_dtype).cumsum(0).to(cu_dtype)
+    lq = torch.tensor(lens_q, dtype=torch.int32).view(-1, 1, 1, 1)
+    lkv = lq if same else torch.tensor(lens_kv, dtype=torch.int32).view(-1, 1, 1, 1)
+    got = _runtime.token_rows_without_keys(_band(band), cu_q, lq, lkv, total)
+    assert got.shape == (total,) and torch.equal(got, want)
+    spec = namedtuple("Spec", "batch seq_q layout band ragged")(  # hashable: an LRU key
+        len(lens_q), 16, "bshd", _band(band), True)
+    _, _, empty, views = _runtime.LengthCache(spec).get(tuple(lens_q), tuple(lens_kv),
+                                                         torch.device("cpu"), total)
+    if not want.any():
+        assert empty is None and views is None
+    else:
+        assert torch.equal(empty, want) and torch.equal(views[0].view(-1), want)
+
+
+def test_packed_token_positions_share_a_power_of_two():
+    """Token counts that differ every batch share one cached arange per power of two."""
+    cpu = torch.device("cpu")
+    a, b = _runtime.token_positions(37, cpu), _runtime.token_positions(50, cpu)
+    assert torch.equal(a, torch.arange(37, dtype=torch.int32)) and len(b) == 50
+    assert a.data_ptr() == b.data_ptr() and _runtime.token_positions(1, cpu).tolist() == [0]
