@@ -372,19 +372,19 @@ def token_rows_without_keys(band: Optional[Band], cu_seqlens_q: torch.Tensor,
     row in its sequence), from ``[B + 1]`` offsets and ``[B]`` lengths (any shape of ``B``
     elements) on one device, never read. Tokens past ``cu_seqlens_q[-1]`` (none in a valid call)
     see none. A token is a row of its sequence, so without a band that can empty rows only a
-    sequence without keys has such rows: five ops where the ``[B, S_q]`` rows read back at
-    every token cost eleven."""
+    sequence without keys has such rows, and with one lengths tensor for both sides none has:
+    one to five ops where the ``[B, S_q]`` rows read back at every token cost eleven."""
     cu = cu_seqlens_q.view(-1)
     token = token_positions(total, cu.device)
+    past_the_end = token >= cu[-1:]
+    if lens_kv is lens_q:  # self-attention: a band keeps the diagonal (left >= 1, right >= 0),
+        return past_the_end  # and a sequence without keys has no tokens either
     # the sequence of each token; past the end: the last one (the searchsorted bounds skip it)
     seq = torch.searchsorted(cu[1:-1], token, right=True)
     lkv = lens_kv.view(-1)
     if not _band_empties_rows(band):
-        return (lkv == scalar_zero(lkv))[seq] | (token >= cu[-1:])
-    lq = lens_q.view(-1)
-    lq_t = lq[seq]
-    lkv_t = lq_t if lens_kv is lens_q else lkv[seq]
-    return empty_rows(band, token - cu[seq], lq_t, lkv_t)
+        return (lkv == scalar_zero(lkv))[seq] | past_the_end
+    return empty_rows(band, token - cu[seq], lens_q.view(-1)[seq], lkv[seq])
 
 
 def token_positions(total: int, device) -> torch.Tensor:
