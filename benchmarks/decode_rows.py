@@ -15,10 +15,11 @@ call, back to back (one synchronisation per batch of calls, as a decode loop run
                                 boolean mask made from the lengths per call, ``attn_mask=``) on its
                                 efficient and cuDNN backends (one that cannot run it is left out)
 
-and, with NaN stored past every length (in both caches and, through them, the pages), whether
-the result stays finite and equal to the hidden call's for the unhidden dense graph and for the
-paged one (``finite_with_nan_past_lengths``, ``max_diff_vs_hidden``): if cuDNN alone keeps such
-values out, the dense route can drop its copies; if it does not, the paged route needs them.
+and, with NaN stored past every length (in K, in V, in both; through the caches, in the pages
+too), whether the result stays finite and equal to the hidden call's for the unhidden dense
+graph and for the paged one (``finite_with_nan_past_lengths``, ``max_diff_vs_hidden``): if
+cuDNN alone keeps such values out, the dense route can drop its copies (or the one of the side
+that is safe); if it does not, the paged route needs them.
 ``vs_torch_cudnn`` of ours' rows: over torch's padded call (cuDNN backend, else efficient).
 """
 
@@ -115,23 +116,30 @@ def bench(args) -> list[dict]:
 
 
 def _nan_probe(dense, dense_unhidden, paged, k_cache, v_cache, lens) -> list[dict]:
-    """NaN past every length: the unhidden dense graph and the paged one against the hidden
-    call (which never sees them)."""
-    past = torch.arange(k_cache.shape[1], device="cuda")[None, :] >= lens[:, None].long()
-    for cache in (k_cache, v_cache):
-        cache[past] = float("nan")
+    """NaN past every length, in K only, in V only, and in both: the unhidden dense graph and
+    the paged one against the hidden call (which never sees them). The side tells which copy the
+    dense route needs if cuDNN does not keep them out itself: K's NaN reach a result only
+    through the scores (a mask that adds ``-inf`` rather than selects it), V's through ``P = 0``
+    times NaN."""
     reference = dense().float()
+    past = torch.arange(k_cache.shape[1], device="cuda")[None, :] >= lens[:, None].long()
+    saved = {id(c): c[past].clone() for c in (k_cache, v_cache)}
     rows = []
-    for label, fn in (("decode dense, unhidden: NaN past the lengths", dense_unhidden),
-                      ("decode paged: NaN past the lengths", paged)):
-        try:
-            out = fn().float()
-        except RuntimeError as exc:
-            print(f"{label}: {str(exc).splitlines()[0]}")
-            continue
-        finite = bool(torch.isfinite(out).all())
-        rows.append({"call": label, "us_per_call": None, "vs_bare": None, "vs_torch_cudnn": None,
-                     "finite_with_nan_past_lengths": finite,
-                     "max_diff_vs_hidden": float((out - reference).abs().max()) if finite
-                     else None})
+    for side, caches in (("K", (k_cache,)), ("V", (v_cache,)), ("K and V", (k_cache, v_cache))):
+        for cache in caches:
+            cache[past] = float("nan")
+        for label, fn in (("decode dense, unhidden", dense_unhidden), ("decode paged", paged)):
+            label = f"{label}: NaN past the lengths in {side}"
+            try:
+                out = fn().float()
+            except RuntimeError as exc:
+                print(f"{label}: {str(exc).splitlines()[0]}")
+                continue
+            finite = bool(torch.isfinite(out).all())
+            rows.append({"call": label, "us_per_call": None, "vs_bare": None,
+                         "vs_torch_cudnn": None, "finite_with_nan_past_lengths": finite,
+                         "max_diff_vs_hidden": float((out - reference).abs().max()) if finite
+                         else None})
+        for cache in caches:  # the next side starts from finite caches
+            cache[past] = saved[id(cache)]
     return rows
