@@ -402,8 +402,10 @@ class CudnnPlan:
         if stats.dtype != torch.float32:
             stats = stats.to(torch.float32)
         if s.padding:  # only padded graphs have rows that see no key (the forward's -inf rows)
-            # -inf -> +inf in one kernel (a comparison and a fill cost two); the rest kept
-            stats = torch.nan_to_num(stats, nan=math.nan, posinf=math.inf, neginf=math.inf)
+            # -inf -> +inf, into a contiguous buffer: one kernel (a comparison, a fill and the
+            # packed lse's copy cost three)
+            stats = torch.nan_to_num(stats, nan=math.nan, posinf=math.inf, neginf=math.inf,
+                                     out=self._new_stats(q))
         if self._dropout:
             self._dropout_buffers(problem, inputs, buffers, backward=True)
         o_shape = self._out_shape(q)

@@ -224,6 +224,34 @@ def test_varlen_func_forward_and_gradients():
         torch.testing.assert_close(a, b, **GRAD_TOL, msg=lambda m, n=n: f"d{n}: {m}")
 
 
+def test_autograd_backward_skips_softmax_d(monkeypatch):
+    """The differentiable functions drop the backward's ``softmax_d`` (as FlashAttention's do),
+    so they never compute it: a float32 product of dout and out, four kernels for nothing. Their
+    gradients stay those of the float64 reference; ``mha_*_bwd`` still return it."""
+    from cudnn_attn.compat.flash_attn import _args, dense, varlen
+
+    def refuse(*args):
+        raise AssertionError("softmax_d computed for an autograd backward")
+
+    for module in (_args, dense, varlen):
+        monkeypatch.setattr(module, "softmax_d_of", refuse)
+    g = gen(8)
+    lens = [3, 5]
+    q, k, v = (randn(sum(lens), 2, 8, g=g, grad=True) for _ in range(3))
+    out = flash_attn_varlen_func(q, k, v, cu(lens), cu(lens), 5, 5, causal=True)
+    ref, _ = varlen_reference(q, k, v, lens, lens, causal=True)
+    dout = randn(*out.shape, g=g)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), dout),
+                    torch.autograd.grad(ref, (q, k, v), dout)):
+        torch.testing.assert_close(a, b, **GRAD_TOL)
+    qd, kd, vd = (t.view(1, sum(lens), 2, 8) for t in (q, k, v))
+    out = flash_attn_func(qd, kd, vd, causal=True)
+    ref, _, _ = reference(qd, kd, vd, causal=True)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), dout.view(out.shape)),
+                    torch.autograd.grad(ref, (q, k, v), dout.view(out.shape))):
+        torch.testing.assert_close(a, b, **GRAD_TOL)
+
+
 def test_varlen_packed_variants():
     lens = [4, 2, 6]
     g = gen(7)

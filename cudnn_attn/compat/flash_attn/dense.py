@@ -9,7 +9,7 @@ from . import _core, _probs
 from ._args import (Options, alibi_arg, dense_qkv, flag, generator_arg, into, like, philox_state,
                     same_dtype, seed_tensors, softmax_d_of, runtime_errors)
 
-__all__ = ["mha_fwd", "mha_bwd"]
+__all__ = ["mha_fwd", "mha_bwd", "dense_gradients"]
 
 
 @runtime_errors
@@ -57,6 +57,18 @@ def mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     ``philox_offset`` (the same dropout mask is regenerated). ``dq_``/``dk_``/``dv_`` are written
     and returned when given. ``softmax_d = rowsum(dout * out)``, ``[B, H, S_q]``.
     """
+    grads = dense_gradients(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, alibi_slopes_,
+                            p_dropout, softmax_scale, is_causal, window_size_left,
+                            window_size_right, softcap, deterministic, philox_seed, philox_offset)
+    return (*grads, softmax_d_of(dout, out, q.dtype).permute(0, 2, 1).contiguous())
+
+
+@runtime_errors
+def dense_gradients(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, alibi_slopes_, p_dropout,
+                    softmax_scale, is_causal, window_size_left, window_size_right, softcap,
+                    deterministic, philox_seed, philox_offset) -> tuple[torch.Tensor, ...]:
+    """``mha_bwd``'s ``(dq, dk, dv)`` alone: what FlashAttention's autograd function keeps
+    (``softmax_d`` costs four kernels and two float32 copies of ``out``'s size)."""
     q, k, v = dense_qkv(q, k, v)
     same_dtype(q, k, v)
     batch, seq_q, heads, _ = q.shape
@@ -73,5 +85,4 @@ def mha_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     dropout = philox_state(philox_seed, philox_offset)
 
     grads = _core.backward(dout, q, k, v, out, lse, mask, alibi, opts, deterministic, dropout)
-    softmax_d = softmax_d_of(dout, out, q.dtype).permute(0, 2, 1).contiguous()
-    return (*(into(b, g) for b, g in zip(bufs, grads)), softmax_d)
+    return tuple(into(b, g) for b, g in zip(bufs, grads))

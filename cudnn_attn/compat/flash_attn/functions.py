@@ -1,8 +1,9 @@
 """FlashAttention 2.8's differentiable Python functions (``flash_attn_func`` and its packed and
 varlen variants) as autograd Functions over the ``mha_*`` entry points: the forward runs
-``mha_fwd``/``mha_varlen_fwd``, the backward ``mha_bwd``/``mha_varlen_bwd`` with the saved
-``softmax_lse`` and dropout seed/offset. The packed variants unbind their stacked input and call
-the unpacked function (autograd stacks the gradients back).
+``mha_fwd``/``mha_varlen_fwd``, the backward ``mha_bwd``/``mha_varlen_bwd``'s gradients
+(``dense_gradients``/``varlen_gradients``: without ``softmax_d``, which these functions drop, as
+FlashAttention's do) with the saved ``softmax_lse`` and dropout seed/offset. The packed variants
+unbind their stacked input and call the unpacked function (autograd stacks the gradients back).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from ...model.masks import alibi_distance
 from ...model.problem import accumulator_dtype
 from ...varlen import attention_varlen
 from . import _core
-from .dense import mha_bwd, mha_fwd
-from .varlen import mha_varlen_bwd, mha_varlen_fwd
+from .dense import dense_gradients, mha_fwd
+from .varlen import mha_varlen_fwd, varlen_gradients
 from ._args import Options, runtime_errors
 
 __all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
@@ -121,8 +122,9 @@ class _FlashAttnFunc(torch.autograd.Function):
     def backward(ctx, dout, *_):
         q, k, v, out, lse, seed, offset = ctx.saved_tensors
         alibi, p, scale, causal, left, right, softcap, deterministic = ctx.args
-        dq, dk, dv, _ = mha_bwd(dout, q, k, v, out, lse, None, None, None, alibi, p, scale,
-                                causal, left, right, softcap, deterministic, seed, offset)
+        dq, dk, dv = dense_gradients(dout, q, k, v, out, lse, None, None, None, alibi, p,
+                                     scale, causal, left, right, softcap, deterministic, seed,
+                                     offset)
         return dq, dk, dv, *([None] * 8)
 
 
@@ -151,9 +153,9 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
                                 "supported, as in FlashAttention: pass dense k/v to train"]})
         q, k, v, out, lse, cu_q, cu_k, seed, offset = ctx.saved_tensors
         alibi, max_q, max_k, p, scale, causal, left, right, softcap, deterministic = ctx.args
-        dq, dk, dv, _ = mha_varlen_bwd(dout, q, k, v, out, lse, None, None, None, cu_q, cu_k,
-                                       alibi, max_q, max_k, p, scale, False, causal, left, right,
-                                       softcap, deterministic, seed, offset)
+        dq, dk, dv = varlen_gradients(dout, q, k, v, out, lse, None, None, None, cu_q, cu_k,
+                                      alibi, max_q, max_k, p, scale, False, causal, left, right,
+                                      softcap, deterministic, seed, offset)
         return dq, dk, dv, *([None] * 13)
 
 

@@ -9,7 +9,6 @@ as they lie (``native``). Conventions:
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -22,7 +21,7 @@ from . import _core, _probs, native
 from ._args import (Options, alibi_arg, flag, generator_arg, into, like, philox_state, same_dtype,
                     seed_tensors, softmax_d_of, runtime_errors)
 
-__all__ = ["mha_varlen_fwd", "mha_varlen_bwd"]
+__all__ = ["mha_varlen_fwd", "mha_varlen_bwd", "varlen_gradients"]
 
 
 def _packing(lens_q, lens_k, max_seqlen_q, max_seqlen_k, device):
@@ -221,6 +220,21 @@ def mha_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     its ``out``, ``softmax_lse`` ``[H, total_q]`` and ``philox_seed``/``philox_offset``.
     ``softmax_d = rowsum(dout * out)`` as ``[H, total_q]``.
     """
+    grads = varlen_gradients(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q,
+                             cu_seqlens_k, alibi_slopes_, max_seqlen_q, max_seqlen_k, p_dropout,
+                             softmax_scale, zero_tensors, is_causal, window_size_left,
+                             window_size_right, softcap, deterministic, philox_seed,
+                             philox_offset)
+    return (*grads, softmax_d_of(dout, out, q.dtype).t().contiguous())
+
+
+@runtime_errors
+def varlen_gradients(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q, cu_seqlens_k,
+                     alibi_slopes_, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale,
+                     zero_tensors, is_causal, window_size_left, window_size_right, softcap,
+                     deterministic, philox_seed, philox_offset) -> tuple[torch.Tensor, ...]:
+    """``mha_varlen_bwd``'s ``(dq, dk, dv)`` alone: what FlashAttention's autograd function
+    keeps (``softmax_d`` costs four kernels and two float32 copies of ``out``'s size)."""
     q, k, v = _varlen_heads(q, k, v, False)
     same_dtype(q, k, v)
     o_shape = (q.shape[0], q.shape[1], v.shape[-1])
@@ -237,8 +251,7 @@ def mha_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                                 flag("deterministic", deterministic),
                                 philox_state(philox_seed, philox_offset))
         if grads is not None:
-            softmax_d = softmax_d_of(dout, out, q.dtype).t().contiguous()
-            return (*(into(b, g) for b, g in zip(bufs, grads)), softmax_d)
+            return tuple(into(b, g) for b, g in zip(bufs, grads))
     lens_q, lens_k = _batch_lengths(q, k, cu_seqlens_q, cu_seqlens_k, False)
     pack, _, max_k = _packing(lens_q, lens_k, max_seqlen_q, max_seqlen_k, q.device)
     opts = Options.of(q.shape[-1], p_dropout, softmax_scale, is_causal, window_size_left,
@@ -247,8 +260,6 @@ def mha_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     deterministic = flag("deterministic", deterministic)
     alibi = alibi_arg(alibi_slopes_, pack.batch, q.shape[1], q.device)
     dropout = philox_state(philox_seed, philox_offset)
-
-    softmax_d = softmax_d_of(dout, out, q.dtype).t().contiguous()
     # One padded batch, never the forward again: FlashAttention's backward reads the caller's
     # ``out`` and ``softmax_lse`` (ring attention passes the ones merged across ranks).
     mask = pack.mask(_core.fa_mask(opts, max_k, lens_q == lens_k, alibi is not None))
@@ -256,4 +267,4 @@ def mha_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                             pack.pad_q(out), pack.lse_padded(lse), mask, alibi, opts,
                             deterministic, dropout)
     slots = (pack.slots_q, pack.slots_k, pack.slots_k)
-    return (*(into(b, pack.unpad(g, s)) for b, g, s in zip(bufs, grads, slots)), softmax_d)
+    return tuple(into(b, pack.unpad(g, s)) for b, g, s in zip(bufs, grads, slots))
