@@ -29,7 +29,7 @@ from ..core import dispatch, execution
 from ..core.caches import LRU
 from ..model.problem import deterministic_default
 
-__all__ = ["stored_kvcache", "stored_varlen"]
+__all__ = ["stored_kvcache", "stored_varlen", "tensor_key"]
 
 # call signature -> plan_stored's (engine, problem, plan), or _DENSE when no engine runs the
 # storage as it lies (the surface then builds dense batches).
@@ -46,7 +46,8 @@ def _runtime_tensor(t) -> bool:
     return isinstance(t, _Tensor) and not t.is_meta and not is_fake(t)
 
 
-def _tensor_key(t: torch.Tensor) -> tuple:
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What a problem reads of a tensor: shape, strides, dtype, device, whether it needs a grad."""
     return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
 
 
@@ -94,7 +95,7 @@ def _kvcache_key(q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, ba
         return None
     table = None if block_table is None else \
         (block_table.shape, block_table.dtype, block_table.device)
-    return _hashable((_tensor_key(q), _tensor_key(k_cache), _tensor_key(v_cache),
+    return _hashable((tensor_key(q), tensor_key(k_cache), tensor_key(v_cache),
                       (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device), table,
                       *_flags(mask, bias, backend, adjust, kwargs)))
 
@@ -135,7 +136,7 @@ def _varlen_key(q, k, v, cu_q, cu_k, max_q, max_k, seqused_k, mask, bias, backen
         return None
     max_q, max_k = (calls.bucket_seqlen(n) for n in args.check_maxima(max_q, max_k, None, None))
     used = None if seqused_k is None else (seqused_k.shape, seqused_k.dtype, seqused_k.device)
-    return _hashable((*(_tensor_key(t)[1:] + (t.shape[1:],) for t in (q, k, v)),
+    return _hashable((*(tensor_key(t)[1:] + (t.shape[1:],) for t in (q, k, v)),
                       k.shape[0] == v.shape[0], (cu_q.shape, cu_q.dtype, cu_q.device),
                       (cu_k.shape, cu_k.dtype, cu_k.device), used, max_q, max_k,
                       *_flags(mask, bias, backend, adjust, kwargs)))

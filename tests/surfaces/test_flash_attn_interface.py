@@ -252,6 +252,45 @@ def test_autograd_backward_skips_softmax_d(monkeypatch):
         torch.testing.assert_close(a, b, **GRAD_TOL)
 
 
+def test_calls_of_one_signature_are_planned_once(monkeypatch):
+    """``flash_attn_func``'s forward and backward plan their problem once per call signature:
+    later calls with new values reuse it (and still match the float64 reference); another mask,
+    shape, dtype, gradient need or deterministic mode is planned anew."""
+    from cudnn_attn.compat.flash_attn import _core
+    from cudnn_attn.core import execution
+
+    planned = []
+    plan_call = execution.plan_call
+    monkeypatch.setattr(execution, "plan_call",
+                        lambda problem, *a: planned.append(problem) or plan_call(problem, *a))
+    _core._PLANNED.clear()
+    g = gen(9)
+
+    def step(causal=True, shape=(2, 5, 4, 8), dtype=F64, grad=True):
+        q, k, v = (randn(*shape, g=g, grad=grad).to(dtype) for _ in range(3))
+        out = flash_attn_func(q, k, v, causal=causal)
+        ref, _, _ = reference(*(t.detach().to(F64).requires_grad_(grad) for t in (q, k, v)),
+                              causal=causal)
+        tol = TOL if dtype == F64 else dict(atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.to(F64), ref, **tol)
+        if grad:
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        return len(planned)
+
+    assert step() == 2  # the forward's problem and the backward's
+    assert step() == 2 and step() == 2  # new values, the same signature
+    assert step(causal=False) == 4
+    assert step(shape=(1, 6, 4, 8)) == 6
+    assert step(dtype=torch.float32) == 8
+    assert step(grad=False) == 9
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert step() == 11  # the problems record the mode
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert step() == 11
+
+
 def test_varlen_packed_variants():
     lens = [4, 2, 6]
     g = gen(7)

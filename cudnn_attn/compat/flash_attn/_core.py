@@ -8,10 +8,12 @@ import dataclasses
 
 import torch
 
-from ...core import execution
+from ...core import dispatch, execution
+from ...core.caches import LRU
 from ...model.masks import Causal, SlidingWindow, same_alignment
-from ...model.problem import AttnProblem
+from ...model.problem import AttnProblem, deterministic_default
 from ...model.inputs import DropoutState, Inputs
+from ...packed.prepared import tensor_key
 from ._args import Options
 
 __all__ = ["fa_window", "fa_mask", "fa_positions_per_token", "forward", "backward"]
@@ -60,6 +62,31 @@ def _problem(q, k, v, mask, alibi, opts: Options) -> AttnProblem:
     return dataclasses.replace(problem, repeatable=True)
 
 
+# A call's signature -> execution.plan_call's (engine, problem, plan). A training step repeats a
+# few signatures, and building and planning the problem was most of a small call's host time
+# (attention()'s own call cache does the same).
+_PLANNED = LRU("flash_attn.planned", maxsize=256)
+_Tensor = torch.Tensor
+
+
+def _planned(q, k, v, mask, alibi, opts: Options, **fields):
+    """``execution.plan_call`` of the call's problem (``fields`` replaced), once per signature;
+    every call with ALiBi slopes (their values live in the problem) or a tensor subclass, and
+    every traced call, plans anew."""
+    key = None
+    if (alibi is None and type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
+            and not q.is_meta and not torch.compiler.is_compiling()):
+        key = (tensor_key(q), tensor_key(k), tensor_key(v), mask, opts,
+               tuple(sorted(fields.items())), deterministic_default(), dispatch.policy_key())
+    found = None if key is None else _PLANNED.get(key)
+    if found is None:
+        problem = _problem(q, k, v, mask, alibi, opts)
+        found = execution.plan_call(dataclasses.replace(problem, **fields) if fields else problem)
+        if key is not None:
+            _PLANNED.put(key, found)
+    return found
+
+
 def forward(q, k, v, mask, alibi, opts: Options, return_softmax, gen_):
     """bshd q/k/v -> ``(out, lse, dropout state, probs, keep)`` on the selected engine.
 
@@ -69,7 +96,7 @@ def forward(q, k, v, mask, alibi, opts: Options, return_softmax, gen_):
     """
     dropout = DropoutState.draw(gen_) if opts.p_dropout > 0 else DropoutState(0, 0)
     inputs = Inputs(q, k, v, None, dropout if opts.p_dropout > 0 else None)
-    engine, problem, plan = execution.plan_call(_problem(q, k, v, mask, alibi, opts))
+    engine, problem, plan = _planned(q, k, v, mask, alibi, opts)
     if not return_softmax:
         out, lse = execution.forward(problem, plan, inputs)
         return out, lse, dropout, None, None
@@ -125,10 +152,9 @@ def _weights(q, k, v, mask, alibi, opts: Options, dropout, engine):
 def backward(dout, q, k, v, out, lse, mask, alibi, opts: Options, deterministic, dropout):
     """bshd tensors (``lse`` in FlashAttention's convention) -> ``(dq, dk, dv)`` through the
     backward of the engine that ran (and, with dropout, drew the mask of) the forward."""
-    problem = dataclasses.replace(
-        _problem(q, k, v, mask, alibi, opts), requires_grad=True,
+    _, problem, plan = _planned(
+        q, k, v, mask, alibi, opts, requires_grad=True,
         deterministic=deterministic or torch.are_deterministic_algorithms_enabled())
-    _, problem, plan = execution.plan_call(problem)
     inputs = Inputs(q, k, v, None, dropout if opts.p_dropout > 0 else None)
     dq, dk, dv, _ = execution.backward(problem, plan, inputs, out,
                                        execution.lse_from_flash(lse), dout)
