@@ -21,6 +21,9 @@ cuDNN's own kernel launch is not. The same tiny problem (1 x 2 x 16 x 64 fp16, c
   paged decode   the same through a block table over pages of 4 tokens
   varlen         attention_varlen: the S tokens packed as sequences of 12 and 4, device
                  offsets, causal (against torch's padded call)
+  flash_attn_func fwd+bwd, flash_attn_varlen_func fwd+bwd
+                 FlashAttention's differentiable functions (its layout; packed as varlen),
+                 causal, forward and ``torch.autograd.grad`` (against torch's fwd+bwd)
 
 and, as the bar to clear, torch SDPA's own dispatch on this CPU for the smallest call of the same
 kind (1 x 1 x 1 x 8, fp32, causal: what it costs beyond arithmetic), no grad / grad / fwd+bwd,
@@ -158,6 +161,21 @@ def ours() -> dict:
     packed = q.transpose(1, 2).reshape(batch * seq, heads, dim).contiguous()  # as a user has it
     offsets = torch.tensor([0, 12, seq], dtype=torch.int32)
 
+    # FlashAttention's differentiable functions on the same tokens (bshd; packed), causal.
+    from cudnn_attn.compat.flash_attn.functions import flash_attn_func, flash_attn_varlen_func
+
+    fa_q, fa_k, fa_v = (t.transpose(1, 2).contiguous().requires_grad_(True) for t in (q, k, v))
+    fa_dout = dout.transpose(1, 2).contiguous()
+    packed_g = [t.view(batch * seq, heads, dim) for t in (fa_q, fa_k, fa_v)]
+
+    def fa_fwd_bwd():
+        out = flash_attn_func(fa_q, fa_k, fa_v, causal=True)
+        torch.autograd.grad(out, (fa_q, fa_k, fa_v), fa_dout)
+
+    def fa_varlen_fwd_bwd():
+        out = flash_attn_varlen_func(*packed_g, offsets, offsets, 12, 12, causal=True)
+        torch.autograd.grad(out, (fa_q, fa_k, fa_v), fa_dout.view(out.shape))
+
     cases = {
         "fwd": lambda: ca.attention(q, k, v, mask=causal, backend="cudnn"),
         "fwd (grad)": lambda: ca.attention(qg, kg, vg, mask=causal, backend="cudnn"),
@@ -173,6 +191,8 @@ def ours() -> dict:
                                                        backend="cudnn"),
         "varlen": lambda: attention_varlen(packed, packed, packed, offsets, offsets, 12, 12,
                                            mask=causal, backend="cudnn"),
+        "flash_attn_func fwd+bwd": fa_fwd_bwd,
+        "flash_attn_varlen_func fwd+bwd": fa_varlen_fwd_bwd,
     }
     return {f"ours {name}": fn for name, fn in cases.items()}
 
@@ -280,7 +300,8 @@ def frontend_dispatch() -> dict:
 
 # ours' cases measured against torch's call of another name: a decode step is a padded call
 # (the lengths made into a mask, attn_mask=) for a torch user
-_KIND = {"kvcache decode": "padding", "paged decode": "padding", "varlen": "padding"}
+_KIND = {"kvcache decode": "padding", "paged decode": "padding", "varlen": "padding",
+         "flash_attn_func fwd+bwd": "fwd+bwd", "flash_attn_varlen_func fwd+bwd": "fwd+bwd"}
 
 
 def add_ratios(rows: list[dict]) -> None:

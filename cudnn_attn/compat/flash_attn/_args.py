@@ -157,8 +157,10 @@ def philox_state(philox_seed, philox_offset) -> DropoutState:
 
 
 def seed_tensors(dropout: DropoutState):
-    return (torch.tensor(dropout.seed, dtype=torch.int64),
-            torch.tensor(dropout.offset, dtype=torch.int64))
+    """``(philox_seed, philox_offset)`` as 0-dim int64 host tensors (``scalar_tensor``: a third
+    of ``torch.tensor``'s host time)."""
+    return (torch.scalar_tensor(dropout.seed, dtype=torch.int64),
+            torch.scalar_tensor(dropout.offset, dtype=torch.int64))
 
 
 def into(buf, value: torch.Tensor) -> torch.Tensor:
