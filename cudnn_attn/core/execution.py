@@ -184,6 +184,7 @@ def run(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool):
 
 def lse_from_flash(lse: torch.Tensor) -> torch.Tensor:
     """A FlashAttention ``softmax_lse`` in the engines' convention: a row that sees no key is
-    ``+inf`` in FlashAttention's, ``-inf`` in the engines'."""
-    return lse.masked_fill(lse == math.inf, -math.inf)
+    ``+inf`` in FlashAttention's, ``-inf`` in the engines'. One kernel (a comparison and a
+    fill cost two); finite and NaN entries kept."""
+    return torch.nan_to_num(lse, nan=math.nan, posinf=-math.inf, neginf=-math.inf)
 

@@ -90,8 +90,13 @@ def test_the_stored_route_takes_only_an_engine_that_runs_storage_as_it_lies():
 
 
 def test_flash_lse_edge():
-    lse = torch.tensor([1.0, math.inf, -2.0])
-    assert execution.lse_from_flash(lse).tolist() == [1.0, -math.inf, -2.0]
+    """FlashAttention's ``+inf`` rows become ``-inf``; either infinity's rows stay ``-inf``, and
+    finite values (the largest too) and NaN are kept bit for bit."""
+    big = torch.finfo(torch.float32).max
+    lse = torch.tensor([1.0, math.inf, -2.0, -math.inf, big, -big, math.nan])
+    got = execution.lse_from_flash(lse)
+    assert got[:6].tolist() == [1.0, -math.inf, -2.0, -math.inf, big, -big]
+    assert math.isnan(got[6]) and got.dtype == lse.dtype
 
 
 def test_every_plan_answers_direct():
