@@ -39,9 +39,9 @@ if TYPE_CHECKING:  # annotations only: _spec imports the runtime's users
 
 __all__ = ["DeviceHandle", "StreamContext", "stream_context", "handle_for", "workspace",
            "capturing", "ScalarCache", "LengthCache", "device_lengths", "ragged_offsets",
-           "token_rows_without_keys", "token_positions", "page_tables", "aligned", "philox_tensors", "positive_scale",
-           "scaled_same_strides", "empty_rows", "padded_rows", "empty_views", "padded_row_views",
-           "bias_needs_copy"]
+           "token_rows_without_keys", "token_positions", "page_tables", "aligned",
+           "philox_tensors", "positive_scale", "scaled_same_strides", "empty_rows", "padded_rows",
+           "empty_views", "padded_row_views", "bias_needs_copy"]
 
 # device index -> DeviceHandle: the device's one cuDNN handle.
 _HANDLES = LRU("cudnn.handles", 64)
@@ -255,9 +255,8 @@ _OFFSETS = ScalarCache(torch.int64)
 class LengthCache:
     """Per padding-length tuple: device ``seq_len_q``/``seq_len_kv`` and the rows that see no
     key (``[B, S_q]``, or one flag per packed token of a ragged spec, and its ``empty_views``, or
-    ``None`` when every row sees one), copied to
-    the device once per value set (shared LRU ``cudnn.lengths``, keyed by the graph spec too,
-    behind a small dict of this cache's own)."""
+    ``None`` when every row sees one), copied to the device once per value set (shared LRU
+    ``cudnn.lengths``, keyed by the graph spec too, behind a small dict of this cache's own)."""
 
     __slots__ = ("_spec", "_local")
     _LOCAL_MAX = 64
@@ -336,8 +335,9 @@ def ragged_offsets(spec, storage) -> dict:
 
     b1 = spec.batch + 1
     width = -(-b1 // 4) * 4  # 4 int32 = 16 bytes: every row starts aligned
-    column = (b1, 1, 1, 1)  # cu as a column of [5, B + 1, 1, 1, 1]: products come out as
-    cu_q = storage.cu_seqlens_q.to(torch.int32).view(column)  # five graph-shaped rows
+    # cu [B + 1, 1, 1, 1] times the multipliers [5, 1, 1, 1, 1]: five rows in the graph's shape
+    column = (b1, 1, 1, 1)
+    cu_q = storage.cu_seqlens_q.to(torch.int32).view(column)
     rows = torch.empty((5, width, 1, 1, 1), dtype=torch.int32, device=cu_q.device)[:, :b1]
     per_token = _offset_multipliers(spec, cu_q.device)
     if storage.cu_seqlens_k is storage.cu_seqlens_q:

@@ -9,7 +9,6 @@ as they lie (``native``). Conventions:
 
 from __future__ import annotations
 
-
 import torch
 
 from ...model import checks
