@@ -36,7 +36,9 @@ dispatch": the frontend's ``pygraph.execute`` and ``graphs.ordered_launch``, whi
 on the tiny call's forward graph planned deviceless for an H100, the C++ entries stubbed; the
 stand-in graphs above have no such dispatch, so on a GPU ours costs that much more than here);
 and, for scale, the floor of any engine written in Python: a minimal ``torch.autograd.Function``
-that allocates out and lse and returns three gradients ("python floor").
+that allocates out and lse and returns three gradients ("python floor"). ``kernels``: the device
+kernels one call of ours launches besides cuDNN's (``small_kernels``: its aten ops, less views,
+allocations and host scalars), each a launch's host time on a GPU.
 The issue's target (issue 35): ours at most torch's. Timings are the minimum over rounds of the
 mean per call (host time is noise-free from below), every case timed once per round so that all
 meet the machine's slow and fast phases alike. JSON: benchmarks/results/cudnn_host-<date>.json.
@@ -298,6 +300,42 @@ def frontend_dispatch() -> dict:
             "frontend dispatch: ordered launch": lambda: launch(buffers, None, None)}
 
 
+# Ops that launch no device kernel: views and metadata, allocations, and the host tensors the
+# engine makes itself (pass-by-value scalars, the Philox seed drawn on the host and read there,
+# returned seed tensors).
+_NO_KERNEL = {"view", "_unsafe_view", "slice", "select", "as_strided", "expand", "t",
+              "transpose", "permute", "unbind", "split", "detach", "alias", "unsqueeze",
+              "squeeze", "empty", "empty_like", "empty_strided", "new_empty", "lift_fresh",
+              "scalar_tensor", "full", "randint", "_local_scalar_dense"}
+
+
+def small_kernels(fn) -> int:
+    """The device kernels one call of ``fn`` launches besides cuDNN's graph executes (which the
+    stand-in runs without an op): the aten ops it dispatches, less those in ``_NO_KERNEL``.
+    Counted under a dispatch mode, which the engine would take for a traced call: the count
+    runs with that check answering "no mode", so the call takes the path it takes when timed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cudnn_attn import api
+
+    counted = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in _NO_KERNEL:
+                counted[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    modes = api._dispatch_modes
+    api._dispatch_modes = lambda: 0
+    try:
+        with Count():
+            fn()
+    finally:
+        api._dispatch_modes = modes
+    return counted[0]
+
+
 # ours' cases measured against torch's call of another name: a decode step is a padded call
 # (the lengths made into a mask, attn_mask=) for a torch user
 _KIND = {"kvcache decode": "padding", "paged decode": "padding", "varlen": "padding",
@@ -329,11 +367,14 @@ def main() -> int:
     dispatch = frontend_dispatch()  # the real frontend, before install() stands in for it
     install()
     torch.set_grad_enabled(True)
-    timed = per_call_us({**torch_sdpa(), **python_floor(), **ours(), **dispatch}, args.calls,
-                        args.repeats)
+    cases = {**torch_sdpa(), **python_floor(), **ours(), **dispatch}
+    timed = per_call_us(cases, args.calls, args.repeats)
     rows = [{"call": name, "us_per_call": us} for name, us in timed.items()]
     add_ratios(rows)
-    _report.print_table(rows, ["call", "us_per_call", "vs_torch"])
+    for row, fn in zip(rows, cases.values()):
+        if row["call"].startswith("ours "):
+            row["kernels"] = small_kernels(fn)
+    _report.print_table(rows, ["call", "us_per_call", "vs_torch", "kernels"])
     print(f"(the stand-in executed {EXECUTED[0]} graph calls)")
     if args.json or args.json_to is not None:
         path = _report.write_json("cudnn_host", {"shape": list(SHAPE), "calls": args.calls,

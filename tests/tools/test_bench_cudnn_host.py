@@ -88,9 +88,17 @@ def test_host_benchmark_runs_on_the_cpu_and_writes_its_rows(tmp_path):
     [path] = tmp_path.glob("cudnn_host-*.json")
     rows = {r["call"]: r for r in json.loads(path.read_text())["rows"]}
     for case in ("fwd", "fwd (grad)", "fwd+bwd", "padding", "padding-rt", "dropout", "bias",
-                 "kvcache decode", "paged decode", "varlen"):
+                 "kvcache decode", "paged decode", "varlen", "flash_attn_func fwd+bwd",
+                 "flash_attn_varlen_func fwd+bwd"):
         assert rows[f"ours {case}"]["us_per_call"] > 0
         assert rows[f"ours {case}"]["vs_torch"] > 0
+        assert isinstance(rows[f"ours {case}"]["kernels"], int)
+    # The plain calls launch nothing besides cuDNN's graph; a padded one clears its empty rows.
+    assert rows["ours fwd"]["kernels"] == rows["ours fwd (grad)"]["kernels"] == 0
+    assert rows["ours padding"]["kernels"] > 0
+    assert rows["ours flash_attn_func fwd+bwd"]["vs_torch"] == pytest.approx(
+        rows["ours flash_attn_func fwd+bwd"]["us_per_call"]
+        / rows["torch sdpa fwd+bwd"]["us_per_call"])
     for kind in ("fwd", "padding", "dropout", "bias"):  # each of ours against its own kind
         assert rows[f"torch sdpa {kind}"]["us_per_call"] > 0
     assert rows["ours paged decode"]["vs_torch"] == pytest.approx(  # a padded call, to torch
