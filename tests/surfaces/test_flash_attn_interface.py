@@ -252,29 +252,38 @@ def test_autograd_backward_skips_softmax_d(monkeypatch):
         torch.testing.assert_close(a, b, **GRAD_TOL)
 
 
-def test_calls_of_one_signature_are_planned_once(monkeypatch):
-    """``flash_attn_func``'s forward and backward plan their problem once per call signature:
-    later calls with new values reuse it (and still match the float64 reference); another mask,
-    shape, dtype, gradient need or deterministic mode is planned anew."""
+def _count_plans(monkeypatch) -> list:
+    """The problems ``execution.plan_call`` plans from now on (the mha_* route's planning)."""
     from cudnn_attn.compat.flash_attn import _core
     from cudnn_attn.core import execution
 
-    planned = []
+    planned: list = []
     plan_call = execution.plan_call
     monkeypatch.setattr(execution, "plan_call",
                         lambda problem, *a: planned.append(problem) or plan_call(problem, *a))
     _core._PLANNED.clear()
+    return planned
+
+
+def test_mha_calls_of_one_signature_are_planned_once(monkeypatch):
+    """``mha_fwd`` and ``mha_bwd`` plan their problem once per call signature: later calls with
+    new values reuse it (and still match the float64 reference); another mask, shape, dtype or
+    deterministic mode is planned anew."""
+    from cudnn_attn.flash_api import mha_bwd, mha_fwd
+
+    planned = _count_plans(monkeypatch)
     g = gen(9)
 
-    def step(causal=True, shape=(2, 5, 4, 8), dtype=F64, grad=True):
-        q, k, v = (randn(*shape, g=g, grad=grad).to(dtype) for _ in range(3))
-        out = flash_attn_func(q, k, v, causal=causal)
-        ref, _, _ = reference(*(t.detach().to(F64).requires_grad_(grad) for t in (q, k, v)),
-                              causal=causal)
+    def step(causal=True, shape=(2, 5, 4, 8), dtype=F64):
+        q, k, v = (randn(*shape, g=g).to(dtype) for _ in range(3))
+        out, _, _, _, lse, seed, offset, _ = mha_fwd(q, k, v, None, None, 0.0, 0.3, causal, -1,
+                                                     -1, 0.0, False, None)
+        ref, ref_lse, _ = reference(*(t.to(F64) for t in (q, k, v)), causal=causal, scale=0.3)
         tol = TOL if dtype == F64 else dict(atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out.to(F64), ref, **tol)
-        if grad:
-            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        torch.testing.assert_close(lse.to(F64), ref_lse, **tol)
+        mha_bwd(torch.ones_like(out), q, k, v, out, lse, None, None, None, None, 0.0, 0.3,
+                causal, -1, -1, 0.0, False, seed, offset)
         return len(planned)
 
     assert step() == 2  # the forward's problem and the backward's
@@ -282,13 +291,44 @@ def test_calls_of_one_signature_are_planned_once(monkeypatch):
     assert step(causal=False) == 4
     assert step(shape=(1, 6, 4, 8)) == 6
     assert step(dtype=torch.float32) == 8
-    assert step(grad=False) == 9
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        assert step() == 11  # the problems record the mode
+        assert step() == 10  # the problems record the mode
     finally:
         torch.use_deterministic_algorithms(False)
-    assert step() == 11
+    assert step() == 10
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_plain_func_calls_take_attentions_direct_route(monkeypatch, deterministic):
+    """An eager ``flash_attn_func`` call without dropout, ALiBi or returned probabilities, with
+    more than one query, is ``attention()``'s call (its call cache and direct runner: the mha_*
+    route plans nothing), made inside ``deterministic_calls`` when it asks for a deterministic
+    backward (which records it in the problem). Forward and gradients against the float64
+    reference. A single query keeps the mha_* route (planned bitwise repeatable)."""
+    from cudnn_attn.compat.flash_attn import functions
+
+    planned = _count_plans(monkeypatch)
+    requested = []
+    calls = functions.deterministic_calls
+    monkeypatch.setattr(functions, "deterministic_calls",
+                        lambda on=True: requested.append(on) or calls(on))
+    g = gen(10)
+    q, k, v = (randn(2, 5, 4, 8, g=g, grad=True) for _ in range(3))
+    for _ in range(2):
+        out = flash_attn_func(q, k, v, causal=True, window_size=(2, 0),
+                              deterministic=deterministic)
+        ref, _, _ = reference(q, k, v, causal=True, window=(2, 0))
+        torch.testing.assert_close(out, ref, **TOL)
+        dout = randn(*out.shape, g=g)
+        for a, b in zip(torch.autograd.grad(out, (q, k, v), dout),
+                        torch.autograd.grad(ref, (q, k, v), dout)):
+            torch.testing.assert_close(a, b, **GRAD_TOL)
+    assert planned == []
+    assert requested == ([True, True] if deterministic else [])
+    one = flash_attn_func(q[:, :1], k, v, causal=True)
+    torch.testing.assert_close(one, reference(q[:, :1], k, v, causal=True)[0], **TOL)
+    assert len(planned) == 1 and planned[0].repeatable
 
 
 def test_varlen_packed_variants():

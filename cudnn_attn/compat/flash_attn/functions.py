@@ -8,6 +8,7 @@ unbind their stacked input and call the unpacked function (autograd stacks the g
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Union
 
 import torch
@@ -16,7 +17,7 @@ from ...model import checks
 from ...api import attention
 from ...errors import NotSupportedError
 from ...model.masks import alibi_distance
-from ...model.problem import accumulator_dtype
+from ...model.problem import accumulator_dtype, deterministic_calls
 from ...varlen import attention_varlen
 from . import _core
 from .dense import dense_gradients, mha_fwd
@@ -195,16 +196,33 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     eager path.
     """
     checks.flag("deterministic", deterministic)  # read only by the backward: check it now
-    if _traced(q, k, v) and _traceable(alibi_slopes, dropout_p, return_attn_probs, q):
+    traced = _traced(q, k, v)
+    if traced and _traceable(alibi_slopes, dropout_p, return_attn_probs, q) or \
+            not traced and _plain_call(q, k, v, dropout_p, alibi_slopes, return_attn_probs):
         opts = _traced_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, softcap)
         mask = _core.fa_mask(opts, k.shape[1], q.shape[1] == k.shape[1], False)
         bias = None if alibi_slopes is None else _alibi_bias(alibi_slopes, q, k)
-        return _traced_results(
-            attention(q, k, v, mask=mask, bias=bias, scale=opts.scale, dropout_p=opts.p_dropout,
-                      softcap=opts.softcap, layout="bshd", return_lse=bool(return_attn_probs)),
-            q, return_attn_probs)
+        with deterministic_calls(deterministic) if deterministic else nullcontext():
+            # a deterministic backward, recorded in the problem
+            return _traced_results(
+                attention(q, k, v, mask=mask, bias=bias, scale=opts.scale,
+                          dropout_p=opts.p_dropout, softcap=opts.softcap, layout="bshd",
+                          return_lse=bool(return_attn_probs)),
+                q, return_attn_probs)
     return _FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                                 alibi_slopes, deterministic, return_attn_probs)
+
+
+def _plain_call(q, k, v, dropout_p, alibi_slopes, return_attn_probs) -> bool:
+    """Whether an eager ``flash_attn_func`` call is ``attention()``'s as it stands: no dropout
+    (whose seed ``mha_bwd`` replays), no ALiBi slopes, no probabilities or lse returned, more
+    than one query (a single query must be bitwise repeatable: the ``mha_*`` route plans it so),
+    q, k, v of FlashAttention's ``[B, S, H, D]``. Such a call then takes ``attention()``'s call
+    cache and direct runner: a fraction of the ``mha_*`` route's host time."""
+    return (dropout_p == 0 and type(dropout_p) is not bool and alibi_slopes is None
+            and return_attn_probs is False and isinstance(q, torch.Tensor) and q.dim() == 4
+            and q.shape[1] > 1 and isinstance(k, torch.Tensor) and k.dim() == 4
+            and isinstance(v, torch.Tensor) and v.dim() == 4)
 
 
 def _unbind(name: str, packed, dim: int, count: int, ndim: int):
