@@ -219,10 +219,12 @@ def _plain_call(q, k, v, dropout_p, alibi_slopes, return_attn_probs) -> bool:
     than one query (a single query must be bitwise repeatable: the ``mha_*`` route plans it so),
     q, k, v of FlashAttention's ``[B, S, H, D]``. Such a call then takes ``attention()``'s call
     cache and direct runner: a fraction of the ``mha_*`` route's host time."""
-    return (dropout_p == 0 and type(dropout_p) is not bool and alibi_slopes is None
-            and return_attn_probs is False and isinstance(q, torch.Tensor) and q.dim() == 4
-            and q.shape[1] > 1 and isinstance(k, torch.Tensor) and k.dim() == 4
-            and isinstance(v, torch.Tensor) and v.dim() == 4)
+    if not (dropout_p == 0 and type(dropout_p) is not bool and alibi_slopes is None
+            and return_attn_probs is False):
+        return False
+    # strided tensors only: the mha_* route explains a nested or sparse one
+    return all(isinstance(t, torch.Tensor) and not t.is_nested and t.layout == torch.strided
+               and t.dim() == 4 for t in (q, k, v)) and q.shape[1] > 1
 
 
 def _unbind(name: str, packed, dim: int, count: int, ndim: int):
