@@ -29,7 +29,7 @@ from ..core import dispatch, execution
 from ..core.caches import LRU
 from ..model.problem import deterministic_default
 
-__all__ = ["stored_kvcache", "stored_varlen", "tensor_key"]
+__all__ = ["stored_kvcache", "stored_varlen", "tensor_key", "modes_key"]
 
 # call signature -> plan_stored's (engine, problem, plan), or _DENSE when no engine runs the
 # storage as it lies (the surface then builds dense batches).
@@ -51,10 +51,16 @@ def tensor_key(t: torch.Tensor) -> tuple:
     return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
 
 
+def modes_key() -> tuple:
+    """The modes a problem and its plan read when they are made: the deterministic default and
+    the backend policy (a kept plan is valid only under the same)."""
+    return deterministic_default(), dispatch.policy_key()
+
+
 def _flags(mask, bias, backend, adjust: Optional[dict], kwargs: dict) -> tuple:
     """What besides the tensors a problem depends on: the call's arguments and the modes."""
     return (mask, bias, backend, tuple(sorted((adjust or {}).items())),
-            tuple(sorted(kwargs.items())), deterministic_default(), dispatch.policy_key())
+            tuple(sorted(kwargs.items())), *modes_key())
 
 
 def _hashable(key: tuple) -> Optional[tuple]:

@@ -8,12 +8,12 @@ import dataclasses
 
 import torch
 
-from ...core import dispatch, execution
+from ...core import execution
 from ...core.caches import LRU
 from ...model.masks import Causal, SlidingWindow, same_alignment
-from ...model.problem import AttnProblem, deterministic_default
+from ...model.problem import AttnProblem
 from ...model.inputs import DropoutState, Inputs
-from ...packed.prepared import tensor_key
+from ...packed.prepared import modes_key, tensor_key
 from ._args import Options
 
 __all__ = ["fa_window", "fa_mask", "fa_positions_per_token", "forward", "backward"]
@@ -77,7 +77,7 @@ def _planned(q, k, v, mask, alibi, opts: Options, **fields):
     if (alibi is None and type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor
             and not q.is_meta and not torch.compiler.is_compiling()):
         key = (tensor_key(q), tensor_key(k), tensor_key(v), mask, opts,
-               tuple(sorted(fields.items())), deterministic_default(), dispatch.policy_key())
+               tuple(sorted(fields.items())), *modes_key())
     found = None if key is None else _PLANNED.get(key)
     if found is None:
         problem = _problem(q, k, v, mask, alibi, opts)
