@@ -330,32 +330,40 @@ def ragged_offsets(spec, storage) -> dict:
     elementwise products (the q side's three, the k side's two, rows of one buffer whose rows
     start 16-byte aligned; one product when both sides share their offsets), where one product
     and one cast per offset cost ten kernels. int32 arithmetic wraps as the cast of an int64
-    product would (cuDNN reads int32 offsets)."""
+    product would (cuDNN reads int32 offsets). Kept in ``storage.derived``: the call's backward
+    binds the forward's."""
+    per_token = (spec.heads_q * spec.dim_qk, spec.heads_q * spec.dim_v, spec.heads_q,
+                 spec.heads_kv * spec.dim_qk, spec.heads_kv * spec.dim_v)
+    found = storage.derived.get(per_token)
+    if found is None:
+        found = storage.derived[per_token] = _ragged_offsets(spec.batch, per_token, storage)
+    return found
+
+
+def _ragged_offsets(batch: int, per_token: tuple, storage) -> dict:
     from ._emit import UID
 
-    b1 = spec.batch + 1
+    b1 = batch + 1
     width = -(-b1 // 4) * 4  # 4 int32 = 16 bytes: every row starts aligned
     # cu [B + 1, 1, 1, 1] times the multipliers [5, 1, 1, 1, 1]: five rows in the graph's shape
     column = (b1, 1, 1, 1)
     cu_q = storage.cu_seqlens_q.to(torch.int32).view(column)
     rows = torch.empty((5, width, 1, 1, 1), dtype=torch.int32, device=cu_q.device)[:, :b1]
-    per_token = _offset_multipliers(spec, cu_q.device)
+    multipliers = _offset_multipliers(per_token, cu_q.device)
     if storage.cu_seqlens_k is storage.cu_seqlens_q:
-        torch.mul(cu_q, per_token, out=rows)
+        torch.mul(cu_q, multipliers, out=rows)
     else:
-        torch.mul(cu_q, per_token[:3], out=rows[:3])
-        torch.mul(storage.cu_seqlens_k.to(torch.int32).view(column), per_token[3:], out=rows[3:])
+        torch.mul(cu_q, multipliers[:3], out=rows[:3])
+        torch.mul(storage.cu_seqlens_k.to(torch.int32).view(column), multipliers[3:],
+                  out=rows[3:])
     return dict(zip((UID.RAGGED_Q, UID.RAGGED_O, UID.RAGGED_STATS, UID.RAGGED_K, UID.RAGGED_V),
                     rows.unbind(0)))
 
 
-def _offset_multipliers(spec, device) -> torch.Tensor:
-    """Elements per token of the q side's Q, O, Stats and the k side's K, V, int32
-    ``[5, 1, 1, 1, 1]`` on ``device`` (made once per head counts, dims and device, by fills on
-    the device: no host copy, which a capture would refuse)."""
-    per_token = (spec.heads_q * spec.dim_qk, spec.heads_q * spec.dim_v, spec.heads_q,
-                 spec.heads_kv * spec.dim_qk, spec.heads_kv * spec.dim_v)
-
+def _offset_multipliers(per_token: tuple, device) -> torch.Tensor:
+    """``per_token``, the elements per token of the q side's Q, O, Stats and the k side's K, V,
+    as int32 ``[5, 1, 1, 1, 1]`` on ``device`` (made once per head counts, dims and device, by
+    fills on the device: no host copy, which a capture would refuse)."""
     def make():
         both = torch.empty((5, 1, 1, 1, 1), dtype=torch.int32, device=device)
         for row, n in enumerate(per_token):

@@ -27,10 +27,14 @@ __all__ = ["Ragged", "Paged", "Storage"]
 
 @dataclass(frozen=True)
 class Ragged:
-    """Packed sequences with cumulative lengths ``cu_seqlens_q``/``cu_seqlens_k`` (``[B + 1]``)."""
+    """Packed sequences with cumulative lengths ``cu_seqlens_q``/``cu_seqlens_k`` (``[B + 1]``).
+
+    ``derived``: what an engine computed from these offsets (its element offsets), kept for the
+    call's backward, which holds the same storage: one call's offsets never serve another."""
 
     cu_seqlens_q: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
     cu_seqlens_k: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from test_varlen import cu, oracle_varlen, pack
 
 import cudnn_attn as ca
 import cudnn_fake
+from cudnn_attn.graphs import _runtime
 from cudnn_attn.core import dispatch
 from cudnn_attn.model import masks
 from cudnn_attn.core.caches import clear_caches
@@ -289,31 +290,42 @@ def test_device_only_tensors_do_refuse_host_reads():
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("same_cu", [True, False], ids=["self", "cross"])
-def test_flash_attn_varlen_func_runs_the_ragged_graph(causal, same_cu, fake, monkeypatch):
+@pytest.mark.parametrize("route", ["mha", "plain"])
+def test_flash_attn_varlen_func_runs_the_ragged_graph(causal, same_cu, route, fake, monkeypatch):
+    """Both routes of ``flash_attn_varlen_func`` run the ragged graphs, forward and backward:
+    the mha_* route (asked for the lse) plans the backward's problem again, with offsets of its
+    own; the plain route (``attention_varlen``'s) binds the forward's in the backward."""
     from cudnn_attn.compat.flash_attn import native
     from cudnn_attn.flash_attn_interface import flash_attn_varlen_func
 
     # This CPU plays the accelerator for the route decision too.
     monkeypatch.setattr(native, "takes", lambda q, paged, slopes, probs, p_dropout=0.0: not paged
                         and slopes is None and (not probs or p_dropout > 0))
+    offsets_made = []
+    ragged_offsets = _runtime._ragged_offsets
+    monkeypatch.setattr(_runtime, "_ragged_offsets",
+                        lambda *a: offsets_made.append(a) or ragged_offsets(*a))
     lens_q = (9, 1, 0, 30)
     lens_k = lens_q if same_cu else (4, 12, 3, 30)
     q, k, v = _varlen_inputs(lens_q, lens_k, Hq=4, Hkv=2, D=16, Dv=16, grad=True)
     cu_q = device_only(cu(lens_q))
     cu_k = cu_q if same_cu else device_only(cu(lens_k))
-    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
-                                         causal=causal, return_attn_probs=True)
-    out, lse = cudnn_fake.host(out), cudnn_fake.host(lse)
-    assert [spec.ragged for spec, _ in fake[1]] == [True]
+    got = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                 return_attn_probs=route == "mha")
+    out = cudnn_fake.host(got[0] if route == "mha" else got)
+    assert fake[1] and all(spec.ragged for spec, _ in fake[1])
     mask_kw = dict(causal="bottom_right") if causal else {}
     ref_inputs = [t.detach().to(F64).requires_grad_(True) for t in (q, k, v)]
     ref_out, ref_lse = oracle_varlen(*ref_inputs, lens_q, lens_k, **mask_kw)
     torch.testing.assert_close(out.to(F64), ref_out, atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(lse.to(F64), ref_lse, atol=1e-4, rtol=1e-4)
+    if route == "mha":
+        torch.testing.assert_close(cudnn_fake.host(got[1]).to(F64), ref_lse, atol=1e-4,
+                                   rtol=1e-4)
     g_out = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(5), dtype=F64)
     got = torch.autograd.grad((out.to(F64) * g_out).sum(), [q, k, v])
     expected = torch.autograd.grad((ref_out * g_out).sum(), ref_inputs)
     assert [backward for _, backward in fake[1]] == [False, True]
+    assert len(offsets_made) == (2 if route == "mha" else 1)
     for name, a, e in zip("qkv", got, expected):
         torch.testing.assert_close(a.to(F64), e, atol=2e-2, rtol=2e-2,
                                    msg=lambda m, name=name: f"d{name}: {m}")

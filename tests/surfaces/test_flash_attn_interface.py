@@ -331,6 +331,60 @@ def test_plain_func_calls_take_attentions_direct_route(monkeypatch, deterministi
     assert len(planned) == 1 and planned[0].repeatable
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_plain_varlen_calls_take_attention_varlens_route(monkeypatch, deterministic):
+    """An eager ``flash_attn_varlen_func`` call without dropout, ALiBi, returned probabilities
+    or a block table, whose ``max_seqlen_q`` is above 1, is ``attention_varlen()``'s call (its
+    kept plan and autograd node: the backward reuses the forward's problem), never the mha_*
+    route's autograd function, inside ``deterministic_calls`` when asked. Self-attention offsets
+    (one tensor) and cross lengths with an empty sequence and bottom-right causal windows, forward
+    and gradients against the float64 reference per sequence. ``max_seqlen_q = 1`` keeps the
+    mha_* route (planned bitwise repeatable)."""
+    from cudnn_attn.compat.flash_attn import functions
+
+    routed, requested = [], []
+    varlen = functions.attention_varlen
+    monkeypatch.setattr(functions, "attention_varlen",
+                        lambda *a, **kw: routed.append(kw["mask"]) or varlen(*a, **kw))
+    calls = functions.deterministic_calls
+    monkeypatch.setattr(functions, "deterministic_calls",
+                        lambda on=True: requested.append(on) or calls(on))
+    mha_route = functions._FlashAttnVarlenFunc.apply
+    monkeypatch.setattr(functions._FlashAttnVarlenFunc, "apply",
+                        lambda *a: pytest.fail("the mha_* route took a plain call"))
+    g = gen(11)
+    lens = [4, 1, 6]
+    q, k, v = (randn(sum(lens), 4, 8, g=g, grad=True) for _ in range(3))
+    lens_q, lens_k = [3, 2, 0, 5], [5, 2, 3, 4]
+    qx = randn(sum(lens_q), 4, 8, g=g, grad=True)
+    kx, vx = (randn(sum(lens_k), 2, 8, g=g, grad=True) for _ in range(2))
+    offsets = cu(lens)
+    cases = [((q, k, v), (offsets, offsets), (lens, lens), dict(causal=True)),
+             ((qx, kx, vx), (cu(lens_q), cu(lens_k)), (lens_q, lens_k),
+              dict(causal=True, window_size=(1, 0))),
+             ((qx, kx, vx), (cu(lens_q), cu(lens_k)), (lens_q, lens_k),
+              dict(window_size=(2, 1), softcap=1.5))]
+    for tensors, cus, lengths, kw in cases:
+        out = flash_attn_varlen_func(*tensors, *cus, max(lengths[0]), max(lengths[1]),
+                                     deterministic=deterministic, **kw)
+        window = kw.pop("window_size", (-1, -1))
+        ref, _ = varlen_reference(*tensors, *lengths, window=window, **kw)
+        torch.testing.assert_close(out, ref, **TOL)
+        dout = randn(*out.shape, g=g)
+        for a, b in zip(torch.autograd.grad(out, tensors, dout),
+                        torch.autograd.grad(ref, tensors, dout)):
+            torch.testing.assert_close(a, b, **GRAD_TOL)
+    assert len(routed) == 3 and routed[0].alignment == "top_left"  # one offsets tensor
+    assert routed[1].alignment == "bottom_right"
+    assert requested == ([True] * 3 if deterministic else [])
+    monkeypatch.setattr(functions._FlashAttnVarlenFunc, "apply", mha_route)
+    ones = cu([1, 1])
+    single = flash_attn_varlen_func(q[:2], k[:5], v[:5], ones, offsets[:3], 1, 4, causal=True)
+    torch.testing.assert_close(single, varlen_reference(q[:2], k[:5], v[:5], [1, 1], lens[:2],
+                                                        causal=True)[0], **TOL)
+    assert len(routed) == 3
+
+
 def test_varlen_packed_variants():
     lens = [4, 2, 6]
     g = gen(7)

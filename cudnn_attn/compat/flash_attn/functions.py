@@ -4,6 +4,8 @@ varlen variants) as autograd Functions over the ``mha_*`` entry points: the forw
 (``dense_gradients``/``varlen_gradients``: without ``softmax_d``, which these functions drop, as
 FlashAttention's do) with the saved ``softmax_lse`` and dropout seed/offset. The packed variants
 unbind their stacked input and call the unpacked function (autograd stacks the gradients back).
+Traced calls, and eager calls without dropout, ALiBi or returned probabilities (``_plain_call``),
+are ``attention()`` / ``attention_varlen()``'s calls instead: their caches and autograd node.
 """
 
 from __future__ import annotations
@@ -198,7 +200,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     checks.flag("deterministic", deterministic)  # read only by the backward: check it now
     traced = _traced(q, k, v)
     if traced and _traceable(alibi_slopes, dropout_p, return_attn_probs, q) or \
-            not traced and _plain_call(q, k, v, dropout_p, alibi_slopes, return_attn_probs):
+            not traced and _plain_call((q, k, v), 4, dropout_p, alibi_slopes,
+                                       return_attn_probs) and q.shape[1] > 1:
         opts = _traced_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, softcap)
         mask = _core.fa_mask(opts, k.shape[1], q.shape[1] == k.shape[1], False)
         bias = None if alibi_slopes is None else _alibi_bias(alibi_slopes, q, k)
@@ -213,18 +216,25 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
                                 alibi_slopes, deterministic, return_attn_probs)
 
 
-def _plain_call(q, k, v, dropout_p, alibi_slopes, return_attn_probs) -> bool:
-    """Whether an eager ``flash_attn_func`` call is ``attention()``'s as it stands: no dropout
-    (whose seed ``mha_bwd`` replays), no ALiBi slopes, no probabilities or lse returned, more
-    than one query (a single query must be bitwise repeatable: the ``mha_*`` route plans it so),
-    q, k, v of FlashAttention's ``[B, S, H, D]``. Such a call then takes ``attention()``'s call
-    cache and direct runner: a fraction of the ``mha_*`` route's host time."""
+def _plain_call(tensors, ndim: int, dropout_p, alibi_slopes, return_attn_probs) -> bool:
+    """Whether an eager call of a differentiable function is ``attention()``'s (or
+    ``attention_varlen()``'s) as it stands: no dropout (whose seed ``mha_*bwd`` replays), no
+    ALiBi slopes, no probabilities or lse returned, q, k, v strided ``ndim``-D tensors (the
+    ``mha_*`` route explains a nested or sparse one). The caller adds: more than one query (a
+    single query must be bitwise repeatable: the ``mha_*`` route plans it so). Such a call then
+    takes the public function's caches (``attention()``'s direct runner; the packed call's kept
+    plan) and its autograd node, whose backward reuses the forward's problem: a fraction of the
+    ``mha_*`` route's host time."""
     if not (dropout_p == 0 and type(dropout_p) is not bool and alibi_slopes is None
             and return_attn_probs is False):
         return False
-    # strided tensors only: the mha_* route explains a nested or sparse one
     return all(isinstance(t, torch.Tensor) and not t.is_nested and t.layout == torch.strided
-               and t.dim() == 4 for t in (q, k, v)) and q.shape[1] > 1
+               and t.dim() == ndim for t in tensors)
+
+
+def _many_queries(max_seqlen_q) -> bool:
+    """A packed call's bound on its sequences' queries, an int above 1 (``_plain_call``)."""
+    return isinstance(max_seqlen_q, int) and type(max_seqlen_q) is not bool and max_seqlen_q > 1
 
 
 def _unbind(name: str, packed, dim: int, count: int, ndim: int):
@@ -284,19 +294,27 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     Equivalent PyTorch: ``flash_attn_func`` on each sequence alone, outputs concatenated.
 
     Under ``torch.compile`` (and strict ``torch.export``) dense-k/v calls run as ``attention_varlen()``'s
-    op, as ``flash_attn_func`` does (same exceptions: ``alibi_slopes``, ``S_dmask``).
+    op, as ``flash_attn_func`` does (same exceptions: ``alibi_slopes``, ``S_dmask``). An eager
+    call without dropout, ALiBi, returned probabilities or ``block_table``, with
+    ``max_seqlen_q > 1``, is ``attention_varlen()``'s call (its kept plan; the backward binds
+    what the forward derived from the offsets).
     """
     checks.flag("deterministic", deterministic)  # read only by the backward: check it now
-    if block_table is None and torch.compiler.is_compiling() and \
-            _traceable(alibi_slopes, dropout_p, return_attn_probs):
+    traced = torch.compiler.is_compiling()
+    if block_table is None and (
+            traced and _traceable(alibi_slopes, dropout_p, return_attn_probs) or
+            not traced and _plain_call((q, k, v), 3, dropout_p, alibi_slopes, return_attn_probs)
+            and _many_queries(max_seqlen_q)):
         opts = _traced_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, softcap)
-        # Per sequence, bottom-right equals top-left where lengths agree: one alignment for all.
-        mask = _core.fa_mask(opts, max_seqlen_k, False, False)
-        return _traced_results(
-            attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             mask=mask, scale=opts.scale, dropout_p=opts.p_dropout,
-                             softcap=opts.softcap, return_lse=bool(return_attn_probs)),
-            q, return_attn_probs)
+        # Per sequence, bottom-right equals top-left where lengths agree: one alignment for all
+        # (eager: the mha_* route's, top-left for self-attention offsets, which cuDNN prefers).
+        mask = _core.fa_mask(opts, max_seqlen_k, not traced and cu_seqlens_q is cu_seqlens_k)
+        with deterministic_calls(deterministic) if deterministic else nullcontext():
+            return _traced_results(
+                attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 mask=mask, scale=opts.scale, dropout_p=opts.p_dropout,
+                                 softcap=opts.softcap, return_lse=bool(return_attn_probs)),
+                q, return_attn_probs)
     return _FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
                                       softcap, alibi_slopes, deterministic, return_attn_probs,
