@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # annotations only: _spec imports the runtime's users
 
 __all__ = ["DeviceHandle", "StreamContext", "stream_context", "handle_for", "workspace",
            "capturing", "ScalarCache", "LengthCache", "device_lengths", "ragged_offsets",
-           "token_rows_without_keys", "token_positions", "page_tables", "aligned",
+           "token_rows_without_keys", "token_positions", "PAST_THE_END", "page_tables", "aligned",
            "philox_tensors", "positive_scale", "scaled_same_strides", "empty_rows", "padded_rows",
            "empty_views", "padded_row_views", "bias_needs_copy"]
 
@@ -371,6 +371,13 @@ def _offset_multipliers(per_token: tuple, device) -> torch.Tensor:
         return both
 
     return device_constant(_OFFSET_MULTIPLIERS, (per_token, device), make)
+
+
+# ``CudnnPlan._common``'s answer for packed self-attention with device lengths: the only tokens
+# that see no key are those past the last sequence, which cuDNN never writes, so out and stats are
+# made as zeros and -inf (one fill each) where flagging the tokens and filling the flagged rows
+# after the call cost three kernels, the fills of out reading it too.
+PAST_THE_END = "tokens past the last sequence"
 
 
 def token_rows_without_keys(band: Optional[Band], cu_seqlens_q: torch.Tensor,

@@ -55,7 +55,7 @@ class CudnnBackend:
     """Backend ``"cudnn"``: cuDNN-frontend SDPA graphs, cached by ``cudnn_attn.graph_cache``."""
 
     name = "cudnn"
-    # Runs packed/paged storage and whole caches as they lie (binds ragged offsets, page tables and device lengths).
+    # Runs packed/paged storage and whole caches as they lie (ragged offsets, page tables, lengths)
     runs_stored = True
 
     def __init__(self):
@@ -264,7 +264,9 @@ class CudnnPlan:
             if padding is not None and padding.runtime is not None:
                 seq_q, seq_kv = _runtime.device_lengths(self.spec, padding, device)
                 # the backward reads the forward's stats, -inf on those rows
-                if forward and self.spec.ragged:  # one flag per packed token
+                if forward and self.spec.ragged and seq_kv is seq_q:
+                    views = _runtime.PAST_THE_END  # out and stats made filled (forward)
+                elif forward and self.spec.ragged:  # one flag per packed token
                     empty = _runtime.token_rows_without_keys(
                         self.spec.band, storage.cu_seqlens_q, seq_q, seq_kv, q.shape[0])
                 elif forward:
@@ -322,22 +324,25 @@ class CudnnPlan:
         s = self.spec
         return (q.shape[0], s.heads_q, 1) if s.ragged else (s.batch, s.heads_q, s.seq_q, 1)
 
-    # Outputs are allocated with empty_like, which costs the host a third of an empty of the
-    # same shape (no shape, dtype or device arguments to parse): like q when out has q's shape,
-    # else like a one-element template expanded to the shape (empty_like of an expanded tensor
-    # is contiguous). Packed shapes change with the token count: those use empty.
-    def _new_out(self, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised out, contiguous in the call's layout."""
+    # Outputs come from empty_like, a third of an empty's host cost (no shape, dtype or device
+    # to parse): like q when out has q's shape, else like a one-element template expanded to
+    # the shape (contiguous). Packed shapes change with the token count: those use empty.
+    def _new_out(self, q: torch.Tensor, dtype: torch.dtype, zeros: bool = False) -> torch.Tensor:
+        """An uninitialised out (``zeros``: zeroed), contiguous in the call's layout."""
         if self._out_like_q and q.dtype == dtype:
-            return torch.empty_like(q, memory_format=torch.contiguous_format)
+            like = torch.zeros_like if zeros else torch.empty_like
+            return like(q, memory_format=torch.contiguous_format)
         if self.spec.ragged:
-            return torch.empty(self._out_shape(q), dtype=dtype, device=q.device)
+            make = torch.zeros if zeros else torch.empty
+            return make(self._out_shape(q), dtype=dtype, device=q.device)
         return torch.empty_like(self._template("out", self.o_shape, dtype, q.device))
 
-    def _new_stats(self, q: torch.Tensor) -> torch.Tensor:
-        """Uninitialised fp32 stats, ``[B, H, S_q, 1]`` (or packed ``[total_q, H, 1]``)."""
+    def _new_stats(self, q: torch.Tensor, minus_inf: bool = False) -> torch.Tensor:
+        """Uninitialised fp32 stats, ``[B, H, S_q, 1]`` (or packed ``[total_q, H, 1]``, -inf
+        with ``minus_inf``)."""
         if self.spec.ragged:
-            return torch.empty(self._stats_shape(q), dtype=torch.float32, device=q.device)
+            stats = torch.empty(self._stats_shape(q), dtype=torch.float32, device=q.device)
+            return stats.fill_(-math.inf) if minus_inf else stats
         return torch.empty_like(self._template("stats", self._stats_shape(q), torch.float32,
                                                q.device))
 
@@ -375,10 +380,12 @@ class CudnnPlan:
                 self._block_mask = tile_bitmask(problem.neighborhood, self.spec.batch,
                                                 self.spec.heads_q, device)
             buffers[_U.BLOCK_MASK] = self._block_mask
-        out = buffers[_U.O] = self._new_out(q, problem.dtype)
+        filled = empty is _runtime.PAST_THE_END  # cuDNN writes no token past the last sequence
+        empty = None if filled else empty
+        out = buffers[_U.O] = self._new_out(q, problem.dtype, filled)
         stats = None
         if need_lse:
-            stats = buffers[_U.STATS] = self._new_stats(q)
+            stats = buffers[_U.STATS] = self._new_stats(q, filled)
         launch.execute(built, buffers, device)
         if empty is not None:
             out.masked_fill_(empty[0], 0)
@@ -416,9 +423,10 @@ class CudnnPlan:
         buffers[_U.O] = _like_layout(out, o_shape)
         buffers[_U.DO] = dout
         buffers[_U.STATS] = stats if stats.is_contiguous() else stats.contiguous()
-        # Gradients contiguous in the call's layout (the strides the backward graph expects).
-        dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format)
-                      for t in (q, k, v))
+        # Gradients contiguous in the call's layout (the strides the backward graph expects);
+        # packed: zeroed, as cuDNN writes no token past the last sequence (which has none).
+        like = torch.zeros_like if s.ragged else torch.empty_like
+        dq, dk, dv = (like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
         buffers[_U.DQ], buffers[_U.DK], buffers[_U.DV] = dq, dk, dv
         dbias = None
         if s.dbias:

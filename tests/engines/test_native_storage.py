@@ -586,3 +586,42 @@ def test_cpu_lengths_are_still_checked_on_the_device_route():
                                backend="cudnn")
     with pytest.raises(NotSupportedError, match="cudnn"):
         attention_varlen(q, q, q, cu((4, 6)), cu((4, 6)), 6, 6, backend="cudnn")
+
+
+def _poisoned(make):
+    """``torch.empty``/``empty_like`` whose floating tensors hold NaN: uninitialised memory as a
+    GPU may hand it out (the CPU's often reads as zeros)."""
+    def poisoned(*args, **kwargs):
+        t = make(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    return poisoned
+
+
+def test_packed_tokens_past_the_last_sequence_get_zeros_and_minus_inf(fake, monkeypatch):
+    """Tokens of the packed tensors past ``cu_seqlens[-1]`` (a buffer with spare capacity)
+    belong to no sequence: cuDNN never writes them, and out, lse and the gradients there read
+    0, -inf and 0 whatever the allocator hands out, self-attention offsets (one tensor: out
+    and stats made filled) and cross offsets (the flagged rows filled) alike; the sequences'
+    tokens match the oracle."""
+    monkeypatch.setattr(torch, "empty", _poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", _poisoned(torch.empty_like))
+    lens, spare = (5, 0, 9), 3
+    total = sum(lens)
+    q, k, v = _varlen_inputs(lens + (spare,), lens + (spare,), grad=True)
+    offsets = device_only(cu(lens))
+    for cu_k in (offsets, device_only(cu(lens))):
+        out, lse = attention_varlen(q, k, v, offsets, cu_k, max(lens), max(lens),
+                                    mask=ca.Causal(), return_lse=True, backend="cudnn")
+        out, lse = cudnn_fake.host(out), cudnn_fake.host(lse)
+        assert (out[total:] == 0).all() and (lse[:, total:] == -float("inf")).all()
+        ref_inputs = [t.detach()[:total].to(F64).requires_grad_(True) for t in (q, k, v)]
+        ref_out, ref_lse = oracle_varlen(*ref_inputs, lens, lens, causal="top_left")
+        torch.testing.assert_close(out[:total].to(F64), ref_out, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(lse[:, :total].to(F64), ref_lse, atol=1e-4, rtol=1e-4)
+        g_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=F64)
+        got = torch.autograd.grad((out.to(F64) * g_out).sum(), [q, k, v])
+        expected = torch.autograd.grad((ref_out * g_out[:total]).sum(), ref_inputs)
+        for name, a, e in zip("qkv", got, expected):
+            assert (cudnn_fake.host(a)[total:] == 0).all(), f"d{name} past the end"
+            torch.testing.assert_close(cudnn_fake.host(a)[:total].to(F64), e, atol=2e-2,
+                                       rtol=2e-2, msg=lambda m, name=name: f"d{name}: {m}")
