@@ -18,7 +18,9 @@ median). For each we time
 Host time (issue 35): the tiny call 1 x 8 x 128 x 64 bf16 causal forward, us per call of ours,
 torch SDPA's cuDNN and flash backends and the bare execute, back to back; and the same call with
 ``Padding`` lengths (device tensors and host ints) against torch's padded call as its users write
-it (the mask made from the lengths, then ``attn_mask=``). Kernels (issue 35): the
+it (the mask made from the lengths, then ``attn_mask=``); a tiny packed call (``varlen_rows.py``:
+``attention_varlen`` forward, ``flash_attn_varlen_func`` forward + backward) against torch's
+padded call of the same tokens. Kernels (issue 35): the
 CUDA kernels one forward + backward launches, ours and torch SDPA's cuDNN backend, from
 torch.profiler, and the ones ours launches that torch's does not. Decode (``decode_rows.py``):
 one step against a dense and a paged KV cache with device lengths, us per call, and whether
@@ -46,6 +48,7 @@ import _report  # benchmarks/_report.py (this script's folder is on sys.path)
 import call_costs  # latency, kernel lists (this folder's)
 import ceilings  # imported before unshadowing: that takes this folder off sys.path
 import decode_rows  # one decode step against a KV cache, and NaN past the lengths
+import varlen_rows  # a tiny packed call, ours vs torch's padded one
 import fp8_rows  # the FP8 rows (sdpa_fp8 / sdpa_fp8_backward, E4M3, D=128)
 
 _report.unshadow_cudnn()  # this folder's cudnn.py is not the cuDNN frontend
@@ -303,7 +306,8 @@ def bench_tiny_causal(args):
     bare_us, torch_us = us.get("tiny causal: bare execute"), us.get("tiny causal: torch-cudnn")
     return [{"call": label, "us_per_call": t, "vs_bare": t / bare_us if bare_us else None,
              "vs_torch_cudnn": t / torch_us if torch_us else None}
-            for label, t in us.items()] + bench_tiny_padded(args, q, k, v)
+            for label, t in us.items()] + bench_tiny_padded(args, q, k, v) + \
+        varlen_rows.rows(_host_us(varlen_rows.calls("cuda"), args))
 
 
 def bench_tiny_padded(args, q, k, v):

@@ -110,3 +110,49 @@ def test_host_benchmark_runs_on_the_cpu_and_writes_its_rows(tmp_path):
             assert rows[f"frontend dispatch: {launch}"]["us_per_call"] > 0
     # The stand-in executed every call: it counts them.
     assert "executed" in done.stdout
+
+
+def test_varlen_rows_calls_run_on_the_stand_in_and_rows_pair_each_direction(monkeypatch):
+    """benchmarks/varlen_rows.py's calls (the GPU's tiny packed rows) run here on the fake
+    cuDNN engine, ours on its ragged graphs: the packed forward against the float64 oracle of
+    each sequence, the FlashAttention function's gradients finite; torch's padded calls run or
+    are declined with a RuntimeError (what ``_host_us`` leaves out). ``rows`` pairs each of ours
+    with torch's padded call of its direction, cuDNN's first."""
+    import cudnn_fake
+    import torch
+    from test_varlen import oracle_varlen
+
+    from cudnn_attn.model import masks
+    from cudnn_attn.packed import calls as packed_calls
+
+    if not cudnn_fake.frontend_present():
+        pytest.skip("nvidia-cudnn-frontend is not installed")
+    varlen_rows = load_script(BENCH / "varlen_rows.py", "bench_varlen_rows")
+    monkeypatch.setattr(masks, "_runtime_lengths", lambda value: isinstance(value, torch.Tensor))
+    monkeypatch.setattr(packed_calls, "on_accelerator", lambda t: isinstance(t, torch.Tensor))
+    state = cudnn_fake.install(monkeypatch)
+    found = varlen_rows.calls("cpu", torch.float16)
+    out = cudnn_fake.host(found["tiny varlen fwd: ours"]())
+    assert state[1] and all(spec.ragged for spec, _ in state[1]), "not the ragged graph"
+    lens = list(varlen_rows.LENGTHS)
+    g = torch.Generator().manual_seed(0)  # the calls' q, k, v: the same draws
+    q, k, v = (torch.randn(sum(lens), varlen_rows.HEADS, varlen_rows.DIM, dtype=torch.float16,
+                           generator=g).to(torch.float64) for _ in range(3))
+    ref, _ = oracle_varlen(q, k, v, lens, lens, causal="top_left")
+    torch.testing.assert_close(out.to(torch.float64), ref, atol=2e-3, rtol=2e-3)
+    grads = found["tiny varlen fwd+bwd: flash_attn_varlen_func"]()
+    assert len(grads) == 3 and all(torch.isfinite(cudnn_fake.host(t)).all() for t in grads)
+    for label, call in found.items():
+        if "torch-" in label:
+            try:
+                call()
+            except RuntimeError:
+                pass  # that backend declines here
+    rows = {r["call"]: r for r in varlen_rows.rows({
+        "tiny varlen fwd: ours": 30.0, "tiny varlen fwd: torch-cudnn": 20.0,
+        "tiny varlen fwd: torch-efficient": 10.0,
+        "tiny varlen fwd+bwd: flash_attn_varlen_func": 90.0,
+        "tiny varlen fwd+bwd: torch-efficient": 60.0})}
+    assert rows["tiny varlen fwd: ours"]["vs_torch_cudnn"] == pytest.approx(1.5)
+    assert rows["tiny varlen fwd+bwd: flash_attn_varlen_func"]["vs_torch_cudnn"] == \
+        pytest.approx(1.5)
