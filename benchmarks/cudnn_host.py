@@ -24,6 +24,9 @@ cuDNN's own kernel launch is not. The same tiny problem (1 x 2 x 16 x 64 fp16, c
   flash_attn_func fwd+bwd, flash_attn_varlen_func fwd+bwd
                  FlashAttention's differentiable functions (its layout; packed as varlen),
                  causal, forward and ``torch.autograd.grad`` (against torch's fwd+bwd)
+  new shape      one query against keys one longer at every call (a decode loop over a growing
+                 cache, as Hugging Face's dynamic cache calls it), 1024 lengths in turn, more
+                 than any cache keeps: every call plans anew (against torch's fwd)
 
 and, as the bar to clear, torch SDPA's own dispatch on this CPU for the smallest call of the same
 kind (1 x 1 x 1 x 8, fp32, causal: what it costs beyond arithmetic), no grad / grad / fwd+bwd,
@@ -47,6 +50,7 @@ meet the machine's slow and fast phases alike. JSON: benchmarks/results/cudnn_ho
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import timeit
 import types
@@ -178,6 +182,14 @@ def ours() -> dict:
         out = flash_attn_varlen_func(*packed_g, offsets, offsets, 12, 12, causal=True)
         torch.autograd.grad(out, (fa_q, fa_k, fa_v), fa_dout.view(out.shape))
 
+    # A growing cache: every call a shape no cache holds (1024 lengths in turn).
+    lengths = itertools.cycle(range(seq + 1, seq + 1025))
+    growing = torch.randn(batch, seq + 1024, heads, dim, generator=gen).to(torch.float16)
+
+    def new_shape():
+        keys = growing[:, :next(lengths)]
+        return ca.attention(step, keys, keys, mask=bottom_right, layout="bshd", backend="cudnn")
+
     cases = {
         "fwd": lambda: ca.attention(q, k, v, mask=causal, backend="cudnn"),
         "fwd (grad)": lambda: ca.attention(qg, kg, vg, mask=causal, backend="cudnn"),
@@ -195,6 +207,7 @@ def ours() -> dict:
                                            mask=causal, backend="cudnn"),
         "flash_attn_func fwd+bwd": fa_fwd_bwd,
         "flash_attn_varlen_func fwd+bwd": fa_varlen_fwd_bwd,
+        "new shape": new_shape,
     }
     return {f"ours {name}": fn for name, fn in cases.items()}
 
@@ -339,7 +352,8 @@ def small_kernels(fn) -> int:
 # ours' cases measured against torch's call of another name: a decode step is a padded call
 # (the lengths made into a mask, attn_mask=) for a torch user
 _KIND = {"kvcache decode": "padding", "paged decode": "padding", "varlen": "padding",
-         "flash_attn_func fwd+bwd": "fwd+bwd", "flash_attn_varlen_func fwd+bwd": "fwd+bwd"}
+         "flash_attn_func fwd+bwd": "fwd+bwd", "flash_attn_varlen_func fwd+bwd": "fwd+bwd",
+         "new shape": "fwd"}
 
 
 def add_ratios(rows: list[dict]) -> None:

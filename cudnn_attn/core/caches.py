@@ -8,10 +8,10 @@ is an ``LRU`` or goes through ``memoize``, so ``clear_caches()`` empties them al
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import threading
 import weakref
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Hashable
 
@@ -25,42 +25,46 @@ _MISSING = object()
 class LRU:
     """A thread-safe least-recently-used map of at most ``maxsize`` entries (``None``: unbounded).
 
-    ``get`` refreshes an entry; ``put`` inserts and evicts the least recently used. Each entry
-    carries the tick of its last use, so a hit is one dict lookup and a store (no reordering, no
-    lock: the per-call hot path), and eviction, rare and under the lock, finds the oldest tick.
-    ``get_or_create`` runs the factory outside the lock, so a slow build never blocks lookups of
-    other keys (two threads missing the same key may both build; the first result is kept).
+    ``get`` refreshes an entry; ``put`` inserts and evicts the least recently used. Entries are
+    kept in use order (an ``OrderedDict``): a hit is a lookup and a move to the end (no lock:
+    the per-call hot path), and an insertion into a full cache drops the first entry, O(1)
+    either way, so a workload that inserts on every call (a decode loop whose key length grows
+    by one per step) pays no more than one that hits. ``get_or_create`` runs the factory
+    outside the lock, so a slow build never blocks lookups of other keys (two threads missing
+    the same key may both build; the first result is kept).
     """
 
     def __init__(self, name: str, maxsize: int | None = 128):
         _check_maxsize(maxsize)
         self.name = name
         self.maxsize = maxsize
-        self._data: dict = {}                 # key -> [tick of last use, value]
-        self._clock = itertools.count()
+        self._data: OrderedDict = OrderedDict()  # key -> value, least recently used first
         self._lock = threading.Lock()
         self.hits = self.misses = 0
         _REGISTRY.add(self)
 
     def get(self, key: Hashable, default: Any = None) -> Any:
-        entry = self._data.get(key)
-        if entry is None:
+        value = self._data.get(key, _MISSING)
+        if value is _MISSING:
             self.misses += 1
             return default
         self.hits += 1
-        entry[0] = next(self._clock)
-        return entry[1]
+        try:
+            self._data.move_to_end(key)
+        except KeyError:  # evicted by another thread since the lookup: the value stands
+            pass
+        return value
 
     def put(self, key: Hashable, value: Any) -> Any:
         """Insert ``value`` unless ``key`` is present; return the value now stored."""
         with self._lock:
-            entry = self._data.get(key)
-            if entry is None:
-                entry = self._data[key] = [next(self._clock), value]
+            found = self._data.get(key, _MISSING)
+            if found is _MISSING:
+                self._data[key] = found = value
                 self._evict_to(self.maxsize)
             else:
-                entry[0] = next(self._clock)
-            return entry[1]
+                self._data.move_to_end(key)
+            return found
 
     def get_or_create(self, key: Hashable, factory: Callable[[], Any]) -> Any:
         value = self.get(key, _MISSING)
@@ -70,8 +74,7 @@ class LRU:
 
     def pop(self, key: Hashable, default: Any = None) -> Any:
         with self._lock:
-            entry = self._data.pop(key, None)
-            return default if entry is None else entry[1]
+            return self._data.pop(key, default)
 
     def clear(self) -> None:
         with self._lock:
@@ -86,15 +89,14 @@ class LRU:
 
     def _evict_to(self, maxsize: int | None) -> None:
         """Drop the least recently used entries beyond ``maxsize`` (caller holds the lock)."""
-        excess = 0 if maxsize is None else len(self._data) - maxsize
-        if excess > 0:
-            for key in sorted(self._data, key=lambda k: self._data[k][0])[:excess]:
-                del self._data[key]
+        if maxsize is not None:
+            while len(self._data) > maxsize:
+                self._data.popitem(last=False)
 
     def keys(self) -> list:
         """Keys from least to most recently used."""
         with self._lock:
-            return sorted(self._data, key=lambda k: self._data[k][0])
+            return list(self._data)
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._data

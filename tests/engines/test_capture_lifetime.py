@@ -93,7 +93,7 @@ def test_a_runners_static_lengths_a_capture_used_outlive_the_runner(fake, captur
         capture or not) and the caches cleared."""
         clear_caches()
         ca.attention(q, q, q, mask=ca.Padding([5, 1]), backend="cudnn")  # the runner made
-        (runner,) = [entry[1] for entry in api._DIRECT._data.values()]
+        (runner,) = [api._DIRECT.get(key) for key in api._DIRECT.keys()]
         alive = weakref.ref(runner.extras.lengths[0])
         capture(under_capture)
         ca.attention(q, q, q, mask=ca.Padding([5, 1]), backend="cudnn")  # through the runner

@@ -89,7 +89,7 @@ def test_host_benchmark_runs_on_the_cpu_and_writes_its_rows(tmp_path):
     rows = {r["call"]: r for r in json.loads(path.read_text())["rows"]}
     for case in ("fwd", "fwd (grad)", "fwd+bwd", "padding", "padding-rt", "dropout", "bias",
                  "kvcache decode", "paged decode", "varlen", "flash_attn_func fwd+bwd",
-                 "flash_attn_varlen_func fwd+bwd"):
+                 "flash_attn_varlen_func fwd+bwd", "new shape"):
         assert rows[f"ours {case}"]["us_per_call"] > 0
         assert rows[f"ours {case}"]["vs_torch"] > 0
         assert isinstance(rows[f"ours {case}"]["kernels"], int)
@@ -103,6 +103,8 @@ def test_host_benchmark_runs_on_the_cpu_and_writes_its_rows(tmp_path):
         assert rows[f"torch sdpa {kind}"]["us_per_call"] > 0
     assert rows["ours paged decode"]["vs_torch"] == pytest.approx(  # a padded call, to torch
         rows["ours paged decode"]["us_per_call"] / rows["torch sdpa padding"]["us_per_call"])
+    assert rows["ours new shape"]["vs_torch"] == pytest.approx(  # a plain forward, to torch
+        rows["ours new shape"]["us_per_call"] / rows["torch sdpa fwd"]["us_per_call"])
     assert rows["ours padding-rt"]["vs_torch"] == pytest.approx(
         rows["ours padding-rt"]["us_per_call"] / rows["torch sdpa padding"]["us_per_call"])
     if importlib.util.find_spec("cudnn") is not None:  # the frontend's dispatch, and ours
