@@ -385,6 +385,37 @@ def test_plain_varlen_calls_take_attention_varlens_route(monkeypatch, determinis
     assert len(routed) == 3
 
 
+def test_routed_calls_keep_their_validated_options_per_typed_value(monkeypatch):
+    """A routed call's scalar arguments are validated and made a mask once per value set (with
+    each value's type: ``causal=1`` still raises after ``causal=True`` was kept, as do the
+    other look-alikes of valid values); a window of 0-d tensors is not kept, and every result
+    matches the float64 reference."""
+    from cudnn_attn.compat.flash_attn import _core, functions
+
+    functions._OPTIONS.clear()
+    made = []
+    fa_mask = _core.fa_mask
+    monkeypatch.setattr(_core, "fa_mask", lambda *a: made.append(a) or fa_mask(*a))
+    g = gen(12)
+    q, k, v = (randn(1, 6, 2, 8, g=g) for _ in range(3))
+    for _ in range(3):
+        out = flash_attn_func(q, k, v, causal=True, window_size=(2, 0))
+        torch.testing.assert_close(out, reference(q, k, v, causal=True, window=(2, 0))[0],
+                                   **TOL)
+    assert len(made) == 1
+    bad = [dict(causal=1), dict(softmax_scale=True), dict(window_size=(2.0, 0)),
+           dict(softcap=-1.0)]
+    for kw in bad:
+        with pytest.raises((TypeError, ValueError)):
+            flash_attn_func(q, k, v, **{"causal": True, "window_size": (2, 0), **kw})
+    window = torch.tensor([2, 0])
+    for _ in range(2):
+        out = flash_attn_func(q, k, v, causal=True, window_size=window)
+        torch.testing.assert_close(out, reference(q, k, v, causal=True, window=(2, 0))[0],
+                                   **TOL)
+    assert len(made) == 3
+
+
 def test_varlen_packed_variants():
     lens = [4, 2, 6]
     g = gen(7)

@@ -17,6 +17,7 @@ import torch
 
 from ...model import checks
 from ...api import attention
+from ...core.caches import LRU
 from ...errors import NotSupportedError
 from ...model.masks import alibi_distance
 from ...model.problem import accumulator_dtype, deterministic_calls
@@ -87,9 +88,32 @@ def _alibi_bias(slopes: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch
     return -slopes.detach().to(q.device, work).reshape(-1, heads, 1, 1) * distance
 
 
-def _traced_options(head_dim, dropout_p, softmax_scale, causal, window_size, softcap):
+# The scalar arguments of a call routed to attention()/attention_varlen() -> (Options, mask):
+# validating them and building the mask was a quarter of the route's host time, and a model
+# repeats a few. Keyed with each value's type (True == 1 == 1.0 hash alike: a valid call must
+# not vouch for an invalid one); tensor window sizes are not kept.
+_OPTIONS = LRU("flash_attn.options", maxsize=256)
+_SCALAR_TYPES = frozenset({int, float, bool, type(None)})
+
+
+def _options_and_mask(head_dim, dropout_p, softmax_scale, causal, window_size, softcap,
+                      seq_k: int, aligned_equal: bool, traced: bool):
+    """``(Options, fa_mask)`` of a routed call's scalar arguments, validated (kept for eager
+    calls only: a traced call's sizes may be symbolic, and tracing reads no cache)."""
+    args = (dropout_p, softmax_scale, causal, softcap, *(
+        window_size if type(window_size) is tuple and len(window_size) == 2 else (window_size,)))
+    key = None
+    if not traced and all(type(a) in _SCALAR_TYPES for a in args):
+        key = (head_dim, seq_k, aligned_equal, *((type(a), a) for a in args))
+        found = _OPTIONS.get(key)
+        if found is not None:
+            return found
     left, right = window_pair(window_size)
-    return Options.of(head_dim, dropout_p, softmax_scale, causal, left, right, softcap)
+    opts = Options.of(head_dim, dropout_p, softmax_scale, causal, left, right, softcap)
+    found = opts, _core.fa_mask(opts, seq_k, aligned_equal)
+    if key is not None:
+        _OPTIONS.put(key, found)
+    return found
 
 
 def _traced_results(result, q, return_probs):
@@ -202,8 +226,9 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     if traced and _traceable(alibi_slopes, dropout_p, return_attn_probs, q) or \
             not traced and _plain_call((q, k, v), 4, dropout_p, alibi_slopes,
                                        return_attn_probs) and q.shape[1] > 1:
-        opts = _traced_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, softcap)
-        mask = _core.fa_mask(opts, k.shape[1], q.shape[1] == k.shape[1], False)
+        opts, mask = _options_and_mask(q.shape[-1], dropout_p, softmax_scale, causal,
+                                       window_size, softcap, k.shape[1],
+                                       q.shape[1] == k.shape[1], traced)
         bias = None if alibi_slopes is None else _alibi_bias(alibi_slopes, q, k)
         with deterministic_calls(deterministic) if deterministic else nullcontext():
             # a deterministic backward, recorded in the problem
@@ -305,10 +330,11 @@ def flash_attn_varlen_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
             traced and _traceable(alibi_slopes, dropout_p, return_attn_probs) or
             not traced and _plain_call((q, k, v), 3, dropout_p, alibi_slopes, return_attn_probs)
             and _many_queries(max_seqlen_q)):
-        opts = _traced_options(q.shape[-1], dropout_p, softmax_scale, causal, window_size, softcap)
         # Per sequence, bottom-right equals top-left where lengths agree: one alignment for all
         # (eager: the mha_* route's, top-left for self-attention offsets, which cuDNN prefers).
-        mask = _core.fa_mask(opts, max_seqlen_k, not traced and cu_seqlens_q is cu_seqlens_k)
+        opts, mask = _options_and_mask(q.shape[-1], dropout_p, softmax_scale, causal,
+                                       window_size, softcap, max_seqlen_k,
+                                       not traced and cu_seqlens_q is cu_seqlens_k, traced)
         with deterministic_calls(deterministic) if deterministic else nullcontext():
             return _traced_results(
                 attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
