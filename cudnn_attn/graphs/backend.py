@@ -27,7 +27,7 @@ from ..errors import NotSupportedError
 from ..model.inputs import is_full_lengths
 from ..model.problem import AttnProblem
 from ..model.storage import Paged, Ragged
-from . import _runtime, decode_rows, launch
+from . import _runtime, churn, decode_rows, launch
 from ..core import roofline
 from .head_pad import HeadPadPlan, needs_padding, padded_problem
 from .score_mod_masks import mask_program, neighborhood_as_band, tile_bitmask
@@ -174,9 +174,9 @@ def _plan_key(problem: AttnProblem, spec: GraphSpec) -> tuple:
 def _graph(problem: AttnProblem, spec: GraphSpec, backward: bool) -> BuiltGraph:
     from .cache import graph_cache, make_key
 
-    tag = "sdpa_backward" if backward else "sdpa_forward"
-    key = make_key((tag, spec), problem.device)
-    return graph_cache.get_or_build(key, lambda: build_graph(problem, spec, backward))
+    key = make_key(("sdpa_backward" if backward else "sdpa_forward", spec), problem.device)
+    return graph_cache.get_or_build(
+        key, lambda: churn.built(spec, backward, build_graph(problem, spec, backward)))
 
 
 class CudnnPlan:

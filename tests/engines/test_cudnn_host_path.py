@@ -490,3 +490,52 @@ def test_packed_token_positions_share_a_power_of_two():
     a, b = _runtime.token_positions(37, cpu), _runtime.token_positions(50, cpu)
     assert torch.equal(a, torch.arange(37, dtype=torch.int32)) and len(b) == 50
     assert a.data_ptr() == b.data_ptr() and _runtime.token_positions(1, cpu).tolist() == [0]
+
+
+# ---------------------------------------------------------------------------------------------
+# shape churn: graphs built at call time per shape
+# ---------------------------------------------------------------------------------------------
+
+def test_graphs_built_per_call_shape_warn_once_per_family(fake, caplog):
+    """A decode loop over a growing cache builds a graph per step: once a family (the graph
+    without its sizes) has CHURN_WARNING shapes built at call time, one warning names the
+    count and the remedies; more shapes, or a fixed shape of another family, add none; every
+    result still matches the oracle. ``clear_caches()`` starts the count over."""
+    import logging
+
+    from cudnn_attn.graphs import churn
+
+    g = torch.Generator().manual_seed(4)
+    cache = torch.randn(1, 2, 64, 16, generator=g).to(F16)
+    q = torch.randn(1, 2, 1, 16, generator=g).to(F16)
+    mask = ca.Causal("bottom_right")
+
+    def step(n, query=q):
+        out = ca.attention(query, cache[:, :, :n], cache[:, :, :n], mask=mask, backend="cudnn")
+        keys = cache[:, :, :n].to(F64)
+        vis = oracle.build_visibility(1, query.shape[2], n, window=(-1, 0, "bottom_right"))
+        ref, _ = oracle.reference_attention(query.to(F64), keys, keys, vis)
+        torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
+
+    def warnings_logged():
+        return [r for r in caplog.records if "graphs built at call time" in r.getMessage()]
+
+    caplog.set_level(logging.WARNING, logger="cudnn_attn")
+    for n in range(8, 8 + churn.CHURN_WARNING - 1):
+        step(n)
+    assert warnings_logged() == []
+    step(40)  # the CHURN_WARNING-th shape
+    (record,) = warnings_logged()
+    message = record.getMessage()
+    assert f"{churn.CHURN_WARNING} cuDNN forward graphs" in message and "S_kv=40" in message
+    assert "BucketPolicy" in message and "attention_with_kvcache" in message
+    for n in (41, 42, 43):
+        step(n)
+    wide = torch.randn(1, 2, 3, 16, generator=g).to(F16)  # another family: S_q = 3, one shape
+    for _ in range(3):
+        step(20, wide)
+    assert len(warnings_logged()) == 1
+    clear_caches()
+    for n in range(8, 8 + churn.CHURN_WARNING - 1):
+        step(n)
+    assert len(warnings_logged()) == 1
