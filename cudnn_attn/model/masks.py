@@ -36,6 +36,7 @@ __all__ = [
     "ALIGNMENTS",
     "mask_parts",
     "without_full_neighborhoods",
+    "without_open_lines",
     "Band",
     "band_of",
     "line_bounds",
@@ -308,6 +309,30 @@ def without_full_neighborhoods(mask: Mask | None) -> Mask | None:
     kept = [q for q in (p.plain_equivalent() if isinstance(p, Neighborhood) else p for p in parts)
             if q is not None]
     return MaskSet.of(*kept) if kept else None
+
+
+def without_open_lines(mask: Mask | None, seq_q: int, seq_kv: int) -> Mask | None:
+    """``mask`` without its ``Causal``/``SlidingWindow`` parts that hide no key of a dense
+    ``seq_q x seq_kv`` call (one query aligned bottom-right, a window as wide as the keys: a
+    decode step's causal mask), when every part is one of those (with ``Padding`` the alignment
+    follows each sequence's lengths; ALiBi reads the alignment: callers keep its masks). Every
+    engine runs an unmasked call on its plainest path."""
+    parts = mask_parts(mask)
+    if not parts or not all(type(p) in (Causal, SlidingWindow) for p in parts):
+        return mask
+    kept = [p for p in parts if not _hides_nothing(p, seq_q, seq_kv)]
+    if len(kept) == len(parts):
+        return mask
+    return MaskSet.of(*kept) if kept else None
+
+
+def _hides_nothing(mask: Mask, seq_q: int, seq_kv: int) -> bool:
+    """Every query sees every key: query 0's band reaches the last key, the last query's the
+    first (``line_bounds``' rule, ``i' = i + S_kv - S_q`` bottom-right)."""
+    left, right = line_bounds(mask)
+    offset = seq_kv - seq_q if mask.alignment == "bottom_right" else 0
+    return (right < 0 or offset + right >= seq_kv - 1) and \
+        (left < 0 or seq_q - 1 + offset - left <= 0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from .masks import (Alibi,
     SlidingWindow,
     mask_parts,
     without_full_neighborhoods,
+    without_open_lines,
 )
 from .storage import Storage
 
@@ -316,6 +317,8 @@ class AttnProblem:
             mask_spec = TensorSpec.of(dropout_mask)
             dropout_scale = checks.real("dropout_scale", dropout_scale)
 
+        if alibi is None and type(Sq) is int and type(Skv) is int:  # not symbolic sizes
+            mask = without_open_lines(mask, Sq, Skv)
         return AttnProblem(
             batch=B, heads_q=Hq, heads_kv=Hkv, seq_q=Sq, seq_kv=Skv, dim_qk=Dqk,
             dim_v=v.shape[3], dtype=q.dtype, device=q.device, layout=layout,

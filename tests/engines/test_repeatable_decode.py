@@ -49,7 +49,10 @@ def _oracle(q, k, v, causal: bool, window=None):
     return out.transpose(1, 2), leaves
 
 
-@pytest.mark.parametrize("causal, window, where", [(True, None, "front"), (False, None, "back"),
+# A decode step's causal mask hides nothing (one query aligned bottom-right): the problem drops
+# it, and the extra row goes behind as without a mask; a window that hides keys keeps the row
+# in front.
+@pytest.mark.parametrize("causal, window, where", [(True, None, "back"), (False, None, "back"),
                                                    (False, (7, 0), "front")],
                          ids=["causal", "no-mask", "window"])
 def test_flash_attn_func_runs_a_two_row_graph_with_the_calls_results(causal, window, where,
@@ -61,9 +64,10 @@ def test_flash_attn_func_runs_a_two_row_graph_with_the_calls_results(causal, win
                           window_size=(-1, -1) if window is None else window)
     out = cudnn_fake.host(out)
     assert _seq_q_of_graphs(fake) == [(2, False), (2, True)], "cuDNN got an S_q = 1 graph"
-    problem = AttnProblem.from_tensors(q, k, v, layout="bshd",
-                                       mask=ca.Causal("bottom_right") if causal else None)
-    assert decode_rows.side(problem) == ("front" if causal else "back") or window
+    mask = ca.SlidingWindow(*window, "bottom_right") if window else \
+        ca.Causal("bottom_right") if causal else None
+    problem = AttnProblem.from_tensors(q, k, v, layout="bshd", mask=mask)
+    assert decode_rows.side(problem) == where
     ref, leaves = _oracle(q, k, v, causal, window)
     assert out.shape == ref.shape
     torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
@@ -77,17 +81,17 @@ def test_flash_attn_func_runs_a_two_row_graph_with_the_calls_results(causal, win
 
 def test_attention_is_two_row_only_when_it_must_be_repeatable(fake):
     q, k, v = (torch.randn(1, 2, s, 16).to(F16) for s in (1, 9, 9))
-    ca.attention(q, k, v, mask=ca.Causal("bottom_right"), backend="cudnn")
+    window = ca.SlidingWindow(4, 0, "bottom_right")  # hides keys 0-3 of the one query
+    ca.attention(q, k, v, mask=window, backend="cudnn")
     assert _seq_q_of_graphs(fake) == [(1, False)], "a plain call keeps cuDNN's decode graph"
     torch.use_deterministic_algorithms(True)
     try:
-        out = ca.attention(q, k, v, mask=ca.Causal("bottom_right"), backend="cudnn")
-        explanation = ca.explain(q, k, v, mask=ca.Causal("bottom_right"))
+        out = ca.attention(q, k, v, mask=window, backend="cudnn")
+        explanation = ca.explain(q, k, v, mask=window)
     finally:
         torch.use_deterministic_algorithms(False)
     assert _seq_q_of_graphs(fake)[1:] == [(2, False)]
-    ref = ca.attention(q.double(), k.double(), v.double(), mask=ca.Causal("bottom_right"),
-                       backend="torch")
+    ref = ca.attention(q.double(), k.double(), v.double(), mask=window, backend="torch")
     torch.testing.assert_close(cudnn_fake.host(out).double(), ref, atol=2e-3, rtol=2e-3)
     assert explanation.selected == "cudnn"
     assert any("two-row graph" in note and "in front" in note for note in explanation.notes)

@@ -449,3 +449,64 @@ GRAD_CASES = [
 @pytest.mark.parametrize("problem", [pytest.param(c, id=c.id) for c in GRAD_CASES])
 def test_grads_vs_oracle(problem):
     check_grads(problem, seed=21)
+
+
+# Line masks that may hide nothing: (kind, left, right) and the alignments, against the oracle's
+# visibility over small sizes (S_q = 1 bottom-right causal is a decode step's mask).
+_LINES = [("causal", None, None)] + [("window", left, right) for left in (-1, 0, 1, 2, 3, 6)
+                                     for right in (-1, 0, 1, 2, 5)]
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("kind,left,right", _LINES)
+def test_line_masks_that_hide_nothing_are_dropped_exactly(kind, left, right, alignment):
+    """``without_open_lines`` drops a Causal/SlidingWindow part iff the oracle's visibility of
+    that part over ``S_q x S_kv`` is all True, for every size up to 6 x 6; a set of parts keeps
+    the ones that hide something; Padding or a Neighborhood in the set keeps the mask whole."""
+    import oracle
+
+    import cudnn_attn as lib
+    from cudnn_attn.model.masks import without_open_lines
+
+    mask = lib.Causal(alignment) if kind == "causal" else lib.SlidingWindow(left, right, alignment)
+    window = (-1, 0, alignment) if kind == "causal" else (left, right, alignment)
+    for seq_q in range(1, 7):
+        for seq_kv in range(1, 7):
+            open_ = bool(oracle.build_visibility(1, seq_q, seq_kv, window=window).all())
+            assert (without_open_lines(mask, seq_q, seq_kv) is None) == open_, (seq_q, seq_kv)
+    hiding = lib.Causal("top_left")  # hides something on 2 x 2
+    open_ = bool(oracle.build_visibility(1, 2, 2, window=window).all())
+    assert without_open_lines(mask & hiding, 2, 2) == (hiding if open_ else mask & hiding)
+    assert without_open_lines(mask & lib.Padding([1]), 1, 1) == mask & lib.Padding([1])
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_a_decode_steps_causal_mask_runs_unmasked_with_the_same_results(layout):
+    """One query aligned bottom-right sees every key: the problem carries no mask (the plain
+    path of every engine), the result and gradients are the unmasked call's and the oracle's;
+    ALiBi keeps the mask (its alignment), and two queries keep it too."""
+    import oracle
+
+    import cudnn_attn as lib
+
+    g = torch.Generator().manual_seed(3)
+    shape = (2, 3, 1, 8) if layout == "bhsd" else (2, 1, 3, 8)
+    kv_shape = (2, 3, 9, 8) if layout == "bhsd" else (2, 9, 3, 8)
+    q = torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(kv_shape, generator=g, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    causal = lib.Causal("bottom_right")
+    assert lib.explain(q, k, v, mask=causal, layout=layout).problem.mask is None
+    out = lib.attention(q, k, v, mask=causal, layout=layout)
+    vis = oracle.build_visibility(2, 1, 9, causal="bottom_right")
+    to_bhsd = (lambda t: t) if layout == "bhsd" else (lambda t: t.transpose(1, 2))
+    ref, _ = oracle.reference_attention(*(to_bhsd(t) for t in (q, k, v)), vis)
+    torch.testing.assert_close(to_bhsd(out), ref, atol=1e-10, rtol=1e-10)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), dout),
+                    torch.autograd.grad(to_bhsd(ref), (q, k, v), dout)):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    assert lib.explain(q, k, v, mask=causal, bias=lib.Alibi(), layout=layout).problem.mask \
+        == causal
+    two = torch.cat([q, q], dim=2 if layout == "bhsd" else 1)
+    assert lib.explain(two, k, v, mask=causal, layout=layout).problem.mask == causal
