@@ -19,7 +19,7 @@ import logging
 from ..core.caches import LRU
 from ._spec import GraphSpec
 
-__all__ = ["CHURN_WARNING", "built", "shapes_built"]
+__all__ = ["CHURN_WARNING", "built"]
 
 logger = logging.getLogger("cudnn_attn")
 
@@ -65,9 +65,3 @@ def built(spec: GraphSpec, backward: bool, graph):
             "backward" if backward else "forward", spec.batch, spec.seq_q, spec.seq_kv)
     return graph
 
-
-def shapes_built(spec: GraphSpec, backward: bool = False) -> int:
-    """Distinct shapes of ``spec``'s family built at call time so far (``CHURN_WARNING`` once
-    the family has been warned about)."""
-    shapes = _FAMILIES.get(_family(spec, backward))
-    return 0 if shapes is None else CHURN_WARNING if shapes is _WARNED else len(shapes)

@@ -318,15 +318,16 @@ def without_open_lines(mask: Mask | None, seq_q: int, seq_kv: int) -> Mask | Non
     follows each sequence's lengths; ALiBi reads the alignment: callers keep its masks). Every
     engine runs an unmasked call on its plainest path."""
     parts = mask_parts(mask)
-    if not parts or not all(type(p) in (Causal, SlidingWindow) for p in parts):
+    lines = [p for p in parts if isinstance(p, (Causal, SlidingWindow))]
+    if not parts or len(lines) != len(parts):
         return mask
-    kept = [p for p in parts if not _hides_nothing(p, seq_q, seq_kv)]
+    kept = [p for p in lines if not _hides_nothing(p, seq_q, seq_kv)]
     if len(kept) == len(parts):
         return mask
     return MaskSet.of(*kept) if kept else None
 
 
-def _hides_nothing(mask: Mask, seq_q: int, seq_kv: int) -> bool:
+def _hides_nothing(mask: Causal | SlidingWindow, seq_q: int, seq_kv: int) -> bool:
     """Every query sees every key: query 0's band reaches the last key, the last query's the
     first (``line_bounds``' rule, ``i' = i + S_kv - S_q`` bottom-right)."""
     left, right = line_bounds(mask)
