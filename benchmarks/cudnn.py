@@ -306,8 +306,17 @@ def bench_tiny_causal(args):
     bare_us, torch_us = us.get("tiny causal: bare execute"), us.get("tiny causal: torch-cudnn")
     return [{"call": label, "us_per_call": t, "vs_bare": t / bare_us if bare_us else None,
              "vs_torch_cudnn": t / torch_us if torch_us else None}
-            for label, t in us.items()] + bench_tiny_padded(args, q, k, v) + \
-        varlen_rows.rows(_host_us(varlen_rows.calls("cuda"), args))
+            for label, t in us.items()] + bench_tiny_padded(args, q, k, v) + bench_tiny_varlen(args)
+
+
+def bench_tiny_varlen(args):
+    """``varlen_rows``' tiny packed calls (ours and torch's padded one); an error is printed and
+    leaves the rows out, so that it never costs the rows after it."""
+    try:
+        return varlen_rows.rows(_host_us(varlen_rows.calls("cuda"), args))
+    except Exception as exc:  # noqa: BLE001 - a benchmark section, reported and skipped
+        print(f"tiny varlen rows not measured: {type(exc).__name__}: {exc}")
+        return []
 
 
 def bench_tiny_padded(args, q, k, v):
