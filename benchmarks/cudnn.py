@@ -339,8 +339,7 @@ def bench_tiny_padded(args, q, k, v):
 
     def under(backend):
         def call():
-            keep = positions[None, :] < lengths[:, None]
-            allowed = below & keep[:, None, :, None] & keep[:, None, None, :]
+            allowed = varlen_rows.padded_mask(positions, lengths, below)
             with sdpa_kernel(backend):
                 return sdpa(q, k, v, attn_mask=allowed)
         return call

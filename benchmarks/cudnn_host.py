@@ -57,6 +57,7 @@ import types
 from pathlib import Path
 
 import _report  # benchmarks/_report.py (this script's folder is on sys.path)
+import varlen_rows  # torch's padded mask as its users make it
 
 _report.unshadow_cudnn()  # this folder's cudnn.py is not the cuDNN frontend
 import torch
@@ -228,8 +229,7 @@ def torch_sdpa() -> dict:
     bias = torch.randn(1, 1, 1, 1, generator=gen)
 
     def padded():
-        keep = positions[None, :] < lengths[:, None]  # [B, S]: a token or padding
-        return sdpa(q, k, v, attn_mask=keep[:, None, :, None] & keep[:, None, None, :])
+        return sdpa(q, k, v, attn_mask=varlen_rows.padded_mask(positions, lengths))
 
     cases = {"fwd": lambda: sdpa(q, k, v, is_causal=True),
              "fwd (grad)": lambda: sdpa(qg, kg, vg, is_causal=True),

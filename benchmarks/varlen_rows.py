@@ -25,6 +25,15 @@ LENGTHS = (100, 28)
 HEADS, DIM = 8, 64
 
 
+def padded_mask(positions: torch.Tensor, lengths: torch.Tensor, below=None) -> torch.Tensor:
+    """torch SDPA's boolean ``attn_mask`` ``[B, 1, S, S]`` as its users make it from the lengths
+    at every call: both tokens within their sequence (and, with ``below``, a ``[S, S]`` causal
+    mask, the key not after the query). The peer rows of ``cudnn.py`` and ``cudnn_host.py``."""
+    keep = positions[None, :] < lengths[:, None]  # [B, S]: a token or padding
+    allowed = keep[:, None, :, None] & keep[:, None, None, :]
+    return allowed if below is None else below & allowed
+
+
 def calls(device, dtype=torch.bfloat16) -> dict:
     """label -> a callable of one call (ours and torch's), on ``device``."""
     import cudnn_attn as ca
@@ -61,8 +70,7 @@ def calls(device, dtype=torch.bfloat16) -> dict:
         from torch.nn.functional import scaled_dot_product_attention as sdpa
 
         def call():
-            keep = positions[None, :] < lengths[:, None]
-            allowed = below & keep[:, None, :, None] & keep[:, None, None, :]
+            allowed = padded_mask(positions, lengths, below)
             with sdpa_kernel(backend), torch.set_grad_enabled(backward):
                 out = sdpa(*batch, attn_mask=allowed)
                 return torch.autograd.grad(out, batch, batch_dout) if backward else out

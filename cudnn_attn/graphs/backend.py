@@ -246,7 +246,7 @@ class CudnnPlan:
                 ) -> tuple[dict, Optional[tuple[torch.Tensor, torch.Tensor]]]:
         """The buffers every graph of the plan binds (q, k, v, scale, bias, lengths, ragged
         offsets, page tables) and, for a ``forward``, the ``empty_views`` of the rows that see
-        no key (``None`` when none can)."""
+        no key (``None`` when none can; ``PAST_THE_END``: out and stats to be made filled)."""
         if problem.dropout_p != self.dropout_p:
             raise ValueError(f"this plan was built for dropout_p={self.dropout_p}, got "
                              f"{problem.dropout_p}")
