@@ -239,11 +239,53 @@ class FakeGraph:
             ds = self.score_mod.gradient(raw, ds, lambda axis: torch.arange(
                 shape[axis], dtype=raw.dtype).view([-1 if a == axis else 1 for a in range(4)]))
         hk, hv = self.dims("K")[1], self.dims("V")[1]
-        self._write(buffers, "dQ", scale * ds @ k, lens_q)
+        dq = scale * ds @ k
         dk = (scale * ds.transpose(-1, -2) @ q).view(B, hk, hq // hk, skv, -1).sum(2)
         dv = ((p * keep).transpose(-1, -2) @ do).view(B, hv, hq // hv, skv, -1).sum(2)
+        if not n["padding_mask"] and self.score_mod is None:
+            dq, dk, dv = self._open_tails(buffers, delta, dq, dk, dv)
+        self._write(buffers, "dQ", dq, lens_q)
         self._write(buffers, "dK", dk, lens_kv)
         self._write(buffers, "dV", dv, lens_kv)
+
+
+    # -- cuDNN's open tails (limits.CudnnLimits.key_tile) ------------------------------------
+    def _open_tails(self, buffers, delta, dq, dk, dv):
+        """The backward as cuDNN's SM90 kernels run it without a padding mask: the zero-filled
+        rows past the tensors' ends enter ``exp(S - LSE)`` unmasked (but for the diagonal's
+        bounds), in fp32. Keys: the second half of the last 128-key tile when S_kv % 128 == 64
+        (cudnn-frontend PR #628): score 0, so ``exp(-LSE)`` of the real rows, times their zero K
+        rows, into dQ. Queries: the rows up to the next multiple of 64 (a 64-row tile) with the
+        LSE that lies next in the stats buffer (the next head's rows; 0 past its end) and zero
+        Q and dO, into dK and dV (cudnn-frontend #1072). With ordinary data ``exp(-LSE)`` is
+        finite and these terms are 0; a row whose LSE is below -88.7 makes them NaN."""
+        B, hq, sq, _ = dq.shape
+        skv = dk.shape[2]
+
+        def overflowing(lse):  # exp(0 - LSE) in fp32
+            return torch.exp(-lse.float()).double()
+
+        if skv % 128 == 64:
+            vis = self.visibility(B, sq, skv + 64, [sq] * B, [skv + 64] * B)[:, None, :, skv:]
+            p = torch.where(vis, overflowing(self._read(buffers, "Stats", [sq] * B)), 0.0)
+            # dS = P (dP - delta) with dP = dO V^T = 0 on these keys; dQ += dS K, K = 0 there
+            dq = dq + (p * -delta * 0.0).sum(-1, keepdim=True)  # inf * 0 = NaN, as the MMA
+        tail = -sq % 64
+        if tail:
+            stats = self.tensors[self.uid("Stats")]
+            flat = host(buffers[stats["uid"]]).reshape(-1).double()
+            st = stats["stride"]
+            index = (torch.arange(B).view(B, 1, 1) * st[0] + torch.arange(hq).view(1, hq, 1) * st[1]
+                     + torch.arange(sq, sq + tail).view(1, 1, tail) * st[2])
+            lse = torch.where(index < flat.numel(), flat[index.clamp(max=flat.numel() - 1)], 0.0)
+            vis = self.visibility(B, sq + tail, skv, [sq + tail] * B, [skv] * B)[:, None, sq:]
+            p = torch.where(vis, overflowing(lse[..., None]), 0.0)  # [B, H_q, tail, S_kv]
+            # dV += P^T dO and dK += dS^T Q over these rows, whose dO and Q are 0
+            poison = (p * 0.0).sum(2)[..., None]  # [B, H_q, S_kv, 1]: 0, or NaN
+            hk, hv = dk.shape[1], dv.shape[1]
+            dk = dk + poison.view(B, hk, hq // hk, skv, 1).sum(2)
+            dv = dv + poison.view(B, hv, hq // hv, skv, 1).sum(2)
+        return dq, dk, dv
 
 
 class FakeHandle:

@@ -281,7 +281,8 @@ class LengthCache:
     def _make(self, lens_q, lens_kv, device, total):
         b = self._spec.batch
         host = torch.tensor([lens_q, lens_kv], dtype=torch.int32).view(2, b, 1, 1, 1)
-        lens = host.to(device, non_blocking=False)  # once per value set (then cached)
+        moved = host.to(device, non_blocking=False)  # once per value set (then cached)
+        lens = aligned(moved[0]), aligned(moved[1])  # the kv row starts 4 * B bytes in
         if self._spec.ragged:  # the offsets are the lengths' running sums
             cu = torch.nn.functional.pad(host[0].view(b).cumsum(0), (1, 0))
             empty = token_rows_without_keys(self._spec.band, cu, host[0], host[1], total)

@@ -343,6 +343,10 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
     if backward and not lim.backward_single_token and problem.seq_q == 1 \
             and problem.seq_kv == 1:
         reasons.append("cuDNN's SDPA backward does not support S_q = S_kv = 1")
+    elif backward and not lim.backward_single_row and problem.batch == problem.heads_q \
+            == problem.seq_q == 1:
+        reasons.append("planning cuDNN's SDPA backward for B = H_q = S_q = 1 crashes the "
+                       "process (cudnn-frontend #1071)")
 
     if backward and target_sm is not None and score_mod is not None \
             and score_mod.bprop is not None and target_sm // 10 < lim.score_mod_bprop_min_major:
@@ -361,7 +365,7 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
     if reasons:
         return None, reasons
 
-    synthetic = (bias_dims is not None and not padding and problem.seq_kv % lim.key_tile != 0)
+    synthetic = score_mod is None and not padding and _open_tiles(problem, bias_dims, backward)
     spec = GraphSpec(
         dtype=dtype, batch=problem.batch, heads_q=problem.heads_q, heads_kv=problem.heads_kv,
         seq_q=problem.seq_q, seq_kv=problem.seq_kv, dim_qk=d_qk, dim_v=d_v,
@@ -378,6 +382,19 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
             hood is not None and score_mod is not None and target_sm is not None
             and lim.block_mask_ok(target_sm // 10, version)))
     return spec, []
+
+
+def _open_tiles(problem: AttnProblem, bias_dims, backward: bool) -> bool:
+    """Whether a graph without a padding mask would let cuDNN read past the tensors' ends
+    unmasked, so the engine gives it one with the full lengths (the frontend's own workaround
+    for backward graphs up to cuDNN 9.15.0, which it then dropped; ``limits.CudnnLimits``'s
+    ``key_tile`` says why it is still needed): a bias with ``S_kv`` not a multiple of the tile
+    (forward and backward), and any backward graph with ``S_q`` or ``S_kv`` not a multiple of
+    it. The padding mask changes no result: every position of every sequence is a token."""
+    tile = LIMITS.key_tile
+    ragged_kv = problem.seq_kv % tile != 0
+    return (bias_dims is not None and ragged_kv) or \
+        (backward and (ragged_kv or problem.seq_q % tile != 0))
 
 
 def _as_score_mod(problem, band, hood, padding: bool, alibi: bool, reasons: list):

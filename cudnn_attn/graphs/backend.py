@@ -32,6 +32,7 @@ from ..core import roofline
 from .head_pad import HeadPadPlan, needs_padding, padded_problem
 from .score_mod_masks import mask_program, neighborhood_as_band, tile_bitmask
 from ._spec import GraphSpec, analyze, problem_lengths
+from .notes import plan_notes
 from .sdpa import UID, BuiltGraph, build_graph
 
 __all__ = ["CudnnBackend", "CudnnPlan", "TwoRowPlan", "graph_specs"]
@@ -114,12 +115,7 @@ class CudnnBackend:
 
     def notes(self, problem: AttnProblem) -> list[str]:
         """How the plan runs ``problem`` when that is not plain (for ``explain()``)."""
-        if decode_rows.needed(problem) and not decode_rows.reasons(problem):
-            where = "in front of" if decode_rows.side(problem) == "front" else "behind"
-            return [f"S_q = 1 runs as a two-row graph (an extra query row {where} the real one, "
-                    f"dropped from the results): cuDNN's decode path is not bitwise repeatable "
-                    f"and this call must be (deterministic, or a FlashAttention surface)"]
-        return []
+        return plan_notes(problem)
 
     def clear(self) -> None:
         """Forget plans (graphs stay in ``graph_cache``)."""

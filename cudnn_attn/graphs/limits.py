@@ -48,8 +48,14 @@ class CudnnLimits:
         {10: ((192, 128), (256, 256))}))
     # oldest SM major with float16/bfloat16 SDPA.
     min_sm_major: int = 8
-    # cuDNN masks the padded tail of the last 128-wide key tile only with a padding mask
-    # (cudnn-frontend #160, PyTorch #196678: NaN dQ with a bias and S_kv % 128 == 64).
+    # cuDNN's SM90 backward walks keys and queries in tiles of up to 128 rows and, without a
+    # padding mask, lets the zero-filled tail of the last tile into exp(S - LSE) unmasked: once
+    # a row's LSE is below -ln(FLT_MAX) = -88.7 that overflows, and inf * 0 gives NaN. Reported
+    # for the key tail, S_kv % 128 == 64 (NaN dQ; cudnn-frontend #160 and PR #628, still failing
+    # on cuDNN 9.30; PyTorch #196678 with a bias), and for the query tail, S_q = 1 with S_kv = 128
+    # (NaN dK and dV; cudnn-frontend #1072, cuDNN 9.25 and 9.26). A padding mask with the full
+    # lengths avoids both (the maintainers' workaround), so graphs whose sizes leave a tail get
+    # one (``_spec._open_tiles``).
     key_tile: int = 128
     # feature gaps of this engine / cuDNN
     # softcap and NATTEN masks run as a score_mod program (score_mod_masks), which excludes the
@@ -70,6 +76,9 @@ class CudnnLimits:
     decode_band_gqa: bool = False
     # backward with S_q = S_kv = 1
     backward_single_token: bool = False
+    # backward with B = H_q = S_q = 1: planning it crashed the process (a segfault in
+    # create_execution_plans on an H200, cuDNN 9.26; cudnn-frontend #1071), so it is declined
+    backward_single_row: bool = False
     # packed (ragged) backward cannot read a packed LSE on these SM majors
     ragged_backward_lse_majors: tuple = (8, 12)
     # no dBias with ragged layouts on these SM majors

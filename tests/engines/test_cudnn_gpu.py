@@ -169,17 +169,26 @@ def test_explain_agrees_with_the_engine_on_this_cudnn():
     torch.testing.assert_close(auto.double(), want, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("variant", ["bias", "padding"])
+@pytest.mark.parametrize("variant", ["bias", "padding", "none", "one-query"])
 def test_seq_len_mod_128_is_64_with_a_mask_and_tiny_lse(variant):
-    # PyTorch #196678: NaN in dQ when S % 128 == 64, a mask is given and a row's LSE < -88.7.
+    # PyTorch #196678 / cudnn-frontend PR #628: NaN in dQ when S % 128 == 64 and a row's LSE
+    # < -88.7 (with a bias, or no mask at all); cudnn-frontend #1072: NaN in dK, dV with
+    # S_q = 1, S_kv = 128 (limits.CudnnLimits.key_tile).
     if variant == "bias":
         p = P(B=2, Hq=2, Sq=192, D=64, bias_shape=(1, 2, 192, 192))
-    else:
+    elif variant == "padding":
         p = P(B=2, Hq=2, Sq=192, D=64, bias_shape=(1, 2, 192, 192), causal="top_left",
               seq_lens_q=(192, 150), seq_lens_kv=(192, 140))
+    elif variant == "none":
+        p = P(B=2, Hq=2, Sq=192, D=64)
+    else:
+        p = P(B=1, Hq=2, Sq=1, Skv=128, D=64)
     for dtype in (torch.float16, torch.bfloat16):
         inp = _rand_inputs(p, dtype, seed=4)
-        inp["bias"][..., :8, :] = -100.0  # these rows' LSE is about -100 + log(S)
+        if inp["bias"] is not None:
+            inp["bias"][..., :8, :] = -100.0  # these rows' LSE is about -100 + log(S)
+        else:  # every score about -106: q's first feature 1, k's -850 (D = 64)
+            inp["q"][..., 0], inp["k"][..., 0] = 1.0, -850.0
         check_against_oracle(p, dtype, inp=inp)
 
 
