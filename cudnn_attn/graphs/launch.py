@@ -63,7 +63,8 @@ class Extras(NamedTuple):
     on the device); ``bias_spec``, the graph spec of a bias the call passes, which ``bias_copy``
     says ``_runtime.bias_operand`` copies (else the bias is bound itself); ``dropout``: the
     graphs drop weights with a Philox stream whose seed each call draws from its generator
-    (``DropoutState.draw``)."""
+    (``DropoutState.draw``); ``fixed``: the ``PerCall`` of every call, when nothing but the
+    bound-once lengths is bound (a graph's full-length padding mask: ``_spec._open_tiles``)."""
 
     padded: object = None
     lengths: Optional[tuple] = None
@@ -72,6 +73,7 @@ class Extras(NamedTuple):
     bias_spec: object = None
     bias_copy: bool = False
     dropout: bool = False
+    fixed: object = None
 
 
 NO_EXTRAS = Extras()
@@ -100,12 +102,15 @@ def extras_of(problem, spec, lengths: "_runtime.LengthCache | None") -> Extras:
         seq_q, seq_kv, _, empty = lengths.get(*problem_lengths(problem), problem.device)
         seq_lens = (seq_q, seq_kv)  # bound once
     bias = problem.bias
+    fixed = None
+    if padding is None and spec.bias_dim is None and spec.dropout_p == 0:
+        fixed = PerCall(None, None, seq_lens, empty)
     return Extras(padded=problem if padding is not None else None, lengths=seq_lens,
                   empty=empty, runtime_spec=spec if runtime else None,
                   bias_spec=spec if spec.bias_dim is not None else None,
                   bias_copy=bias is not None and _runtime.bias_needs_copy(spec, bias.shape,
                                                                           bias.stride),
-                  dropout=spec.dropout_p > 0)
+                  dropout=spec.dropout_p > 0, fixed=fixed)
 
 
 class DirectCall:
@@ -169,31 +174,33 @@ class DirectCall:
             return None
         if extras.lengths is not None:  # bound once: a captured graph keeps reading them
             kept_if_captured(extras)
-        dropout = None
-        if extras.dropout:
-            if _runtime.capturing():
-                return None
-            dropout = DropoutState.draw(generator)
-        lengths, empty, positions = extras.lengths, extras.empty, None
-        if spec is not None:
-            lengths = _runtime.device_lengths(spec, padding, self.device)
-            empty = _runtime.padded_row_views(spec, *lengths)
-            # query rows past the lengths: hidden for a gradient, and a bias's cells there too
-            queries = grad or extras.bias_spec is not None
-            positions = length_positions(lengths[0] if queries else None, lengths[1],
-                                         spec.seq_q, spec.seq_kv, spec.layout)
-        if extras.padded is not None:
-            hidden = hide_padding(extras.padded, Inputs(q, k, v, bias), grad, positions)
-            q, k, v, bias = hidden.q, hidden.k, hidden.v, hidden.bias
-        call = PerCall(bias, dropout, lengths, empty)
+        call, positions = extras.fixed, None
+        if call is None:
+            dropout = None
+            if extras.dropout:
+                if _runtime.capturing():
+                    return None
+                dropout = DropoutState.draw(generator)
+            lengths, empty = extras.lengths, extras.empty
+            if spec is not None:
+                lengths = _runtime.device_lengths(spec, padding, self.device)
+                empty = _runtime.padded_row_views(spec, *lengths)
+                # query rows past the lengths: hidden for a gradient, a bias's cells there too
+                queries = grad or extras.bias_spec is not None
+                positions = length_positions(lengths[0] if queries else None, lengths[1],
+                                             spec.seq_q, spec.seq_kv, spec.layout)
+            if extras.padded is not None:
+                hidden = hide_padding(extras.padded, Inputs(q, k, v, bias), grad, positions)
+                q, k, v, bias = hidden.q, hidden.k, hidden.v, hidden.bias
+            call = PerCall(bias, dropout, lengths, empty)
         if grad:
             out = record_direct(self, q, k, v, call)
             return out if extras.padded is None else \
                 hide_padded_rows(extras.padded, out, positions)
         out = self._new_out(q)
         execute(self.forward, self._bind(q, k, v, out, call), self.device)
-        if empty is not None:
-            out.masked_fill_(empty[0], 0)
+        if call.empty is not None:
+            out.masked_fill_(call.empty[0], 0)
         return out
 
     def _new_out(self, q: torch.Tensor) -> torch.Tensor:
