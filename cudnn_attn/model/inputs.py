@@ -172,9 +172,10 @@ def valid_positions(lengths, seq: int, device) -> torch.Tensor:
 
 
 class PaddedPositions(NamedTuple):
-    """Which positions of a padded call are tokens: ``valid_q`` / ``valid_kv`` (``[B, S]`` bool),
-    and the same as ``rows`` / ``keys``, broadcastable against q / k and v in the call's layout
-    (a side ``padding_positions`` was not asked for is ``None``)."""
+    """Which positions of a padded call are tokens: ``valid_q`` / ``valid_kv`` (``[B, S]`` bool;
+    ``None`` where only the next two were made), and the same as ``rows`` / ``keys``,
+    broadcastable against q / k and v in the call's layout (a side ``padding_positions`` was not
+    asked for is ``None``)."""
 
     valid_q: Optional[torch.Tensor]
     valid_kv: Optional[torch.Tensor]
@@ -203,24 +204,29 @@ def padding_positions(padding, seq_q: int, seq_kv: int, device, layout: str,
                                                                  layout))
         return found
     lens_q, lens_kv = padding.tensors(device)
-    return _positions(valid_positions(lens_q, seq_q, device) if queries else None,
-                      valid_positions(lens_kv, seq_kv, device) if keys else None, layout)
+    column = lens_kv.view(lens_kv.shape[0], 1, 1, 1)
+    return length_positions(
+        None if not queries else column if lens_q is lens_kv else
+        lens_q.view(lens_q.shape[0], 1, 1, 1), column if keys else None, seq_q, seq_kv, layout)
 
 
-def length_positions(seq_len_q: Optional[torch.Tensor], seq_len_kv: torch.Tensor, seq_q: int,
-                     seq_kv: int, layout: str) -> PaddedPositions:
-    """The ``rows`` (when ``seq_len_q`` is given) and ``keys`` of ``PaddedPositions`` from the
-    ``[B, 1, 1, 1]`` lengths a graph reads: one comparison each, made in the call's layout (no
-    ``[B, S]`` masks: ``valid_q`` / ``valid_kv`` are ``None``). One lengths tensor for both
-    sides of a self-attention call: one comparison serves both."""
-    device, dtype = seq_len_kv.device, seq_len_kv.dtype
-    keys = row_positions(seq_kv, device, dtype, layout) < seq_len_kv
+def length_positions(seq_len_q: Optional[torch.Tensor], seq_len_kv: Optional[torch.Tensor],
+                     seq_q: int, seq_kv: int, layout: str) -> PaddedPositions:
+    """The ``rows`` (when ``seq_len_q`` is given) and ``keys`` (when ``seq_len_kv`` is) of
+    ``PaddedPositions`` from ``[B, 1, 1, 1]`` lengths (as a graph reads them): one comparison
+    each with the cached positions of their dtype, made in the call's layout (no ``[B, S]``
+    masks: ``valid_q`` / ``valid_kv`` are ``None``). One lengths tensor for both sides of a
+    self-attention call: one comparison serves both."""
+    def below(lengths, seq):
+        return row_positions(seq, lengths.device, lengths.dtype, layout) < lengths
+
+    keys = None if seq_len_kv is None else below(seq_len_kv, seq_kv)
     if seq_len_q is None:
         rows = None
     elif seq_len_q is seq_len_kv and seq_q == seq_kv:
         rows = keys
     else:
-        rows = row_positions(seq_q, device, dtype, layout) < seq_len_q
+        rows = below(seq_len_q, seq_q)
     return PaddedPositions(None, None, rows, keys)
 
 

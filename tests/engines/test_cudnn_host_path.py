@@ -291,8 +291,9 @@ def test_runtime_positions_compute_only_the_side_asked_for(fake):
     keys_only = model_inputs.padding_positions(padding, 6, 6, torch.device("cpu"), "bhsd",
                                                queries=False)
     assert keys_only.valid_q is None and keys_only.rows is None
-    assert keys_only.valid_kv.tolist() == [[True] * 4 + [False] * 2, [True] * 6]
-    assert keys_only.keys.shape == (2, 1, 6, 1)
+    assert keys_only.keys.shape == (2, 1, 6, 1)  # in the call's layout, no [B, S] mask
+    assert keys_only.valid_kv is None
+    assert keys_only.keys[:, 0, :, 0].tolist() == [[True] * 4 + [False] * 2, [True] * 6]
     rows_only = model_inputs.padding_positions(padding, 6, 6, torch.device("cpu"), "bshd",
                                                keys=False)
     assert rows_only.valid_kv is None and rows_only.keys is None
