@@ -404,7 +404,8 @@ class CudnnPlan:
         stats = packed.reshape(self._stats_shape(q))
         if stats.dtype != torch.float32:
             stats = stats.to(torch.float32)
-        if s.padding:  # only padded graphs have rows that see no key (the forward's -inf rows)
+        if s.padding and not s.synthetic_padding:  # only a call's own lengths leave rows that
+            # see no key (the forward's -inf rows): full lengths do not (_spec._open_tiles)
             # -inf -> +inf, into a contiguous buffer: one kernel (a comparison, a fill and the
             # packed lse's copy cost three)
             stats = torch.nan_to_num(stats, nan=math.nan, posinf=math.inf, neginf=math.inf,

@@ -19,6 +19,7 @@ import torch
 import cudnn_attn as ca
 from cudnn_attn.core.caches import clear_caches
 from cudnn_attn.graphs._spec import analyze
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytestmark = pytest.mark.skipif(not cudnn_fake.frontend_present(),
                                 reason="nvidia-cudnn-frontend is not installed")
@@ -130,3 +131,24 @@ def test_explain_names_the_padding_mask_it_adds(fake):
     assert ca.explain(q, k, v, backend="cudnn").notes == []  # whole tiles
     q, k, v = (t.detach() for t in _anti_aligned(1, 2, 192, 192))
     assert ca.explain(q, k, v, backend="cudnn").notes == []  # no backward: tails masked
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self, name):
+        super().__init__()
+        self.name, self.count = name, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ == self.name
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("padding, conversions", [(None, 0), (ca.Padding([192, 150]), 1)])
+def test_full_lengths_leave_no_row_without_keys_to_convert(fake, padding, conversions):
+    """The backward turns the forward's -inf stats (rows that see no key) into +inf only where a
+    call's own lengths can leave such rows: full lengths cannot (one kernel less)."""
+    q, k, v = _anti_aligned(2, 2, 192, 192)
+    out, lse = ca.attention(q, k, v, mask=padding, return_lse=True, backend="cudnn")
+    with _CountOps("nan_to_num") as counted:
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert counted.count == conversions
