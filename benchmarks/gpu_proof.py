@@ -194,7 +194,7 @@ def plan(work: Path, python: str = sys.executable, workers: int = 8,
     steps += [
         proof_extras.profile_na_step(work, python),  # the fused kernels' profile first
         Step("bench-cudnn-more", [python, str(bench / "cudnn.py"), "--quick", "--seqs", "512",
-                                  "2048", "4096", "16384", *more], 3, 240.0, optional=True),
+                                  "2048", "4096", "16384", "8128", *more], 3, 240.0, optional=True),
         Step("bench-neighborhood-more", [python, str(bench / "neighborhood.py"), "--issue-rows",
                                          "--dims", "1", "3",
                                          "--dtypes", "bf16", "--head-dims", "128", "--repeats", "3",
