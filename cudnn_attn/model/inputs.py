@@ -218,7 +218,10 @@ def length_positions(seq_len_q: Optional[torch.Tensor], seq_len_kv: Optional[tor
     masks: ``valid_q`` / ``valid_kv`` are ``None``). One lengths tensor for both sides of a
     self-attention call: one comparison serves both."""
     def below(lengths, seq):
-        return row_positions(seq, lengths.device, lengths.dtype, layout) < lengths
+        # positions of the lengths' dtype (no cast per call) where it holds every position
+        wide = lengths.dtype in (torch.int32, torch.int64)
+        return row_positions(seq, lengths.device, lengths.dtype if wide else torch.int64,
+                             layout) < lengths
 
     keys = None if seq_len_kv is None else below(seq_len_kv, seq_kv)
     if seq_len_q is None:

@@ -300,6 +300,14 @@ def test_runtime_positions_compute_only_the_side_asked_for(fake):
     assert rows_only.rows[:, :, 0, 0].tolist() == [[True] * 5 + [False], [True] * 3 + [False] * 3]
 
 
+def test_runtime_positions_of_narrow_integer_lengths_cover_every_position(fake):
+    """uint8 lengths against 300 positions: the positions are not made in uint8 (0..255 would
+    wrap), so position 260 lies past a length of 250."""
+    padding = ca.Padding(torch.tensor([250, 200], dtype=torch.uint8))
+    keys = model_inputs.padding_positions(padding, 300, 300, torch.device("cpu"), "bhsd").keys
+    assert keys[:, 0, :, 0].sum(1).tolist() == [250, 200]
+
+
 # ---------------------------------------------------------------------------------------------
 # dropout seeds from a CUDA generator: drawn on the host
 # ---------------------------------------------------------------------------------------------
