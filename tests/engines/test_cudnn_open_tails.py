@@ -15,11 +15,11 @@ import dataclasses
 import cudnn_fake
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import cudnn_attn as ca
 from cudnn_attn.core.caches import clear_caches
 from cudnn_attn.graphs._spec import analyze
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytestmark = pytest.mark.skipif(not cudnn_fake.frontend_present(),
                                 reason="nvidia-cudnn-frontend is not installed")
