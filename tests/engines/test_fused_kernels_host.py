@@ -358,3 +358,57 @@ def test_backward_delta_kernel(launches, with_dlse):
         ref = ref - dlse.double()
     check("delta", delta, ref)
     assert {c[0] for c in launches} == {"na_fused_backward_delta"}
+
+
+@pytest.mark.parametrize("mask", [None, "causal-tl"], ids=["full", "causal-tl"])
+def test_band_kernels_with_very_negative_lse_keep_partial_tiles_masked(launches, mask):
+    """cuDNN's open-tail bug class (``graphs.limits.CudnnLimits.key_tile``) checked on our own
+    kernels: 100 queries and 100 keys leave partial tiles on both sides, and every score is
+    about -106 (each row's LSE below -88.7, where ``exp(0 - LSE)`` of an unmasked zero-filled
+    position would overflow fp32). Everything stays finite and matches float64."""
+    B, H, S, D = 1, 2, 100, 8
+    g = torch.Generator().manual_seed(13)
+    q, k = _heads_first((B, S, H, D), g), _heads_first((B, S, H, D), g)
+    v, dout = _heads_first((B, S, H, D), g), _heads_first((B, S, H, D), g)
+    q[..., 0], k[..., 0] = 1.0, -300.0  # scale 8 ** -0.5: scores about -106
+    table, vis_kw = _band(S, S, mask)
+    boxes = F.choose_tiles(tuple(table), 1)
+    scale = D ** -0.5
+    out, lse = torch.empty(B, H, S, D).transpose(1, 2), torch.empty(B, H, S).transpose(1, 2)
+    F.run_forward(q, k, v, out, lse, table, boxes, scale, 0.0)
+    vis = oracle.build_visibility(1, S, S, **vis_kw)
+    r_out, r_lse, r_dq, r_dk, r_dv = reference(q, k, v, dout, vis, scale)
+    assert r_lse.max() < -95
+    check("out", out, r_out)
+    torch.testing.assert_close(lse.double(), r_lse, rtol=1e-5, atol=1e-3)
+    delta = F.backward_delta(out, dout, lse)
+    dq, dk, dv = (torch.empty(B, H, S, D).transpose(1, 2) for _ in range(3))
+    F.run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale, 0.0)
+    for name, got, want in (("dq", dq, r_dq), ("dk", dk, r_dk), ("dv", dv, r_dv)):
+        assert torch.isfinite(got).all(), name
+        # dQ's first feature sums dS (rows summing to 0) times K's -300s: fp32 cancellation of
+        # about 1e-3 of the largest gradient there, where float64 gives 0
+        torch.testing.assert_close(got.double(), want, rtol=1e-3,
+                                   atol=1e-3 * max(1.0, want.abs().max().item()))
+
+
+def test_neighborhood_kernels_with_very_negative_lse_stay_finite(launches):
+    """The same on the neighborhood kernels: 100 tokens (a partial last tile), kernel 7."""
+    spatial, kernel = (100,), (7,)
+    g = torch.Generator().manual_seed(14)
+    B, H, D = 1, 2, 8
+    q, k, v, dout = (rand((B, *spatial, H, D), g) for _ in range(4))
+    q[..., 0], k[..., 0] = 1.0, -300.0  # scale 8 ** -0.5: scores about -106
+    geom = {"kernel_size": kernel, "stride": (1,), "dilation": (1,), "is_causal": (False,),
+            "scale": D ** -0.5, "query_tile": None, "key_tile": None}
+    out, lse = F.na_forward(q, k, v, **geom)
+    vis = oracle.build_visibility(1, 100, 100, neighborhood={
+        "spatial_shape": spatial, "kernel_size": kernel, "is_causal": (False,)})
+    r_out, r_lse, r_dq, r_dk, r_dv = reference(q, k, v, dout, vis, D ** -0.5)
+    assert r_lse.max() < -95
+    check("out", out, r_out)
+    dq, dk, dv = F.na_backward(q, k, v, out, lse, dout, **geom)
+    for name, got, want in (("dq", dq, r_dq), ("dk", dk, r_dk), ("dv", dv, r_dv)):
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got.double(), want, rtol=1e-3,
+                                   atol=1e-3 * max(1.0, want.abs().max().item()))
