@@ -24,6 +24,10 @@ cuDNN's own kernel launch is not. The same tiny problem (1 x 2 x 16 x 64 fp16, c
   flash_attn_func fwd+bwd, flash_attn_varlen_func fwd+bwd
                  FlashAttention's differentiable functions (its layout; packed as varlen),
                  causal, forward and ``torch.autograd.grad`` (against torch's fwd+bwd)
+  flash_attn_with_kvcache decode
+                 the kvcache decode step through FlashAttention's API (Hugging Face's
+                 flash_attention_2 decode): bitwise repeatable, so cuDNN runs it as a two-row
+                 graph (``graphs.decode_rows``; against torch's padded call)
   new shape      one query against keys one longer at every call (a decode loop over a growing
                  cache, as Hugging Face's dynamic cache calls it), 1024 lengths in turn, more
                  than any cache keeps: every call plans anew (against torch's fwd)
@@ -170,6 +174,7 @@ def ours() -> dict:
 
     # FlashAttention's differentiable functions on the same tokens (bshd; packed), causal.
     from cudnn_attn.compat.flash_attn.functions import flash_attn_func, flash_attn_varlen_func
+    from cudnn_attn.flash_attn_interface import flash_attn_with_kvcache
 
     fa_q, fa_k, fa_v = (t.transpose(1, 2).contiguous().requires_grad_(True) for t in (q, k, v))
     fa_dout = dout.transpose(1, 2).contiguous()
@@ -208,6 +213,8 @@ def ours() -> dict:
                                            mask=causal, backend="cudnn"),
         "flash_attn_func fwd+bwd": fa_fwd_bwd,
         "flash_attn_varlen_func fwd+bwd": fa_varlen_fwd_bwd,
+        "flash_attn_with_kvcache decode": lambda: flash_attn_with_kvcache(
+            step, cache, cache, cache_seqlens=cache_lens, causal=True),
         "new shape": new_shape,
     }
     return {f"ours {name}": fn for name, fn in cases.items()}
@@ -352,6 +359,7 @@ def small_kernels(fn) -> int:
 # ours' cases measured against torch's call of another name: a decode step is a padded call
 # (the lengths made into a mask, attn_mask=) for a torch user
 _KIND = {"kvcache decode": "padding", "paged decode": "padding", "varlen": "padding",
+         "flash_attn_with_kvcache decode": "padding",
          "flash_attn_func fwd+bwd": "fwd+bwd", "flash_attn_varlen_func fwd+bwd": "fwd+bwd",
          "new shape": "fwd"}
 

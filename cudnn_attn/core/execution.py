@@ -112,8 +112,9 @@ def forward(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool = True,
     reach the engine (``model.inputs.hide_padding``). ``row_stats`` (a dict, torch engine only)
     receives each row's score maximum and sum of exponentials (the builder's logit_max and
     score_sum_exp); ``weights`` (a dict, torch engine only) the attention weights before and
-    after dropout (``"probs"``, ``"dropped"``, ``[B, H_q, S_q, S_kv]``)."""
-    inputs = hide_padding(problem, inputs)
+    after dropout (``"probs"``, ``"dropped"``, ``[B, H_q, S_q, S_kv]``). No gradient follows,
+    so the padded query rows are kept unless those extras (which have rows there) are asked."""
+    inputs = hide_padding(problem, inputs, queries=row_stats is not None or weights is not None)
     extra = {} if row_stats is None else {"row_stats": row_stats}
     if weights is not None:
         extra["weights"] = weights

@@ -427,12 +427,16 @@ def empty_rows(band: Optional[Band], i: torch.Tensor, lq: torch.Tensor,
     empty = i >= lq
     if lkv is not lq:
         empty = empty | (lkv == scalar_zero(lkv))  # a 0-dim tensor: no scalar to wrap per call
-    if _band_empties_rows(band):
-        aligned = i + (lkv - lq if band.alignment == "bottom_right" else 0)
-        lo = torch.clamp(aligned - band.left + 1, min=0) if band.left is not None else 0
-        hi = torch.minimum(aligned + band.right, lkv - 1) if band.right is not None else lkv - 1
-        empty = empty | ((hi < lo) if isinstance(lo, torch.Tensor) else (hi < 0))
-    return empty
+    if not _band_empties_rows(band):
+        return empty
+    if band.left is None:  # bottom-right: row i sees keys 0 .. min(i + lkv - lq + R, lkv - 1),
+        if band.right is not None:  # none iff i + R < lq - lkv (no keys: empty already)
+            empty = empty | ((i + band.right if band.right else i) < lq - lkv)
+        return empty
+    aligned = i + (lkv - lq if band.alignment == "bottom_right" else 0)
+    lo = torch.clamp(aligned - band.left + 1, min=0)
+    hi = torch.minimum(aligned + band.right, lkv - 1) if band.right is not None else lkv - 1
+    return empty | (hi < lo)
 
 
 def _band_empties_rows(band: Optional[Band]) -> bool:

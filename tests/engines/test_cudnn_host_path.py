@@ -548,3 +548,30 @@ def test_graphs_built_per_call_shape_warn_once_per_family(fake, caplog):
     for n in range(8, 8 + churn.CHURN_WARNING - 1):
         step(n)
     assert len(warnings_logged()) == 1
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_empty_rows_follow_the_band_rule_for_every_small_case(alignment):
+    """``_runtime.empty_rows`` against cuDNN's documented rule (padding, then
+    ``i' - L < j <= i' + R``) for every band with bounds up to 3 and every length pair up to 5."""
+    from cudnn_attn.graphs._spec import Band
+
+    s = 5
+    i = torch.arange(s).view(1, s, 1)
+    j = torch.arange(s).view(1, 1, s)
+    pairs = [(a, b) for a in range(s + 1) for b in range(s + 1)]
+    lq = torch.tensor([a for a, _ in pairs]).view(-1, 1, 1)
+    lkv = torch.tensor([b for _, b in pairs]).view(-1, 1, 1)
+    for left in (None, 1, 2, 3):
+        for right in (None, 0, 1, 3):
+            if left is None and right is None:
+                continue
+            band = Band(alignment, left, right)
+            aligned = i + (lkv - lq if alignment == "bottom_right" else 0)
+            vis = (i < lq) & (j < lkv)
+            if left is not None:
+                vis &= j > aligned - left
+            if right is not None:
+                vis &= j <= aligned + right
+            got = _runtime.empty_rows(band, i, lq, lkv)
+            assert torch.equal(got.expand(-1, s, 1).squeeze(-1), ~vis.any(-1)), (left, right)

@@ -89,7 +89,8 @@ def test_host_benchmark_runs_on_the_cpu_and_writes_its_rows(tmp_path):
     rows = {r["call"]: r for r in json.loads(path.read_text())["rows"]}
     for case in ("fwd", "fwd (grad)", "fwd+bwd", "padding", "padding-rt", "dropout", "bias",
                  "kvcache decode", "paged decode", "varlen", "flash_attn_func fwd+bwd",
-                 "flash_attn_varlen_func fwd+bwd", "new shape"):
+                 "flash_attn_varlen_func fwd+bwd", "flash_attn_with_kvcache decode",
+                 "new shape"):
         assert rows[f"ours {case}"]["us_per_call"] > 0
         assert rows[f"ours {case}"]["vs_torch"] > 0
         assert isinstance(rows[f"ours {case}"]["kernels"], int)

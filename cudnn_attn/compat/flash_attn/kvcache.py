@@ -91,7 +91,7 @@ class _Cache:
                 if rows < batch:
                     raise ValueError(f"k_cache has {rows} sequences but q has batch {batch} "
                                      f"(pass cache_batch_idx to pick cache rows)")
-                self.rows = torch.arange(batch, device=k_cache.device)
+                self.rows = None  # the first ``batch`` rows: made when an append needs them
             else:
                 idx = index_tensor("cache_batch_idx", cache_batch_idx, 1, q.device)
                 values = idx.tolist()
@@ -105,7 +105,9 @@ class _Cache:
         """Index tuple of cache positions ``[B, S]`` (every one inside the cache); ``check``
         reads the pages on the host to name a bad block table entry."""
         if not self.paged:
-            return self.rows[:, None].expand_as(positions), positions
+            rows = torch.arange(positions.shape[0], device=self.k_cache.device) \
+                if self.rows is None else self.rows
+            return rows[:, None].expand_as(positions), positions
         table = self.table.to(device=positions.device, dtype=torch.int64)
         pages = table.gather(1, positions // self.page)
         bad = (pages < 0) | (pages >= self.k_cache.shape[0])

@@ -118,7 +118,8 @@ def kvcache(q, cache, k, v, cache_seqlens, block_table, rotary, interleaved: boo
     else:
         lens = torch.full((batch,), checks.integer("cache_seqlens", cache_seqlens),
                           dtype=torch.int32, device=q.device)
-    starts = lens.to(torch.int64)[:, None]
+    # where new tokens go (int64, [B, 1]); made only when there are any (a kernel per call)
+    starts = lens.to(torch.int64)[:, None] if rotary is not None or k is not None else None
     if rotary is not None:
         per_token = torch.arange(seq_q, device=q.device)
         step = per_token if fa_positions_per_token(opts, cache.capacity) else \
@@ -126,7 +127,8 @@ def kvcache(q, cache, k, v, cache_seqlens, block_table, rotary, interleaved: boo
         q = apply_rotary(q, *rotary, starts + step, interleaved)
         k = apply_rotary(k, *rotary, starts + torch.arange(seq_new, device=q.device), interleaved)
     try:
-        found = stored_kvcache(q, cache.k_cache, cache.v_cache, lens + seq_new, block_table,
+        found = stored_kvcache(q, cache.k_cache, cache.v_cache,
+                               lens + seq_new if seq_new else lens, block_table,
                                mask=fa_mask(opts, cache.capacity, False),
                                adjust={"repeatable": True},  # FlashAttention's: repeatable
                                scale=opts.scale, softcap=opts.softcap, return_lse=True)
