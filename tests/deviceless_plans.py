@@ -131,6 +131,9 @@ def _families() -> dict:
         "bias-dbias-causal": family(qkv(), bias=meta(2, 4, 256, 256, grad=True),
                                     mask=ca.Causal()),
         "bias-skv-not-tiled": family(qkv(Sq=192, Skv=200), bias=meta(1, 4, 192, 200, grad=True)),
+        # backward graphs with S % 128 != 0 carry a full-length padding mask (_spec._open_tiles)
+        "open-tails": family(qkv(Sq=192, Skv=192), note="S % 128 == 64, no mask"),
+        "open-tails-one-query": family(qkv(Sq=1, Skv=128), note="the query tail (#1072)"),
         "dropout-causal": family(qkv(), dropout_p=0.1, mask=ca.Causal()),
         "dropout-mask": family(qkv(), GraphOptions(dropout_mask=True)),
         "everything": family(qkv(), mask=ca.Causal() & ca.Padding([256, 77]), bias=ca.Alibi(),

@@ -204,10 +204,10 @@ def padding_positions(padding, seq_q: int, seq_kv: int, device, layout: str,
                                                                  layout))
         return found
     lens_q, lens_kv = padding.tensors(device)
-    column = lens_kv.view(lens_kv.shape[0], 1, 1, 1)
-    return length_positions(
-        None if not queries else column if lens_q is lens_kv else
-        lens_q.view(lens_q.shape[0], 1, 1, 1), column if keys else None, seq_q, seq_kv, layout)
+    col_kv = lens_kv.view(-1, 1, 1, 1)
+    col_q = col_kv if lens_q is lens_kv else lens_q.view(-1, 1, 1, 1)  # one comparison serves both
+    return length_positions(col_q if queries else None, col_kv if keys else None, seq_q, seq_kv,
+                            layout)
 
 
 def length_positions(seq_len_q: Optional[torch.Tensor], seq_len_kv: Optional[torch.Tensor],
