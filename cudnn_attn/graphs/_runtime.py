@@ -461,9 +461,11 @@ def padded_row_views(spec: GraphSpec, seq_len_q: torch.Tensor, seq_len_kv: torch
     """``empty_views`` of the rows that see no key, from the ``[B, 1, 1, 1]`` graph lengths of a
     dense (not packed) spec: made in the stats' ``[B, 1, S_q, 1]`` shape (no ``[B, S_q]`` to
     view twice), out's a view of it in bshd. ``queries_full``: every query row is a token (a
-    KV-cache call's): without a band that can empty rows, only a sequence without keys has rows
-    that see none, one ``[B, 1, 1, 1]`` comparison that broadcasts against out and stats."""
-    if queries_full and not _band_empties_rows(spec.band):
+    KV-cache call's): without a band that can empty rows, or with one query row (which every
+    band keeps on a key: ``left >= 1``, ``right >= 0``, aligned at key 0 or at the last key), only
+    a sequence without keys has rows that see none, one ``[B, 1, 1, 1]`` comparison that
+    broadcasts against out and stats."""
+    if queries_full and (spec.seq_q == 1 or not _band_empties_rows(spec.band)):
         empty = seq_len_kv == scalar_zero(seq_len_kv)
         return empty, empty
     empty = _rows_without_keys(spec, seq_len_q, seq_len_kv)

@@ -33,9 +33,10 @@ from .head_pad import HeadPadPlan, needs_padding, padded_problem
 from .score_mod_masks import mask_program, neighborhood_as_band, tile_bitmask
 from ._spec import GraphSpec, analyze, problem_lengths
 from .notes import plan_notes
+from .two_row_plan import TwoRowPlan
 from .sdpa import UID, BuiltGraph, build_graph
 
-__all__ = ["CudnnBackend", "CudnnPlan", "TwoRowPlan", "graph_specs"]
+__all__ = ["CudnnBackend", "CudnnPlan", "graph_specs"]
 
 PLAN_CACHE_SIZE = 128
 # UID's values as plain ints for the per-call buffer dicts: an IntEnum member costs the hot path
@@ -93,7 +94,7 @@ class CudnnBackend:
                                  problem.dtype, hood, problem.softcap, problem.requires_grad,
                                  roofline.ceilings_for(problem.device))
 
-    def plan(self, problem: AttnProblem) -> "CudnnPlan | HeadPadPlan":
+    def plan(self, problem: AttnProblem) -> "CudnnPlan | TwoRowPlan | HeadPadPlan":
         """The plan with every graph ``problem``'s calls need built; ``NotSupportedError`` when
         cuDNN declines one (at any build stage)."""
         if needs_padding(problem):
@@ -101,12 +102,12 @@ class CudnnBackend:
         spec, reasons = analyze(problem)
         if reasons:
             raise NotSupportedError(problem, {self.name: reasons}, forced=self.name)
-        plan: CudnnPlan
+        plan: CudnnPlan | TwoRowPlan
         if decode_rows.needed(problem):  # spec is the two-row graph's (decode_rows)
             where = decode_rows.side(problem)
             plan = self._plans.get_or_create(
                 _plan_key(problem, spec) + (where,),
-                lambda: TwoRowPlan(decode_rows.padded_problem(problem), spec, where))
+                lambda: _two_row_plan(problem, spec, where))
         else:
             plan = self._plans.get_or_create(_plan_key(problem, spec),
                                               lambda: CudnnPlan(problem, spec))
@@ -163,6 +164,11 @@ def graph_specs(problem: AttnProblem, spec: GraphSpec) -> list[tuple[str, GraphS
     return out
 
 
+def _two_row_plan(problem: AttnProblem, spec: GraphSpec, where: str) -> TwoRowPlan:
+    rows = dataclasses.replace(spec, seq_q=1)  # the call's own
+    return TwoRowPlan(CudnnPlan(decode_rows.padded_problem(problem), spec, rows), where)
+
+
 def _plan_key(problem: AttnProblem, spec: GraphSpec) -> tuple:
     return (spec, problem.requires_grad, str(problem.device))
 
@@ -177,12 +183,16 @@ def _graph(problem: AttnProblem, spec: GraphSpec, backward: bool) -> BuiltGraph:
 
 class CudnnPlan:
     """The graphs of one normalized problem (forward with/without stats, backward), built
-    lazily through ``graph_cache`` and kept for the plan's lifetime."""
+    lazily through ``graph_cache`` and kept for the plan's lifetime. ``rows``: the spec of the
+    query rows a caller keeps, when not all of ``spec``'s (``TwoRowPlan``'s one): a forward's
+    views of the rows that see no key (runtime lengths) are made for those, and broadcast
+    against the graph's."""
 
     name = "cudnn"
 
-    def __init__(self, problem: AttnProblem, spec: GraphSpec):
+    def __init__(self, problem: AttnProblem, spec: GraphSpec, rows: Optional[GraphSpec] = None):
         self.spec = spec
+        self._rows = spec if rows is None else rows
         self.dropout_p = problem.dropout_p
         self._graphs: dict = {}
         self._block_mask = None
@@ -266,8 +276,9 @@ class CudnnPlan:
                     empty = _runtime.token_rows_without_keys(
                         self.spec.band, storage.cu_seqlens_q, seq_q, seq_kv, q.shape[0])
                 elif forward:
-                    views = _runtime.padded_row_views(self.spec, seq_q, seq_kv, is_full_lengths(
-                        padding.runtime[0], self.spec.batch, self.spec.seq_q, device))
+                    rows = self._rows
+                    views = _runtime.padded_row_views(rows, seq_q, seq_kv, is_full_lengths(
+                        padding.runtime[0], rows.batch, rows.seq_q, device))
             else:
                 lens_q, lens_kv = problem_lengths(problem)
                 seq_q, seq_kv, empty, views = self._lengths.get(
@@ -362,6 +373,19 @@ class CudnnPlan:
         """``(out, lse)``: out in the call's layout and dtype; lse ``[B, H, S_q]`` fp32
         (natural log; ``-inf`` and out 0 on rows that see no key), ``None`` unless
         ``need_lse``. Packed (ragged) problems: out ``[total_q, H, D_v]``, lse ``[H, total_q]``."""
+        out, stats, empty = self.raw_forward(problem, inputs, need_lse)
+        if empty is not None:
+            out.masked_fill_(empty[0], 0)
+        if stats is None:
+            return out, None
+        if empty is not None:
+            stats = stats.masked_fill(empty[1], -math.inf)
+        return out, self._lse(stats)
+
+    def raw_forward(self, problem, inputs, need_lse: bool) -> tuple:
+        """``(out, stats, empty)``: out and the stats (``None`` unless ``need_lse``) as the
+        forward graph wrote them, and the ``empty_views`` of the rows that see no key, which
+        ``forward`` fills (``None``: none can)."""
         q = inputs.q
         device = q.device
         built = self._graphs.get("stats" if need_lse else "plain") \
@@ -383,13 +407,7 @@ class CudnnPlan:
         if need_lse:
             stats = buffers[_U.STATS] = self._new_stats(q, filled)
         launch.execute(built, buffers, device)
-        if empty is not None:
-            out.masked_fill_(empty[0], 0)
-        if stats is None:
-            return out, None
-        if empty is not None:
-            stats = stats.masked_fill(empty[1], -math.inf)
-        return out, self._lse(stats)
+        return out, stats, empty
 
     def backward(self, problem, inputs, out, lse, dout, dlse=None):
         """``(dq, dk, dv, dbias)`` from the forward's LSE; ``dlse`` (the gradient reaching the
@@ -438,43 +456,6 @@ class CudnnPlan:
         if dbias is not None:
             dbias = dbias.view(problem.bias.shape)
         return dq, dk, dv, dbias
-
-
-class TwoRowPlan(CudnnPlan):
-    """The plan of a repeatable single-query call (``decode_rows``): graphs built for two query
-    rows; the extra row (``where``: ``"front"`` / ``"back"``) is added to the inputs and dropped
-    from the results."""
-
-    def __init__(self, padded: AttnProblem, spec: GraphSpec, where: str):
-        super().__init__(padded, spec)
-        self.where = where
-
-    def prepare(self, problem: AttnProblem) -> None:
-        super().prepare(decode_rows.padded_problem(problem))
-
-    def direct(self, problem):
-        """None: the extra row is added and dropped by ``forward`` and ``backward``."""
-        return None
-
-    def _two_rows(self, problem, inputs):
-        return decode_rows.padded_problem(problem), dataclasses.replace(
-            inputs, q=decode_rows.add_row(inputs.q, problem.layout, self.where))
-
-    def forward(self, problem, inputs, need_lse=True):
-        out, lse = super().forward(*self._two_rows(problem, inputs), need_lse)
-        out = decode_rows.real_row(out, problem.layout, self.where).contiguous()
-        return out, None if lse is None else \
-            decode_rows.real_row(lse, "", self.where, rows=2).contiguous()
-
-    def backward(self, problem, inputs, out, lse, dout, dlse=None):
-        """The extra row: ``O = dO = 0`` and ``lse = +inf`` (its weights are 0): it adds
-        nothing to dK, dV (or dBias); its dQ row is dropped."""
-        layout, where, add = problem.layout, self.where, decode_rows.add_row
-        dq, dk, dv, dbias = super().backward(
-            *self._two_rows(problem, inputs), add(out, layout, where, 0.0),
-            add(lse, "", where, math.inf, rows=2), add(dout, layout, where, 0.0),
-            None if dlse is None else add(dlse, "", where, 0.0, rows=2))
-        return decode_rows.real_row(dq, layout, where).contiguous(), dk, dv, dbias
 
 
 def _like_layout(t: torch.Tensor, shape: tuple) -> torch.Tensor:

@@ -24,11 +24,11 @@ engine runs them.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
 
+from ..core.caches import memoize
 from ..model.masks import Causal, SlidingWindow
 from ..model.problem import AttnProblem, TensorSpec
 from ..model.storage import Ragged
@@ -74,11 +74,17 @@ def _row_dim(layout: str) -> int:
 
 def padded_problem(problem: AttnProblem) -> AttnProblem:
     """``problem`` with two query rows (q contiguous in the call's layout)."""
-    shape = list(problem.q.shape)
-    shape[_row_dim(problem.layout)] = 2
-    stride = torch.empty(shape, dtype=problem.dtype, device="meta").stride()
-    return dataclasses.replace(problem, seq_q=2,
-                               q=TensorSpec(tuple(shape), tuple(stride), problem.dtype))
+    return problem.with_query_rows(2, _two_row_query(problem.q, problem.layout))
+
+
+@memoize("decode_rows.query", 64)
+def _two_row_query(q: TensorSpec, layout: str) -> TensorSpec:
+    """The spec of a contiguous q with two rows in place of ``q``'s one (made once per spec:
+    every decode step of a model asks for the same few)."""
+    shape = list(q.shape)
+    shape[_row_dim(layout)] = 2
+    stride = torch.empty(shape, dtype=q.dtype, device="meta").stride()
+    return TensorSpec(tuple(shape), tuple(stride), q.dtype)
 
 
 def add_row(t: torch.Tensor, layout: str, where: str, fill: Optional[float] = None,

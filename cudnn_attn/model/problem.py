@@ -203,6 +203,16 @@ class AttnProblem:
             fresh.__dict__["storage"] = storage
         return fresh
 
+    def with_query_rows(self, seq_q: int, q: TensorSpec) -> "AttnProblem":
+        """This problem with ``seq_q`` query rows laid out as ``q``, every other field (the
+        runtime values too) its own: copied as ``rebound`` copies, the plan key made anew
+        (``dataclasses.replace`` would re-run the whole construction, per call)."""
+        fresh = object.__new__(AttnProblem)
+        fresh.__dict__.update(self.__dict__)
+        fresh.__dict__.update(seq_q=seq_q, q=q)
+        fresh.__post_init__()
+        return fresh
+
     def describe(self) -> str:
         masks = " & ".join(repr(m) for m in mask_parts(self.mask)) or "none"
         extras = [f"bias={list(self.bias.shape)}" if self.bias else "",

@@ -141,6 +141,42 @@ def test_kvcache_decode_step_is_two_row_with_the_extra_row_hidden_by_padding(pag
                                    atol=3e-3, rtol=3e-3)
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("lengths", ["static", "runtime"])
+def test_two_row_results_are_the_calls_row_and_rows_without_keys_are_zero(layout, lengths,
+                                                                          fake):
+    """The real row is copied out of the two-row results (contiguous out, ``[B, H, 1]`` lse)
+    with the rows that see no key (``seq_lens_kv = 0``) filled: out 0, lse -inf. Static
+    lengths find them for both graph rows, runtime ones for the call's row only."""
+    B, H, S, D = 3, 2, 9, 16
+    lens_kv = [4, 0, 9]
+    g = torch.Generator().manual_seed(11)
+    shape = (B, H, S, D) if layout == "bhsd" else (B, S, H, D)
+    q = torch.randn((B, H, 1, D) if layout == "bhsd" else (B, 1, H, D), generator=g).to(F16)
+    k, v = (torch.randn(shape, generator=g).to(F16) for _ in range(2))
+    k[1], v[1] = float("nan"), float("nan")  # a sequence without keys: none of this is read
+    if lengths == "static":
+        padding = ca.Padding([1] * B, lens_kv)
+    else:
+        padding = ca.Padding(torch.ones(B, dtype=torch.int32), torch.tensor(lens_kv))
+    mask = ca.Causal("bottom_right") & padding
+    torch.use_deterministic_algorithms(True)
+    try:
+        out, lse = ca.attention(q, k, v, mask=mask, layout=layout, return_lse=True,
+                                backend="cudnn")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert _seq_q_of_graphs(fake) == [(2, False)]
+    out, lse = cudnn_fake.host(out), cudnn_fake.host(lse)
+    assert out.shape == q.shape and out.is_contiguous() and lse.shape == (B, H, 1)
+    ref, ref_lse = ca.attention(q.double(), k.double().nan_to_num(), v.double().nan_to_num(),
+                                mask=ca.Causal("bottom_right") & ca.Padding([1] * B, lens_kv),
+                                layout=layout, return_lse=True, backend="torch")
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-3, rtol=2e-3)
+    assert (out[1] == 0).all() and (lse[1] == -float("inf")).all()
+
+
 @pytest.mark.parametrize("kind", ["ragged", "bias"])
 def test_calls_that_cannot_take_the_extra_row_leave_cudnn_with_the_reason(kind):
     from cudnn_attn.graphs._spec import analyze
