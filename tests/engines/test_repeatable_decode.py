@@ -224,3 +224,26 @@ def test_single_query_calls_are_bitwise_repeatable_on_the_gpu(surface):
     finally:
         torch.use_deterministic_algorithms(False)
     assert distinct == 0, f"{distinct} of 199 repeats differ from the first"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("seq_q", [1, 2, 3, 8])
+@pytest.mark.parametrize("seq_k", [239, 2048])
+@pytest.mark.parametrize("group", [1, 8], ids=["mha", "gqa8"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_few_query_calls_are_bitwise_repeatable_on_the_gpu(seq_q, seq_k, group, dim):
+    """Beyond the one case that failed: few queries against many keys, with and without GQA
+    (a decode kernel may pack a group's query heads into rows, or split the keys between
+    blocks and add their partial sums in any order), through a repeatable surface; 50 repeats,
+    one result. Any shape listed here as failing needs the two-row treatment too."""
+    from cudnn_attn.flash_attn_interface import flash_attn_func
+
+    g = torch.Generator().manual_seed(seq_q * 1000 + seq_k)
+    q = torch.randn(2, seq_q, 8, dim, generator=g).to("cuda", torch.bfloat16)
+    k, v = (torch.randn(2, seq_k, 8 // group, dim, generator=g).to("cuda", torch.bfloat16)
+            for _ in range(2))
+    first = flash_attn_func(q, k, v, causal=True)
+    distinct = sum(not torch.equal(flash_attn_func(q, k, v, causal=True), first)
+                   for _ in range(49))
+    assert distinct == 0, f"{distinct} of 49 repeats differ from the first"
