@@ -24,7 +24,7 @@ from ..model.problem import AttnProblem
 from ..model.storage import Paged, Ragged
 from . import cache_files, decode_rows
 from .limits import BACKWARD_HEAD_DIM, LIMITS, MAX_HEAD_DIM
-from .score_mod_masks import mask_program, neighborhood_as_band
+from .score_mod_masks import neighborhood_as_band, program_for
 
 __all__ = ["Band", "PagedKV", "GraphOptions", "GraphSpec", "analyze", "cudnn_reasons",
            "with_storage", "device_sm", "MAX_HEAD_DIM", "BACKWARD_HEAD_DIM", "LIMITS"]
@@ -280,7 +280,7 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
     if hood is not None and neighborhood_as_band(hood) is not None:
         hood = None  # cuDNN's built-in band
     if problem.softcap is not None or problem.score_mod is not None or hood is not None:
-        score_mod, band = _as_score_mod(problem, band, hood, padding, alibi, reasons), None
+        score_mod, band = program_for(problem, band, hood, padding, alibi, reasons), None
     bias_dims = bias_stride = bias_dtype = None
     if problem.bias is not None:
         bias_dtype = lim.bias_dtypes.get(problem.bias.dtype)
@@ -395,24 +395,6 @@ def _open_tiles(problem: AttnProblem, bias_dims, backward: bool) -> bool:
     ragged_kv = problem.seq_kv % tile != 0
     return (bias_dims is not None and ragged_kv) or \
         (backward and (ragged_kv or problem.seq_q % tile != 0))
-
-
-def _as_score_mod(problem, band, hood, padding: bool, alibi: bool, reasons: list):
-    """The call's score_mod program (softcap, the builder's score_mod, a neighborhood and the
-    band folded in), or ``None`` with reasons."""
-    what = ", ".join(n for n, on in (("softcap", problem.softcap is not None),
-                                     ("a score_mod", problem.score_mod is not None),
-                                     ("a neighborhood mask", hood is not None)) if on)
-    if padding:
-        reasons.append(f"cuDNN's score_mod ({what}) excludes the padding mask")
-    if alibi:
-        reasons.append(f"cuDNN's score_mod ({what}) excludes ALiBi")
-    if padding or alibi:
-        return None
-    offset = problem.seq_kv - problem.seq_q if band is not None \
-        and band.alignment == "bottom_right" else 0
-    return mask_program(softcap=problem.softcap, band=band, band_offset=offset,
-                        neighborhood=hood, base=problem.score_mod)
 
 
 def with_storage(options: GraphOptions, storage) -> GraphOptions:

@@ -24,7 +24,8 @@ from typing import Optional
 
 from ..model.score_mods import DP, SCORE, Node, ScoreMod, ScoreModGraph
 
-__all__ = ["mask_program", "neighborhood_as_band", "tile_bitmask", "BLOCK_TILE"]
+__all__ = ["mask_program", "program_for", "band_misses_rows", "neighborhood_as_band",
+           "tile_bitmask", "BLOCK_TILE"]
 
 BLOCK_TILE = 128  # rows and keys per tile of cuDNN's block mask; 8 key tiles per byte
 
@@ -145,6 +146,42 @@ def mask_program(*, softcap: Optional[float] = None, band=None, band_offset: int
         bprop = g.div(a=grad, b=softcap).uid
     return ScoreMod(tuple(g.ops), tuple(sorted(g.dtypes.items())), s.uid, bprop,
                     " + ".join(labels) or "identity")
+
+
+def program_for(problem, band, hood, padding: bool, alibi: bool, reasons: list):
+    """``problem``'s score_mod program (softcap, the builder's score_mod, a neighborhood and
+    ``band``, cuDNN's band of its mask, folded in), or ``None`` with reasons."""
+    what = ", ".join(n for n, on in (("softcap", problem.softcap is not None),
+                                     ("a score_mod", problem.score_mod is not None),
+                                     ("a neighborhood mask", hood is not None)) if on)
+    why = []
+    if padding:
+        why.append(f"cuDNN's score_mod ({what}) excludes the padding mask")
+    if alibi:
+        why.append(f"cuDNN's score_mod ({what}) excludes ALiBi")
+    offset = problem.seq_kv - problem.seq_q if band is not None \
+        and band.alignment == "bottom_right" else 0
+    if band is not None and band_misses_rows(band, offset, problem.seq_q, problem.seq_kv):
+        # cuDNN's own bottom-right band refuses S_q > S_kv without padding for the same reason
+        why.append(f"cuDNN's score_mod ({what}) with a {band.alignment} band that leaves query "
+                   f"rows without a key (S_q={problem.seq_q}, S_kv={problem.seq_kv}): what "
+                   f"cuDNN writes for a row whose scores are all -inf is undefined, and without "
+                   f"lengths nothing says which rows")
+    if why:
+        reasons.extend(why)
+        return None
+    return mask_program(softcap=problem.softcap, band=band, band_offset=offset,
+                        neighborhood=hood, base=problem.score_mod)
+
+
+def band_misses_rows(band, offset: int, seq_q: int, seq_kv: int) -> bool:
+    """Whether a query row ``i < seq_q`` sees none of ``seq_kv`` keys under ``band`` (cuDNN's
+    convention, as ``_band_visible`` emits it: ``i' - L < j <= i' + R``, ``i' = i + offset``).
+    A row's keys move right with ``i`` and include ``i'`` itself when it is a key, so only row
+    0 can end left of key 0 and only the last row start right of the last key."""
+    ends_before = band.right is not None and offset + band.right < 0
+    starts_after = band.left is not None and seq_q + offset - band.left > seq_kv - 1
+    return ends_before or starts_after
 
 
 def _replay(g: ScoreModGraph, program: ScoreMod, score) -> dict:

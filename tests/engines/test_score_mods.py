@@ -3,6 +3,7 @@ oracles (softcap, masks, NATTEN's neighborhoods from ``geometry``), the builder'
 (score_mod/_bprop, block mask, logit max, score sum exp, rng dump, hints) against brute force, and
 the cuDNN engine's score_mod graphs (softcap, neighborhoods) validated for sm_90 and sm_100."""
 
+import itertools
 import math
 
 import pytest
@@ -278,6 +279,46 @@ def test_padding_alibi_and_rpb_are_declared_limits_of_score_mod_graphs():
     assert any("excludes ALiBi" in r for r in reasons)
 
 
+def test_band_misses_rows_is_the_band_rule_row_by_row():
+    """Brute force over small sizes: some row sees no key exactly when the rule says so."""
+    from cudnn_attn.graphs._spec import Band
+    from cudnn_attn.graphs.score_mod_masks import band_misses_rows
+
+    for s_q, s_kv, left, right, alignment in itertools.product(
+            range(1, 7), range(1, 7), (None, 1, 2, 4), (None, 0, 1, 3),
+            ("top_left", "bottom_right")):
+        if left is None and right is None:
+            continue
+        offset = s_kv - s_q if alignment == "bottom_right" else 0
+        i = torch.arange(s_q)[:, None] + offset
+        j = torch.arange(s_kv)[None, :]
+        seen = torch.ones(s_q, s_kv, dtype=torch.bool)
+        if left is not None:
+            seen &= j > i - left
+        if right is not None:
+            seen &= j <= i + right
+        band = Band(alignment, left, right)
+        assert band_misses_rows(band, offset, s_q, s_kv) == bool((~seen.any(1)).any()), \
+            (s_q, s_kv, band)
+
+
+@pytest.mark.parametrize("mask, declined", [
+    (Causal("bottom_right"), True),            # rows 0-5 precede every key
+    (SlidingWindow(2, 1, "top_left"), True),   # the last rows start past the last key
+    (Causal(), False),                         # every row keeps key 0
+    (SlidingWindow(20, 8, "bottom_right"), False)], ids=repr)  # row 0 reaches keys 0-2
+def test_score_mod_graphs_whose_band_leaves_rows_without_keys_are_declined(mask, declined):
+    """cuDNN writes undefined values for a row whose scores are all -inf (its own bottom-right
+    band and window refuse S_q > S_kv without padding): a score_mod graph whose folded band
+    leaves such rows (S_q = 16 queries, 10 keys) is declined with the reason, so those calls
+    run where an empty row gives 0 and -inf."""
+    problem = AttnProblem.from_tensors(_meta(1, 2, 16, 64), _meta(1, 2, 10, 64),
+                                       _meta(1, 2, 10, 64), softcap=30.0, mask=mask)
+    spec, reasons = analyze(problem)
+    assert (spec is None) == declined
+    assert any("leaves query rows without a key" in r for r in reasons) == declined, reasons
+
+
 def test_neighborhoods_on_cudnn_are_priced_not_declined():
     # auto weighs cuDNN's dense run of a neighborhood against the fused kernels by predicted time
     # (tests/model/test_cost_dispatch.py); supports() and the preference never decline it.
@@ -328,6 +369,30 @@ def test_score_mod_graphs_run_as_the_problem_means(kw, fake_cudnn):
     hood = kw["mask"]
     banded = isinstance(hood, Neighborhood) and hood.is_causal[0]
     assert specs and all((spec.score_mod is None) == banded for spec in specs)
+
+
+def test_softcap_calls_with_rows_that_see_no_key_give_zeros_not_nan(fake_cudnn):
+    """FlashAttention's local softcap case (test_flash_attn_varlen_output, S_q > S_k, run
+    through the cuDNN stand-in): rows the window leaves without keys came out NaN from the
+    score_mod graph, and so did every gradient. Declined on cuDNN, the call runs where such
+    rows give 0 (lse -inf) and gradients stay finite."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 16, 16, generator=g).half().requires_grad_()
+    k, v = (torch.randn(1, 2, 10, 16, generator=g).half().requires_grad_() for _ in range(2))
+    mask = SlidingWindow(3, 2, "bottom_right")
+    out, lse = ca.attention(q, k, v, mask=mask, softcap=30.0, return_lse=True)
+    assert ca.explain(q, k, v, mask=mask, softcap=30.0).selected != "cudnn"
+    assert not fake_cudnn[1], "a score_mod graph was built"
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = ca.attention(*ref_inputs, mask=mask, softcap=30.0, return_lse=True,
+                                backend="torch")
+    assert (ref[0, :, :4] == 0).all() and (ref_lse[0, :, :4] == -math.inf).all()
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-3, rtol=2e-3)
+    got = torch.autograd.grad(out.float().sum(), (q, k, v))
+    want = torch.autograd.grad(ref.sum(), ref_inputs)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=5e-3, rtol=5e-3)
 
 
 # -- deviceless execution plans: every new graph kind, on every architecture ---------------------

@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _suite import run_pytest
+from _suite import REPO, run_pytest
 
 # (pattern, replacement) applied to the test file's text, in order; each must match.
 DEVICE_EDITS = [
@@ -170,6 +170,44 @@ def pytest_sessionfinish(session, exitstatus):
                               else pytest.ExitCode.OK)
 '''
 
+# ``--engine cudnn-standin``: the cuDNN engine's host logic on this CPU. tests/cudnn_fake.py
+# computes, in float64, each graph the engine hands cuDNN (its serialized form: masks, padding,
+# ragged offsets, page tables, the two-row decode graph); CPU tensors count as device tensors, so
+# the native varlen and KV-cache routes run; dropout stays on the torch engine (the stand-in
+# draws no Philox stream, and FlashAttention's tests check the pattern the call returns).
+STANDIN_CONFTEST = '''
+
+import sys
+
+import torch
+
+sys.path.insert(0, {tests!r})
+import cudnn_fake  # noqa: E402
+from cudnn_attn.core import dispatch  # noqa: E402
+from cudnn_attn.model import masks  # noqa: E402
+from cudnn_attn.packed import calls  # noqa: E402
+
+SERVED = {{"cudnn": 0, "other": 0}}
+
+
+@pytest.fixture(autouse=True)
+def _cudnn_standin(monkeypatch):
+    monkeypatch.setattr(masks, "_runtime_lengths", lambda value: isinstance(value, torch.Tensor))
+    monkeypatch.setattr(calls, "on_accelerator", lambda t: isinstance(t, torch.Tensor))
+    _, built = cudnn_fake.install(monkeypatch)
+    engine = dispatch.get_backend("cudnn")
+    no_philox = ["the stand-in draws no Philox stream"]
+    monkeypatch.setattr(engine, "supports", lambda problem: engine.graph_reasons(problem) + (
+        no_philox if problem.dropout_p > 0 else []))
+    yield
+    SERVED["cudnn" if built else "other"] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"cuDNN stand-in: {{SERVED['cudnn']}} tests ran cuDNN graphs, "
+                                f"{{SERVED['other']}} other engines only")
+'''
+
 # What the runner reads from a FlashAttention checkout (``--stage`` copies exactly these).
 SOURCE_FILES = ("tests/test_flash_attn.py", "flash_attn/bert_padding.py")
 
@@ -203,11 +241,12 @@ def stage(source: Path, target: Path) -> None:
 
 
 def build(source: Path, work: Path, per_test: int, seed: int, device: str = "cpu",
-          time_budget: float = 0.0) -> Path:
+          time_budget: float = 0.0, engine: str = "auto") -> Path:
     """Write the test file (adapted for the CPU, or as shipped for ``device="cuda"``), the
     stand-in package and the sampling conftest to ``work``. On ``cuda`` the sample is drawn
     from the grid before collection (seconds, not minutes) and run round-robin; a
-    ``time_budget`` (s) starts no case after it."""
+    ``time_budget`` (s) starts no case after it. ``engine="cudnn-standin"`` (CPU only) runs
+    the calls cuDNN takes through the stand-in (``STANDIN_CONFTEST``)."""
     package = work / "flash_attn"
     (package / "layers").mkdir(parents=True)
     (package / "__init__.py").write_text(FLASH_ATTN_SHIM)
@@ -216,8 +255,11 @@ def build(source: Path, work: Path, per_test: int, seed: int, device: str = "cpu
     (package / "layers" / "rotary.py").write_text(ROTARY_REFERENCE)
     shutil.copy(source / "flash_attn" / "bert_padding.py", package / "bert_padding.py")
     gpu = device == "cuda"
-    (work / "conftest.py").write_text(SAMPLING_CONFTEST.format(
-        per_test=per_test, seed=seed, round_robin=gpu, thin_grid=gpu, time_budget=time_budget))
+    conftest = SAMPLING_CONFTEST.format(per_test=per_test, seed=seed, round_robin=gpu,
+                                        thin_grid=gpu, time_budget=time_budget)
+    if engine == "cudnn-standin":
+        conftest += STANDIN_CONFTEST.format(tests=str(REPO / "tests"))
+    (work / "conftest.py").write_text(conftest)
     test = work / "test_flash_attn.py"
     text = (source / "tests" / "test_flash_attn.py").read_text()
     test.write_text(adapt(text) if device == "cpu" else text)
@@ -238,7 +280,12 @@ def main() -> int:
                         help="sampled cases per test function (0: the whole grid)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--json", type=Path, help="write the counts here")
+    parser.add_argument("--engine", choices=("auto", "cudnn-standin"), default="auto",
+                        help="cudnn-standin (CPU only): the calls cuDNN takes run through "
+                             "tests/cudnn_fake.py, CPU tensors counting as device tensors")
     args, pytest_args = parser.parse_known_args()  # the rest goes to pytest (e.g. -k NAME)
+    if args.engine != "auto" and args.device != "cpu":
+        parser.error("--engine cudnn-standin runs on the CPU only (--device cpu)")
     if args.stage is not None:
         stage(args.source, args.stage)
         print(f"staged {', '.join(SOURCE_FILES)} into {args.stage}")
@@ -249,10 +296,10 @@ def main() -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="fa-suite-") as tmp:
         test = build(args.source.resolve(), Path(tmp), args.per_test, args.seed, args.device,
-                     args.time_budget)
+                     args.time_budget, args.engine)
         return run_pytest(Path(tmp), [test], pytest_args, args.json,
                           {"source": str(args.source), "per_test": args.per_test,
-                           "seed": args.seed, "device": args.device,
+                           "seed": args.seed, "device": args.device, "engine": args.engine,
                            "time_budget_s": args.time_budget})
 
 
