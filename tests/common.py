@@ -276,3 +276,17 @@ def load_benchmark(name: str):
     finally:
         if folder in sys.path:  # a script may take its folder off the path itself
             sys.path.remove(folder)
+
+
+def flash_attn_checkout(root: Path, tests_text: str) -> Path:
+    """A stand-in FlashAttention checkout under ``root`` with ``tests_text`` as its
+    ``tests/test_flash_attn.py`` (what ``tests/peer/run_flash_attn_suite.py`` reads)."""
+    import pytest
+
+    pytest.importorskip("einops")  # the runner needs it, as FlashAttention's tests do
+    checkout = root / "flash-attention"
+    (checkout / "tests").mkdir(parents=True)
+    (checkout / "flash_attn").mkdir()
+    (checkout / "tests" / "test_flash_attn.py").write_text(tests_text)
+    (checkout / "flash_attn" / "bert_padding.py").write_text("# FA's helpers\n")
+    return checkout

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from common import load_script
+from common import flash_attn_checkout, load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_proof.py"
@@ -352,13 +352,7 @@ def test_flash_attn_skips():
 
 @pytest.fixture
 def fake_flash_attn(tmp_path):
-    pytest.importorskip("einops")
-    checkout = tmp_path / "flash-attention"
-    (checkout / "tests").mkdir(parents=True)
-    (checkout / "flash_attn").mkdir()
-    (checkout / "tests" / "test_flash_attn.py").write_text(FAKE_FA_TESTS)
-    (checkout / "flash_attn" / "bert_padding.py").write_text("# FA's helpers\n")
-    return checkout
+    return flash_attn_checkout(tmp_path, FAKE_FA_TESTS)
 
 
 def test_the_flash_attn_step_runs_the_peer_runner_as_shipped(G, tmp_path):

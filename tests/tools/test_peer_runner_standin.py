@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from common import flash_attn_checkout
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "tests" / "peer" / "run_flash_attn_suite.py"
@@ -45,14 +46,8 @@ def test_flash_attn_output(seqlen_k):
 
 @pytest.fixture
 def checkout(tmp_path):
-    pytest.importorskip("einops")
     pytest.importorskip("cudnn")  # the stand-in reads the frontend's serialized graph
-    root = tmp_path / "flash-attention"
-    (root / "tests").mkdir(parents=True)
-    (root / "flash_attn").mkdir()
-    (root / "tests" / "test_flash_attn.py").write_text(FA_TESTS)
-    (root / "flash_attn" / "bert_padding.py").write_text("# FA's helpers\n")
-    return root
+    return flash_attn_checkout(tmp_path, FA_TESTS)
 
 
 def test_the_suite_runs_its_calls_through_the_cudnn_standin(checkout):
