@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _suite import REPO, run_pytest
+from _suite import STANDIN_CONFTEST, run_pytest
 
 # (pattern, replacement) applied to the test file's text, in order; each must match.
 DEVICE_EDITS = [
@@ -170,44 +170,6 @@ def pytest_sessionfinish(session, exitstatus):
                               else pytest.ExitCode.OK)
 '''
 
-# ``--engine cudnn-standin``: the cuDNN engine's host logic on this CPU. tests/cudnn_fake.py
-# computes, in float64, each graph the engine hands cuDNN (its serialized form: masks, padding,
-# ragged offsets, page tables, the two-row decode graph); CPU tensors count as device tensors, so
-# the native varlen and KV-cache routes run; dropout stays on the torch engine (the stand-in
-# draws no Philox stream, and FlashAttention's tests check the pattern the call returns).
-STANDIN_CONFTEST = '''
-
-import sys
-
-import torch
-
-sys.path.insert(0, {tests!r})
-import cudnn_fake  # noqa: E402
-from cudnn_attn.core import dispatch  # noqa: E402
-from cudnn_attn.model import masks  # noqa: E402
-from cudnn_attn.packed import calls  # noqa: E402
-
-SERVED = {{"cudnn": 0, "other": 0}}
-
-
-@pytest.fixture(autouse=True)
-def _cudnn_standin(monkeypatch):
-    monkeypatch.setattr(masks, "_runtime_lengths", lambda value: isinstance(value, torch.Tensor))
-    monkeypatch.setattr(calls, "on_accelerator", lambda t: isinstance(t, torch.Tensor))
-    _, built = cudnn_fake.install(monkeypatch)
-    engine = dispatch.get_backend("cudnn")
-    no_philox = ["the stand-in draws no Philox stream"]
-    monkeypatch.setattr(engine, "supports", lambda problem: engine.graph_reasons(problem) + (
-        no_philox if problem.dropout_p > 0 else []))
-    yield
-    SERVED["cudnn" if built else "other"] += 1
-
-
-def pytest_terminal_summary(terminalreporter):
-    terminalreporter.write_line(f"cuDNN stand-in: {{SERVED['cudnn']}} tests ran cuDNN graphs, "
-                                f"{{SERVED['other']}} other engines only")
-'''
-
 # What the runner reads from a FlashAttention checkout (``--stage`` copies exactly these).
 SOURCE_FILES = ("tests/test_flash_attn.py", "flash_attn/bert_padding.py")
 
@@ -246,7 +208,7 @@ def build(source: Path, work: Path, per_test: int, seed: int, device: str = "cpu
     stand-in package and the sampling conftest to ``work``. On ``cuda`` the sample is drawn
     from the grid before collection (seconds, not minutes) and run round-robin; a
     ``time_budget`` (s) starts no case after it. ``engine="cudnn-standin"`` (CPU only) runs
-    the calls cuDNN takes through the stand-in (``STANDIN_CONFTEST``)."""
+    the calls cuDNN takes through the stand-in (``_suite.STANDIN_CONFTEST``)."""
     package = work / "flash_attn"
     (package / "layers").mkdir(parents=True)
     (package / "__init__.py").write_text(FLASH_ATTN_SHIM)
@@ -258,7 +220,7 @@ def build(source: Path, work: Path, per_test: int, seed: int, device: str = "cpu
     conftest = SAMPLING_CONFTEST.format(per_test=per_test, seed=seed, round_robin=gpu,
                                         thin_grid=gpu, time_budget=time_budget)
     if engine == "cudnn-standin":
-        conftest += STANDIN_CONFTEST.format(tests=str(REPO / "tests"))
+        conftest += STANDIN_CONFTEST
     (work / "conftest.py").write_text(conftest)
     test = work / "test_flash_attn.py"
     text = (source / "tests" / "test_flash_attn.py").read_text()

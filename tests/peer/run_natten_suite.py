@@ -36,7 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _suite import run_pytest
+from _suite import STANDIN_CONFTEST, run_pytest
 
 HERE = Path(__file__).resolve().parent
 FILES = {"0.17": ("test_na1d.py", "test_na2d.py", "test_na3d.py", "test_fna1d.py", "test_fna2d.py",
@@ -157,12 +157,15 @@ def adapt(name: str, text: str, version: str) -> str:
     return text
 
 
-def build(source: Path, work: Path, version: str) -> list:
-    """Copy the stand-in package and the adapted test files into ``work``."""
+def build(source: Path, work: Path, version: str, engine: str = "auto") -> list:
+    """Copy the stand-in package and the adapted test files into ``work``;
+    ``engine="cudnn-standin"`` adds ``_suite.STANDIN_CONFTEST``."""
     standin = HERE / "standins" / ("natten017" if version == "0.17" else "natten021") / "natten"
     shutil.copytree(standin, work / "natten", ignore=shutil.ignore_patterns("__pycache__"))
     target = work / "tests"
     target.mkdir()
+    if engine == "cudnn-standin":
+        (work / "conftest.py").write_text(STANDIN_CONFTEST)
     for name in FILES[version]:
         (target / name).write_text(adapt(name, (source / "tests" / name).read_text(), version))
     return [target / name for name in FILES[version] if name.startswith("test_")]
@@ -172,14 +175,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", type=Path, help="a NATTEN 0.17.5 or 0.21.x checkout")
     parser.add_argument("--json", type=Path, help="write the counts here")
+    parser.add_argument("--engine", choices=("auto", "cudnn-standin"), default="auto",
+                        help="cudnn-standin: the calls cuDNN takes run through "
+                             "tests/cudnn_fake.py, CPU tensors counting as device tensors")
     args, pytest_args = parser.parse_known_args()  # the rest goes to pytest (e.g. -k NAME)
     source = args.source.resolve()
     version = version_of(source)
     with tempfile.TemporaryDirectory(prefix="natten-suite-") as tmp:
-        tests = build(source, Path(tmp), version)
+        tests = build(source, Path(tmp), version, args.engine)
         deselect = [f"--deselect={node}" for node in DESELECT[version]]
         return run_pytest(Path(tmp), tests, deselect + pytest_args, args.json,
-                          {"source": str(args.source), "natten": version,
+                          {"source": str(args.source), "natten": version, "engine": args.engine,
                            "files": [t.name for t in tests], "deselected": DESELECT[version]})
 
 
