@@ -6,6 +6,8 @@ with real NVRTC output.
   turn a hidden ``-inf`` into ``+inf``/NaN (PyTorch's CPU flash kernel did).
 * NaN and +inf bias entries at hidden pairs on cuDNN: hiding replaces the biased score, so no
   visible result (out, dq/dk/dv, dbias at visible entries) changes.
+* A bias that is -inf on whole rows on cuDNN and CuPy: such rows 0 and gradients finite, as
+  torch SDPA gives them (a probe of what cuDNN writes there: only lengths tell the engine now).
 * A real compiled program round-trips through the signed cubin cache, and a forged entry (plain
   sha256) in its place is recompiled, never loaded.
 """
@@ -129,3 +131,35 @@ def test_cubin_cache_round_trip_and_a_forged_entry(tmp_path, monkeypatch):
     assert _loader.compile_program(U.SOURCE, U.DEFINES, expressions, arch).cubin == first.cubin
     assert cubin_cache.info()["rejected"] == before + 1
     _loader._PROGRAMS.clear()
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "cupy"])
+def test_bias_rows_of_minus_inf_give_zero_rows_and_finite_gradients(backend):
+    """An additive bias that is -inf on whole rows (a boolean mask turned into -inf by hand,
+    padded query rows included) hides every key of those rows. torch SDPA gives such rows 0
+    (its safe softmax) and so does the torch engine; cuDNN's forward is reported to write
+    LSE = -inf there and its backward to turn exp(S - LSE) into NaN (cudnn-frontend #262), and
+    the engine finds rows without keys only from a Padding's lengths. What a GPU gives here
+    decides whether bias graphs need the same care."""
+    _need(backend)
+    dtype = torch.float16
+    q, k, v = _inputs(dtype)
+    S = q.shape[2]
+    g = torch.Generator().manual_seed(5)
+    bias = torch.randn(2, 1, S, S, generator=g)
+    bias[0, :, 40:] = -math.inf  # sequence 0: its query rows past 40 see no key
+    bias[:, :, :, 50:] = -math.inf  # and no row sees the keys past 50
+    out = ca.attention(q, k, v, bias=bias.to("cuda", dtype), backend=backend)
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=bias.double())
+    assert not out.isnan().any(), "NaN in out"
+    assert (out[0, :, 40:] == 0).all(), "rows without keys are not 0"
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double().cpu(), want, atol=tol, rtol=tol)
+    d_out = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), d_out.to("cuda", dtype))
+    expected = torch.autograd.grad(want, leaves, d_out)
+    for name, a, e in zip("qkv", got, expected):
+        assert not a.isnan().any(), f"NaN in d{name}"
+        torch.testing.assert_close(a.double().cpu(), e, atol=4 * tol, rtol=4 * tol,
+                                   msg=lambda m, name=name: f"d{name}: {m}")
