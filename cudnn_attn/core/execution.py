@@ -70,13 +70,21 @@ def plan_stored(problem: AttnProblem, backend: str = "auto", *, required: bool =
     as it lies (``runs_stored``), or ``None`` when none does and the surface should build dense
     batches instead (every surface's one fallback: ``varlen``). A forced backend, or
     ``required`` (a dropout stream only that engine replays), raises instead."""
+    packed_dropout = problem.dropout_p > 0 and isinstance(problem.storage, Ragged)
+    if not packed_dropout and not any(
+            engine.runs_stored and (backend == engine.name or backend == "auto" and not (
+                dispatch.reasons_of(engine, problem) or dispatch.auto_reasons(engine, problem)))
+            for engine in dispatch.BACKENDS):
+        # Plan nothing: another engine's plan of the storage is a padded batch of the
+        # problem's bounds, whose cost follows those (a generous max_seqlen of 10**6 asked for
+        # seconds and gigabytes), and it would be dropped below.
+        return None
     try:
         engine, problem, plan = plan_call(problem, backend)
     except NotSupportedError:
         if required or backend != "auto":
             raise
         return None
-    packed_dropout = problem.dropout_p > 0 and isinstance(problem.storage, Ragged)
     if not engine.runs_stored and not packed_dropout:
         # It would read a dense cache whole: the dense-batch path gives it only the prefix in
         # use. A packed call with dropout stays (the torch engine's padded batch): its forward

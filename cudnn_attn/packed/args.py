@@ -84,9 +84,7 @@ def check_packed(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def cu_lengths(name: str, cu, total: int, tensor_name: str, device) -> list[int]:
     """The lengths of a checked ``cu_seqlens`` (read on the host)."""
-    cu = index_tensor(name, cu, 1, device)
-    if cu.numel() < 2:
-        raise ValueError(f"{name} must have B + 1 >= 2 entries, got shape {tuple(cu.shape)}")
+    cu = offsets_tensor(name, cu, device)
     offsets = cu.tolist()
     if offsets[0] != 0:
         raise ValueError(f"{name} must start at 0, got {name}[0] = {offsets[0]}")
@@ -101,13 +99,26 @@ def cu_lengths(name: str, cu, total: int, tensor_name: str, device) -> list[int]
     return lens
 
 
+def offsets_tensor(name: str, cu, device) -> torch.Tensor:
+    """A checked ``cu_seqlens`` tensor (1-D, int32/int64, ``B + 1 >= 2`` entries); its values
+    are not read."""
+    cu = index_tensor(name, cu, 1, device)
+    if cu.numel() < 2:
+        raise ValueError(f"{name} must have B + 1 >= 2 entries, got shape {tuple(cu.shape)}")
+    return cu
+
+
+def check_same_batch(batch_q: int, batch_k: int) -> None:
+    if batch_q != batch_k:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got "
+                         f"{batch_q} and {batch_k} sequences")
+
+
 def varlen_lengths(q, k, cu_seqlens_q, cu_seqlens_k) -> tuple[list[int], list[int]]:
     """Both sides' lengths; they describe one batch."""
     lens_q = cu_lengths("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q", q.device)
     lens_k = cu_lengths("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k", q.device)
-    if len(lens_q) != len(lens_k):
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got "
-                         f"{len(lens_q)} and {len(lens_k)} sequences")
+    check_same_batch(len(lens_q), len(lens_k))
     return lens_q, lens_k
 
 

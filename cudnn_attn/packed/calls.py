@@ -105,11 +105,9 @@ def varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, *, mask=None, bias=None, r
         lens_q, lens_k = args.varlen_lengths(q, k, cu_q, cu_k)
         padding = Padding(lens_q, lens_k)
     else:  # lengths stay runtime tensors, as the graph takes them
-        cu_q = _lengths_tensor("cu_seqlens_q", cu_q, None, q.device)
-        cu_k = _lengths_tensor("cu_seqlens_k", cu_k, cu_q.shape[0], q.device)
-        if cu_q.shape[0] < 2:
-            raise ValueError(f"cu_seqlens_q must have B + 1 >= 2 entries, got shape "
-                             f"{tuple(cu_q.shape)}")
+        cu_q = args.offsets_tensor("cu_seqlens_q", cu_q, q.device)  # the host route's checks
+        cu_k = args.offsets_tensor("cu_seqlens_k", cu_k, q.device)  # of what a shape tells
+        args.check_same_batch(cu_q.shape[0] - 1, cu_k.shape[0] - 1)
         lens_q = lens_k = None
     if not read and padding is None:
         padding, offsets = varlen_runtime(q, cu_q, cu_k, seqused_k)
@@ -160,7 +158,7 @@ def kvcache_problem(q, k_cache, v_cache, cache_seqlens, block_table, *, mask=Non
     batch, seq_q, heads_q, _ = q.shape
     if isinstance(cache_seqlens, torch.Tensor) and not _readable(cache_seqlens):
         # never read: the graph is the same for any lengths, full ones stand in
-        _lengths_tensor("cache_seqlens", cache_seqlens, batch, q.device)
+        _cache_lengths(q, cache_seqlens)
         padding = Padding([seq_q] * batch, [capacity] * batch)
     elif isinstance(cache_seqlens, torch.Tensor) and not read and on_accelerator(cache_seqlens):
         padding = kvcache_padding(q, cache_seqlens)
@@ -194,8 +192,17 @@ def kvcache_padding(q: torch.Tensor, cache_seqlens: torch.Tensor) -> Padding:
     row, and the first ``cache_seqlens[b]`` keys of each sequence (moved to q's device, never
     read)."""
     batch, seq_q = q.shape[:2]
-    lens = _lengths_tensor("cache_seqlens", cache_seqlens, batch, q.device)
+    lens = _cache_lengths(q, cache_seqlens)
     return Padding(full_lengths(batch, seq_q, q.device), lens.to(q.device, non_blocking=True))
+
+
+def _cache_lengths(q: torch.Tensor, cache_seqlens: torch.Tensor) -> torch.Tensor:
+    """``cache_seqlens`` as checked ``[B]`` lengths, never read: a 0-d tensor (one length for
+    every sequence, as an int is) expanded over the batch (a view)."""
+    if cache_seqlens.dim() == 0:
+        cache_seqlens = args.index_tensor("cache_seqlens", cache_seqlens, 0, q.device) \
+            .expand(q.shape[0])
+    return _lengths_tensor("cache_seqlens", cache_seqlens, q.shape[0], q.device)
 
 
 def paged_storage(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,

@@ -285,7 +285,7 @@ def test_call_kinds_and_layout_are_checked():
         describe(q, k, v, layout="bhsd", **call)
     with pytest.raises(ValueError, match="needs cu_seqlens_q, cu_seqlens_k"):
         describe(q, k, v, cu_seqlens_q=call["cu_seqlens_q"])
-    with pytest.raises(ValueError, match="one entry per batch"):
+    with pytest.raises(ValueError, match="must describe the same batch"):
         describe(q, k, v, **dict(call, cu_seqlens_q=meta(5, dtype=torch.int32),
                                  cu_seqlens_k=meta(4, dtype=torch.int32)))
     with pytest.raises(ValueError, match="needs cache_seqlens"):

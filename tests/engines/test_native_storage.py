@@ -163,6 +163,35 @@ def test_one_ragged_graph_serves_every_batch_of_lengths_in_a_bucket(fake):
     assert spec.seq_q == spec.seq_kv == 64
 
 
+@pytest.mark.parametrize("cu_q, match", [((), "B \\+ 1 >= 2"), ((2, 3, 0), "same batch")],
+                         ids=["cu-short", "cu-batch"])
+def test_device_offsets_are_refused_as_host_ones_are(cu_q, match, fake):
+    """Offsets that stay on the device are checked by what their shapes tell, with the host
+    route's messages (the device route named the wrong rule: "one entry per batch")."""
+    q, k, v = _varlen_inputs((2, 3), (2, 3))
+    with pytest.raises(ValueError, match=match):
+        attention_varlen(q, k, v, device_only(cu(cu_q)), device_only(cu((2, 3))), 3, 3,
+                         backend="cudnn")
+
+
+def test_a_generous_max_seqlen_plans_nothing_no_engine_runs_packed(fake, monkeypatch):
+    """A float32 varlen call with device offsets and max_seqlen 2**20: cuDNN takes no float32,
+    so the call goes to the dense-batch path, which pads to the longest sequence. The torch
+    engine's plan of the packed problem (a padded batch of the bucketed bounds, its tiles over
+    2**20 x 2**20) was built first and then dropped: seconds and gigabytes for nothing."""
+    from cudnn_attn.torch_engine import ragged
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the packed problem was planned on the torch engine")
+
+    monkeypatch.setattr(ragged.RaggedPlan, "__init__", refuse)
+    q, k, v = (t.float() for t in _varlen_inputs((3, 5), (3, 5)))
+    # offsets the native route leaves unread ("device" ones here); the dense path reads them
+    out = attention_varlen(q, k, v, cu((3, 5)), cu((3, 5)), 2 ** 20, 2 ** 20)
+    ref, _ = oracle_varlen(q.to(F64), k.to(F64), v.to(F64), (3, 5), (3, 5))
+    torch.testing.assert_close(out.to(F64), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_varlen_dropout_seed_reaches_the_ragged_backward(fake):
     q, k, v = _varlen_inputs((6, 9), (6, 9), grad=True)
     gen = torch.Generator().manual_seed(4)
@@ -252,6 +281,23 @@ def test_dense_cache_reads_the_whole_cache_with_device_lengths(fake):
         torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
     assert _graphs_built(fake) == 1
     assert fake[1][0][0].seq_kv == 48  # the whole cache, not the longest length
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_one_device_length_for_every_sequence_runs_the_native_graph(paged, fake):
+    """``cache_seqlens`` as a 0-d device tensor (documented: one length for every sequence)
+    took the native route and was refused there as not 1-D (a GPU call raised ValueError where
+    the CPU's read it); it now serves every sequence, never read on the host."""
+    lens, page, Hkv, D = [21, 21, 21], 16, 2, 16
+    k_pool, v_pool, table, dense_k, dense_v = _paged_cache(lens, page, Hkv, D, seed=4, pages=3)
+    q = torch.randn(3, 1, 4, D, generator=torch.Generator().manual_seed(5)).to(F16)
+    caches = (k_pool, v_pool) if paged else (dense_k, dense_v)
+    out = attention_with_kvcache(q, *caches, device_only(torch.tensor(21, dtype=torch.int32)),
+                                 block_table=device_only(table) if paged else None,
+                                 backend="cudnn")
+    ref, _ = _kvcache_oracle(q, dense_k, dense_v, lens, None)
+    torch.testing.assert_close(cudnn_fake.host(out).to(F64), ref, atol=2e-3, rtol=2e-3)
+    assert _graphs_built(fake) == 1
 
 
 def test_a_page_size_cudnn_refuses_is_declined_with_its_reason(fake):
