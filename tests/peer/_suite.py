@@ -12,56 +12,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-# A conftest's text for ``--engine cudnn-standin`` (both runners): the cuDNN engine's host logic
-# on this CPU. tests/cudnn_fake.py computes, in float64, each graph the engine hands cuDNN (its
-# serialized form: masks, score_mod programs, padding, ragged offsets, page tables, the two-row
-# decode graph); CPU tensors count as device tensors, so the native varlen and KV-cache routes
-# run; dropout stays on the other engines (the stand-in draws no Philox stream, and the peers'
-# tests check the pattern a call returns). The summary counts the tests that ran cuDNN graphs and
-# the commonest reasons cuDNN declined a problem (counted each time a problem is checked).
+# A conftest's text for ``--engine cudnn-standin`` (both runners): the plugin
+# ``tests/cudnn_standin.py`` (the cuDNN engine's host logic on this CPU), loaded from here.
 STANDIN_CONFTEST = f"""
 
-import collections
-import re
 import sys
 
-import pytest
-import torch
-
 sys.path.insert(0, {str(REPO / "tests")!r})
-import cudnn_fake  # noqa: E402
-from cudnn_attn.core import dispatch  # noqa: E402
-from cudnn_attn.model import masks  # noqa: E402
-from cudnn_attn.packed import calls  # noqa: E402
-
-SERVED = {{"cudnn": 0, "other": 0}}
-DECLINED = collections.Counter()  # cuDNN's reasons, numbers blanked, over every call
-
-
-def _supports(engine, problem):
-    reasons = engine.graph_reasons(problem)
-    if problem.dropout_p > 0:
-        reasons = reasons + ["the stand-in draws no Philox stream"]
-    DECLINED.update({{re.sub(r"[0-9]+", "N", r.splitlines()[0])[:110] for r in reasons}})
-    return reasons
-
-
-@pytest.fixture(autouse=True)
-def _cudnn_standin(monkeypatch):
-    monkeypatch.setattr(masks, "_runtime_lengths", lambda value: isinstance(value, torch.Tensor))
-    monkeypatch.setattr(calls, "on_accelerator", lambda t: isinstance(t, torch.Tensor))
-    _, built = cudnn_fake.install(monkeypatch)
-    engine = dispatch.get_backend("cudnn")
-    monkeypatch.setattr(engine, "supports", lambda problem: _supports(engine, problem))
-    yield
-    SERVED["cudnn" if built else "other"] += 1
-
-
-def pytest_terminal_summary(terminalreporter):
-    terminalreporter.write_line(f"cuDNN stand-in: {{SERVED['cudnn']}} tests ran cuDNN graphs, "
-                                f"{{SERVED['other']}} other engines only")
-    for reason, n in DECLINED.most_common(10):
-        terminalreporter.write_line(f"  cuDNN declined {{n}} problems: {{reason}}")
+pytest_plugins = ["cudnn_standin"]
 """
 
 
