@@ -195,22 +195,25 @@ class AttnProblem:
         ``dataclasses.replace`` would re-run the whole construction, the per-call cost this
         saves a cached call."""
         parts = tuple(padding if isinstance(m, Padding) else m for m in mask_parts(self.mask))
-        fresh = object.__new__(AttnProblem)
-        fresh.__dict__.update(self.__dict__)
-        fresh.__dict__["mask"] = parts[0] if len(parts) == 1 else MaskSet(parts)
-        fresh.__dict__["padding"] = padding  # the cached property's value, copied with the rest
+        fields = {"mask": parts[0] if len(parts) == 1 else MaskSet(parts),
+                  "padding": padding}  # the cached property's value, copied with the rest
         if storage is not None:
-            fresh.__dict__["storage"] = storage
-        return fresh
+            fields["storage"] = storage
+        return self._copied(fields)
 
     def with_query_rows(self, seq_q: int, q: TensorSpec) -> "AttnProblem":
         """This problem with ``seq_q`` query rows laid out as ``q``, every other field (the
-        runtime values too) its own: copied as ``rebound`` copies, the plan key made anew
-        (``dataclasses.replace`` would re-run the whole construction, per call)."""
+        runtime values too) its own: copied as ``rebound`` copies, the plan key made anew."""
+        fresh = self._copied({"seq_q": seq_q, "q": q})
+        fresh.__post_init__()
+        return fresh
+
+    def _copied(self, fields: dict) -> "AttnProblem":
+        """This problem with ``fields`` replaced, copied field by field (cached properties
+        too): ``dataclasses.replace`` would re-run the whole construction, a per-call cost."""
         fresh = object.__new__(AttnProblem)
         fresh.__dict__.update(self.__dict__)
-        fresh.__dict__.update(seq_q=seq_q, q=q)
-        fresh.__post_init__()
+        fresh.__dict__.update(fields)
         return fresh
 
     def describe(self) -> str:

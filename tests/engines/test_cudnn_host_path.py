@@ -425,15 +425,16 @@ def _band(name):
 
 
 @pytest.mark.parametrize("band", [None, "causal-top-left", "causal-bottom-right",
-                                  "window-bottom-right"])
+                                  "window-bottom-right", "window-top-left"])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_rows_without_keys_of_full_queries_follow_cudnns_band_rule(band, layout):
+@pytest.mark.parametrize("seq_q", [3, 1])  # one query row: the one-comparison rule
+def test_rows_without_keys_of_full_queries_follow_cudnns_band_rule(band, layout, seq_q):
     """A KV-cache call's queries are all tokens (``queries_full``): its rows that see no key,
     against a brute force of cuDNN's documented rule (padding, then ``i' - L < j <= i' + R``,
     ``i' = i + (S_kv - S_q)`` bottom-right) over each row and key."""
     from types import SimpleNamespace
 
-    batch, seq_q, lens_kv = 5, 3, [0, 1, 2, 4, 9]
+    batch, lens_kv = 5, [0, 1, 2, 4, 9]
     spec = SimpleNamespace(batch=batch, seq_q=seq_q, layout=layout, band=_band(band))
     lq = torch.full((batch, 1, 1, 1), seq_q, dtype=torch.int32)
     lkv = torch.tensor(lens_kv, dtype=torch.int32).view(batch, 1, 1, 1)
