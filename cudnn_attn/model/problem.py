@@ -195,8 +195,9 @@ class AttnProblem:
         ``dataclasses.replace`` would re-run the whole construction, the per-call cost this
         saves a cached call."""
         parts = tuple(padding if isinstance(m, Padding) else m for m in mask_parts(self.mask))
-        fields = {"mask": parts[0] if len(parts) == 1 else MaskSet(parts),
-                  "padding": padding}  # the cached property's value, copied with the rest
+        fields: dict[str, object] = {
+            "mask": parts[0] if len(parts) == 1 else MaskSet(parts),
+            "padding": padding}  # the cached property's value, copied with the rest
         if storage is not None:
             fields["storage"] = storage
         return self._copied(fields)
