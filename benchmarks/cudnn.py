@@ -505,8 +505,11 @@ def main() -> int:
         save()
         overhead += decode_rows.bench(args)
         save()
+        overhead += decode_rows.growing(args)
+        save()
         _report.print_table(overhead, ["call", "us_per_call", "vs_bare", "vs_torch_cudnn",
-                                       "finite_with_nan_past_lengths", "max_diff_vs_hidden"])
+                                       "finite_with_nan_past_lengths", "max_diff_vs_hidden",
+                                       "graphs_built", "vs_torch_flash"])
         print(f"target: attention(backend='cudnn') <= {TARGET_OVERHEAD} x bare execute; tiny "
               f"causal ours <= {TARGET_HOST_VS_TORCH} x torch-cudnn\n")
         builds = bench_builds(args)

@@ -21,11 +21,23 @@ graph and for the paged one (``finite_with_nan_past_lengths``, ``max_diff_vs_hid
 cuDNN alone keeps such values out, the dense route can drop its copies (or the one of the side
 that is safe); if it does not, the paged route needs them.
 ``vs_torch_cudnn`` of ours' rows: over torch's padded call (cuDNN backend, else efficient).
+
+``growing``: the decode loop of Hugging Face's dynamic cache through FlashAttention's API -- the
+cache a ``[B, H, n, D]`` tensor grown by ``torch.cat`` at every step, passed as its ``bshd`` view
+to ``flash_attn_func`` (one query, ``causal=True``) -- from a fresh graph cache, microseconds
+per step over the whole loop with its graph builds (``graphs_built``):
+
+  decode growing: ours, length buckets   the engine's default (``graphs.length_buckets``)
+  decode growing: ours, exact graphs     ``CUDNN_ATTN_LENGTH_BUCKETS=0``: a graph per step
+                                         (fewer steps: each builds)
+  decode growing: torch-flash            the peer: torch SDPA's flash backend on the bhsd cache
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 
 import torch
 
@@ -33,6 +45,8 @@ import _report
 
 DECODE = (8, 8192, 8, 128)  # batch, cache capacity, heads (q and kv), head dim
 PAGE = 64
+GROWING = (4, 1000, 32, 128, 128)  # batch, first length, heads, head dim, steps
+EXACT_STEPS = 24  # the exact-graph loop builds at every step
 
 
 @contextlib.contextmanager
@@ -142,4 +156,72 @@ def _nan_probe(dense, dense_unhidden, paged, k_cache, v_cache, lens) -> list[dic
                          else None})
         for cache in caches:  # the next side starts from finite caches
             cache[past] = saved[id(cache)]
+    return rows
+
+
+def growing(args, device: str = "cuda") -> list[dict]:
+    """The growing-cache rows (see the module's docstring); ``device`` "cpu" runs them with the
+    tests' cuDNN stand-in (a check that the rows run, not a measurement)."""
+    import cudnn_attn as ca
+    from cudnn_attn.flash_attn_interface import flash_attn_func
+    from cudnn_attn.graphs import cache, length_buckets
+
+    batch, first, heads, dim, steps = GROWING
+    g = torch.Generator(device=device).manual_seed(1)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16, generator=g)
+
+    q = randn(batch, 1, heads, dim)
+    start = [randn(batch, heads, first, dim) for _ in range(2)]
+    new = [randn(batch, heads, 1, dim) for _ in range(2)]
+
+    def loop(step_fn, n_steps):
+        k, v = start
+        sync()
+        begin = time.perf_counter()
+        for _ in range(n_steps):
+            k, v = torch.cat([k, new[0]], 2), torch.cat([v, new[1]], 2)
+            step_fn(k, v)
+        sync()
+        return 1e6 * (time.perf_counter() - begin) / n_steps
+
+    def ours(k, v):
+        return flash_attn_func(q, k.transpose(1, 2), v.transpose(1, 2), causal=True)
+
+    def torch_flash(k, v):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return sdpa(q.transpose(1, 2), k, v)
+
+    rows = []
+    for label, fn, n_steps, env in (
+            ("decode growing: ours, length buckets", ours, steps, "1"),
+            ("decode growing: ours, exact graphs", ours, EXACT_STEPS, "0"),
+            ("decode growing: torch-flash", torch_flash, steps, None)):
+        ca.clear_caches()
+        cache.graph_cache.clear()  # the module's (a test's stand-in replaces it there)
+        before = cache.graph_cache.info()["builds"]
+        saved = os.environ.get(length_buckets.ENV)
+        if env is not None:
+            os.environ[length_buckets.ENV] = env
+        try:
+            us = loop(fn, n_steps)
+        except RuntimeError as exc:
+            print(f"{label}: {str(exc).splitlines()[0]}")
+            continue
+        finally:
+            if saved is None:
+                os.environ.pop(length_buckets.ENV, None)
+            else:
+                os.environ[length_buckets.ENV] = saved
+        rows.append({"call": label, "us_per_call": us, "vs_bare": None, "vs_torch_cudnn": None,
+                     "steps": n_steps, "graphs_built": cache.graph_cache.info()["builds"] - before})
+    peer = next((r["us_per_call"] for r in rows if r["call"].endswith("torch-flash")), None)
+    for row in rows:
+        if peer and ": ours" in row["call"]:
+            row["vs_torch_flash"] = row["us_per_call"] / peer
     return rows

@@ -139,6 +139,11 @@ class GraphSpec:
     def backward_variant(self) -> "GraphSpec":
         return dataclasses.replace(self, stats=True)
 
+    def forward_for(self, problem: AttnProblem) -> "GraphSpec":
+        """The forward graph ``problem``'s plan builds: with stats when a backward or the LSE
+        is needed."""
+        return self.forward_variant(problem.requires_grad or problem.return_lse)
+
 
 def device_sm(device) -> Optional[int]:
     """``10 * major + minor`` of a CUDA ``device`` torch can see, else ``None``."""

@@ -27,13 +27,14 @@ from ..errors import NotSupportedError
 from ..model.inputs import is_full_lengths
 from ..model.problem import AttnProblem
 from ..model.storage import Paged, Ragged
-from . import _runtime, churn, decode_rows, launch
+from . import _runtime, churn, decode_rows, launch, length_buckets
 from ..core import roofline
 from .head_pad import HeadPadPlan, needs_padding, padded_problem
 from .score_mod_masks import mask_program, neighborhood_as_band, tile_bitmask
 from ._spec import GraphSpec, analyze, problem_lengths
 from .notes import plan_notes
 from .two_row_plan import TwoRowPlan
+from .length_buckets import BucketPlan
 from .sdpa import UID, BuiltGraph, build_graph
 
 __all__ = ["CudnnBackend", "CudnnPlan", "graph_specs"]
@@ -94,7 +95,7 @@ class CudnnBackend:
                                  problem.dtype, hood, problem.softcap, problem.requires_grad,
                                  roofline.ceilings_for(problem.device))
 
-    def plan(self, problem: AttnProblem) -> "CudnnPlan | TwoRowPlan | HeadPadPlan":
+    def plan(self, problem: AttnProblem) -> "CudnnPlan | TwoRowPlan | HeadPadPlan | BucketPlan":
         """The plan with every graph ``problem``'s calls need built; ``NotSupportedError`` when
         cuDNN declines one (at any build stage)."""
         if needs_padding(problem):
@@ -102,6 +103,8 @@ class CudnnBackend:
         spec, reasons = analyze(problem)
         if reasons:
             raise NotSupportedError(problem, {self.name: reasons}, forced=self.name)
+        if churn.buckets(problem, spec):
+            return BucketPlan(self.plan(length_buckets.bucketed_problem(problem)))
         plan: CudnnPlan | TwoRowPlan
         if decode_rows.needed(problem):  # spec is the two-row graph's (decode_rows)
             where = decode_rows.side(problem)
@@ -157,8 +160,7 @@ def graph_specs(problem: AttnProblem, spec: GraphSpec) -> list[tuple[str, GraphS
     """``(tag, spec, backward)`` of every graph the engine builds for ``problem`` (the rule of
     ``CudnnPlan.prepare``): the forward, with stats when a backward or the LSE is needed, and
     the backward when the problem requires grad."""
-    stats = problem.requires_grad or problem.return_lse
-    out = [("sdpa_forward", spec.forward_variant(stats), False)]
+    out = [("sdpa_forward", spec.forward_for(problem), False)]
     if problem.requires_grad:
         out.append(("sdpa_backward", spec.backward_variant(), True))
     return out

@@ -230,6 +230,20 @@ class GraphCache:
                 return default
         return default if value is _MISSING else value
 
+    def available(self, key: Hashable) -> bool:
+        """Whether a get of ``key`` would build nothing: cached, or in a loaded file."""
+        with self._lock:
+            if key in self._entries:
+                return True
+            if not self._stored:
+                return False
+        try:
+            key_text = encode_key(key)
+        except TypeError:
+            return False
+        with self._lock:
+            return key_text in self._stored
+
     def __contains__(self, key) -> bool:
         with self._lock:
             return key in self._entries

@@ -6,9 +6,11 @@ workload whose batch or sequence lengths change at every call -- a decode loop o
 cache (Hugging Face's dynamic cache), dynamic padding per batch -- therefore builds a graph per
 call, and the builds dominate. ``built`` is told of every graph the engine builds at call time
 (never of a graph loaded from the disk cache or warmed ahead) and counts the distinct shapes
-per family (the graph's spec without its sizes and strides); when a family reaches
-``CHURN_WARNING`` shapes it logs one warning (the ``cudnn_attn`` logger) naming the remedies.
-Counts live in a registered cache: ``clear_caches()`` starts them over.
+per family (the graph's spec without its sizes and strides); ``shapes_built`` tells the engine,
+which runs the later shapes of a family on a few bucketed graphs (``length_buckets``; their own
+builds are not counted). When a family that cannot bucket reaches ``CHURN_WARNING`` shapes, it
+logs one warning (the ``cudnn_attn`` logger) naming the remedies. Counts live in a registered
+cache: ``clear_caches()`` starts them over.
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ import dataclasses
 import logging
 
 from ..core.caches import LRU
-from ._spec import GraphSpec
+from ..model.problem import AttnProblem
+from . import length_buckets
+from ._spec import GraphSpec, analyze
+from .length_buckets import bucket
 
-__all__ = ["CHURN_WARNING", "built"]
+__all__ = ["CHURN_WARNING", "built", "shapes_built", "buckets"]
 
 logger = logging.getLogger("cudnn_attn")
 
@@ -42,8 +47,46 @@ def _sizes(spec: GraphSpec) -> tuple:
     return spec.batch, spec.seq_q, spec.seq_kv, spec.q_stride, spec.k_stride, spec.v_stride
 
 
+def shapes_built(spec: GraphSpec, backward: bool = False) -> int:
+    """How many shapes of ``spec``'s family were built at call time (``CHURN_WARNING`` once it
+    warned)."""
+    shapes = _FAMILIES.get(_family(spec, backward))
+    if shapes is None:
+        return 0
+    return CHURN_WARNING if shapes is _WARNED else len(shapes)
+
+
+def buckets(problem: AttnProblem, spec: GraphSpec) -> bool:
+    """Whether ``problem`` (which cuDNN takes as ``spec``) runs on its length bucket's graph
+    (``length_buckets``): its kind churns, its own forward graph is neither built nor loaded,
+    nothing in it reads a position, it is not its bucket's graph already (bucket sizes with a
+    padding mask), and cuDNN takes the bucket. A call of a bucket's sizes without a padding mask
+    shares that graph (nothing copied when q, k, v are contiguous)."""
+    if not length_buckets.enabled() or length_buckets.reasons(problem):
+        return False
+    if problem.padding is not None and \
+            (bucket(problem.seq_q), bucket(problem.seq_kv)) == (problem.seq_q, problem.seq_kv):
+        return False
+    forward = spec.forward_for(problem)
+    if shapes_built(forward) < length_buckets.BUCKET_AFTER:
+        return False
+    from .cache import graph_cache, make_key
+
+    if graph_cache.available(make_key(("sdpa_forward", forward), problem.device)):
+        return False
+    return not analyze(length_buckets.bucketed_problem(problem))[1]
+
+
+def _bucket_graph(spec: GraphSpec) -> bool:
+    """Whether ``spec`` is a length bucket's graph: lengths as a padding mask, sizes buckets."""
+    return (spec.padding and not spec.synthetic_padding and bucket(spec.seq_q) == spec.seq_q
+            and bucket(spec.seq_kv) == spec.seq_kv)
+
+
 def built(spec: GraphSpec, backward: bool, graph):
     """Count ``graph``, just built at call time for ``spec``; returns it."""
+    if _bucket_graph(spec):  # a few per family by construction
+        return graph
     family = _family(spec, backward)
     shapes = _FAMILIES.get(family)
     if shapes is _WARNED:
@@ -57,8 +100,10 @@ def built(spec: GraphSpec, backward: bool, graph):
         logger.warning(
             "cudnn_attn: %d cuDNN %s graphs built at call time for shapes that differ only in "
             "batch size or sequence lengths (latest B=%d, S_q=%d, S_kv=%d); each build costs "
-            "milliseconds to tens of milliseconds. When the lengths change at every call (a "
-            "decode loop over a growing cache, dynamic padding), pad to a few buckets "
+            "milliseconds to tens of milliseconds. The engine buckets sequence lengths itself "
+            "only for calls without a bias, ALiBi, dropout or score_mod (explain() says why "
+            "not); when the batch or the lengths change at every call (a decode loop over a "
+            "growing cache, dynamic padding), pad to a few buckets "
             "(cudnn_attn.graphs.BucketPolicy), keep a whole cache with device lengths "
             "(cudnn_attn.varlen.attention_with_kvcache), or run these calls on another engine "
             "(with cudnn_attn.exclude_backend('cudnn'): ...).", len(shapes),

@@ -506,14 +506,17 @@ def test_packed_token_positions_share_a_power_of_two():
 # shape churn: graphs built at call time per shape
 # ---------------------------------------------------------------------------------------------
 
-def test_graphs_built_per_call_shape_warn_once_per_family(fake, caplog):
-    """A decode loop over a growing cache builds a graph per step: once a family (the graph
-    without its sizes) has CHURN_WARNING shapes built at call time, one warning names the
-    count and the remedies; more shapes, or a fixed shape of another family, add none; every
-    result still matches the oracle. ``clear_caches()`` starts the count over."""
+def test_graphs_built_per_call_shape_warn_once_per_family(fake, caplog, monkeypatch):
+    """With length buckets off (or for a call that cannot bucket), a decode loop over a growing
+    cache builds a graph per step: once a family (the graph without its sizes) has
+    CHURN_WARNING shapes built at call time, one warning names the count and the remedies;
+    more shapes, or a fixed shape of another family, add none; every result still matches the
+    oracle. ``clear_caches()`` starts the count over."""
     import logging
 
-    from cudnn_attn.graphs import churn
+    from cudnn_attn.graphs import churn, length_buckets
+
+    monkeypatch.setenv(length_buckets.ENV, "0")
 
     g = torch.Generator().manual_seed(4)
     cache = torch.randn(1, 2, 64, 16, generator=g).to(F16)
