@@ -30,7 +30,8 @@ cuDNN's own kernel launch is not. The same tiny problem (1 x 2 x 16 x 64 fp16, c
                  graph (``graphs.decode_rows``; against torch's padded call)
   new shape      one query against keys one longer at every call (a decode loop over a growing
                  cache, as Hugging Face's dynamic cache calls it), 1024 lengths in turn, more
-                 than any cache keeps: every call plans anew (against torch's fwd)
+                 than any cache keeps: every call plans anew, on its length bucket's graph
+                 after the first 8 shapes (``graphs.length_buckets``; against torch's fwd)
 
 and, as the bar to clear, torch SDPA's own dispatch on this CPU for the smallest call of the same
 kind (1 x 1 x 1 x 8, fp32, causal: what it costs beyond arithmetic), no grad / grad / fwd+bwd,
