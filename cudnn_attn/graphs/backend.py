@@ -104,7 +104,12 @@ class CudnnBackend:
         if reasons:
             raise NotSupportedError(problem, {self.name: reasons}, forced=self.name)
         if churn.buckets(problem, spec):
-            return BucketPlan(self.plan(length_buckets.bucketed_problem(problem)))
+            return BucketPlan(self.plan(length_buckets.bucketed_problem(problem)),
+                              lambda: self._exact_plan(problem, spec))
+        return self._exact_plan(problem, spec)
+
+    def _exact_plan(self, problem: AttnProblem, spec: GraphSpec) -> "CudnnPlan | TwoRowPlan":
+        """The plan of ``problem``'s own graphs (``spec``), built."""
         plan: CudnnPlan | TwoRowPlan
         if decode_rows.needed(problem):  # spec is the two-row graph's (decode_rows)
             where = decode_rows.side(problem)

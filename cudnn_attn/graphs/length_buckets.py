@@ -20,7 +20,9 @@ padding mask aligns on the lengths (cuDNN's rule), which are the call's own size
 position index means beyond that (a bias tensor, ALiBi, an explicit dropout mask, a score_mod,
 a neighborhood) and dropout (whose Philox pattern follows the graph's sizes) keep exact graphs:
 ``reasons`` says why. The price is the copies in and out (q, k, v and out; dout and the
-gradients in a backward), bandwidth where the alternative is a graph build.
+gradients in a backward), bandwidth where the alternative is a graph build; a shape that keeps
+coming back (``PROMOTE_AFTER`` forwards: a training loop at a fixed length, not a decode step
+over the layers) then gets its own graph and stops paying them.
 ``CUDNN_ATTN_LENGTH_BUCKETS=0`` keeps exact graphs for every shape (a warmed server, a
 benchmark of one shape at a time).
 """
@@ -29,7 +31,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 
@@ -38,11 +41,15 @@ from ..model.inputs import Inputs, device_constant
 from ..model.masks import Causal, MaskSet, Padding, SlidingWindow, mask_parts
 from ..model.problem import AttnProblem, TensorSpec
 
-__all__ = ["BUCKET_AFTER", "EXACT_UP_TO", "ENV", "enabled", "bucket", "reasons",
+__all__ = ["BUCKET_AFTER", "PROMOTE_AFTER", "EXACT_UP_TO", "ENV", "enabled", "bucket", "reasons",
            "bucketed_problem", "BucketPlan"]
 
 # Shapes of one kind built at call time with their exact sizes before the next ones bucket.
 BUCKET_AFTER = 8
+# Forwards of one shape on its bucket's graph before that shape gets its own: more than the
+# calls of one decode step over a deep model's layers (each of a new length), fewer than a
+# training loop at a fixed length makes in a few steps.
+PROMOTE_AFTER = 256
 # Lengths up to this stay exact (a decode step's one query; a short draft of speculative decoding).
 EXACT_UP_TO = 16
 ENV = "CUDNN_ATTN_LENGTH_BUCKETS"
@@ -148,12 +155,16 @@ def _padded(t: torch.Tensor, axis: int, size: int) -> torch.Tensor:
 
 
 class BucketPlan:
-    """Runs a call through ``inner``, the plan of its ``bucketed_problem`` (module docstring)."""
+    """Runs a call through ``inner``, the plan of its ``bucketed_problem`` (module docstring),
+    until its ``PROMOTE_AFTER``-th forward: from then on through ``exact()``, the plan of the
+    call's own graphs (built then), which a shape that keeps coming back repays."""
 
     name = "cudnn"
 
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, exact: Callable[[], Any]):
+        self.inner, self._exact = inner, exact
+        self._forwards = 0
+        self.promoted: Any = None
 
     @property
     def spec(self):
@@ -174,6 +185,12 @@ class BucketPlan:
         return bucketed, Inputs(q, k, v, None, None, None), grown
 
     def forward(self, problem: AttnProblem, inputs: Inputs, need_lse: bool = True):
+        if self.promoted is None:
+            self._forwards += 1
+            if self._forwards > PROMOTE_AFTER:
+                self.promoted = self._exact()
+        if self.promoted is not None:
+            return self.promoted.forward(problem, inputs, need_lse)
         bucketed, moved, _ = self._moved(problem, inputs)
         out, lse = self.inner.forward(bucketed, moved, need_lse=need_lse)
         axis = _seq_axis(problem)
@@ -182,7 +199,10 @@ class BucketPlan:
 
     def backward(self, problem: AttnProblem, inputs: Inputs, out, lse, dout, dlse=None):
         """The padded rows: ``O = dO = 0``, ``lse = -inf`` (a row that sees no key), ``dlse = 0``:
-        they add nothing to dK, dV; their dQ rows are dropped."""
+        they add nothing to dK, dV; their dQ rows are dropped. (A promoted plan's backward
+        takes a bucketed forward's out and LSE as they are: the call's own rows.)"""
+        if self.promoted is not None:
+            return self.promoted.backward(problem, inputs, out, lse, dout, dlse)
         bucketed, moved, (out, dout) = self._moved(problem, inputs, out, dout)
         lse = _grown_rows(lse, bucketed.seq_q, -math.inf)
         dlse = None if dlse is None else _grown_rows(dlse, bucketed.seq_q, 0.0)

@@ -17,12 +17,13 @@ def plan_notes(problem: AttnProblem) -> list[str]:
     spec = analyze(graphed)[0]
     if spec is not None and churn.buckets(graphed, spec):
         bucketed = length_buckets.bucketed_problem(graphed)
-        return [f"runs on the graph of its length bucket (S_q {graphed.seq_q} -> "
+        return ([f"runs on the graph of its length bucket (S_q {graphed.seq_q} -> "
                 f"{bucketed.seq_q}, S_kv {graphed.seq_kv} -> {bucketed.seq_kv}; the real "
                 f"lengths as its padding mask, q, k, v padded and the results sliced): "
                 f"{churn.shapes_built(spec.forward_for(graphed))} graphs of this kind were "
-                f"built at call time and this shape's are not cached "
-                f"(cudnn_attn.graphs.length_buckets)"] + plan_notes(bucketed)
+                f"built at call time and this shape's are not cached (its own after "
+                f"{length_buckets.PROMOTE_AFTER} forwards; cudnn_attn.graphs.length_buckets)"]
+                + plan_notes(bucketed))
     if decode_rows.needed(problem) and not decode_rows.reasons(problem):
         where = "in front of" if decode_rows.side(problem) == "front" else "behind"
         return [f"S_q = 1 runs as a two-row graph (an extra query row {where} the real one, "

@@ -228,3 +228,32 @@ def test_the_benchmarks_growing_cache_rows_run(fake, monkeypatch):
     assert exact["graphs_built"] == exact["steps"] == 12
     assert buckets["steps"] == 24 and buckets["graphs_built"] == BUCKET_AFTER + 1  # then 64
     assert length_buckets.ENV not in os.environ
+
+
+def test_a_shape_that_keeps_coming_back_gets_its_own_graph(fake, monkeypatch):
+    """After PROMOTE_AFTER forwards on its bucket's graph, a shape's plan builds the shape's
+    own graphs and runs on them; a backward whose forward ran on the bucket (its out and LSE)
+    runs on the promoted plan with the same result."""
+    monkeypatch.setattr(length_buckets, "PROMOTE_AFTER", 2)
+    gen = torch.Generator().manual_seed(8)
+    for n in range(60, 60 + BUCKET_AFTER):  # the churn of calls that record a backward
+        ca.attention(*(t.requires_grad_(True) for t in _decode_step(n, gen)), backend="cudnn")
+    q, k, v = (t.requires_grad_(True) for t in _decode_step(100, gen))
+    dout = torch.randn(1, 2, 1, 16, generator=gen).to(F16)
+    leaves = [t.detach().to(F64).requires_grad_(True) for t in (q, k, v)]
+    ref, _ = oracle.reference_attention(*leaves, None)
+    ref_grads = torch.autograd.grad(ref, leaves, dout.to(F64))
+    outs = []
+    for call in range(4):
+        out = ca.attention(q, k, v, backend="cudnn")
+        outs.append(out)
+        torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
+        sizes = [spec.seq_kv for spec, backward in fake if not backward]
+        assert sizes.count(100) == (1 if call >= 2 else 0)  # the third forward promotes
+        assert sizes.count(128) == 1
+    for out in (outs[0], outs[3]):  # a bucketed forward's backward runs on the promoted plan
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got.to(F64), want, atol=2e-3, rtol=2e-3)
+    backwards = [spec.seq_kv for spec, backward in fake if backward]
+    assert backwards == [*range(60, 60 + BUCKET_AFTER), 128, 100]  # the bucket's, then its own
