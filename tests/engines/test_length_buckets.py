@@ -257,3 +257,50 @@ def test_a_shape_that_keeps_coming_back_gets_its_own_graph(fake, monkeypatch):
             torch.testing.assert_close(got.to(F64), want, atol=2e-3, rtol=2e-3)
     backwards = [spec.seq_kv for spec, backward in fake if backward]
     assert backwards == [*range(60, 60 + BUCKET_AFTER), 128, 100]  # the bucket's, then its own
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_growing_cache_on_the_gpu(layout):
+    """On cuDNN itself: a decode loop over a growing cache (bottom-right causal, GQA) and a
+    training loop over changing lengths (causal, backward), past the churn threshold: a graph
+    per bucket, and every result as torch's math backend gives it (the padded keys and rows
+    cuDNN masks are zeros, so this checks cuDNN's padding mask as the buckets use it)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from cudnn_attn.graphs import cache
+
+    clear_caches()
+    g = torch.Generator(device="cuda").manual_seed(9)
+    before = cache.graph_cache.info()["builds"]
+
+    def bhsd(t):
+        return t if layout == "bhsd" else t.transpose(1, 2)
+
+    def math_sdpa(q, k, v, **kw):
+        with sdpa_kernel(SDPBackend.MATH):
+            return sdpa(*(bhsd(t).float() for t in (q, k, v)), enable_gqa=True, **kw)
+
+    k_all, v_all = (torch.randn(2, 4, 700, 64, device="cuda", generator=g).to(BF16)
+                    for _ in range(2))
+    q = torch.randn(2, 8, 1, 64, device="cuda", generator=g).to(BF16)
+    for n in range(400, 700, 3):  # 100 steps
+        k, v = (bhsd(t[:, :, :n].contiguous()) for t in (k_all, v_all))
+        out = ca.attention(bhsd(q), k, v, mask=ca.Causal("bottom_right"), layout=layout,
+                           backend="cudnn")
+        torch.testing.assert_close(bhsd(out).float(), math_sdpa(bhsd(q), k, v),
+                                   atol=2e-2, rtol=2e-2)
+    assert cache.graph_cache.info()["builds"] - before <= BUCKET_AFTER + 4  # 448 .. 768
+    for n in range(100, 300, 13):
+        q, k, v = (bhsd(torch.randn(2, h, n, 64, device="cuda", generator=g).to(BF16))
+                   .requires_grad_(True) for h in (8, 4, 4))
+        out = ca.attention(q, k, v, mask=ca.Causal(), layout=layout, backend="cudnn")
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+        ref = math_sdpa(*leaves, is_causal=True)
+        torch.testing.assert_close(bhsd(out).float(), ref, atol=2e-2, rtol=2e-2)
+        for got, want in zip(grads, torch.autograd.grad(ref, leaves, bhsd(dout).float())):
+            torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=5e-2)
