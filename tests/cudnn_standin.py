@@ -13,11 +13,15 @@ The peer runners load it with ``--engine cudnn-standin``; on this repository's o
     PYTHONPATH=tests python -m pytest -p cudnn_standin tests/surfaces
 
 (tests that assert which engine a CPU call selects then see cuDNN, and fail for that reason).
+``CUDNN_STANDIN_BUCKETS=all`` runs every call that can on its length bucket's graph
+(``graphs.length_buckets``) from the first, not after the churn: the peer's tests then check
+the buckets' padding, slicing and gradients.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import re
 
 import pytest
@@ -25,10 +29,11 @@ import torch
 
 import cudnn_fake
 from cudnn_attn.core import dispatch
+from cudnn_attn.graphs import length_buckets
 from cudnn_attn.model import masks
 from cudnn_attn.packed import calls
 
-SERVED = {"cudnn": 0, "other": 0}
+SERVED = {"cudnn": 0, "other": 0, "buckets": 0}
 DECLINED: collections.Counter = collections.Counter()  # reasons, numbers blanked
 
 
@@ -47,12 +52,24 @@ def _cudnn_standin(monkeypatch):
     _, built = cudnn_fake.install(monkeypatch)
     engine = dispatch.get_backend("cudnn")
     monkeypatch.setattr(engine, "supports", lambda problem: _supports(engine, problem))
+    bucketed = []
+    moved = length_buckets.BucketPlan._moved
+
+    def spy(plan, *args):
+        bucketed.append(True)
+        return moved(plan, *args)
+
+    monkeypatch.setattr(length_buckets.BucketPlan, "_moved", spy)
+    if os.environ.get("CUDNN_STANDIN_BUCKETS") == "all":  # every call that can, from the first
+        monkeypatch.setattr(length_buckets, "BUCKET_AFTER", 0)
     yield
     SERVED["cudnn" if built else "other"] += 1
+    SERVED["buckets"] += bool(bucketed)
 
 
 def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(f"cuDNN stand-in: {SERVED['cudnn']} tests ran cuDNN graphs, "
-                                f"{SERVED['other']} other engines only")
+                                f"{SERVED['other']} other engines only; "
+                                f"{SERVED['buckets']} ran length buckets' graphs")
     for reason, n in DECLINED.most_common(10):
         terminalreporter.write_line(f"  cuDNN declined {n} problems: {reason}")

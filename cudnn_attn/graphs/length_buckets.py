@@ -9,7 +9,8 @@ spec without its sizes) have been built at call time, a call of that kind whose 
 not cached runs on the graph of its bucket instead:
 
 * each sequence length ``n`` above ``EXACT_UP_TO`` rounds up to a multiple of a quarter of its
-  power of two, at least 64 (``bucket``): at most 25 % more rows, four graphs per octave;
+  power of two, at least 64 (``bucket``): less than 25 % (or 64) more rows, four graphs per
+  octave;
 * q, k and v are zero-padded along the sequence axis to the bucket's lengths, the real lengths
   become the graph's padding mask as device tensors (one graph for every length in the bucket,
   nothing read on the host), and out, the LSE and the gradients are sliced back.
