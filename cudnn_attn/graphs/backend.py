@@ -104,8 +104,12 @@ class CudnnBackend:
         if reasons:
             raise NotSupportedError(problem, {self.name: reasons}, forced=self.name)
         if churn.buckets(problem, spec):
-            return BucketPlan(self.plan(length_buckets.bucketed_problem(problem)),
-                              lambda: self._exact_plan(problem, spec))
+            try:
+                bucketed = self.plan(length_buckets.bucketed_problem(problem, True))
+            except NotSupportedError:  # cuDNN refused the bucket's graph: the call's own then
+                pass
+            else:
+                return BucketPlan(bucketed, lambda: self._exact_plan(problem, spec))
         return self._exact_plan(problem, spec)
 
     def _exact_plan(self, problem: AttnProblem, spec: GraphSpec) -> "CudnnPlan | TwoRowPlan":

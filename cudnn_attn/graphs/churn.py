@@ -74,7 +74,7 @@ def buckets(problem: AttnProblem, spec: GraphSpec) -> bool:
 
     if graph_cache.available(make_key(("sdpa_forward", forward), problem.device)):
         return False
-    return not analyze(length_buckets.bucketed_problem(problem))[1]
+    return not analyze(length_buckets.bucketed_problem(problem, planning=True))[1]
 
 
 def _bucket_graph(spec: GraphSpec) -> bool:

@@ -93,14 +93,16 @@ def reasons(problem: AttnProblem) -> list[str]:
     return why
 
 
-def bucketed_problem(problem: AttnProblem) -> AttnProblem:
+def bucketed_problem(problem: AttnProblem, planning: bool = False) -> AttnProblem:
     """``problem`` at its bucket's lengths: q, k, v contiguous in the call's layout, the mask
     with the call's own ``Padding`` (else the full lengths as device tensors:
-    ``full_padding``)."""
+    ``full_padding``; ``planning``: as meta tensors, for a decision or a plan, which read no
+    length)."""
     seq_q, seq_kv = bucket(problem.seq_q), bucket(problem.seq_kv)
     padding = problem.padding
     if padding is None:
-        padding = full_padding(problem)
+        padding = Padding(torch.empty(problem.batch, dtype=torch.int32, device="meta")) \
+            if planning else full_padding(problem)
     others = tuple(m for m in mask_parts(problem.mask) if not isinstance(m, Padding))
     mask = MaskSet.of(*others, padding)
     axis = _seq_axis(problem)

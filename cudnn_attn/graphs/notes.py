@@ -16,7 +16,7 @@ def plan_notes(problem: AttnProblem) -> list[str]:
     graphed = padded_problem(problem) if needs_padding(problem) else problem
     spec = analyze(graphed)[0]
     if spec is not None and churn.buckets(graphed, spec):
-        bucketed = length_buckets.bucketed_problem(graphed)
+        bucketed = length_buckets.bucketed_problem(graphed, planning=True)
         return ([f"runs on the graph of its length bucket (S_q {graphed.seq_q} -> "
                 f"{bucketed.seq_q}, S_kv {graphed.seq_kv} -> {bucketed.seq_kv}; the real "
                 f"lengths as its padding mask, q, k, v padded and the results sliced): "

@@ -304,3 +304,25 @@ def test_growing_cache_on_the_gpu(layout):
         torch.testing.assert_close(bhsd(out).float(), ref, atol=2e-2, rtol=2e-2)
         for got, want in zip(grads, torch.autograd.grad(ref, leaves, bhsd(dout).float())):
             torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=5e-2)
+
+
+def test_a_bucket_cuDNN_refuses_leaves_the_call_its_own_graph(fake, monkeypatch):
+    """A bucket's graph that cuDNN declines at build (NotSupportedError) does not decline the
+    call: it runs on its own graph, and the result is right."""
+    from cudnn_attn.graphs import backend as cudnn_backend
+
+    build = cudnn_backend.build_graph
+
+    def refuse_buckets(problem, spec, backward):
+        if spec.padding:
+            raise ca.NotSupportedError(problem, {"cudnn": ["refused (test)"]}, forced="cudnn")
+        return build(problem, spec, backward)
+
+    monkeypatch.setattr(cudnn_backend, "build_graph", refuse_buckets)
+    gen = torch.Generator().manual_seed(10)
+    for n in range(70, 70 + BUCKET_AFTER + 3):
+        q, k, v = _decode_step(n, gen)
+        out = ca.attention(q, k, v, backend="cudnn")
+        ref, _ = oracle.reference_attention(q, k, v, None)
+        torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
+    assert [spec.seq_kv for spec, _ in fake] == list(range(70, 70 + BUCKET_AFTER + 3))
