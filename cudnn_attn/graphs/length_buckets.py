@@ -19,7 +19,8 @@ Exact: the padded keys lie past ``seq_len_kv`` (masked, and zero, so ``0 * 0`` i
 padded query rows see no key (out 0, LSE ``-inf``) and are dropped; a bottom-right band under a
 padding mask aligns on the lengths (cuDNN's rule), which are the call's own sizes. What a
 position index means beyond that (a bias tensor, ALiBi, an explicit dropout mask, a score_mod,
-a neighborhood) and dropout (whose Philox pattern follows the graph's sizes) keep exact graphs:
+a neighborhood), dropout (whose Philox pattern follows the graph's sizes) and calls whose
+copies would exceed ``MAX_COPY_BYTES`` (their work dwarfs a build) keep exact graphs:
 ``reasons`` says why. The price is the copies in and out (q, k, v and out; dout and the
 gradients in a backward), bandwidth where the alternative is a graph build; a shape that keeps
 coming back (``PROMOTE_AFTER`` forwards: a training loop at a fixed length, not a decode step
@@ -42,8 +43,8 @@ from ..model.inputs import Inputs, device_constant
 from ..model.masks import Causal, MaskSet, Padding, SlidingWindow, mask_parts
 from ..model.problem import AttnProblem, TensorSpec
 
-__all__ = ["BUCKET_AFTER", "PROMOTE_AFTER", "EXACT_UP_TO", "ENV", "enabled", "bucket", "reasons",
-           "bucketed_problem", "BucketPlan"]
+__all__ = ["BUCKET_AFTER", "PROMOTE_AFTER", "MAX_COPY_BYTES", "EXACT_UP_TO", "ENV", "enabled",
+           "bucket", "reasons", "copy_bytes", "bucketed_problem", "BucketPlan"]
 
 # Shapes of one kind built at call time with their exact sizes before the next ones bucket.
 BUCKET_AFTER = 8
@@ -51,6 +52,9 @@ BUCKET_AFTER = 8
 # calls of one decode step over a deep model's layers (each of a new length), fewer than a
 # training loop at a fixed length makes in a few steps.
 PROMOTE_AFTER = 256
+# A call whose bucketed copies would exceed this keeps its own graph: its work dwarfs a build,
+# and the copies would add to its peak memory.
+MAX_COPY_BYTES = 1 << 30
 # Lengths up to this stay exact (a decode step's one query; a short draft of speculative decoding).
 EXACT_UP_TO = 16
 ENV = "CUDNN_ATTN_LENGTH_BUCKETS"
@@ -90,7 +94,19 @@ def reasons(problem: AttnProblem) -> list[str]:
         why.append("a mask other than Causal, SlidingWindow and Padding")
     if problem.dtype not in (torch.float16, torch.bfloat16):
         why.append(f"{problem.dtype} inputs")
+    copies = copy_bytes(problem)
+    if copies > MAX_COPY_BYTES:
+        why.append(f"the bucket's copies of q, k, v and out ({copies / 2**20:.0f} MiB) exceed "
+                   f"{MAX_COPY_BYTES / 2**20:.0f} MiB: a call this large repays its own graph, "
+                   f"and the copies would raise its peak memory")
     return why
+
+
+def copy_bytes(problem: AttnProblem) -> int:
+    """Bytes of the bucket's copies of q, k, v and out for ``problem`` (2-byte elements)."""
+    rows_q, rows_kv = problem.batch * bucket(problem.seq_q), problem.batch * bucket(problem.seq_kv)
+    return 2 * (rows_q * problem.heads_q * (problem.dim_qk + problem.dim_v)
+                + rows_kv * problem.heads_kv * (problem.dim_qk + problem.dim_v))
 
 
 def bucketed_problem(problem: AttnProblem, planning: bool = False) -> AttnProblem:

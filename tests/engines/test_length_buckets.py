@@ -326,3 +326,24 @@ def test_a_bucket_cuDNN_refuses_leaves_the_call_its_own_graph(fake, monkeypatch)
         ref, _ = oracle.reference_attention(q, k, v, None)
         torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
     assert [spec.seq_kv for spec, _ in fake] == list(range(70, 70 + BUCKET_AFTER + 3))
+
+
+def test_calls_too_large_to_copy_keep_their_own_graphs(fake, monkeypatch):
+    """A call whose bucket copies (q, k, v, out at the bucket's sizes, 2 bytes each) exceed
+    MAX_COPY_BYTES keeps its own graph, and ``reasons`` says so with the size."""
+    from cudnn_attn.model.problem import AttnProblem
+
+    q = torch.empty(2, 4, 100, 16, dtype=F16)
+    k = torch.empty(2, 2, 300, 16, dtype=F16)
+    problem = AttnProblem.from_tensors(q, k, k)
+    expected = 2 * (2 * 128 * 4 * 32 + 2 * 320 * 2 * 32)  # buckets 128 and 320
+    assert length_buckets.copy_bytes(problem) == expected
+    monkeypatch.setattr(length_buckets, "MAX_COPY_BYTES", expected - 1)
+    (why,) = length_buckets.reasons(problem)
+    assert "exceed" in why
+    gen = torch.Generator().manual_seed(11)
+    lengths = range(30, 30 + BUCKET_AFTER + 3)
+    monkeypatch.setattr(length_buckets, "MAX_COPY_BYTES", 1000)  # every step's copies exceed it
+    for n in lengths:
+        ca.attention(*_decode_step(n, gen), backend="cudnn")
+    assert [spec.seq_kv for spec, _ in fake] == list(lengths)
