@@ -39,6 +39,7 @@ from typing import Any, Optional
 import torch
 
 from ..core.caches import LRU
+from ..core.probe import capturing
 from ..model.inputs import Inputs, device_constant
 from ..model.masks import Causal, MaskSet, Padding, SlidingWindow, mask_parts
 from ..model.problem import AttnProblem, TensorSpec
@@ -206,7 +207,7 @@ class BucketPlan:
     def forward(self, problem: AttnProblem, inputs: Inputs, need_lse: bool = True):
         if self.promoted is None:
             self._forwards += 1
-            if self._forwards > PROMOTE_AFTER:
+            if self._forwards > PROMOTE_AFTER and not capturing():  # no build in a capture
                 self.promoted = self._exact()
         if self.promoted is not None:
             return self.promoted.forward(problem, inputs, need_lse)

@@ -259,6 +259,26 @@ def test_a_shape_that_keeps_coming_back_gets_its_own_graph(fake, monkeypatch):
     assert backwards == [*range(60, 60 + BUCKET_AFTER), 128, 100]  # the bucket's, then its own
 
 
+def test_no_promotion_inside_a_cuda_graph_capture(fake, monkeypatch):
+    """A capture never builds a graph: a shape due for promotion keeps its bucket while the
+    stream is being captured, and is promoted at its first call after."""
+    capturing = [True]
+    monkeypatch.setattr(length_buckets, "capturing", lambda: capturing[0])
+    monkeypatch.setattr(length_buckets, "PROMOTE_AFTER", 1)
+    gen = torch.Generator().manual_seed(12)
+    for n in range(60, 60 + BUCKET_AFTER):
+        ca.attention(*_decode_step(n, gen), backend="cudnn")
+    q, k, v = _decode_step(100, gen)
+    for _ in range(3):
+        ca.attention(q, k, v, backend="cudnn")
+    assert 100 not in [spec.seq_kv for spec, _ in fake]
+    capturing[0] = False
+    out = ca.attention(q, k, v, backend="cudnn")
+    assert [spec.seq_kv for spec, _ in fake][-1] == 100
+    ref, _ = oracle.reference_attention(q, k, v, None)
+    torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
