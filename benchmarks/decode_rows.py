@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from unittest import mock
 
 import torch
 
@@ -205,19 +206,13 @@ def growing(args, device: str = "cuda") -> list[dict]:
         ca.clear_caches()
         cache.graph_cache.clear()  # the module's (a test's stand-in replaces it there)
         before = cache.graph_cache.info()["builds"]
-        saved = os.environ.get(length_buckets.ENV)
-        if env is not None:
-            os.environ[length_buckets.ENV] = env
+        switch = {} if env is None else {length_buckets.ENV: env}
         try:
-            us = loop(fn, n_steps)
+            with mock.patch.dict(os.environ, switch):
+                us = loop(fn, n_steps)
         except RuntimeError as exc:
             print(f"{label}: {str(exc).splitlines()[0]}")
             continue
-        finally:
-            if saved is None:
-                os.environ.pop(length_buckets.ENV, None)
-            else:
-                os.environ[length_buckets.ENV] = saved
         rows.append({"call": label, "us_per_call": us, "vs_bare": None, "vs_torch_cudnn": None,
                      "steps": n_steps, "graphs_built": cache.graph_cache.info()["builds"] - before})
     peer = next((r["us_per_call"] for r in rows if r["call"].endswith("torch-flash")), None)

@@ -43,6 +43,7 @@ from ..core.probe import capturing
 from ..model.inputs import Inputs, device_constant
 from ..model.masks import Causal, MaskSet, Padding, SlidingWindow, mask_parts
 from ..model.problem import AttnProblem, TensorSpec
+from ._spec import contiguous_strides
 
 __all__ = ["BUCKET_AFTER", "PROMOTE_AFTER", "MAX_COPY_BYTES", "EXACT_UP_TO", "ENV", "enabled",
            "bucket", "reasons", "copy_bytes", "bucketed_problem", "BucketPlan"]
@@ -127,7 +128,7 @@ def bucketed_problem(problem: AttnProblem, planning: bool = False) -> AttnProble
     def spec(t: TensorSpec, seq: int) -> TensorSpec:
         shape = list(t.shape)
         shape[axis] = seq
-        return TensorSpec(tuple(shape), _contiguous(shape), t.dtype)
+        return TensorSpec(tuple(shape), contiguous_strides(shape), t.dtype)
 
     fresh = problem._copied({"seq_q": seq_q, "seq_kv": seq_kv, "q": spec(problem.q, seq_q),
                              "k": spec(problem.k, seq_kv), "v": spec(problem.v, seq_kv),
@@ -150,13 +151,6 @@ def full_padding(problem: AttnProblem) -> Padding:
 
 def _seq_axis(problem: AttnProblem) -> int:
     return 1 if problem.layout == "bshd" else 2
-
-
-def _contiguous(shape: list) -> tuple:
-    strides = [1] * len(shape)
-    for axis in range(len(shape) - 2, -1, -1):
-        strides[axis] = strides[axis + 1] * shape[axis + 1]
-    return tuple(strides)
 
 
 def _padded(t: torch.Tensor, axis: int, size: int) -> torch.Tensor:
