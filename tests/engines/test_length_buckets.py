@@ -10,6 +10,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import cudnn_attn as ca
 import cudnn_fake
@@ -367,3 +369,71 @@ def test_calls_too_large_to_copy_keep_their_own_graphs(fake, monkeypatch):
     for n in lengths:
         ca.attention(*_decode_step(n, gen), backend="cudnn")
     assert [spec.seq_kv for spec, _ in fake] == list(lengths)
+
+
+_MOVED = length_buckets.BucketPlan._moved
+
+
+def _spied(record: list):
+    """``BucketPlan._moved`` that records each call (a bucketed forward or backward)."""
+    def spy(plan, *args):
+        record.append(True)
+        return _MOVED(plan, *args)
+
+    return spy
+
+
+MASKS = {"none": (None, {}),
+         "causal_tl": (lambda: ca.Causal(), {"causal": "top_left"}),
+         "causal_br": (lambda: ca.Causal("bottom_right"), {"causal": "bottom_right"}),
+         "window_br": (lambda: ca.SlidingWindow(7, 0, "bottom_right"),
+                       {"window": (7, 0, "bottom_right")}),
+         "window_tl": (lambda: ca.SlidingWindow(5, 3), {"window": (5, 3, "top_left")})}
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=st.sampled_from(["bhsd", "bshd"]), heads=st.sampled_from([(2, 2), (4, 2), (4, 1)]),
+       mask_kind=st.sampled_from(sorted(MASKS)), grad=st.booleans(),
+       queries=st.sampled_from(["decode", "self", "cross"]), view=st.booleans(),
+       seq_kv=st.integers(17, 300), seq_q=st.integers(2, 40), seed=st.integers(0, 2**16))
+def test_any_bucketed_call_matches_the_oracle(fake, monkeypatch, layout, heads, mask_kind, grad,
+                                              queries, view, seq_kv, seq_q, seed):
+    """Every call that can buckets (BUCKET_AFTER = 0): masks of both alignments, GQA/MQA, one
+    query, self- and cross-attention, strided views (bshd views of bhsd tensors); out, lse and
+    (with ``grad``) dq, dk, dv against float64 brute force."""
+    monkeypatch.setattr(length_buckets, "BUCKET_AFTER", 0)
+    H, H_kv = heads
+    seq_q = {"decode": 1, "self": seq_kv, "cross": seq_q}[queries]
+    make, rule = MASKS[mask_kind]
+    if "bottom_right" in str(rule) and seq_q > seq_kv:
+        seq_q = seq_kv
+    gen = torch.Generator().manual_seed(seed)
+
+    def tensor(h, s):
+        t = torch.randn(2, h, s, 16, generator=gen).to(BF16)
+        if layout == "bshd":
+            t = t.transpose(1, 2) if view else t.transpose(1, 2).contiguous()
+        return t.requires_grad_(grad)
+
+    q, k, v = tensor(H, seq_q), tensor(H_kv, seq_kv), tensor(H_kv, seq_kv)
+    moved = []
+    monkeypatch.setattr(length_buckets.BucketPlan, "_moved", _spied(moved))
+    try:
+        out, lse = ca.attention(q, k, v, mask=None if make is None else make(), layout=layout,
+                                return_lse=True, backend="cudnn")
+    except ca.NotSupportedError:  # a call cuDNN declines whatever its sizes
+        return
+    assert moved, "the call did not run on its bucket's graph"
+    leaves = [t.detach().to(F64).requires_grad_(True) for t in (q, k, v)]
+    vis = oracle.build_visibility(2, seq_q, seq_kv, **rule) if rule else None
+    ref, ref_lse = oracle.reference_attention(*leaves, vis, layout=layout)
+    torch.testing.assert_close(out.to(F64), torch.nan_to_num(ref), atol=2e-2, rtol=2e-2)
+    seen = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.to(F64)[seen], ref_lse[seen], atol=1e-3, rtol=1e-3)
+    if grad:
+        dout = torch.randn(out.shape, generator=gen).to(BF16)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        wanted = torch.autograd.grad(torch.nan_to_num(ref), leaves, dout.to(F64))
+        for got, want in zip(grads, wanted):
+            torch.testing.assert_close(got.to(F64), want, atol=5e-2, rtol=5e-2)
