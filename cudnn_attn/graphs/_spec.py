@@ -226,21 +226,21 @@ def cudnn_band(problem: AttnProblem, padding: bool, alibi: bool, reasons: list,
 def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
             options: Optional[GraphOptions] = None,
             backward: Optional[bool] = None,
-            version: Optional[int] = None) -> tuple[Optional[GraphSpec], list[str]]:
+            version: Optional[int] = None,
+            two_rows: bool = True) -> tuple[Optional[GraphSpec], list[str]]:
     """``(spec, [])`` for a problem cuDNN can run, else ``(None, reasons)``.
 
     ``backward`` (default: ``problem.requires_grad``) adds the backward graph's rules;
     ``target_sm`` (default: the problem's CUDA device, if any) adds the architecture's;
     ``version`` (default: the installed ``cudnn.backend_version()`` where there is an
-    architecture) adds that backend's floors.
+    architecture) adds that backend's floors. ``two_rows=False``: the rules of the problem as
+    it stands, where the engine would run it as a two-row graph (``decode_rows``).
     """
-    if decode_rows.needed(problem):  # a repeatable S_q = 1 call runs as a two-row graph
+    if two_rows and decode_rows.needed(problem):  # runs as a two-row graph
         declined = decode_rows.reasons(problem)
-        if declined:
-            return None, declined + analyze(dataclasses.replace(problem, repeatable=False,
-                                                                deterministic=False),
-                                            target_sm=target_sm, options=options,
-                                            backward=backward)[1]
+        if declined:  # with the one-row graph's own reasons
+            return None, declined + analyze(problem, target_sm=target_sm, options=options,
+                                            backward=backward, two_rows=False)[1]
         problem = decode_rows.padded_problem(problem)
     options = with_storage(options or GraphOptions(), problem.storage)
     backward = problem.requires_grad if backward is None else backward

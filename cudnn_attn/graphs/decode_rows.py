@@ -1,11 +1,14 @@
-"""Repeatable single-query calls on cuDNN: ``S_q = 1`` runs as a two-row graph.
+"""Single-query calls on cuDNN that must not take its ``S_q = 1`` graphs run as two-row graphs.
 
 cuDNN's decode path (a graph with ``S_q = 1``) is not bitwise repeatable: on an H200 (cuDNN
 9.19), 200 repeats of one ``(S_q, S_kv) = (1, 239)``, D = 160, causal call gave 105-157 distinct
 outputs (max difference 1.2e-4), while ``S_q = 2`` and ``S_q = 64`` gave one (issue 36). A call
 that must be repeatable (``problem.deterministic``: torch's deterministic mode or FlashAttention's
 ``deterministic=True``; ``problem.repeatable``: every FlashAttention surface, whose forward is
-bitwise repeatable) therefore runs a graph with one extra query row, and the row is discarded:
+bitwise repeatable) therefore runs a graph with one extra query row, and the row is discarded.
+So does a single-query call with ``B = H_q = 1`` and a backward, whose one-row backward cuDNN
+could not plan (the process crashed in ``create_execution_plans`` on an H200, cuDNN 9.26;
+cudnn-frontend #1071): with two rows it plans, and the call stays on cuDNN.
 
 * The extra row is a copy of the query. It goes **in front** when the mask is aligned
   bottom-right by the graph's own sizes (no padding mask: query ``i`` sits at
@@ -32,13 +35,24 @@ from ..core.caches import memoize
 from ..model.masks import Causal, SlidingWindow
 from ..model.problem import AttnProblem, TensorSpec
 from ..model.storage import Ragged
+from .limits import LIMITS
 
-__all__ = ["needed", "side", "reasons", "padded_problem", "add_row", "real_row"]
+__all__ = ["needed", "unplannable_backward", "side", "reasons", "cause", "padded_problem",
+           "add_row", "real_row"]
 
 
 def needed(problem: AttnProblem) -> bool:
-    """Whether ``problem`` must be repeatable and would hit cuDNN's decode path."""
-    return problem.seq_q == 1 and (problem.deterministic or problem.repeatable)
+    """Whether ``problem`` is a single-query call that must be repeatable (cuDNN's decode path
+    is not), or whose backward cuDNN cannot plan as it stands (``unplannable_backward``)."""
+    return problem.seq_q == 1 and (problem.deterministic or problem.repeatable
+                                   or unplannable_backward(problem))
+
+
+def unplannable_backward(problem: AttnProblem) -> bool:
+    """Whether ``problem``'s backward is one cuDNN cannot plan with one query row: ``B = H_q =
+    S_q = 1`` (planning it crashed the process: cudnn-frontend #1071), where two rows plan."""
+    return (problem.requires_grad and problem.batch == problem.heads_q == 1
+            and not LIMITS.backward_single_row)
 
 
 def side(problem: AttnProblem) -> str:
@@ -49,7 +63,7 @@ def side(problem: AttnProblem) -> str:
 
 
 def reasons(problem: AttnProblem) -> list[str]:
-    """Why a repeatable ``S_q = 1`` call cannot run as a two-row graph (empty: it can)."""
+    """Why a call that must run as a two-row graph (``needed``) cannot (empty: it can)."""
     if not needed(problem):
         return []
     why = []
@@ -63,9 +77,17 @@ def reasons(problem: AttnProblem) -> list[str]:
         why.append("a neighborhood (S_q = S_kv)")
     if not why:
         return []
-    return ["a repeatable single-query call (deterministic, or a FlashAttention surface) runs "
-            "as a two-row graph, since cuDNN's S_q = 1 decode path is not bitwise repeatable "
-            "(issue 36); that cannot carry " + ", ".join(why)]
+    return [f"a single-query call runs as a two-row graph where {cause(problem)}; that "
+            f"graph cannot carry " + ", ".join(why)]
+
+
+def cause(problem: AttnProblem) -> str:
+    """Why ``problem`` (``needed``) runs as a two-row graph."""
+    if problem.deterministic or problem.repeatable:
+        return ("cuDNN's S_q = 1 decode path is not bitwise repeatable and the call must be "
+                "(deterministic, or a FlashAttention surface; issue 36)")
+    return ("planning cuDNN's S_q = 1 backward with B = H_q = 1 crashed the process "
+            "(cudnn-frontend #1071)")
 
 
 def _row_dim(layout: str) -> int:

@@ -27,8 +27,7 @@ def plan_notes(problem: AttnProblem) -> list[str]:
     if decode_rows.needed(problem) and not decode_rows.reasons(problem):
         where = "in front of" if decode_rows.side(problem) == "front" else "behind"
         return [f"S_q = 1 runs as a two-row graph (an extra query row {where} the real one, "
-                f"dropped from the results): cuDNN's decode path is not bitwise repeatable "
-                f"and this call must be (deterministic, or a FlashAttention surface)"]
+                f"dropped from the results): {decode_rows.cause(problem)}"]
     spec = analyze(problem)[0]
     if spec is not None and spec.synthetic_padding:
         return ["the graphs get a padding mask with the full lengths: without one, cuDNN's "

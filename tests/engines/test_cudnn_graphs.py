@@ -386,7 +386,6 @@ REJECTED = [  # (id, tensors, kwargs, options, backward, target_sm, reason fragm
     ("decode-causal-gqa", qkv(Hq=8, Hkv=2, Sq=1, Skv=64), {"mask": ca.Causal()}, None, False, None,
      "decode (S_q = 1)"),
     ("bwd-1x1", qkv(Sq=1, Skv=1), {}, None, True, None, "S_q = S_kv = 1"),
-    ("bwd-one-row", qkv(B=1, Hq=1, Sq=1, Skv=128), {}, None, True, None, "crashes the process"),
     ("bwd-d256-sm80", qkv(D=256), {}, None, True, 80, "up to 128"),
     ("bwd-d160-sm86", qkv(D=160), {}, None, True, 86, "up to 128"),
     ("sm75", qkv(), {}, None, False, 75, "sm_80 or newer"),

@@ -98,6 +98,33 @@ def test_attention_is_two_row_only_when_it_must_be_repeatable(fake):
     assert "two-row graph" in str(explanation)
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_one_row_backward_cudnn_cannot_plan_runs_as_two_rows(fake, layout):
+    """B = H_q = S_q = 1 with a backward (planning cuDNN's one-row backward crashed the
+    process, cudnn-frontend #1071): the plain call stays on cuDNN as a two-row graph, forward
+    and backward, with the call's results; the one-row problem itself keeps the reason, and
+    explain() names it."""
+    shape = (lambda s: (1, 1, s, 16)) if layout == "bhsd" else (lambda s: (1, s, 1, 16))
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(shape(s), generator=gen).to(F16).requires_grad_(True)
+               for s in (1, 40, 40))
+    problem = AttnProblem.from_tensors(q, k, v, layout=layout)
+    assert decode_rows.needed(problem) and ca.graphs.cudnn_reasons(problem) == []
+    one_row = ca.graphs._spec.analyze(problem, two_rows=False)[1]
+    assert any("cudnn-frontend #1071" in r for r in one_row), one_row
+    out = ca.attention(q, k, v, layout=layout, backend="cudnn")
+    dout = torch.randn(out.shape, generator=gen).to(F16)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert _seq_q_of_graphs(fake) == [(2, False), (2, True)]
+    leaves = [t.detach().to(F64).requires_grad_(True) for t in (q, k, v)]
+    ref, _ = reference_attention(*leaves, None, layout=layout)
+    torch.testing.assert_close(cudnn_fake.host(out).to(F64), ref, atol=2e-3, rtol=2e-3)
+    for got, want in zip(grads, torch.autograd.grad(ref, leaves, dout.to(F64))):
+        torch.testing.assert_close(got.to(F64), want, atol=2e-3, rtol=2e-3)
+    notes = ca.explain(q, k, v, layout=layout, backend="cudnn").notes
+    assert any("two-row graph" in n and "#1071" in n for n in notes), notes
+
+
 def test_dropout_forward_and_backward_run_the_same_two_row_graph(fake):
     from cudnn_attn.flash_attn_interface import flash_attn_func
 
