@@ -274,3 +274,26 @@ def test_few_query_calls_are_bitwise_repeatable_on_the_gpu(seq_q, seq_k, group, 
     distinct = sum(not torch.equal(flash_attn_func(q, k, v, causal=True), first)
                    for _ in range(49))
     assert distinct == 0, f"{distinct} of 49 repeats differ from the first"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_one_row_backward_runs_as_two_rows_on_the_gpu():
+    """cudnn-frontend #1071's shape (B = H_q = H_kv = S_q = 1, S_kv = 128, D = 64, bf16, a
+    backward) on cuDNN itself, as the two-row graph: it plans (the one-row graph crashed the
+    process on cuDNN 9.26) and gives torch's math backend's out and gradients."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    g = torch.Generator(device="cuda").manual_seed(14)
+    q, k, v = (torch.randn(1, 1, s, 64, device="cuda", generator=g).to(torch.bfloat16)
+               .requires_grad_(True) for s in (1, 128, 128))
+    out = ca.attention(q, k, v, backend="cudnn")
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = sdpa(*leaves)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    for got, want in zip(grads, torch.autograd.grad(ref, leaves, dout.float())):
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
