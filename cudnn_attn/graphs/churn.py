@@ -24,7 +24,7 @@ from . import length_buckets
 from ._spec import GraphSpec, analyze
 from .length_buckets import bucket
 
-__all__ = ["CHURN_WARNING", "built", "shapes_built", "buckets"]
+__all__ = ["CHURN_WARNING", "built", "shapes_built", "buckets", "kept_exact"]
 
 logger = logging.getLogger("cudnn_attn")
 
@@ -58,12 +58,31 @@ def shapes_built(spec: GraphSpec, backward: bool = False) -> int:
 
 def buckets(problem: AttnProblem, spec: GraphSpec) -> bool:
     """Whether ``problem`` (which cuDNN takes as ``spec``) runs on its length bucket's graph
-    (``length_buckets``): its kind churns, its own forward graph is neither built nor loaded,
-    nothing in it reads a position, it is not its bucket's graph already (bucket sizes with a
-    padding mask), and cuDNN takes the bucket. A call of a bucket's sizes without a padding mask
-    shares that graph (nothing copied when q, k, v are contiguous)."""
-    if not length_buckets.enabled() or length_buckets.reasons(problem):
-        return False
+    (``length_buckets``): its kind churns and its own graph is not cached (``_churning``), and
+    nothing keeps it on its own (``kept_exact``). A call of a bucket's sizes without a padding
+    mask shares that graph (nothing copied when q, k, v are contiguous)."""
+    return _churning(problem, spec) and not kept_exact(problem, spec)
+
+
+def kept_exact(problem: AttnProblem, spec: GraphSpec) -> list[str]:
+    """Why a call of a churning kind whose own graph is not cached still builds it rather than
+    run on its length bucket's (empty: it buckets, or it is no such call): the switch, what
+    the call reads of positions (``length_buckets.reasons``), or cuDNN's rules for the
+    bucket's graph."""
+    if not _churning(problem, spec):
+        return []
+    why = ([] if length_buckets.enabled() else [f"{length_buckets.ENV}=0"]) + \
+        length_buckets.reasons(problem)
+    if why:
+        return why
+    bucketed = length_buckets.bucketed_problem(problem, planning=True)
+    return [f"cuDNN declines its bucket's graph: {r}" for r in analyze(bucketed)[1]]
+
+
+def _churning(problem: AttnProblem, spec: GraphSpec) -> bool:
+    """Whether ``BUCKET_AFTER`` shapes of ``problem``'s kind were built at call time, its own
+    forward graph is neither built nor loaded, and it is not its bucket's graph already
+    (bucket sizes with a padding mask)."""
     if problem.padding is not None and \
             (bucket(problem.seq_q), bucket(problem.seq_kv)) == (problem.seq_q, problem.seq_kv):
         return False
@@ -72,9 +91,7 @@ def buckets(problem: AttnProblem, spec: GraphSpec) -> bool:
         return False
     from .cache import graph_cache, make_key
 
-    if graph_cache.available(make_key(("sdpa_forward", forward), problem.device)):
-        return False
-    return not analyze(length_buckets.bucketed_problem(problem, planning=True))[1]
+    return not graph_cache.available(make_key(("sdpa_forward", forward), problem.device))
 
 
 def _bucket_graph(spec: GraphSpec) -> bool:

@@ -24,6 +24,17 @@ def plan_notes(problem: AttnProblem) -> list[str]:
                 f"built at call time and this shape's are not cached (its own after "
                 f"{length_buckets.PROMOTE_AFTER} forwards; cudnn_attn.graphs.length_buckets)"]
                 + plan_notes(bucketed))
+    if spec is None:
+        return _graph_notes(problem)
+    kept = churn.kept_exact(graphed, spec)
+    churning = [f"{churn.shapes_built(spec.forward_for(graphed))} graphs of this kind were "
+                f"built at call time, but this shape builds its own rather than run on a length "
+                f"bucket's: " + "; ".join(kept)] if kept else []
+    return _graph_notes(problem) + churning
+
+
+def _graph_notes(problem: AttnProblem) -> list[str]:
+    """The notes of a call that runs on its own graphs."""
     if decode_rows.needed(problem) and not decode_rows.reasons(problem):
         where = "in front of" if decode_rows.side(problem) == "front" else "behind"
         return [f"S_q = 1 runs as a two-row graph (an extra query row {where} the real one, "

@@ -173,7 +173,7 @@ def test_the_calls_own_padding_stays_its_lengths(fake, runtime):
 def test_calls_that_read_positions_keep_exact_graphs(fake, monkeypatch):
     """A bias tensor (sized by the call) keeps exact graphs, as do all calls with
     ``CUDNN_ATTN_LENGTH_BUCKETS=0``: a graph per shape, none with lengths of its own (a bias
-    graph's full-length padding aside)."""
+    graph's full-length padding aside); explain() of the next such shape says why."""
     gen = torch.Generator().manual_seed(6)
     lengths = range(30, 30 + BUCKET_AFTER + 3)
     for n in lengths:
@@ -185,12 +185,19 @@ def test_calls_that_read_positions_keep_exact_graphs(fake, monkeypatch):
     assert [spec.seq_kv for spec, _ in fake] == list(lengths)
     assert not any(spec.padding and not spec.synthetic_padding for spec, _ in fake)
 
+    q, k, v = _decode_step(200, gen)
+    bias = torch.randn(1, 2, 1, 200, generator=gen).to(F16)
+    note = ca.explain(q, k, v, bias=bias, backend="cudnn").notes[-1]  # after the bias's own
+    assert f"{BUCKET_AFTER + 3} graphs of this kind" in note and "a bias or ALiBi" in note
+
     monkeypatch.setenv(length_buckets.ENV, "0")
     fake.clear()
     for n in lengths:
         q, k, v = _decode_step(n, gen)
         ca.attention(q, k, v, backend="cudnn")
     assert [spec.seq_kv for spec, _ in fake] == list(lengths)
+    (note,) = ca.explain(*_decode_step(200, gen), backend="cudnn").notes
+    assert f"{length_buckets.ENV}=0" in note
 
 
 def test_explain_names_the_bucket_and_a_cached_shape_stays_exact(fake):
