@@ -348,8 +348,7 @@ def analyze(problem: AttnProblem, *, target_sm: Optional[int] = None,
     if backward and not lim.backward_single_token and problem.seq_q == 1 \
             and problem.seq_kv == 1:
         reasons.append("cuDNN's SDPA backward does not support S_q = S_kv = 1")
-    elif backward and not lim.backward_single_row and problem.batch == problem.heads_q \
-            == problem.seq_q == 1:
+    elif backward and decode_rows.one_row_unplannable(problem):
         reasons.append("planning cuDNN's SDPA backward for B = H_q = S_q = 1 crashes the "
                        "process (cudnn-frontend #1071)")
 

@@ -37,21 +37,21 @@ from ..model.problem import AttnProblem, TensorSpec
 from ..model.storage import Ragged
 from .limits import LIMITS
 
-__all__ = ["needed", "unplannable_backward", "side", "reasons", "cause", "padded_problem",
+__all__ = ["needed", "one_row_unplannable", "side", "reasons", "cause", "padded_problem",
            "add_row", "real_row"]
 
 
 def needed(problem: AttnProblem) -> bool:
     """Whether ``problem`` is a single-query call that must be repeatable (cuDNN's decode path
-    is not), or whose backward cuDNN cannot plan as it stands (``unplannable_backward``)."""
+    is not), or one with a backward cuDNN cannot plan as it stands (``one_row_unplannable``)."""
     return problem.seq_q == 1 and (problem.deterministic or problem.repeatable
-                                   or unplannable_backward(problem))
+                                   or problem.requires_grad and one_row_unplannable(problem))
 
 
-def unplannable_backward(problem: AttnProblem) -> bool:
-    """Whether ``problem``'s backward is one cuDNN cannot plan with one query row: ``B = H_q =
-    S_q = 1`` (planning it crashed the process: cudnn-frontend #1071), where two rows plan."""
-    return (problem.requires_grad and problem.batch == problem.heads_q == 1
+def one_row_unplannable(problem: AttnProblem) -> bool:
+    """Whether cuDNN cannot plan ``problem``'s backward as it stands: ``B = H_q = S_q = 1``
+    (planning it crashed the process: cudnn-frontend #1071), where two rows plan."""
+    return (problem.batch == problem.heads_q == problem.seq_q == 1
             and not LIMITS.backward_single_row)
 
 

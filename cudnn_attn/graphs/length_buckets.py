@@ -105,9 +105,9 @@ def reasons(problem: AttnProblem) -> list[str]:
 
 
 def copy_bytes(problem: AttnProblem) -> int:
-    """Bytes of the bucket's copies of q, k, v and out for ``problem`` (2-byte elements)."""
+    """Bytes of the bucket's copies of q, k, v and out for ``problem``."""
     rows_q, rows_kv = problem.batch * bucket(problem.seq_q), problem.batch * bucket(problem.seq_kv)
-    return 2 * (rows_q * problem.heads_q * (problem.dim_qk + problem.dim_v)
+    return problem.dtype.itemsize * (rows_q * problem.heads_q * (problem.dim_qk + problem.dim_v)
                 + rows_kv * problem.heads_kv * (problem.dim_qk + problem.dim_v))
 
 
