@@ -144,7 +144,15 @@ class FakeGraph:
     def _read_kv(self, buffers, role, lens_kv, seq_kv):
         table_uid = self.node["inputs"].get(f"Page_table_{role}")
         if table_uid is None:
-            return self._read(buffers, role, lens_kv)
+            kv = self._read(buffers, role, lens_kv)
+            if self.node["padding_mask"] and not self.backward:
+                # What an H200 showed (cuDNN 9.19, benchmarks/results/cudnn-2026-11-29.json,
+                # decode_rows' probe): a forward's padding mask keeps whatever lies past the key
+                # lengths (NaN in K, V or both) out of every result. The backward keeps the
+                # pessimistic model: no GPU has shown what it does with such values.
+                past = torch.arange(kv.shape[2]).view(1, -1) >= torch.tensor(lens_kv).view(-1, 1)
+                kv = kv.masked_fill(past[:, None, :, None], 0.0)
+            return kv
         pool = self._view(buffers, role)                       # [num_blocks, H, page, D]
         page = pool.shape[2]
         table = host(buffers[table_uid]).view(len(lens_kv), -1).tolist()

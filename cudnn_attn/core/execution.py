@@ -26,7 +26,7 @@ from . import dispatch
 from .autograd_node import apply_entry
 from ..errors import NotSupportedError
 from ..model.problem import AttnProblem
-from ..model.inputs import Inputs, hide_padded_rows, hide_padding
+from ..model.inputs import Inputs, hide_padded_rows, hide_padding, hides_keys
 from ..model.storage import Ragged
 
 __all__ = ["plan_call", "plan_on", "plan_stored", "dropout_engine", "forward", "backward", "run", "direct_runner",
@@ -122,7 +122,8 @@ def forward(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool = True,
     score_sum_exp); ``weights`` (a dict, torch engine only) the attention weights before and
     after dropout (``"probs"``, ``"dropped"``, ``[B, H_q, S_q, S_kv]``). No gradient follows,
     so the padded query rows are kept unless those extras (which have rows there) are asked."""
-    inputs = hide_padding(problem, inputs, queries=row_stats is not None or weights is not None)
+    inputs = hide_padding(problem, inputs, queries=row_stats is not None or weights is not None,
+                          keys=hides_keys(plan, False))
     extra = {} if row_stats is None else {"row_stats": row_stats}
     if weights is not None:
         extra["weights"] = weights
@@ -177,7 +178,7 @@ def run(problem: AttnProblem, plan, inputs: Inputs, need_lse: bool):
     padded = problem.mask is not None and problem.padding is not None
     grad = problem.requires_grad and torch.is_grad_enabled()
     if padded:
-        inputs = hide_padding(problem, inputs, queries=grad)
+        inputs = hide_padding(problem, inputs, queries=grad, keys=hides_keys(plan, grad))
     if grad:
         record = _Recorded.apply if _RECORD_DIRECT is None or _functorch_active() \
             else _RECORD_DIRECT

@@ -200,6 +200,11 @@ class CudnnPlan:
     against the graph's."""
 
     name = "cudnn"
+    # cuDNN's padding mask keeps what lies past the key lengths out of a forward: NaN stored
+    # there in K, V or both left an H200's results finite and bitwise those of the zeroed cache
+    # (cuDNN 9.19, benchmarks/decode_rows.py's probe, results/cudnn-2026-11-29.json), so a
+    # forward no gradient follows skips the two cache-sized copies (model.inputs.hide_padding).
+    forward_ignores_padded_keys = True
 
     def __init__(self, problem: AttnProblem, spec: GraphSpec, rows: Optional[GraphSpec] = None):
         self.spec = spec

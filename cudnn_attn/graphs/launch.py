@@ -29,7 +29,7 @@ from ._emit import UID
 from ._spec import contiguous_strides, problem_lengths
 from ..core.autograd_node import record_direct
 from ..core.probe import kept_if_captured
-from ..model.inputs import (DropoutState, Inputs, hide_padded_rows, hide_padding,
+from ..model.inputs import (DropoutState, Inputs, hide_padded_rows, hide_padding, hides_keys,
                             length_positions)
 
 __all__ = ["execute", "DirectCall", "Extras", "NO_EXTRAS", "PerCall", "extras_of"]
@@ -133,6 +133,7 @@ class DirectCall:
     CUDA-graph capture the runner answers ``None`` and the full path refuses, with its reason).
     """
 
+    forward_ignores_padded_keys = True  # its graphs' (CudnnPlan)
     __slots__ = ("forward", "backward", "device", "scale", "strides", "out_like",
                  "stats_like", "inputs_contiguous", "extras")
 
@@ -190,7 +191,8 @@ class DirectCall:
                 positions = length_positions(lengths[0] if queries else None, lengths[1],
                                              spec.seq_q, spec.seq_kv, spec.layout)
             if extras.padded is not None:
-                hidden = hide_padding(extras.padded, Inputs(q, k, v, bias), grad, positions)
+                hidden = hide_padding(extras.padded, Inputs(q, k, v, bias), grad, positions,
+                                      keys=hides_keys(self, grad))
                 q, k, v, bias = hidden.q, hidden.k, hidden.v, hidden.bias
             call = PerCall(bias, dropout, lengths, empty)
         if grad:

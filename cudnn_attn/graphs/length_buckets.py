@@ -174,6 +174,7 @@ class BucketPlan:
     call's own graphs (built then), which a shape that keeps coming back repays."""
 
     name = "cudnn"
+    forward_ignores_padded_keys = True  # its graphs' (CudnnPlan)
 
     def __init__(self, inner, exact: Callable[[], Any]):
         self.inner, self._exact = inner, exact

@@ -18,7 +18,7 @@ from ..core.probe import capturing, kept_if_captured
 __all__ = ["SEED_BOUND", "DropoutState", "draw_seed", "host_draw", "Inputs", "valid_positions",
            "position_index", "full_lengths", "is_full_lengths", "row_positions", "scalar_zero",
            "sequence_axis", "PaddedPositions", "padding_positions", "length_positions",
-           "hide_padding", "hide_padded_rows", "device_constant"]
+           "hide_padding", "hides_keys", "hide_padded_rows", "device_constant"]
 
 # Seeds stay below 2**62: every engine (and cuDNN's int64 seed tensor) holds them exactly.
 SEED_BOUND = 2 ** 62
@@ -269,9 +269,9 @@ def _bias_cells(valid_q: torch.Tensor, valid_kv: torch.Tensor, shape: torch.Size
 
 
 def hide_padding(problem, inputs: Inputs, queries: bool = True,
-                 positions: Optional[PaddedPositions] = None) -> Inputs:
+                 positions: Optional[PaddedPositions] = None, keys: bool = True) -> Inputs:
     """``inputs`` with every position past the ``Padding`` lengths replaced by 0 (the query
-    rows only when ``queries``).
+    rows only when ``queries``, the key and value rows only when ``keys``).
 
     Why: such positions are not tokens. Engines give them ``-inf`` scores, but a NaN or inf
     stored there would still reach real rows through ``0 * NaN`` (``p @ v``, ``ds^T @ q``) or an
@@ -280,6 +280,8 @@ def hide_padding(problem, inputs: Inputs, queries: bool = True,
     A forward that no gradient will follow may keep the padded query rows (``queries=False``):
     a query row reaches only its own output row, and a row past its length sees no key, so
     every engine writes it as 0 (and its lse as ``-inf``) whatever q holds there.
+    ``keys=False`` is for an engine whose forward itself keeps what lies past the key lengths
+    out of every result, in a call no gradient follows (``hides_keys``).
     ``positions``: the call's own (``length_positions``: runtime lengths a caller already holds
     as a graph reads them; with ``rows`` when a bias is hidden), in place of
     ``padding_positions``'.
@@ -289,19 +291,30 @@ def hide_padding(problem, inputs: Inputs, queries: bool = True,
         return inputs                                   # paged: the pools are read, not copied
     bias = inputs.bias
     with_bias = bias is not None and problem.bias is not None
+    if not (queries or keys or with_bias):
+        return inputs
     if positions is None:
         positions = padding_positions(padding, problem.seq_q, problem.seq_kv, inputs.q.device,
                                       problem.layout, queries=queries or with_bias)
     if positions is None:  # lengths that pad nothing
         return inputs
-    valid_q, valid_kv, rows, keys = positions
+    valid_q, valid_kv, rows, kept = positions
     if with_bias:
         if valid_q is None:  # length_positions': the [B, S] masks are views of rows and keys
-            valid_q, valid_kv = rows.view(rows.shape[0], -1), keys.view(keys.shape[0], -1)
+            valid_q, valid_kv = rows.view(rows.shape[0], -1), kept.view(kept.shape[0], -1)
         full = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
         bias = torch.where(_bias_cells(valid_q, valid_kv, full.shape), full, 0).view(bias.shape)
-    return Inputs(_zeroed(rows, inputs.q) if queries else inputs.q, _zeroed(keys, inputs.k),
-                  _zeroed(keys, inputs.v), bias, inputs.dropout, inputs.dropout_mask)
+    k, v = (_zeroed(kept, inputs.k), _zeroed(kept, inputs.v)) if keys else (inputs.k, inputs.v)
+    return Inputs(_zeroed(rows, inputs.q) if queries else inputs.q, k, v, bias, inputs.dropout,
+                  inputs.dropout_mask)
+
+
+def hides_keys(runner, grad: bool) -> bool:
+    """Whether a call's key and value rows past its ``Padding`` lengths are zeroed before
+    ``runner`` (a plan, or the cuDNN engine's direct runner) sees them: always for a gradient
+    (``torch.where`` gives those rows exactly 0), else unless the runner's forward keeps them
+    out of every result itself (``forward_ignores_padded_keys``)."""
+    return grad or not getattr(runner, "forward_ignores_padded_keys", False)
 
 
 def _zeroed(keep: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -141,6 +141,29 @@ def test_paged_decode_reads_nothing_past_the_lengths_sync_free():
                                rtol=3e-3)
 
 
+@pytest.mark.parametrize("queries", [1, 5])
+def test_dense_cache_forward_reads_nothing_past_the_lengths(queries):
+    """A forward no gradient follows binds a dense cache as it lies (no zeroed copies: cuDNN's
+    padding mask keeps what lies past the key lengths out, as benchmarks/decode_rows.py's probe
+    showed on an H200): NaN there, lengths on and off the kernels' tile edges, must not reach
+    the result."""
+    lens, capacity, heads, dim = [300, 1, 64, 129], 384, 2, 128
+    g = torch.Generator().manual_seed(6)
+    past = torch.arange(capacity)[None, :] >= torch.tensor(lens)[:, None]
+    k, v = (torch.randn(len(lens), capacity, heads, dim, generator=g).to(F16)
+            .masked_fill(past[:, :, None, None], float("nan")) for _ in range(2))
+    q = torch.randn(len(lens), queries, 8, dim, generator=g).to(F16)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    kd, vd, qd = k.to(DEV), v.to(DEV), q.to(DEV)
+    with sync_free():
+        out = attention_with_kvcache(qd, kd, vd, seqlens, mask=ca.Causal("bottom_right"),
+                                     backend="cudnn")
+    assert not out.isnan().any()
+    dense = [(k[b, :n], v[b, :n]) for b, n in enumerate(lens)]
+    torch.testing.assert_close(out.cpu().to(F64), _decode_oracle(q, dense, lens), atol=3e-3,
+                               rtol=3e-3)
+
+
 @pytest.mark.parametrize("surface", ["attention_with_kvcache", "flash_attn_with_kvcache"])
 def test_decode_step_is_captured_in_a_cuda_graph_and_replayed(surface):
     """Capture one step; replay it with new query tokens, new lengths and new pages, each time

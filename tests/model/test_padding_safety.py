@@ -141,6 +141,52 @@ def test_a_forward_without_gradient_ignores_everything_past_padding_lengths(
     clear_caches()
 
 
+@pytest.mark.parametrize("tensor_lengths", [False, True], ids=["host-lengths", "device-lengths"])
+def test_a_cudnn_forward_without_gradient_binds_the_callers_keys(tensor_lengths, monkeypatch):
+    """cuDNN's padding mask keeps what lies past the key lengths out of a forward (an H200 with
+    NaN stored there, cuDNN 9.19: benchmarks/results/cudnn-2026-11-29.json), so a call no
+    gradient follows binds the caller's K and V as they are: no cache-sized copies (a decode
+    step's cost on a dense cache). A call a gradient follows still binds zeroed copies, whose
+    gradients past the lengths are exactly 0. Every call, the first (full path) and the later
+    ones (the direct runner), against the float64 oracle on clean inputs."""
+    if not cudnn_fake.frontend_present():
+        pytest.skip("nvidia-cudnn-frontend is not installed")
+    monkeypatch.setattr(masks, "_runtime_lengths", lambda v: isinstance(v, torch.Tensor))
+    cudnn_fake.install(monkeypatch)
+    bound = []
+    execute = cudnn_fake.FakeGraph.execute
+
+    def spy(graph, buffers, workspace, handle):
+        bound.append({role: buffers[graph.uid(role)].data_ptr() for role in ("K", "V")
+                      if not graph.backward})
+        return execute(graph, buffers, workspace, handle)
+
+    monkeypatch.setattr(cudnn_fake.FakeGraph, "execute", spy)
+    clean = _case("causal-bottom-right", "plain", torch.float16, tensor_lengths)
+    vis = oracle.build_visibility(B, SQ, SKV, seq_lens_q=LENS_Q, seq_lens_kv=LENS_KV,
+                                  causal="bottom_right")
+    want_out = oracle.reference_attention(*clean[:3], vis)[0]
+    q, k, v, _, _ = _poisoned(*clean, torch.float16)
+    lens = (torch.tensor(LENS_Q), torch.tensor(LENS_KV)) if tensor_lengths else (LENS_Q, LENS_KV)
+    mask = ca.Causal("bottom_right") & ca.Padding(*lens)
+    for _ in range(3):
+        bound.clear()
+        out = ca.attention(q, k, v, mask=mask, backend="cudnn")
+        assert bound == [{"K": k.data_ptr(), "V": v.data_ptr()}]
+        assert torch.isfinite(out).all(), "NaN leaked from past the lengths"
+        torch.testing.assert_close(out.double(), want_out, rtol=2e-3, atol=2e-3)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    for _ in range(2):
+        bound.clear()
+        out = ca.attention(*leaves, mask=mask, backend="cudnn")
+        assert bound and bound[0]["K"] != leaves[1].data_ptr(), "K bound unhidden for a gradient"
+        torch.testing.assert_close(out.double(), want_out, rtol=2e-3, atol=2e-3)
+        dk, dv = torch.autograd.grad(out, leaves[1:], torch.ones_like(out))
+        past = ~_valid(LENS_KV, SKV)[:, None, :, None].expand_as(dk)
+        assert (dk[past] == 0).all() and (dv[past] == 0).all()
+    clear_caches()
+
+
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 def test_layouts_and_empty_sequences(layout):
     lens_q, lens_kv = (0, 3), (5, 0)
