@@ -133,7 +133,9 @@ def test_cubin_cache_round_trip_and_a_forged_entry(tmp_path, monkeypatch):
     _loader._PROGRAMS.clear()
 
 
-@pytest.mark.parametrize("backend", ["cudnn", "cupy"])
+# The engines that take a bias tensor (the CuPy kernels take none: the H200 run of 2026-11-29
+# found that case declined, as it must be).
+@pytest.mark.parametrize("backend", ["cudnn", "torch"])
 def test_bias_rows_of_minus_inf_give_zero_rows_and_finite_gradients(backend):
     """An additive bias that is -inf on whole rows (a boolean mask turned into -inf by hand,
     padded query rows included) hides every key of those rows. torch SDPA gives such rows 0
