@@ -1,9 +1,11 @@
-"""Handing torch tensors to the CuPy kernels: DLPack, torch's current stream, device tables.
+"""Handing torch tensors to the CuPy kernels: pointers, torch's current stream, device tables.
 
 One policy for every launch of the package: the kernel goes on torch's **current stream** of the
 tensors' device, so it is ordered with the surrounding torch work without any extra
-synchronisation; tensors cross to CuPy through DLPack (no copy); geometry tables are uploaded
-once per (table, device) and cached.
+synchronisation; tensors cross as their device addresses (no copy, no DLPack capsule: the
+kernels only see pointers), and the caller keeps each tensor alive until its launch is enqueued
+(torch's allocator orders any later reuse of that memory on the same stream); geometry tables
+are uploaded once per (table, device) and cached.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from ..core.caches import LRU
 __all__ = ["kernel_arg", "TorchStream", "device_table", "device_index"]
 
 _TABLES = LRU("fallback_kernels.device_tables", 256)
+# (device ordinal, raw CUDA stream) -> the CuPy stream wrapping that torch stream
+_STREAMS = LRU("fallback_kernels.cupy_streams", 64)
 
 
 def device_index(device) -> int:
@@ -26,18 +30,14 @@ def device_index(device) -> int:
 
 
 def kernel_arg(t: Optional[torch.Tensor]):
-    """A kernel pointer argument: the tensor as a CuPy array via DLPack, or a null pointer for
-    ``None``. DLPack refuses tensors that require grad, so a detached view (same memory) crosses;
-    CuPy has no bfloat16, so 16-bit tensors cross as int16 (the kernels only see a pointer)."""
-    import cupy
+    """A kernel pointer argument: the tensor's device address as a 64-bit integer (``None``: a
+    null pointer). Why not a CuPy array through DLPack: a launch of the fused backward passes
+    about 25 tensors, and each crossing built a capsule and an array on the host (issue 37's
+    H200 run: small neighborhood calls spent 2-5x their kernels' time on the host), where
+    the kernels read nothing but the address. The tensor must outlive the launch call."""
     import numpy as np
 
-    if t is None:
-        return np.uint64(0)
-    t = t.detach()
-    if t.element_size() == 2:
-        t = t.view(torch.int16)
-    return cupy.from_dlpack(t)
+    return np.uint64(0 if t is None else t.data_ptr())
 
 
 def _cupy_stream(cupy, torch_stream, index: int):
@@ -50,15 +50,19 @@ def _cupy_stream(cupy, torch_stream, index: int):
 
 class TorchStream:
     """Context: CuPy's current device and stream set to torch's current stream of ``device``,
-    so DLPack exchange and launches are ordered with the surrounding torch work. ``index`` is the
-    device ordinal, ``stream`` the CuPy stream to launch on."""
+    so launches are ordered with the surrounding torch work. ``index`` is the device ordinal,
+    ``stream`` the CuPy stream to launch on: one CuPy object per torch stream, kept (its
+    context is per thread in CuPy); the device context is made per call (a CuPy ``Device``
+    keeps one stack of previous devices per object, which two threads must not share)."""
 
     def __init__(self, device):
         import cupy
 
         self.index = device_index(device)
+        raw = torch.cuda.current_stream(self.index)
         self._device = cupy.cuda.Device(self.index)
-        self.stream = _cupy_stream(cupy, torch.cuda.current_stream(self.index), self.index)
+        self.stream = _STREAMS.get_or_create((self.index, raw.cuda_stream),
+                                             lambda: _cupy_stream(cupy, raw, self.index))
 
     def __enter__(self) -> "TorchStream":
         self._device.__enter__()

@@ -88,9 +88,9 @@ def run(given: dict, device=None) -> dict:
                                   ctx.index, HOPPER_TARGETS["sm_90"])
         driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                 shared)
-        args = [launch.kernel_arg(given[name].contiguous())
-                for name in ("q", "k", "v", "p")] + [launch.kernel_arg(out[name])
-                                                     for name in ("s_ss", "s_rs", "o_pv")]
+        inputs = [given[name].contiguous() for name in ("q", "k", "v", "p")]  # alive: launched
+        args = [launch.kernel_arg(t) for t in inputs] + [launch.kernel_arg(out[name])
+                                                         for name in ("s_ss", "s_rs", "o_pv")]
         fn((1, 1, 1), (THREADS, 1, 1), args, shared_mem=shared, stream=ctx.stream)
     if keys != 64:
         del out["s_rs"]

@@ -387,3 +387,18 @@ class _Stream:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_kernel_args_are_the_tensors_device_addresses():
+    """A launch hands each tensor over as its address (a 64-bit integer the kernel reads as a
+    pointer): no DLPack capsule or CuPy array per tensor, which cost host time on every call
+    (issue 37's H200 run). Whatever the tensor: a view at an offset, 16-bit, requiring grad;
+    ``None`` is the null pointer."""
+    from cudnn_attn.fallback_kernels import launch
+
+    base = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    for t in (base, base[1:, 2:], torch.arange(6, dtype=torch.int32), base.detach().half().t()):
+        arg = launch.kernel_arg(t)
+        assert isinstance(arg, np.uint64) and int(arg) == t.data_ptr()
+    assert launch.kernel_arg(None) == np.uint64(0) and isinstance(launch.kernel_arg(None),
+                                                                  np.uint64)
