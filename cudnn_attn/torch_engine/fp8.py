@@ -32,10 +32,15 @@ Backward (``P`` recomputed from ``Stats``, normalized, as the frontend's referen
     dQ   = (dS8 K) * descale_dP * descale_k;   dK = (dS8^T Q) * descale_dP * descale_q
     amax_dX = amax(dX);           dX8 = cast_grad(dX * scale_dX)
 
-The frontend's reference casts dS to the inputs' type; its tests give dO that type too, so
-``cast_dO`` is that cast there (the hybrid form, E5M2 dO with E4M3 inputs, is not among them).
-The tests compare this module with an independent float64 transcription of the same published
-semantics (``tests/fp8_reference.py``) and, on a GPU, with cuDNN within NVIDIA's tolerances.
+``cast_q`` is to the inputs' type (E5M2 P for E5M2 inputs), ``cast_dO`` to dO's (the frontend's
+graph, ``sdpa_fp8_bwd.h``); an H200 with cuDNN 9.19 agrees for E4M3, E5M2 and the hybrid form
+(E4M3 inputs, E5M2 dO): 95-99.8 % of its gradient codes equal this pipeline's, 7-77 % with
+any other choice of the two types (issue 36). The rest are dS / P values within ~1e-3 of a
+rounding midpoint that cuDNN's float32 arithmetic rounds the other way; an E5M2 code step is a
+quarter, so a few such elements exceed NVIDIA's rtol 0.2 (``tests/fp8_reference.py``'s
+``assert_fp8_grad_close`` allows for them). The tests compare this module with independent
+float64 transcriptions of the frontend's semantics (``tests/fp8_reference.py``,
+``tests/engines/test_fp8_pipeline.py``) and, on a GPU, with cuDNN.
 """
 
 from __future__ import annotations

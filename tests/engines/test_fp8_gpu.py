@@ -1,7 +1,8 @@
 """GPU (marked): cuDNN's FP8 graphs (``sdpa_fp8`` / ``sdpa_fp8_backward``, ``backend="cudnn"``)
 against the float64 reference of ``fp8_reference.py`` and the torch engine, within NVIDIA's
-tolerances on dequantized results (O: atol 0.08 / rtol 0.2; dQ, dK, dV: atol 0.04 / rtol 0.2).
-Skips cleanly without CUDA, cuDNN or an sm_90+ device."""
+tolerances on dequantized results (O: atol 0.08 / rtol 0.2; dQ, dK, dV: atol 0.04 / rtol 0.2,
+widened to one code step for E5M2 and to one intermediate code's reach for a few elements:
+``assert_fp8_grad_close``). Skips cleanly without CUDA, cuDNN or an sm_90+ device."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 import cudnn_attn as ca
-from fp8_reference import band_visible, quantize, reference_backward, reference_forward
+from fp8_reference import (assert_fp8_grad_close, band_visible, code_step, quantize,
+                           reference_backward, reference_forward)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,7 +26,7 @@ pytestmark = [
 ]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-FWD_TOL, BWD_TOL = dict(atol=0.08, rtol=0.2), dict(atol=0.04, rtol=0.2)
+FWD_TOL = dict(atol=0.08, rtol=0.2)
 NAMES_BWD = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s",
              "descale_dP", "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
 
@@ -108,8 +110,17 @@ def test_cudnn_fp8_matches_the_reference(name, io):
     got = ca.sdpa_fp8_backward(gq, gk, gv, o, dO.cuda(), stats,
                                *(torch.full((1, 1, 1, 1), bsc[n], device="cuda")
                                  for n in NAMES_BWD), battrs, backend="cudnn")
-    for g, w, n in zip(got[:3], want[:3], ("scale_dQ", "scale_dK", "scale_dV")):
-        torch.testing.assert_close(g.cpu().double() / bsc[n], w / bsc[n], **BWD_TOL)
+    # Issue 36: on an H200 (cuDNN 9.19) 95-99.8 % of the gradient codes equal the reference's;
+    # the rest come from dS / P codes that cuDNN rounds the other way near a midpoint, which
+    # with E5M2's quarter steps can exceed NVIDIA's tolerance (1 or 2 of 65536 elements).
+    dequant = [(t.double() * bsc[n]).abs().max().item() for t, n in
+               ((k, "descale_k"), (q, "descale_q"), (dO, "descale_dO"))]
+    step_ds = code_step(want[6].item(), bsc["scale_dP"], dO.dtype)
+    reach = (step_ds * dequant[0], step_ds * dequant[1],
+             code_step(1.0, bsc["scale_s"], io) * dequant[2])
+    for g, w, n, r in zip(got[:3], want[:3], ("scale_dQ", "scale_dK", "scale_dV"), reach):
+        assert_fp8_grad_close(g.cpu(), w, bsc[n], g.dtype, r)
+        assert (g.cpu().double() == w).double().mean() > 0.9  # a wrong cast point moves most
     for g, w in zip(got[3:7], want[3:7]):
         torch.testing.assert_close(g.item(), w.item(), rtol=0.05, atol=1e-4)
 
