@@ -27,8 +27,8 @@ Phase 2, speed, alone on the GPU, in order of importance, each with its own shar
 benchmarks/cudnn.py --quick, then benchmarks/neighborhood.py --quick, each writing its JSON into
 the run's folder, with the machine's ceilings; then the warm start of the graph caches carried
 in ``.graphs`` (``proof_extras``). Phase 3, only with time left: the fused neighborhood kernels'
-profile, then the rest of the bf16 D=128 rows into ``more/``; ``gpu_report.py`` merges them with
-phase 2's.
+profile, where the host time goes (``na_host.py``, ``host_profile.py``), then the rest of the
+bf16 D=128 rows into ``more/``; ``gpu_report.py`` merges them with phase 2's.
 
 A step's deadline (its cap, its share, never past the budget) sends its process group SIGINT,
 then SIGTERM, then SIGKILL (``proof_steps``); whatever is left of the group when the step ends
@@ -193,6 +193,7 @@ def plan(work: Path, python: str = sys.executable, workers: int = 8,
     more = ["--no-ceilings", "--results-dir", str(work / MORE)]
     steps += [
         proof_extras.profile_na_step(work, python),  # the fused kernels' profile first
+        *proof_extras.host_steps(work, python),  # then where the host time goes
         Step("bench-cudnn-more", [python, str(bench / "cudnn.py"), "--quick", "--seqs", "512",
                                   "2048", "4096", "16384", "8128", *more], 3, 240.0, optional=True),
         Step("bench-neighborhood-more", [python, str(bench / "neighborhood.py"), "--issue-rows",

@@ -9,6 +9,12 @@ record keeps of their files, and their lines in the printed summary.
   records the fused neighborhood kernels' GPU time per kernel (``torch.profiler``) and, where
   the image has Nsight Compute, its headline figures per launch; the ``.ncu-rep`` stays in the
   tarball (``profile_na-<date>.json``, ``profile_na.ncu-rep``, ``profile_na-ncu.csv``).
+* ``host-na`` and ``host-profile`` (phase 3, with the time left): where the host time goes on
+  the GPU, for the gaps the 2026-11-29 run left unexplained by the kernels: ``na_host.py``
+  (a fused neighborhood call's host microseconds, with tensors handed over as addresses and,
+  for the ratio, through DLPack; a cProfile table in the log) and ``host_profile.py``
+  (torch.profiler's operators per call of the cuDNN backward and of ``flash_attn_varlen_func``
+  next to torch's calls) (``na_host-<date>.json``, ``host_profile-<date>.json``).
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from proof_steps import Step, StepResult
 
 BENCH = Path(__file__).resolve().parent
 GRAPHS = BENCH.parent / ".graphs"  # what `warm_start.py --prepare .graphs` wrote, carried
-WARM_START, PROFILE_NA = "warm-start", "profile-na"
+WARM_START, PROFILE_NA, HOST_NA, HOST_PROFILE = ("warm-start", "profile-na", "host-na",
+                                                 "host-profile")
 WARM_SHARE_S, WARM_CAP_S, WARM_ROUNDS_S = 40.0, 45.0, 28.0
 PROFILE_CAP_S, PROFILE_LIMIT_S = 45.0, 38.0
 TOP_KERNELS = 3
@@ -40,6 +47,15 @@ def profile_na_step(work: Path, python: str) -> Step:
     return Step(PROFILE_NA, [python, str(BENCH / "profile_na.py"), "--results-dir", str(work),
                              "--time-limit", f"{PROFILE_LIMIT_S:g}"],
                 3, PROFILE_CAP_S, optional=True)
+
+
+def host_steps(work: Path, python: str) -> list[Step]:
+    """The host-time evidence (optional, with the time left): the fused neighborhood calls',
+    then the cuDNN backward's and the packed FlashAttention call's."""
+    return [Step(HOST_NA, [python, str(BENCH / "na_host.py"), "--profile", "--json-to",
+                           str(work)], 3, 60.0, optional=True),
+            Step(HOST_PROFILE, [python, str(BENCH / "host_profile.py"), "--results-dir",
+                                str(work)], 3, 60.0, optional=True)]
 
 
 def _newest(work: Path, suite: str) -> tuple[Path | None, dict[str, Any] | None]:

@@ -125,13 +125,14 @@ def test_step_selection_by_prefix(G, tmp_path):
     assert names[0] == "gpu-tests" and {"bench-cudnn", "bench-neighborhood"} <= set(names)
     assert [s.name for s in G.select(steps, "sanitize", "sanitize-racecheck")] == \
         ["sanitize-memcheck", "sanitize-initcheck"]
-    assert [s.name for s in G.select(steps, None, "bench,sanitize,warm-start,profile-na")] == \
+    assert [s.name for s in G.select(steps, None, "bench,sanitize,warm-start,profile-na,host")] == \
         ["gpu-tests", "selftest-full", "selftest-plain", "flash-attn-suite"]
     with pytest.raises(ValueError, match="'benchmark'"):
         G.select(steps, "benchmark", None)
     assert all(s.phase == (3 if s.name.endswith("-more") else 2)
                for s in steps if s.name.startswith("bench"))
-    evidence = {"warm-start": 2, "profile-na": 3}  # proof_extras: alone on the GPU, after phase 1
+    evidence = {"warm-start": 2, "profile-na": 3, "host-na": 3,  # proof_extras: alone on
+                "host-profile": 3}                                 # the GPU, after phase 1
     assert {s.name: s.phase for s in steps if s.name in evidence} == evidence
     assert all(s.phase == 1 for s in steps
                if not s.name.startswith("bench") and s.name not in evidence)
@@ -281,7 +282,8 @@ def test_extra_rows_may_run_out_of_time_without_failing_the_run(G, tmp_path):
     assert crashed[0].failed  # an optional step that ran and failed is a failure
     steps = G.plan(tmp_path)
     assert {s.name for s in steps if s.optional} == {s.name for s in steps if s.phase == 3} \
-        == {"profile-na", "bench-cudnn-more", "bench-neighborhood-more"}
+        == {"profile-na", "host-na", "host-profile", "bench-cudnn-more",
+            "bench-neighborhood-more"}
     lines = G.summary_lines(results)
     assert "(extra rows: not a failure)" in lines[0] and "not a failure" not in lines[1]
 
