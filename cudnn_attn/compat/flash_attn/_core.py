@@ -107,10 +107,11 @@ def forward(q, k, v, mask, alibi, opts: Options, return_softmax, gen_):
         keep = None if opts.p_dropout == 0 else (weights["dropped"] != 0) | (probs == 0)
         return out, lse, dropout, probs, keep
     # Other engines: the call itself, then its weights as the output of calls with identity
-    # columns as values, WEIGHT_COLUMNS keys at a time (any S_k: each is a call every engine
-    # takes). A DropoutState draws its mask per (query, key) position whatever the values are,
-    # so on the engine that drew the call's mask (the one its backward replays) the same state
-    # gives back the weights it dropped.
+    # columns as values (any S_k: each is a call every engine takes). With dropout, those calls
+    # are the call's own graph (v's shape and strides, the same engine and DropoutState): cuDNN's
+    # Philox pattern follows the kernel its graph's sizes choose, not the (query, key) position
+    # alone (D_v = 128 columns against a D_v = 192 call gave another mask on an H200), and only
+    # the values differ.
     out, lse = execution.forward(problem, plan, inputs)
     plain = dataclasses.replace(opts, p_dropout=0.0)
     probs = _weights(q, k, v, mask, alibi, plain, None, None)
@@ -121,22 +122,36 @@ def forward(q, k, v, mask, alibi, opts: Options, return_softmax, gen_):
     return out, lse, dropout, probs, keep
 
 
-# Keys per weights call: a head dim every engine serves (a multiple of 8, as cuDNN needs).
+# Keys per weights call without dropout: a head dim every engine serves (a multiple of 8, as
+# cuDNN needs).
 WEIGHT_COLUMNS = 128
+
+
+def _identity_values(v, start: int, width: int, dim: int):
+    """Values ``[B, S_k, H_kv, dim]`` whose first ``width`` columns are columns ``start ..`` of
+    the ``S_k`` identity (the rest zero), laid out as ``v`` when ``dim`` is v's (no broadcast
+    strides): then the problem is the call's own."""
+    if dim == v.shape[-1] and 0 not in v.stride():
+        values = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+    else:
+        values = v.new_empty(*v.shape[:3], dim)
+    values.zero_()
+    keys = torch.arange(start, start + width, device=v.device)
+    values[:, keys, :, torch.arange(width, device=v.device)] = 1
+    return values
 
 
 def _weights(q, k, v, mask, alibi, opts: Options, dropout, engine):
     """The call's attention weights ``[B, H, S_q, S_k]`` (with ``dropout``: as applied, kept
-    entries scaled by ``1 / (1 - p)``), from calls whose values are ``WEIGHT_COLUMNS`` columns
-    of the identity; with dropout they run on ``engine``, the one that replays the mask."""
-    batch, seq_k, heads_kv = k.shape[0], k.shape[1], k.shape[2]
-    eye = torch.eye(seq_k, dtype=v.dtype, device=v.device)
+    entries scaled by ``1 / (1 - p)``), from calls whose values are columns of the identity:
+    ``WEIGHT_COLUMNS`` at a time, or, with dropout, ``D_v`` at a time in v's layout on
+    ``engine``, the one that drew the mask (the call's own graph replays it)."""
+    seq_k = k.shape[1]
+    width = v.shape[-1] if dropout is not None else -(-min(WEIGHT_COLUMNS, seq_k) // 8) * 8
     parts = []
-    for start in range(0, seq_k, WEIGHT_COLUMNS):
-        width = min(WEIGHT_COLUMNS, seq_k - start)
-        cols = eye.new_zeros(seq_k, -(-width // 8) * 8)  # zero columns up to a multiple of 8
-        cols[:, :width] = eye[:, start:start + width]
-        values = cols[None, :, None, :].expand(batch, seq_k, heads_kv, cols.shape[1])
+    for start in range(0, seq_k, width):
+        cols = min(width, seq_k - start)
+        values = _identity_values(v, start, cols, width)
         problem = _problem(q, k, values, mask, alibi, opts)
         if dropout is None:
             _, problem, plan = execution.plan_call(problem)
@@ -145,7 +160,7 @@ def _weights(q, k, v, mask, alibi, opts: Options, dropout, engine):
                 f"the attention weights with dropout must come from {engine.name!r}, the "
                 f"engine that drew the call's dropout mask"))
         got, _ = execution.forward(problem, plan, Inputs(q, k, values, None, dropout))
-        parts.append(got[..., :width])
+        parts.append(got[..., :cols])
     return torch.cat(parts, dim=-1).permute(0, 2, 1, 3)
 
 
