@@ -106,12 +106,12 @@ def forward(q, k, v, mask, alibi, opts: Options, return_softmax, gen_):
         probs = weights["probs"]
         keep = None if opts.p_dropout == 0 else (weights["dropped"] != 0) | (probs == 0)
         return out, lse, dropout, probs, keep
-    # Other engines: the call itself, then its weights as the output of calls with identity
-    # columns as values (any S_k: each is a call every engine takes). With dropout, those calls
-    # are the call's own graph (v's shape and strides, the same engine and DropoutState): cuDNN's
+    # Other engines: the call itself, then its weights as the output of calls whose values are
+    # identity columns, D_v at a time in v's shape and strides: each is the call's own graph
+    # (the same engine, and with dropout the same DropoutState), only the values differ. cuDNN's
     # Philox pattern follows the kernel its graph's sizes choose, not the (query, key) position
-    # alone (D_v = 128 columns against a D_v = 192 call gave another mask on an H200), and only
-    # the values differ.
+    # alone: on an H200, 128 identity columns against a d = 192 call gave weights that disagreed
+    # with the call (almost nothing dropped, pre-dropout weights 0.16 off).
     out, lse = execution.forward(problem, plan, inputs)
     plain = dataclasses.replace(opts, p_dropout=0.0)
     probs = _weights(q, k, v, mask, alibi, plain, None, None)
@@ -122,20 +122,14 @@ def forward(q, k, v, mask, alibi, opts: Options, return_softmax, gen_):
     return out, lse, dropout, probs, keep
 
 
-# Keys per weights call without dropout: a head dim every engine serves (a multiple of 8, as
-# cuDNN needs).
-WEIGHT_COLUMNS = 128
-
-
-def _identity_values(v, start: int, width: int, dim: int):
-    """Values ``[B, S_k, H_kv, dim]`` whose first ``width`` columns are columns ``start ..`` of
-    the ``S_k`` identity (the rest zero), laid out as ``v`` when ``dim`` is v's (no broadcast
-    strides): then the problem is the call's own."""
-    if dim == v.shape[-1] and 0 not in v.stride():
-        values = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+def _identity_values(v, start: int, width: int):
+    """Values shaped and laid out as ``v`` (contiguous where v broadcasts) whose first ``width``
+    columns are columns ``start ..`` of the ``S_k`` identity, the rest zero."""
+    if 0 in v.stride():
+        values = torch.zeros_like(v, memory_format=torch.contiguous_format)
     else:
-        values = v.new_empty(*v.shape[:3], dim)
-    values.zero_()
+        values = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+        values.zero_()
     keys = torch.arange(start, start + width, device=v.device)
     values[:, keys, :, torch.arange(width, device=v.device)] = 1
     return values
@@ -143,15 +137,13 @@ def _identity_values(v, start: int, width: int, dim: int):
 
 def _weights(q, k, v, mask, alibi, opts: Options, dropout, engine):
     """The call's attention weights ``[B, H, S_q, S_k]`` (with ``dropout``: as applied, kept
-    entries scaled by ``1 / (1 - p)``), from calls whose values are columns of the identity:
-    ``WEIGHT_COLUMNS`` at a time, or, with dropout, ``D_v`` at a time in v's layout on
-    ``engine``, the one that drew the mask (the call's own graph replays it)."""
-    seq_k = k.shape[1]
-    width = v.shape[-1] if dropout is not None else -(-min(WEIGHT_COLUMNS, seq_k) // 8) * 8
+    entries scaled by ``1 / (1 - p)``), ``D_v`` keys per call (``_identity_values``); with
+    dropout on ``engine``, the one that drew the mask."""
+    seq_k, width = k.shape[1], v.shape[-1]
     parts = []
     for start in range(0, seq_k, width):
         cols = min(width, seq_k - start)
-        values = _identity_values(v, start, cols, width)
+        values = _identity_values(v, start, cols)
         problem = _problem(q, k, values, mask, alibi, opts)
         if dropout is None:
             _, problem, plan = execution.plan_call(problem)
