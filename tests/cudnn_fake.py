@@ -222,8 +222,14 @@ class FakeGraph:
             p = _float32(n["dropout_probability"])
             seed = buffers[self.uid("Seed")].item()
             self.seeds.append(seed)
-            draw = torch.rand(sc.shape, generator=torch.Generator().manual_seed(seed),
-                              dtype=torch.float64)
+            # cuDNN promises no mapping from (seed, offset, position) to the pattern: its
+            # Philox stream follows the kernel, which the graph's sizes choose (an H200 gave
+            # another pattern for D_v = 128 than for D_v = 192). So the draw depends on every
+            # Q/K/V dim (forward and backward graphs share them): only the call's own graph
+            # replays its mask.
+            sizes = (seed, *self.dims("Q"), *self.dims("K"), *self.dims("V"))
+            draw = torch.rand(sc.shape, dtype=torch.float64, generator=torch.Generator()
+                              .manual_seed(hash(sizes) & 0x7FFF_FFFF_FFFF_FFFF))
             keep = (draw >= p).to(torch.float64) / (1 - p)
         if not self.backward:
             lse = sc.logsumexp(-1, keepdim=True)

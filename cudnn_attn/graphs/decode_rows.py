@@ -23,6 +23,9 @@ What a row index means beyond the alignment (a bias tensor or an explicit dropou
 (ALiBi, whose ``j - i`` would move with a row in front, only combines with top-left bands on
 cuDNN, where the row goes behind): ``reasons`` declines those calls, and a repeatable
 engine runs them.
+
+A FlashAttention call whose keys end at a padding mask's lengths (a KV-cache decode step) keeps
+the one-row graph: ``keys_end_inside``.
 """
 
 from __future__ import annotations
@@ -37,15 +40,30 @@ from ..model.problem import AttnProblem, TensorSpec
 from ..model.storage import Ragged
 from .limits import LIMITS
 
-__all__ = ["needed", "one_row_unplannable", "side", "reasons", "cause", "padded_problem",
-           "add_row", "real_row"]
+__all__ = ["needed", "keys_end_inside", "one_row_unplannable", "side", "reasons", "cause",
+           "padded_problem", "add_row", "real_row"]
 
 
 def needed(problem: AttnProblem) -> bool:
     """Whether ``problem`` is a single-query call that must be repeatable (cuDNN's decode path
-    is not), or one with a backward cuDNN cannot plan as it stands (``one_row_unplannable``)."""
-    return problem.seq_q == 1 and (problem.deterministic or problem.repeatable
-                                   or problem.requires_grad and one_row_unplannable(problem))
+    is not), or one with a backward cuDNN cannot plan as it stands (``one_row_unplannable``).
+    A FlashAttention call (``repeatable``) whose keys end at a padding mask's lengths keeps
+    the one-row graph (``keys_end_inside``)."""
+    return problem.seq_q == 1 and (
+        problem.deterministic or problem.repeatable and not keys_end_inside(problem)
+        or problem.requires_grad and one_row_unplannable(problem))
+
+
+def keys_end_inside(problem: AttnProblem) -> bool:
+    """Whether the keys end at lengths inside K/V (a padding mask over a dense or paged cache,
+    not packed queries): the memory past them is the caller's and may hold anything, and
+    FlashAttention reads nothing there. On an H200 (cuDNN 9.19) a paged decode step of
+    ``flash_attn_with_kvcache`` over NaN-poisoned pages gave NaN everywhere as a two-row graph,
+    where the one-row graph (``attention_with_kvcache``, the same pages) gave the oracle's
+    numbers: cuDNN's S_q >= 2 kernels hide the keys past the lengths in the scores but multiply
+    their V rows by P = 0 (0 * NaN; cudnn-frontend #624 and #718 describe it for its prefill
+    kernels). The price: this call's bitwise repeatability is the decode graph's (issue 36)."""
+    return problem.padding is not None and not isinstance(problem.storage, Ragged)
 
 
 def one_row_unplannable(problem: AttnProblem) -> bool:

@@ -39,6 +39,10 @@ def _graph_notes(problem: AttnProblem) -> list[str]:
         where = "in front of" if decode_rows.side(problem) == "front" else "behind"
         return [f"S_q = 1 runs as a two-row graph (an extra query row {where} the real one, "
                 f"dropped from the results): {decode_rows.cause(problem)}"]
+    if problem.seq_q == 1 and problem.repeatable and decode_rows.keys_end_inside(problem):
+        return ["S_q = 1 with keys that end at a padding mask's lengths runs cuDNN's one-row "
+                "decode graph, not bitwise repeatable there (issue 36): a two-row graph reads "
+                "V rows past the lengths (0 * NaN gave NaN on an H200; graphs.decode_rows)"]
     spec = analyze(problem)[0]
     if spec is not None and spec.synthetic_padding:
         return ["the graphs get a padding mask with the full lengths: without one, cuDNN's "

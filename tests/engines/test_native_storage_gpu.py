@@ -127,15 +127,25 @@ def _decode_oracle(q, dense, lens):
     return torch.stack(outs)
 
 
-def test_paged_decode_reads_nothing_past_the_lengths_sync_free():
+@pytest.mark.parametrize("surface", ["attention_with_kvcache", "flash_attn_with_kvcache"])
+def test_paged_decode_reads_nothing_past_the_lengths_sync_free(surface):
+    """NaN-poisoned pages past the lengths change nothing. flash_attn_with_kvcache (a
+    FlashAttention surface: repeatable) ran a two-row graph here and gave NaN everywhere on an
+    H200 (seen under capture; this call is eager): it keeps the one-row graph now."""
+    from cudnn_attn.flash_attn_interface import flash_attn_with_kvcache
+
     lens, page, pages = [300, 1, 64, 129], 64, 6
     k_pool, v_pool, table, dense = _pool(lens, page, pages, 2, 128, seed=2)
     q = torch.randn(len(lens), 1, 8, 128, generator=torch.Generator().manual_seed(3)).to(F16)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
     qd = q.to(DEV)  # before the block: a host-to-device copy synchronises (issue 23)
     with sync_free():
-        out = attention_with_kvcache(qd, k_pool, v_pool, seqlens, block_table=table,
-                                     mask=ca.Causal("bottom_right"), backend="cudnn")
+        if surface == "attention_with_kvcache":
+            out = attention_with_kvcache(qd, k_pool, v_pool, seqlens, block_table=table,
+                                         mask=ca.Causal("bottom_right"), backend="cudnn")
+        else:
+            out = flash_attn_with_kvcache(qd, k_pool, v_pool, cache_seqlens=seqlens,
+                                          block_table=table, causal=True)
     assert not out.isnan().any()
     torch.testing.assert_close(out.cpu().to(F64), _decode_oracle(q, dense, lens), atol=3e-3,
                                rtol=3e-3)

@@ -10,6 +10,8 @@ and gradients are the call's (float64 oracle); the GPU test repeats the call 200
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from oracle import build_visibility, reference_attention
@@ -18,6 +20,7 @@ from test_native_storage import _paged_cache, device_only, fake  # noqa: F401  (
 import cudnn_attn as ca
 import cudnn_fake
 from cudnn_attn.graphs import decode_rows
+from cudnn_attn.graphs.notes import plan_notes
 from cudnn_attn.model.problem import AttnProblem
 
 F16, F64 = torch.float16, torch.float64
@@ -135,8 +138,11 @@ def test_dropout_forward_and_backward_run_the_same_two_row_graph(fake):
 
 
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "dense"])
-def test_kvcache_decode_step_is_two_row_with_the_extra_row_hidden_by_padding(paged, fake,
-                                                                              monkeypatch):
+def test_kvcache_decode_step_keeps_the_one_row_graph(paged, fake, monkeypatch):
+    """A decode step over a cache whose keys end at ``cache_seqlens`` runs cuDNN's one-row
+    graph: as a two-row graph, ``flash_attn_with_kvcache`` over NaN-poisoned pages gave NaN
+    everywhere on an H200 (cuDNN's S_q >= 2 kernels multiply V rows past the lengths by 0), where
+    the one-row graph over the same pages gave the oracle's numbers. explain() says so."""
     from cudnn_attn.compat.flash_attn import native
     from cudnn_attn.flash_attn_interface import flash_attn_with_kvcache
 
@@ -159,7 +165,12 @@ def test_kvcache_decode_step_is_two_row_with_the_extra_row_hidden_by_padding(pag
                                        block_table=None if table is None else device_only(table),
                                        return_softmax_lse=True)
     spec = fake[1][-1][0]
-    assert spec.seq_q == 2 and spec.padding and (spec.paged is not None) == paged
+    assert spec.seq_q == 1 and spec.padding and (spec.paged is not None) == paged
+    cache = torch.empty(B, pages * page, H, D, dtype=F16)
+    problem = dataclasses.replace(AttnProblem.from_tensors(
+        q, cache, cache, mask=ca.Padding([1] * B, lens), layout="bshd"), repeatable=True)
+    assert not decode_rows.needed(problem) and decode_rows.keys_end_inside(problem)
+    assert any("one-row" in n for n in plan_notes(problem))
     out = cudnn_fake.host(out)
     for b, n in enumerate(lens):
         keys, values = dense_k[b, :n].to(F64), dense_v[b, :n].to(F64)
@@ -214,8 +225,6 @@ def test_calls_that_cannot_take_the_extra_row_leave_cudnn_with_the_reason(kind):
     if kind == "bias":
         kw["bias"] = torch.empty(1, 4, 1, 9, dtype=F16, device="meta")
     problem = AttnProblem.from_tensors(q, k, k, **kw)
-    import dataclasses
-
     if kind == "ragged":
         from cudnn_attn.model.storage import Ragged
 
@@ -274,6 +283,32 @@ def test_few_query_calls_are_bitwise_repeatable_on_the_gpu(seq_q, seq_k, group, 
     distinct = sum(not torch.equal(flash_attn_func(q, k, v, causal=True), first)
                    for _ in range(49))
     assert distinct == 0, f"{distinct} of 49 repeats differ from the first"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kvcache_decode_step_repeatability_on_the_gpu():
+    """A paged decode step of flash_attn_with_kvcache runs cuDNN's one-row graph (the two-row
+    graph read NaN past the lengths, ``decode_rows.keys_end_inside``); is that graph bitwise
+    repeatable with a padding mask and page tables? 100 repeats, one result, or the count."""
+    from cudnn_attn.flash_attn_interface import flash_attn_with_kvcache
+
+    B, H, Hkv, D, page, pages = 4, 8, 2, 128, 64, 8
+    lens = [239, 1, 300, 511]
+    g = torch.Generator().manual_seed(21)
+    k_pool, v_pool = (torch.randn(B * pages, page, Hkv, D, generator=g).to("cuda", F16)
+                      for _ in range(2))
+    table = torch.randperm(B * pages, generator=g).view(B, pages).to("cuda", torch.int32)
+    q = torch.randn(B, 1, H, D, generator=g).to("cuda", F16)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+    def call():
+        return flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens,
+                                       block_table=table, causal=True)
+
+    first = call()
+    distinct = sum(not torch.equal(call(), first) for _ in range(99))
+    assert distinct == 0, f"{distinct} of 99 repeats differ from the first"
 
 
 @pytest.mark.gpu

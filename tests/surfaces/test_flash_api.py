@@ -766,21 +766,30 @@ def test_dropout_softmax_needs_the_mask_engine(monkeypatch):
     # Dropout with return_softmax needs the engine that makes (and replays) the mask to also run
     # the weights' calls; an engine that cannot is a NotSupportedError, never a different mask.
     # (The torch engine hands its weights back directly: this engine is another one.)
+    from cudnn_attn.compat.flash_attn import _core
+    from cudnn_attn.core import execution
+
+    weights_calls = []  # the weights' calls (with dropout: the call's own problem, other values)
+
     class Declines:
         name = "an_engine_without_weights"
         plan = dispatch.get_backend("torch").plan
 
         def supports(self, problem):
-            # the weights' calls: identity columns as values, broadcast over batch and heads
-            return ["declines for the test"] if 0 in problem.v.stride else []
+            return ["declines for the test"] if weights_calls else []
 
-    from cudnn_attn.core import execution
+    def weights(*args):
+        weights_calls.append(True)
+        return real_weights(*args)
 
+    real_weights = _core._weights
+    monkeypatch.setattr(_core, "_weights", weights)
     monkeypatch.setattr(execution, "dropout_engine", lambda probe, backend="auto": Declines())
     clear_caches()  # calls planned before the engine was swapped keep their plans
     q, k, v = _dense()
     with pytest.raises(NotSupportedError, match="weights with dropout must come from"):
         fwd(q, k, v, p=0.2, gen=gen(0), return_softmax=True)
+    weights_calls.clear()
     fwd(q, k, v, p=0.2, gen=gen(0))  # without the weights it runs
 
 

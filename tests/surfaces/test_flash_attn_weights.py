@@ -1,11 +1,15 @@
 """FlashAttention's ``S_dmask`` on an engine that does not hand its weights back (issue 36,
-item 5a): the weights come from calls whose values are identity columns, 128 keys at a time, on
-the engine that drew the call's dropout mask. Before, one call took ``v`` widened by the whole
-identity (``S_k + D_v`` value columns): past cuDNN's 256 no backend could run it.
+item 5a): the weights come from calls whose values are identity columns, ``D_v`` keys at a time
+in v's layout (the call's own graph), on the engine that drew the call's dropout mask.
+Before, one call took ``v`` widened by the whole identity (``S_k + D_v`` value columns): past
+cuDNN's 256 no backend could run it. Then the calls took 128 columns whatever ``D_v``:
+cuDNN's Philox pattern follows the kernel the graph's sizes choose, and on an H200 a D = 192
+call's ``S_dmask`` showed almost nothing dropped (FlashAttention's
+test_flash_attn_varlen_qkvpacked, d=192).
 
 The cuDNN engine runs here through ``cudnn_fake`` (its executor draws the dropout mask from the
-graph's seed over the (query, key) positions, as cuDNN's Philox stream does); the oracle is the
-float64 attention with the keep mask decoded from ``S_dmask``."""
+graph's seed and all its Q/K/V dims: only the call's own graph replays the mask); the oracle is
+the float64 attention with the keep mask decoded from ``S_dmask``."""
 
 import cudnn_fake
 import pytest
@@ -13,17 +17,19 @@ import torch
 from test_flash_api import bwd, dense_inputs, explicit_mask_oracle, fa_decode, fwd, gen, r128, ref_one
 
 
+@pytest.mark.parametrize("D", [64, 192])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_dropout_weights_of_any_size_replay_the_engines_mask(monkeypatch, causal):
+def test_dropout_weights_of_any_size_replay_the_engines_mask(monkeypatch, causal, D):
     _, built = cudnn_fake.install(monkeypatch)
     # S_k + D_v = 364 > 256; causal: FlashAttention's bottom-right diagonal with dropout, which
     # cuDNN takes as the top-left band it equals without padding (item 5c)
-    B, Sq, Sk, H, D, p = 2, 40, 300, 2, 64, 0.25
+    B, Sq, Sk, H, p = 2, 40, 300, 2, 0.25
     q, k, v = (t.half() for t in dense_inputs(B, Sq, Sk, H, H, D, seed=3))
     out, *_, lse, seed, offset, probs = fwd(q, k, v, p=p, causal=causal, gen=gen(0),
                                             return_softmax=True)
     assert probs.shape == (B, H, r128(Sq), r128(Sk))
-    assert built and all(spec.dim_v <= 128 for spec, _ in built)  # the cuDNN engine ran them all
+    # the cuDNN engine ran them all, each the call's own graph (D_v value columns)
+    assert built and {spec.dim_v for spec, _ in built} == {D}
     leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
     _, _, ref_p = ref_one(*(t.detach() for t in leaves), causal=causal)
     pre, keep = fa_decode(probs.double(), ref_p, D, True)
@@ -37,6 +43,35 @@ def test_dropout_weights_of_any_size_replay_the_engines_mask(monkeypatch, causal
     for name, got, want in zip("qkv", (dq, dk, dv), exp):
         torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2, msg=name)
 
+
+
+def test_varlen_qkvpacked_dropout_weights_are_the_mask_the_output_used(monkeypatch):
+    """FlashAttention's test_flash_attn_varlen_qkvpacked[0.17-1025-192-...] failed on an H200:
+    its out_ref, built from the returned S_dmask, was 0.445 off (S_dmask showed almost nothing
+    dropped). The same call, smaller, through the cuDNN stand-in: the output is the float64
+    attention with the keep mask decoded from S_dmask's signs."""
+    import math
+
+    from cudnn_attn.flash_attn_interface import flash_attn_varlen_qkvpacked_func
+
+    _, built = cudnn_fake.install(monkeypatch)
+    lens, H, D, p = [37, 130, 5], 2, 192, 0.17
+    g = gen(6)
+    qkv = torch.randn(sum(lens), 3, H, D, generator=g, dtype=torch.float64).half()
+    cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    torch.manual_seed(0)
+    out, _, s_dmask = flash_attn_varlen_qkvpacked_func(qkv, cu, max(lens), p,
+                                                       return_attn_probs=True)
+    assert built and any(spec.dim_v == D for spec, _ in built)  # cuDNN ran the call
+    kept, outs = [], []
+    for b, n in enumerate(lens):
+        qb, kb, vb = (t.double().transpose(0, 1) for t in qkv[cu[b]:cu[b] + n].unbind(1))
+        prob = torch.softmax(qb @ kb.transpose(-1, -2) / math.sqrt(D), -1)
+        keep = s_dmask[b, :, :n, :n] >= 0  # FlashAttention's sign: dropped entries negative
+        kept.append(keep.flatten())
+        outs.append((prob * keep / (1 - p) @ vb).transpose(0, 1))
+    assert 0.7 < torch.cat(kept).double().mean() < 0.95
+    torch.testing.assert_close(out.double(), torch.cat(outs), atol=2e-3, rtol=2e-3)
 
 # -- varlen: dropout, a head dim cuDNN does not take, the weights (items 5b/5d) -----------------
 
@@ -87,10 +122,11 @@ def test_varlen_dropout_with_an_odd_head_dim_runs_packed_both_ways(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("D", [64, 59], ids=["d64", "d59-padded"])
+@pytest.mark.parametrize("D", [64, 59, 192], ids=["d64", "d59-padded", "d192"])
 def test_gpu_dropout_weights_of_any_size_replay_the_mask(D):
     """On the GPU (cuDNN): S_k + D_v > 256, FlashAttention's bottom-right causal diagonal with
-    dropout, and (d59) a head dim cuDNN takes zero-padded."""
+    dropout, (d59) a head dim cuDNN takes zero-padded, and (d192) a D_v whose kernel draws
+    another Philox pattern than 128 value columns do."""
     B, Sq, Sk, H, p = 2, 40, 300, 2, 0.25
     q, k, v = (t.half().cuda() for t in dense_inputs(B, Sq, Sk, H, H, D, seed=3))
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -106,11 +106,12 @@ def forward(q, k, v, mask, alibi, opts: Options, return_softmax, gen_):
         probs = weights["probs"]
         keep = None if opts.p_dropout == 0 else (weights["dropped"] != 0) | (probs == 0)
         return out, lse, dropout, probs, keep
-    # Other engines: the call itself, then its weights as the output of calls with identity
-    # columns as values, WEIGHT_COLUMNS keys at a time (any S_k: each is a call every engine
-    # takes). A DropoutState draws its mask per (query, key) position whatever the values are,
-    # so on the engine that drew the call's mask (the one its backward replays) the same state
-    # gives back the weights it dropped.
+    # Other engines: the call itself, then its weights as the output of calls whose values are
+    # identity columns, D_v at a time in v's shape and strides: each is the call's own graph
+    # (the same engine, and with dropout the same DropoutState), only the values differ. cuDNN's
+    # Philox pattern follows the kernel its graph's sizes choose, not the (query, key) position
+    # alone: on an H200, 128 identity columns against a d = 192 call gave weights that disagreed
+    # with the call (almost nothing dropped, pre-dropout weights 0.16 off).
     out, lse = execution.forward(problem, plan, inputs)
     plain = dataclasses.replace(opts, p_dropout=0.0)
     probs = _weights(q, k, v, mask, alibi, plain, None, None)
@@ -121,22 +122,28 @@ def forward(q, k, v, mask, alibi, opts: Options, return_softmax, gen_):
     return out, lse, dropout, probs, keep
 
 
-# Keys per weights call: a head dim every engine serves (a multiple of 8, as cuDNN needs).
-WEIGHT_COLUMNS = 128
+def _identity_values(v, start: int, width: int):
+    """Values shaped and laid out as ``v`` (contiguous where v broadcasts) whose first ``width``
+    columns are columns ``start ..`` of the ``S_k`` identity, the rest zero."""
+    if 0 in v.stride():
+        values = torch.zeros_like(v, memory_format=torch.contiguous_format)
+    else:
+        values = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+        values.zero_()
+    keys = torch.arange(start, start + width, device=v.device)
+    values[:, keys, :, torch.arange(width, device=v.device)] = 1
+    return values
 
 
 def _weights(q, k, v, mask, alibi, opts: Options, dropout, engine):
     """The call's attention weights ``[B, H, S_q, S_k]`` (with ``dropout``: as applied, kept
-    entries scaled by ``1 / (1 - p)``), from calls whose values are ``WEIGHT_COLUMNS`` columns
-    of the identity; with dropout they run on ``engine``, the one that replays the mask."""
-    batch, seq_k, heads_kv = k.shape[0], k.shape[1], k.shape[2]
-    eye = torch.eye(seq_k, dtype=v.dtype, device=v.device)
+    entries scaled by ``1 / (1 - p)``), ``D_v`` keys per call (``_identity_values``); with
+    dropout on ``engine``, the one that drew the mask."""
+    seq_k, width = k.shape[1], v.shape[-1]
     parts = []
-    for start in range(0, seq_k, WEIGHT_COLUMNS):
-        width = min(WEIGHT_COLUMNS, seq_k - start)
-        cols = eye.new_zeros(seq_k, -(-width // 8) * 8)  # zero columns up to a multiple of 8
-        cols[:, :width] = eye[:, start:start + width]
-        values = cols[None, :, None, :].expand(batch, seq_k, heads_kv, cols.shape[1])
+    for start in range(0, seq_k, width):
+        cols = min(width, seq_k - start)
+        values = _identity_values(v, start, cols)
         problem = _problem(q, k, values, mask, alibi, opts)
         if dropout is None:
             _, problem, plan = execution.plan_call(problem)
@@ -145,7 +152,7 @@ def _weights(q, k, v, mask, alibi, opts: Options, dropout, engine):
                 f"the attention weights with dropout must come from {engine.name!r}, the "
                 f"engine that drew the call's dropout mask"))
         got, _ = execution.forward(problem, plan, Inputs(q, k, values, None, dropout))
-        parts.append(got[..., :width])
+        parts.append(got[..., :cols])
     return torch.cat(parts, dim=-1).permute(0, 2, 1, 3)
 
 

@@ -36,9 +36,9 @@ Conventions of this implementation (where FlashAttention leaves room or differs)
   ``|p| = exp(s - m)`` with ``m`` the running row maximum over the key blocks from this one to the
   last (``flash_attn_interface._get_block_size_n`` wide), so ``|p| * exp(m - lse)`` are the
   *pre-dropout* weights; entries the dropout mask dropped are negated (kept ones are ``>= 0``).
-  See ``cudnn_attn.compat.flash_attn._probs``. The weights come from engine calls (the identity
-  appended to ``v``), so they cost ``S_k`` extra value columns: a testing aid, as in
-  FlashAttention. Without it ``p`` is an empty tensor.
+  See ``cudnn_attn.compat.flash_attn._probs``. The weights come from engine calls whose values
+  are identity columns (``compat.flash_attn._core._weights``), about ``S_k`` value columns more:
+  a testing aid, as in FlashAttention. Without it ``p`` is an empty tensor.
 * ``softmax_d`` (the backward's fourth result) is ``rowsum(dout * out)``, ``[B, H, S_q]``
   (varlen ``[H, total_q]``), in the lse dtype.
 * Output buffers ``out_``, ``dq_``, ``dk_``, ``dv_`` are written and returned; a buffer that
