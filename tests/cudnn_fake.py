@@ -145,11 +145,13 @@ class FakeGraph:
         table_uid = self.node["inputs"].get(f"Page_table_{role}")
         if table_uid is None:
             kv = self._read(buffers, role, lens_kv)
-            if self.node["padding_mask"] and not self.backward:
+            if self.node["padding_mask"] and not self.backward and self.dims("Q")[2] == 1:
                 # What an H200 showed (cuDNN 9.19, benchmarks/results/cudnn-2026-11-29.json,
-                # decode_rows' probe): a forward's padding mask keeps whatever lies past the key
-                # lengths (NaN in K, V or both) out of every result. The backward keeps the
-                # pessimistic model: no GPU has shown what it does with such values.
+                # decode_rows' probe): a one-row forward (cuDNN's decode kernel) keeps whatever
+                # lies past the key lengths (NaN in K, V or both) out of every result. Graphs of
+                # more rows multiply the V rows there by P = 0 (the same run's two-row decode
+                # over NaN pages gave NaN; cudnn-frontend #624), and no GPU has shown what a
+                # backward does with them: those keep the pessimistic model.
                 past = torch.arange(kv.shape[2]).view(1, -1) >= torch.tensor(lens_kv).view(-1, 1)
                 kv = kv.masked_fill(past[:, None, :, None], 0.0)
             return kv

@@ -200,12 +200,6 @@ class CudnnPlan:
     against the graph's."""
 
     name = "cudnn"
-    # cuDNN's padding mask keeps what lies past the key lengths out of a forward: NaN stored
-    # there in K, V or both left an H200's results finite and bitwise those of the zeroed cache
-    # (cuDNN 9.19, benchmarks/decode_rows.py's probe, results/cudnn-2026-11-29.json), so a
-    # forward no gradient follows skips the two cache-sized copies (model.inputs.hide_padding).
-    forward_ignores_padded_keys = True
-
     def __init__(self, problem: AttnProblem, spec: GraphSpec, rows: Optional[GraphSpec] = None):
         self.spec = spec
         self._rows = spec if rows is None else rows
@@ -242,7 +236,7 @@ class CudnnPlan:
         stats_like = self._template("stats", self._stats_shape(None), torch.float32,  # not packed
                                     problem.device) if grad else None
         return launch.DirectCall(problem, forward, backward, self._scales.get(scale), out_like,
-                                 stats_like, extras)
+                                 stats_like, extras, self.forward_ignores_padded_keys)
 
     # -- graphs --------------------------------------------------------------------------------
     def _get(self, problem, variant) -> BuiltGraph:
@@ -383,6 +377,12 @@ class CudnnPlan:
         if s.ragged:
             return stats.view(stats.shape[0], s.heads_q).t()
         return stats.view(s.batch, s.heads_q, s.seq_q)
+
+    @property
+    def forward_ignores_padded_keys(self) -> bool:
+        """Whether the forward keeps what lies past the key lengths out by itself (so a call
+        no gradient follows binds K and V unzeroed: ``decode_rows.ignores_padded_keys``)."""
+        return decode_rows.ignores_padded_keys(self.spec)
 
     # -- Backend protocol ------------------------------------------------------------------------
     def forward(self, problem, inputs, need_lse=True):

@@ -40,8 +40,8 @@ from ..model.problem import AttnProblem, TensorSpec
 from ..model.storage import Ragged
 from .limits import LIMITS
 
-__all__ = ["needed", "keys_end_inside", "one_row_unplannable", "side", "reasons", "cause",
-           "padded_problem", "add_row", "real_row"]
+__all__ = ["needed", "keys_end_inside", "ignores_padded_keys", "one_row_unplannable", "side",
+           "reasons", "cause", "padded_problem", "add_row", "real_row"]
 
 
 def needed(problem: AttnProblem) -> bool:
@@ -64,6 +64,15 @@ def keys_end_inside(problem: AttnProblem) -> bool:
     their V rows by P = 0 (0 * NaN; cudnn-frontend #624 and #718 describe it for its prefill
     kernels). The price: this call's bitwise repeatability is the decode graph's (issue 36)."""
     return problem.padding is not None and not isinstance(problem.storage, Ragged)
+
+
+def ignores_padded_keys(spec) -> bool:
+    """Whether a forward graph of ``spec`` (a ``GraphSpec``) keeps what lies past the key
+    lengths out of its results by itself: cuDNN's one-row (decode) kernel does (on an H200,
+    cuDNN 9.19, NaN stored past the lengths in K, V or both left a dense decode step's result
+    finite and bitwise that of the zeroed cache: benchmarks/decode_rows.py's probe,
+    results/cudnn-2026-11-29.json); its kernels of more rows do not (``keys_end_inside``)."""
+    return spec.seq_q == 1
 
 
 def one_row_unplannable(problem: AttnProblem) -> bool:

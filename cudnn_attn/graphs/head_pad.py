@@ -55,7 +55,9 @@ def _pad(x: torch.Tensor, dim: int) -> torch.Tensor:
 class HeadPadPlan:
     """The plan of the padded problem, with the moves in and out of every call."""
 
-    forward_ignores_padded_keys = True  # its graphs' (CudnnPlan)
+    @property
+    def forward_ignores_padded_keys(self) -> bool:
+        return getattr(self.inner, "forward_ignores_padded_keys", False)  # its graphs'
 
     def __init__(self, inner):
         self.inner = inner

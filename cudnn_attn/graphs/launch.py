@@ -133,14 +133,14 @@ class DirectCall:
     CUDA-graph capture the runner answers ``None`` and the full path refuses, with its reason).
     """
 
-    forward_ignores_padded_keys = True  # its graphs' (CudnnPlan)
     __slots__ = ("forward", "backward", "device", "scale", "strides", "out_like",
-                 "stats_like", "inputs_contiguous", "extras")
+                 "stats_like", "inputs_contiguous", "extras", "forward_ignores_padded_keys")
 
     def __init__(self, problem, forward, backward, scale: torch.Tensor,
                  out_template: torch.Tensor | None, stats_template: torch.Tensor | None,
-                 extras: Extras = NO_EXTRAS):
+                 extras: Extras = NO_EXTRAS, ignores_padded_keys: bool = False):
         self.forward, self.backward = forward, backward
+        self.forward_ignores_padded_keys = ignores_padded_keys  # its plan's (CudnnPlan)
         self.device, self.scale, self.extras = problem.device, scale, extras
         self.strides = (problem.q.stride, problem.k.stride, problem.v.stride)
         # empty_like costs the host a third of an empty with explicit sizes, and without a

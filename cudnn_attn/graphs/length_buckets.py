@@ -174,7 +174,10 @@ class BucketPlan:
     call's own graphs (built then), which a shape that keeps coming back repays."""
 
     name = "cudnn"
-    forward_ignores_padded_keys = True  # its graphs' (CudnnPlan)
+
+    @property
+    def forward_ignores_padded_keys(self) -> bool:
+        return getattr(self.inner, "forward_ignores_padded_keys", False)  # its graphs'
 
     def __init__(self, inner, exact: Callable[[], Any]):
         self.inner, self._exact = inner, exact

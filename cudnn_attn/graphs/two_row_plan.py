@@ -26,7 +26,6 @@ class TwoRowPlan:
     ``"back"``, ``decode_rows.side``)."""
 
     name = "cudnn"
-    forward_ignores_padded_keys = True  # its graphs' (CudnnPlan)
 
     def __init__(self, inner, where: str):
         self.inner, self.where = inner, where

@@ -141,13 +141,16 @@ def test_a_forward_without_gradient_ignores_everything_past_padding_lengths(
     clear_caches()
 
 
+@pytest.mark.parametrize("rows", [1, SQ], ids=["one-row", "rows"])
 @pytest.mark.parametrize("tensor_lengths", [False, True], ids=["host-lengths", "device-lengths"])
-def test_a_cudnn_forward_without_gradient_binds_the_callers_keys(tensor_lengths, monkeypatch):
-    """cuDNN's padding mask keeps what lies past the key lengths out of a forward (an H200 with
-    NaN stored there, cuDNN 9.19: benchmarks/results/cudnn-2026-11-29.json), so a call no
-    gradient follows binds the caller's K and V as they are: no cache-sized copies (a decode
-    step's cost on a dense cache). A call a gradient follows still binds zeroed copies, whose
-    gradients past the lengths are exactly 0. Every call, the first (full path) and the later
+def test_a_one_row_cudnn_forward_without_gradient_binds_the_callers_keys(
+        tensor_lengths, rows, monkeypatch):
+    """cuDNN's one-row (decode) kernel keeps what lies past the key lengths out of a forward
+    (an H200 with NaN stored there, cuDNN 9.19: benchmarks/results/cudnn-2026-11-29.json), so
+    such a call that no gradient follows binds the caller's K and V as they are: no cache-sized
+    copies per decode step. Its graphs of more rows multiply the V rows there by P = 0 (the same
+    run), so those calls, and every call a gradient follows, still bind zeroed copies (whose
+    gradients past the lengths are exactly 0). Every call, the first (full path) and the later
     ones (the direct runner), against the float64 oracle on clean inputs."""
     if not cudnn_fake.frontend_present():
         pytest.skip("nvidia-cudnn-frontend is not installed")
@@ -163,16 +166,20 @@ def test_a_cudnn_forward_without_gradient_binds_the_callers_keys(tensor_lengths,
 
     monkeypatch.setattr(cudnn_fake.FakeGraph, "execute", spy)
     clean = _case("causal-bottom-right", "plain", torch.float16, tensor_lengths)
-    vis = oracle.build_visibility(B, SQ, SKV, seq_lens_q=LENS_Q, seq_lens_kv=LENS_KV,
+    clean = (clean[0][:, :, -rows:], *clean[1:])  # the last rows: bottom-right, as decode sits
+    lens_q = tuple(min(n, rows) for n in LENS_Q)
+    vis = oracle.build_visibility(B, rows, SKV, seq_lens_q=lens_q, seq_lens_kv=LENS_KV,
                                   causal="bottom_right")
     want_out = oracle.reference_attention(*clean[:3], vis)[0]
-    q, k, v, _, _ = _poisoned(*clean, torch.float16)
-    lens = (torch.tensor(LENS_Q), torch.tensor(LENS_KV)) if tensor_lengths else (LENS_Q, LENS_KV)
+    q, k, v = (_poison_rows(t.transpose(1, 2), lens, 1).transpose(1, 2).to(torch.float16)
+               for t, lens in ((clean[0], lens_q), (clean[1], LENS_KV), (clean[2], LENS_KV)))
+    lens = (torch.tensor(lens_q), torch.tensor(LENS_KV)) if tensor_lengths else (lens_q, LENS_KV)
     mask = ca.Causal("bottom_right") & ca.Padding(*lens)
     for _ in range(3):
         bound.clear()
         out = ca.attention(q, k, v, mask=mask, backend="cudnn")
-        assert bound == [{"K": k.data_ptr(), "V": v.data_ptr()}]
+        unzeroed = bound == [{"K": k.data_ptr(), "V": v.data_ptr()}]
+        assert unzeroed == (rows == 1), bound
         assert torch.isfinite(out).all(), "NaN leaked from past the lengths"
         torch.testing.assert_close(out.double(), want_out, rtol=2e-3, atol=2e-3)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
