@@ -1527,7 +1527,11 @@ na_fused_forward(NA_FORWARD_PARAMS) {
     // Whole tiles of a plain call (positive scale, no softcap, no bias) fold the scale into the
     // softmax's FMA (the row max of the raw scores is the max of the logits only when scale > 0).
     const bool fold = scale > 0.f && softcap <= 0.f && rpb == nullptr;
-    unsigned int qf[HD / 16][4];
+    // Q's A fragments, read at it == 0 and carried through the loop. Defined before it: left
+    // undefined on the loop's entry path, ptxas (12.9 and 13.0, sm_90a, head dim 64) kept the
+    // wgmma A registers alive for one iteration only and reused them for P and the mask, so
+    // every later key step multiplied garbage by K.
+    unsigned int qf[HD / 16][4] = {};
     float acc[HD / 8][4], m[2] = {-NA_INF, -NA_INF}, l[2] = {0.f, 0.f};
     na_zero(acc);
     for (int it = 0; it < ring.nsteps; ++it) {
@@ -1864,7 +1868,7 @@ na_fused_backward_dq(NA_DQ_PARAMS) {
         row_delta[r] = tok[r] >= 0 ? delta[at] : 0.f;
     }
 
-    unsigned int qf[HD / 16][4];
+    unsigned int qf[HD / 16][4] = {};  // defined before the loop: see na_fused_forward
     float acc[HD / 8][4];
     na_zero(acc);
     for (int it = 0; it < ring.nsteps; ++it) {
