@@ -40,7 +40,7 @@ __all__ = ["AxisCounts", "TileFigures", "axis_counts", "pair_unmasked", "axis_pa
            "tile_figures", "neighborhood_figures", "element_bytes", "choose_tiles", "forward_tiles",
            "wide_tiles", "wide_key_tiles", "dkdv_tiles", "WIDE_EFFICIENCY_GAIN",
            "query_major_tiles", "key_major_tiles", "LaunchFigures", "launch_figures",
-           "PRODUCTS", "DIRECTION_KERNELS", "FUSED_EFFICIENCY", "kernel_work", "runs_wide", "kernel_ms",
+           "PRODUCTS", "DIRECTION_KERNELS", "FUSED_EFFICIENCY", "HOST_MS", "kernel_work", "runs_wide", "kernel_ms",
            "predicted_ms"]
 
 BACKWARD_FLOP_FACTOR = roofline.BACKWARD_FLOP_FACTOR
@@ -53,17 +53,25 @@ PRODUCTS = {"fwd": 2, "dq": 3, "dkdv": 4}
 DIRECTION_KERNELS = {"fwd": ("fwd",), "bwd": ("dq", "dkdv")}  # the backward: dQ, then dK/dV
 
 # Fractions of the 16-bit matmul ceiling the fused kernels reach on the products they compute,
-# per kernel and tile path (unmasked pairs skip the per-element visibility test). THESE DESCRIBE
-# THE KERNELS ISSUE 34 MEASURED (the 4-warp, 64/64-tile, serialized-geometry ones): a
-# least-squares fit (log time) of the tile model to issue 34's H200 bf16 forward rows (2-D
-# 128x128 k31 H8 D128 2.55 ms, k7 0.82 ms, 2-D 64x64 k13 H16 D64 0.53 ms, 1-D 32768 k2048 H16 62
-# TFLOP/s, 3-D 32^3 k7 13.4 TFLOP/s; predicted/measured within 0.7-1.45x); the backward from 2-D
-# k31 (4.82 ms) and 1-D k2048 (70 TFLOP/s), fitted as 0.098 / 0.056 of five products per pair and
-# restated here per product computed (x 7/5), one figure for both backward kernels.
-# ``benchmarks/fit_tile_model.py`` refits them from a GPU record of benchmarks/neighborhood.py.
-_BACKWARD_FIT = {"unmasked": 0.098 * 7 / 5, "masked": 0.056 * 7 / 5}
-FUSED_EFFICIENCY = {"fwd": {"unmasked": 0.088, "masked": 0.037},
+# per kernel and tile path (unmasked pairs skip the per-element visibility test): a least-squares
+# fit (log time) of the tile model to the third H200 run's bf16 rows, 64-slot and wide kernels
+# forced on every problem (benchmarks/results/neighborhood-2026-11-29.json and more/: 2-D 128x128
+# k31 H16 D128, k7 H8 D128, 2-D 64x64 k13 H16 D64, 1-D 32768 k2048 H16 D128, 3-D 32^3 k7 H16
+# D128; measured pairs the model orders as the GPU did: 90 % with the earlier constants, 92 %
+# with these), one figure for both backward kernels (per product computed). Small problems were
+# host-bound in that run (2-D 64x64 k13: 0.47 ms per forward, 0.07 ms of kernel), so these are
+# low for them. ``benchmarks/fit_tile_model.py`` refits them from a GPU record.
+_BACKWARD_FIT = {"unmasked": 0.304, "masked": 0.133}
+FUSED_EFFICIENCY = {"fwd": {"unmasked": 0.360, "masked": 0.163},
                     "dq": dict(_BACKWARD_FIT), "dkdv": dict(_BACKWARD_FIT)}
+
+# The host's milliseconds per call of the engine that launches these kernels (its Python and the
+# launches), which set the pace of back-to-back calls whose kernels take less: the same run's
+# small problems (2-D 64x64 k13 H16 D64, 2-D 128x128 k7 H8 D128) took 0.47 / 0.40 ms per forward
+# against 0.11 / 0.13 ms this model predicts (0.07 / 0.16 ms in the profile), and 1.7 / 1.6 ms per
+# backward against 0.47 / 0.55 ms. Measured before launches took tensors as addresses (DLPack
+# then); benchmarks/na_host.py measures the host alone for the next refit.
+HOST_MS = {"fwd": 0.30, "bwd": 1.1}
 
 
 def axis_pair_unmasked(window_lo: Sequence[int], window_hi: Sequence[int], key_start: int,
@@ -275,11 +283,11 @@ def _pairs(table: tuple, query_box: Sequence[int], key_box: Sequence[int]) -> in
 
 # The wide kernels (forward and dQ: 128-query boxes; dK/dV: 128-key boxes; 32 rows per warp)
 # load each fragment of the other side once for two mma and each tile of it once for twice the
-# rows, so they are taken to reach this many times the 64-slot kernels' efficiency on each path;
-# their larger boxes compute more score elements, and more of their pairs are masked. A guess
-# until a GPU record measures both kernels on the same problems (benchmarks/neighborhood.py;
-# benchmarks/fit_tile_model.py refits it).
-WIDE_EFFICIENCY_GAIN = 1.25
+# rows; their larger boxes compute more score elements, and more of their pairs are masked. The
+# third H200 run measured both kernels on the same problems and fitted them at this many times
+# the 64-slot kernels' efficiency (fit_tile_model.py): below 1, so the model takes a wide kernel
+# only where its boxes compute enough fewer elements (none of that run's problems).
+WIDE_EFFICIENCY_GAIN = 0.84
 
 
 def wide_tiles(table: Sequence[int], rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -315,8 +315,8 @@ def test_variants_name_every_instance():
 @pytest.mark.parametrize("capability, spatial, kernel, D, wide", [
     ((9, 0), (1024,), (511,), 32, True), ((9, 0), (32, 32), (7, 7), 64, False),
     ((9, 0), (1024,), (511,), 128, True), ((8, 0), (1024,), (511,), 32, False)])
-def test_plan_backward_takes_the_tile_rules_boxes(monkeypatch, capability, spatial, kernel, D,
-                                                   wide):
+def test_plan_backward_takes_the_tile_rules_boxes(monkeypatch, request, capability, spatial,
+                                                   kernel, D, wide):
     """One rule for the query-major kernels: the plan's dQ launches with the boxes its forward
     takes (``fused.forward_boxes``: the wide kernels' on sm_90+ where the tile model prefers
     them); dK/dV with ``tile_model.dkdv_tiles``' pair on sm_90+ up to head dim 64 (maybe 128-key
@@ -325,6 +325,13 @@ def test_plan_backward_takes_the_tile_rules_boxes(monkeypatch, capability, spati
 
     from cudnn_attn.fallback_kernels import backend, tile_model
 
+    # A model that takes the wide kernels where their boxes compute fewer elements (the gain
+    # guessed before a GPU measured them; the fitted one takes none on these problems).
+    monkeypatch.setattr(tile_model, "WIDE_EFFICIENCY_GAIN", 1.25)
+    caches = (tile_model.forward_tiles, tile_model.dkdv_tiles)  # memoized choices
+    for cached in caches:
+        cached.cache_clear()
+    request.addfinalizer(lambda: [cached.cache_clear() for cached in caches])
     monkeypatch.setattr(fused, "_capability", lambda index: capability)
     monkeypatch.setattr(fused, "backward_delta", lambda out, dout, like, dlse=None: like)
     seen = {}
