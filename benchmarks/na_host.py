@@ -33,6 +33,7 @@ import pstats
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import torch
@@ -68,16 +69,6 @@ def stubbed_launches():
 
     from cudnn_attn.fallback_kernels import backend, fused, launch
 
-    class NoStream:
-        def __init__(self, device):
-            self.index, self.stream = 0, None
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
     def tokens(t, rank, name):  # fused._tokens without its CUDA-device check
         return fused._last_contiguous(t.reshape(t.shape[0], -1, t.shape[-2], t.shape[-1]))
 
@@ -86,7 +77,8 @@ def stubbed_launches():
 
     with mock.patch.multiple(fused, _function=function, _tokens=tokens,
                              _capability=lambda index: (9, 0)), \
-            mock.patch.multiple(launch, TorchStream=NoStream,
+            mock.patch.multiple(launch, TorchStream=lambda device: contextlib.nullcontext(
+                SimpleNamespace(index=0, stream=None)),
                                 kernel_arg=lambda t: np.uint64(0 if t is None else
                                                                 t.data_ptr())), \
             mock.patch.multiple(backend, kernel_reasons=lambda device=None: [],
