@@ -94,9 +94,8 @@ def _fused_prediction(table, rank, batch, heads, heads_kv, dim_qk, dim_v, dtype,
                       ceilings, capability) -> float:
     launch = tile_model.launch_figures(table, rank, capability, dim_qk=dim_qk, dim_v=dim_v,
                                        dtype=dtype, batch=batch, heads=heads, heads_kv=heads_kv)
-    # Back to back, the slower of the host and the kernels sets the pace (tile_model.HOST_MS).
     directions = ("fwd", "bwd") if backward else ("fwd",)
-    return sum(max(launch.predicted_ms(d, ceilings), tile_model.HOST_MS[d]) for d in directions)
+    return sum(tile_model.paced_ms(launch.predicted_ms(d, ceilings), d) for d in directions)
 
 
 class CupyUnfusedOps:

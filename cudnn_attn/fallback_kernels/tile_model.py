@@ -40,7 +40,7 @@ __all__ = ["AxisCounts", "TileFigures", "axis_counts", "pair_unmasked", "axis_pa
            "tile_figures", "neighborhood_figures", "element_bytes", "choose_tiles", "forward_tiles",
            "wide_tiles", "wide_key_tiles", "dkdv_tiles", "WIDE_EFFICIENCY_GAIN",
            "query_major_tiles", "key_major_tiles", "LaunchFigures", "launch_figures",
-           "PRODUCTS", "DIRECTION_KERNELS", "FUSED_EFFICIENCY", "HOST_MS", "kernel_work", "runs_wide", "kernel_ms",
+           "PRODUCTS", "DIRECTION_KERNELS", "FUSED_EFFICIENCY", "HOST_MS", "paced_ms", "kernel_work", "runs_wide", "kernel_ms",
            "predicted_ms"]
 
 BACKWARD_FLOP_FACTOR = roofline.BACKWARD_FLOP_FACTOR
@@ -72,6 +72,12 @@ FUSED_EFFICIENCY = {"fwd": {"unmasked": 0.360, "masked": 0.163},
 # backward against 0.47 / 0.55 ms. Measured before launches took tensors as addresses (DLPack
 # then); benchmarks/na_host.py measures the host alone for the next refit.
 HOST_MS = {"fwd": 0.30, "bwd": 1.1}
+
+
+def paced_ms(kernels_ms: float, direction: str) -> float:
+    """The time per call back to back: the slower of the kernels (``kernels_ms``) and the
+    host (``HOST_MS[direction]``); what ``auto``'s cost rule compares."""
+    return max(kernels_ms, HOST_MS[direction])
 
 
 def axis_pair_unmasked(window_lo: Sequence[int], window_hi: Sequence[int], key_start: int,
