@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"(log: {args.prepare / (name + '.log')})")
         if manifest["cudnn_backend"] != DEVICE_CUDNN:
             print(f"note: planned with cuDNN {manifest['cudnn_backend']}; the device image has "
-                  f"{DEVICE_CUDNN}, whose load rejects these files (the record says so)")
+                  f"{DEVICE_CUDNN}, whose load rejects these files (the record says so), and "
+                  f"which cannot plan them itself (graphs.limits: deviceless_min_version)")
         return 0 if all(e["exit"] == 0 and e["files"] for e in manifest["targets"].values()) else 1
     import torch
 

@@ -28,9 +28,12 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..core.caches import LRU
+from ..core.env import cudnn_version_text as version_text
 from ..errors import NotSupportedError
 from ..model.problem import AttnProblem
 from . import driver_standin
+from .cache_files import cudnn_versions
+from .limits import LIMITS
 from ._spec import GraphOptions, GraphSpec, analyze
 from .plan_choice import EngineChoice
 from .backend import graph_specs
@@ -87,6 +90,12 @@ def _refusal(exc: NotSupportedError) -> str:
 
 def _build(problem, spec: GraphSpec, backward: bool, device: DeviceTarget,
            build: bool) -> PlanResult:
+    version, floor = cudnn_versions()[0], LIMITS.deviceless_min_version
+    if version is not None and version < floor:  # no engine would finalize: say why up front
+        return PlanResult(device.name, backward,
+                          refusal=f"planning without a GPU needs cuDNN >= {version_text(floor)} "
+                                  f"(older backends finalize no SDPA engine for a described "
+                                  f"device), have {version_text(version)}")
     try:  # device="meta": no tensor lives anywhere
         built = build_graph(problem, spec, backward, target=device, build_plans=build,
                             device="meta")

@@ -105,6 +105,11 @@ class CudnnLimits:
     # neighborhood window) are constant tensors ("SetAttribute CUDNN_ATTR_TENSOR_CONSTANT_VALUE
     # requires cudnn version 9.22.0"; an H200 with 9.19 declined a 2-D neighborhood at build).
     score_mod_constant_min_version: int = 92200
+    # Planning without a GPU (a described device, ``graphs.deviceless``): 9.19.0 and 9.20.0
+    # propose no SDPA engine that finalizes for any graph (every engine config "not supported"
+    # at create_execution_plans), 9.21.0, 9.22.0, 9.23.0, 9.26.1 and 9.28 plan every graph of
+    # benchmarks/warm_problems.json for the H100 and the H200 (measured on the CPU, 2026-11-29).
+    deviceless_min_version: int = 92100
     # "Unified SDPA with Block_mask on SM10x requires cuDNN 9.26.0 or newer due to a masked-tile
     # initialization bug in older backends": older backends run the neighborhood without one.
     block_mask_min_version: Mapping = field(default_factory=lambda: _frozen({10: 92600}))

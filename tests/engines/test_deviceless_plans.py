@@ -195,6 +195,30 @@ def test_dense_graphs_get_the_architectures_flash_engines(device, forward, backw
 # ---------------------------------------------------------------------------------------------
 
 @needs_fe
+@pytest.mark.parametrize("backend", [91900, 92000])
+def test_a_cudnn_too_old_to_plan_without_a_gpu_is_refused_up_front(backend, deviceless,
+                                                                    monkeypatch):
+    """cuDNN 9.19.0 and 9.20.0 finalize no SDPA engine for a described device (every engine
+    config refused at create_execution_plans; 9.21.0 and later plan the same graphs: measured
+    with benchmarks/warm_start.py --prepare on each backend). A plan asked of such a backend
+    says so, before cuDNN is asked; the installed one (9.28 here) plans."""
+    from cudnn_attn.graphs import deviceless as module
+
+    problem = problem_for("dense", "fwd-stats")
+    assert deviceless.plan_problem(problem, "h200").ok  # the installed backend
+    clear_caches()
+    monkeypatch.setattr(module, "cudnn_versions", lambda: (backend, "1.32.0"))
+    asked = []
+    monkeypatch.setattr(module, "build_graph", lambda *a, **k: asked.append(a))
+    result = deviceless.plan_problem(problem, "h200")
+    assert not result.ok and not asked
+    have = f"9.{(backend // 100) % 100}.0"
+    assert result.refusal == (f"planning without a GPU needs cuDNN >= 9.21.0 (older backends "
+                              f"finalize no SDPA engine for a described device), have {have}")
+    clear_caches()
+
+
+@needs_fe
 def test_philox_dropout_without_stats_is_declared_on_sm100_only(deviceless):
     q = torch.empty(2, 4, 256, 128, dtype=torch.bfloat16, device="meta")
     inference = ca.AttnProblem.from_tensors(q, q, q, dropout_p=0.1)
