@@ -75,11 +75,26 @@ def _capability(device_index: int) -> tuple[int, int]:
     return roofline.capability_for(torch.device("cuda", device_index))
 
 
-def _strides(t: torch.Tensor) -> list:
-    """Element strides (batch, token, head) of a [B, S, H, ...] view."""
+def _strides(*tensors: torch.Tensor) -> tuple:
+    """Element strides (batch, token, head) of each [B, S, H, ...] view, one after another."""
+    return tuple(s for t in tensors for s in t.stride()[:3])
+
+
+@memoize("fallback_kernels.fused.value_args", maxsize=1024)
+def _value_args(strides: tuple, sizes: tuple, factors: tuple = (), flags: tuple = ()) -> tuple:
+    """A launch's value arguments as the kernels declare them: int64 element strides, int32
+    sizes, float32 factors, int32 flags, in that order. Made once per distinct set: a numpy
+    scalar costs the host about a third of a microsecond, and a backward passes about 70."""
     import numpy as np
 
-    return [np.int64(t.stride(0)), np.int64(t.stride(1)), np.int64(t.stride(2))]
+    return (*map(np.int64, strides), *map(np.int32, sizes), *map(np.float32, factors),
+            *map(np.int32, flags))
+
+
+@memoize("fallback_kernels.fused.grids", maxsize=1024)
+def _grid(table: tuple, box: tuple, heads: int, batch: int, own_queries: bool) -> tuple:
+    """``tile_walk.launch_grid``, once per distinct launch shape."""
+    return launch_grid(table, box, heads, batch, own_queries)
 
 
 def _aligned(tensors, dtype) -> int:
@@ -91,7 +106,8 @@ def _aligned(tensors, dtype) -> int:
 def _launch(kernel, dtype, head_dim, grid, tensors, scalars, ctx: "launch.TorchStream"):
     use_pipelined = pipelined(dtype, _capability(ctx.index))
     fn = _function(kernel, dtype, head_dim, ctx.index, use_pipelined)
-    args = [launch.kernel_arg(t) for t in tensors] + list(scalars)
+    args = [launch.kernel_arg(t) for t in tensors]
+    args += scalars
     fn(grid, (THREADS, 1, 1), args, shared_mem=smem_bytes(kernel, dtype, head_dim, use_pipelined),
        stream=ctx.stream)
 
@@ -105,21 +121,17 @@ def run_forward(q, k, v, out, lse, table, boxes, scale, softcap=0.0, rpb=None) -
     fp32 (any strides, last dim contiguous). ``table``: the geometry table (``geometry``);
     ``boxes`` = (query box, key box); a query box of ``WIDE_QUERY_TILE`` slots runs the wide
     forward (the pipelined build only)."""
-    import numpy as np
-
     B, _, Hq, Dqk = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
     hd = head_dim_bucket(Dqk, Dv)
     qb, kb = pad3(boxes[0]), pad3(boxes[1])
-    grid = launch_grid(table, qb, Hq, B, True)
+    table = tuple(table)
+    grid = _grid(table, qb, Hq, B, True)
     table_dev = launch.device_table(table, q.device)
     with launch.TorchStream(q.device) as ctx:
         tensors = [q, k, v, out, lse, table_dev, rpb]
-        scalars = [*_strides(q), *_strides(k), *_strides(v), *_strides(out), *_strides(lse),
-                np.int32(Hq), np.int32(Hkv), np.int32(Dqk), np.int32(Dv),
-                *(np.int32(x) for x in qb), *(np.int32(x) for x in kb),
-                np.float32(scale), np.float32(softcap or 0.0),
-                np.int32(_aligned((q, k, v, out), q.dtype))]
+        scalars = _value_args(_strides(q, k, v, out, lse), (Hq, Hkv, Dqk, Dv, *qb, *kb),
+                              (scale, softcap or 0.0), (_aligned((q, k, v, out), q.dtype),))
         kernel = _on_wgmma(_query_major(WIDE_FORWARD, qb, q.dtype, ctx), q.dtype, hd, ctx)
         _launch(kernel, q.dtype, hd, grid, tensors, scalars, ctx)
 
@@ -189,8 +201,6 @@ def backward_delta(out: torch.Tensor, dout: torch.Tensor, like: torch.Tensor,
 
         delta = (dout.float() * out.float()).sum(-1) - dlse
     """
-    import numpy as np
-
     B, S, H, Dv = out.shape
     delta = torch.empty_like(like, dtype=torch.float32)
     if delta.numel() == 0:
@@ -202,9 +212,8 @@ def backward_delta(out: torch.Tensor, dout: torch.Tensor, like: torch.Tensor,
     with launch.TorchStream(out.device) as ctx:
         _launch("na_fused_backward_delta", out.dtype, head_dim_bucket(Dv, Dv), grid,
                 [out, dout, dlse, delta],
-                [*_strides(out), *_strides(dout), *_strides(delta),
-                 *(_strides(dlse) if dlse is not None else [np.int64(0)] * 3),
-                 np.int32(S), np.int32(H), np.int32(Dv)], ctx)
+                _value_args(_strides(out, dout, delta) + (_strides(dlse) if dlse is not None
+                                                          else (0, 0, 0)), (S, H, Dv)), ctx)
     return delta
 
 
@@ -215,8 +224,6 @@ def run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale,
     ``WIDE_KEY_TILE`` slots runs the wide dK/dV (``dkdv_boxes``); ``dq_boxes``: dQ's (default
     ``boxes``), where a query box of ``WIDE_QUERY_TILE`` slots runs the wide dQ (the forward's
     boxes, ``forward_boxes``). Every gradient row is written by one block: no atomics."""
-    import numpy as np
-
     B, _, Hq, Dqk = q.shape
     Hkv, Dv = k.shape[2], v.shape[3]
     hd = head_dim_bucket(Dqk, Dv)
@@ -224,29 +231,30 @@ def run_backward(q, k, v, dout, lse, delta, dq, dk, dv, table, boxes, scale,
         raise ValueError(f"dK/dV walks {FUSED_QUERY_TILE}-query boxes, got {tuple(boxes[0])}")
     dq_boxes = boxes if dq_boxes is None else dq_boxes
 
-    def tail(pair):
-        return [np.int32(Hq), np.int32(Hkv), np.int32(Dqk), np.int32(Dv),
-                *(np.int32(x) for x in pad3(pair[0])), *(np.int32(x) for x in pad3(pair[1])),
-                np.float32(scale), np.float32(softcap or 0.0),
-                np.int32(_aligned((q, k, v, dout, dq, dk, dv), q.dtype))]
+    aligned = _aligned((q, k, v, dout, dq, dk, dv), q.dtype)
 
-    common = [*_strides(q), *_strides(k), *_strides(v), *_strides(dout)]
+    def values(strides, pair):
+        return _value_args(strides, (Hq, Hkv, Dqk, Dv, *pad3(pair[0]), *pad3(pair[1])),
+                           (scale, softcap or 0.0), (aligned,))
+
+    table = tuple(table)
+    common = _strides(q, k, v, dout)
     table_dev = launch.device_table(table, q.device)
     # Only dimensions longer than 1 are indexed, so only their strides must agree (torch keeps
     # any stride on a size-1 dimension, e.g. one query head).
     if any(a != b for a, b, n in zip(delta.stride(), lse.stride(), lse.shape) if n > 1):
         raise ValueError("delta must have lse's strides")
     with launch.TorchStream(q.device) as ctx:
-        grid = launch_grid(table, pad3(dq_boxes[0]), Hq, B, True)
+        grid = _grid(table, pad3(dq_boxes[0]), Hq, B, True)
         dq_kernel = _on_wgmma(_query_major(WIDE_DQ, dq_boxes[0], q.dtype, ctx), q.dtype, hd, ctx)
         _launch(dq_kernel, q.dtype, hd, grid,
                 [q, k, v, dout, lse, delta, dq, table_dev],
-                [*common, *_strides(dq), *_strides(lse), *tail(dq_boxes)], ctx)
-        grid = launch_grid(table, pad3(boxes[1]), Hkv, B, False)
+                values(common + _strides(dq, lse), dq_boxes), ctx)
+        grid = _grid(table, pad3(boxes[1]), Hkv, B, False)
         dkdv_kernel = _on_wgmma(_key_major(boxes[1], q.dtype, hd, ctx), q.dtype, hd, ctx)
         _launch(dkdv_kernel, q.dtype, hd, grid,
                 [q, k, v, dout, lse, delta, dk, dv, table_dev],
-                [*common, *_strides(dk), *_strides(dv), *_strides(lse), *tail(boxes)], ctx)
+                values(common + _strides(dk, dv, lse), boxes), ctx)
 
 
 # ---------------------------------------------------------------------------------------------
