@@ -309,3 +309,37 @@ ERRORS = [
 def test_errors(name, call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.parametrize("name,call,exc,match", ERRORS, ids=[e[0] for e in ERRORS])
+def test_errors_after_valid_calls_of_the_same_shapes(name, call, exc, match):
+    """A plain call's validation is kept per argument set (functional._VALIDATED): valid calls
+    with these tensors' shapes and dtypes first, then every bad call still raises NATTEN's
+    error (``3`` and ``3.0``, ``True`` and ``1`` are different arguments)."""
+    for rank in (1, 2):
+        x = _t(1, *(8,) * rank, 1, 4)
+        NA[rank](x, x, x, 3)
+        NA[rank](x, x, x, 3, is_causal=True)
+        NA[rank](x, x, x, 3, dilation=2, stride=1)
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_a_repeated_call_is_validated_once(monkeypatch):
+    from cudnn_attn.compat.natten import functional
+
+    seen = []
+    validate = functional._validate
+    monkeypatch.setattr(functional, "_validate", lambda *a: seen.append(a[0]) or validate(*a))
+    functional._VALIDATED.clear()
+    q, k, v = _inputs((9, 7), 2, 1, 8, 8)
+    want = N.na2d(q, k, v, 3, is_causal=(True, False))
+    for _ in range(3):  # the same arguments: checked once, the same result
+        assert torch.equal(N.na2d(q, k, v, 3, is_causal=(True, False)), want)
+    assert seen == [2]
+    N.na2d(q, k, v, 3, is_causal=(False, True))  # other arguments: checked
+    N.na2d(q, k, v, 3, is_causal=(True, False), q_tile_shape=(8, 8), kv_tile_shape=(8, 8))
+    extra = torch.randn(2, 3, 1, 8, dtype=torch.float64)
+    N.na2d(q, k, v, 3, additional_keys=extra, additional_values=extra)
+    N.na2d(q, k, v, 3, additional_keys=extra, additional_values=extra)
+    assert seen == [2] * 5  # tuning hints and extra keys are checked on every call

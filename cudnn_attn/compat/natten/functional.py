@@ -21,6 +21,7 @@ import torch
 
 from ...model import checks
 from ...api import attention as _attention
+from ...core.caches import LRU
 from ...errors import NotSupportedError
 from ...model.masks import Causal
 from ...varlen import attention_varlen
@@ -99,8 +100,41 @@ def merge_partial(outputs, lses):
 # Fused: na1d / na2d / na3d
 # ---------------------------------------------------------------------------------------------
 
-def _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
-        additional_keys, additional_values, attention_kwargs, backend, hints, return_lse, rpb):
+# Recently validated plain na{rank}d calls (no extra keys, rpb or tuning hints) -> their
+# (Neighborhood, scale, engine): a hit skips NATTEN's argument checks, a third of a small
+# call's host time (benchmarks/na_host.py).
+_VALIDATED = LRU("natten.fused_calls", 256)
+_Tensor, _is_compiling = torch.Tensor, torch.compiler.is_compiling
+
+
+def _typed(x):
+    """``x`` as a key that tells ``1``, ``1.0`` and ``True`` apart (they hash alike, and a valid
+    call must not vouch for an invalid one)."""
+    if type(x) is tuple or type(x) is list:
+        return (type(x), tuple(_typed(e) for e in x))
+    return (type(x), x)
+
+
+def _call_key(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale, backend,
+              return_lse):
+    """The hashable summary of a plain call's arguments (``None``: not cacheable)."""
+    if _is_compiling() or not (type(query) is type(key) is type(value) is _Tensor) \
+            or type(scale) not in (float, int, type(None)):  # a tensor scale: its value counts
+        return None
+    try:
+        return (rank, _typed(kernel_size), _typed(stride), _typed(dilation), _typed(is_causal),
+                _typed(scale), _typed(backend), _typed(return_lse),
+                *((t.layout, t.is_nested, t.shape, t.dtype, t.device)
+                  for t in (query, key, value)))
+    except (TypeError, RuntimeError):  # an unhashable argument; a nested tensor's shape
+        return None
+
+
+def _validate(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+              additional_keys, additional_values, attention_kwargs, backend, hints, return_lse,
+              rpb):
+    """NATTEN's checks of one call, raising what NATTEN raises; ``(Neighborhood, scale,
+    engine)``. ``hints``: the tuning arguments (``None``: all their defaults, valid)."""
     layout = "[B, *spatial, H, D]"
     for name, t in (("query", query), ("key", key), ("value", value)):
         if getattr(t, "is_nested", False):
@@ -122,16 +156,36 @@ def _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale
     # operator.index: the default scale from a concrete head dim, even under dynamic shapes.
     scale = checks.softmax_scale("scale", scale, operator.index(D), error=TypeError)
     engine = options.engine_for(backend, options.NATTEN_NA_BACKENDS)
-    options.check_hints(rank, **hints)
+    if hints is not None:
+        options.check_hints(rank, **hints)
     if attention_kwargs is not None and not isinstance(attention_kwargs, dict):
         raise TypeError(f"attention_kwargs must be a dict or None, got "
                         f"{type(attention_kwargs).__name__}")
     _check_extra_pair(additional_keys, additional_values)
     checks.flag("return_lse", return_lse)
-    S = geom.num_tokens
     if rpb is not None:
         checks.tensor("rpb", rpb, floating=True)
         check_rpb(rpb, H, geom.kernel_size, geom.is_causal, query)
+    return geom, scale, engine
+
+
+def _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
+        additional_keys, additional_values, attention_kwargs, backend, hints, return_lse, rpb):
+    cache = None
+    if hints is None and additional_keys is None and attention_kwargs is None and rpb is None:
+        cache = _call_key(rank, query, key, value, kernel_size, stride, dilation, is_causal,
+                          scale, backend, return_lse)
+    found = None if cache is None else _VALIDATED.get(cache)
+    if found is None:
+        found = _validate(rank, query, key, value, kernel_size, stride, dilation, is_causal,
+                          scale, additional_keys, additional_values, attention_kwargs, backend,
+                          hints, return_lse, rpb)
+        if cache is not None:
+            _VALIDATED.put(cache, found)
+    geom, scale, engine = found
+    B, spatial, H, D = query.shape[0], tuple(query.shape[1:-2]), query.shape[-2], query.shape[-1]
+    Hkv, Dv = key.shape[-2], value.shape[-1]
+    S = geom.num_tokens
     with deterministic_scope():
         out, lse = neighborhood_attention(query, key, value, geom, scale, rpb, backend=engine)
         if additional_keys is not None:
@@ -203,13 +257,17 @@ def _call(rank, query, key, value, kernel_size, stride, dilation, is_causal, sca
           return_lse, rpb):
     """One neighborhood call from the arguments of ``na{rank}d``, in their order. (Passed one by
     one, not as ``locals()``: torch.compile before torch 2.13 cannot trace ``locals()``.)"""
-    hints = dict(tiles=dict(q_tile_shape=q_tile_shape, kv_tile_shape=kv_tile_shape,
-                            backward_q_tile_shape=backward_q_tile_shape,
-                            backward_kv_tile_shape=backward_kv_tile_shape),
-                 backward_kv_splits=backward_kv_splits,
-                 backward_use_pt_reduction=backward_use_pt_reduction,
-                 run_persistent_kernel=run_persistent_kernel, kernel_schedule=kernel_schedule,
-                 torch_compile=torch_compile)
+    hints = None  # the defaults (valid): nothing to check
+    if not (q_tile_shape is kv_tile_shape is backward_q_tile_shape is backward_kv_tile_shape
+            is backward_kv_splits is kernel_schedule is None and backward_use_pt_reduction
+            is False and run_persistent_kernel is True and torch_compile is False):
+        hints = dict(tiles=dict(q_tile_shape=q_tile_shape, kv_tile_shape=kv_tile_shape,
+                                backward_q_tile_shape=backward_q_tile_shape,
+                                backward_kv_tile_shape=backward_kv_tile_shape),
+                     backward_kv_splits=backward_kv_splits,
+                     backward_use_pt_reduction=backward_use_pt_reduction,
+                     run_persistent_kernel=run_persistent_kernel,
+                     kernel_schedule=kernel_schedule, torch_compile=torch_compile)
     return _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
                additional_keys, additional_values, attention_kwargs, backend, hints, return_lse,
                rpb)
