@@ -28,7 +28,8 @@ benchmarks/cudnn.py --quick, then benchmarks/neighborhood.py --quick, each writi
 the run's folder, with the machine's ceilings; then the warm start of the graph caches carried
 in ``.graphs`` (``proof_extras``). Phase 3, only with time left: the fused neighborhood kernels'
 profile, where the host time goes (``na_host.py``, ``host_profile.py``), then the rest of the
-bf16 D=128 rows into ``more/``; ``gpu_report.py`` merges them with phase 2's.
+bf16 D=128 rows into ``more/``; ``gpu_report.py`` merges them with phase 2's; last, the
+autotuned cuDNN rows into ``tuned/``.
 
 A step's deadline (its cap, its share, never past the budget) sends its process group SIGINT,
 then SIGTERM, then SIGKILL (``proof_steps``); whatever is left of the group when the step ends
@@ -67,7 +68,7 @@ import _report  # noqa: E402  benchmarks/_report.py
 import proof_extras  # noqa: E402
 import proof_record  # noqa: E402
 import proof_steps  # noqa: E402
-from proof_record import (MORE, NAME_WIDTH, junit_counts, stream_counts, summarize,  # noqa: E402,F401
+from proof_record import (MORE, TUNED, NAME_WIDTH, junit_counts, stream_counts, summarize,  # noqa: E402,F401
                           summary_lines, write_record)
 from proof_steps import (LADDER_S, MIN_START_S, Step, StepResult, end_group,  # noqa: E402,F401
                          group_members, run_steps)
@@ -200,6 +201,11 @@ def plan(work: Path, python: str = sys.executable, workers: int = 8,
                                          "--dims", "1", "3",
                                          "--dtypes", "bf16", "--head-dims", "128", "--repeats", "3",
                                          "--warmup", "2", *more], 3, 240.0, optional=True),
+        # Last: issue 35's autotuned plans (every plan cuDNN offers, timed, the fastest kept)
+        # against the heuristic's and torch's, at two lengths.
+        Step("bench-cudnn-tuned", [python, str(bench / "cudnn.py"), "--quick", "--autotune",
+                                   "--seqs", "1024", "8192", "--no-ceilings", "--results-dir",
+                                   str(work / TUNED)], 3, 180.0, optional=True),
     ]
     return steps
 

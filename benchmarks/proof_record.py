@@ -24,6 +24,7 @@ import proof_extras
 from proof_steps import StepResult
 
 MORE = "more"  # the phase 3 benchmarks' folder
+TUNED = "tuned"  # the autotuned cuDNN rows' folder (phase 3, last)
 NAME_WIDTH = 24  # the step-name column of the printed summary
 TARBALL = "gpu_proof-files.tar.gz"
 SKIP_REASONS_SHOWN = 20
@@ -168,9 +169,11 @@ def summarize(result: StepResult, work: Path) -> dict[str, Any]:
                                              "cases_failed", "seconds")}
                 for tool, v in data.get("tools", {}).items()}
     if name.startswith("bench-"):
-        suite = name.removeprefix("bench-")
-        folder = work / MORE if suite.endswith("-" + MORE) else work
-        path = _newest(folder, suite.removesuffix("-" + MORE))
+        suite, folder = name.removeprefix("bench-"), work
+        for sub in (MORE, TUNED):  # bench-<suite>-<sub> writes into its own folder
+            if suite.endswith("-" + sub):
+                suite, folder = suite.removesuffix("-" + sub), work / sub
+        path = _newest(folder, suite)
         data = _load_json(path) if path else None
         keep = ("ceilings", "headline_tflops", "targets", "target_values", "target", "overhead")
         return {} if data is None else {"file": str(path.relative_to(work)),

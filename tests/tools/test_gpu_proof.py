@@ -129,7 +129,7 @@ def test_step_selection_by_prefix(G, tmp_path):
         ["gpu-tests", "selftest-full", "selftest-plain", "flash-attn-suite"]
     with pytest.raises(ValueError, match="'benchmark'"):
         G.select(steps, "benchmark", None)
-    assert all(s.phase == (3 if s.name.endswith("-more") else 2)
+    assert all(s.phase == (3 if s.name.endswith(("-more", "-tuned")) else 2)
                for s in steps if s.name.startswith("bench"))
     evidence = {"warm-start": 2, "profile-na": 3, "host-na": 3,  # proof_extras: alone on
                 "host-profile": 3}                                 # the GPU, after phase 1
@@ -137,7 +137,7 @@ def test_step_selection_by_prefix(G, tmp_path):
     assert all(s.phase == 1 for s in steps
                if not s.name.startswith("bench") and s.name not in evidence)
     assert [s.name for s in G.select(steps, "bench-cudnn", None)] == \
-        ["bench-cudnn", "bench-cudnn-more"]
+        ["bench-cudnn", "bench-cudnn-more", "bench-cudnn-tuned"]
 
 
 def test_carried_cubins_seed_a_cache_of_our_own(G, tmp_path, monkeypatch):
@@ -283,7 +283,7 @@ def test_extra_rows_may_run_out_of_time_without_failing_the_run(G, tmp_path):
     steps = G.plan(tmp_path)
     assert {s.name for s in steps if s.optional} == {s.name for s in steps if s.phase == 3} \
         == {"profile-na", "host-na", "host-profile", "bench-cudnn-more",
-            "bench-neighborhood-more"}
+            "bench-neighborhood-more", "bench-cudnn-tuned"}
     lines = G.summary_lines(results)
     assert "(extra rows: not a failure)" in lines[0] and "not a failure" not in lines[1]
 
@@ -300,6 +300,10 @@ def test_benchmark_steps_read_their_own_folder(G, tmp_path):
     assert second["file"] == "more/cudnn-2026-11-26.json"
     assert second["target_values"] == {"tiny call": 1.2}
     assert G.summarize(G.StepResult("bench-neighborhood", "cmd"), tmp_path) == {}
+    (tmp_path / G.TUNED).mkdir()
+    (tmp_path / G.TUNED / "cudnn-2026-11-29.json").write_text(json.dumps(more))
+    tuned = G.summarize(G.StepResult("bench-cudnn-tuned", "cmd"), tmp_path)
+    assert tuned["file"] == "tuned/cudnn-2026-11-29.json" and tuned["targets"] == more["targets"]
 
 
 def test_a_commit_passed_in_names_every_record(G, tmp_path, monkeypatch):
