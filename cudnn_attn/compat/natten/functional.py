@@ -257,17 +257,11 @@ def _call(rank, query, key, value, kernel_size, stride, dilation, is_causal, sca
           return_lse, rpb):
     """One neighborhood call from the arguments of ``na{rank}d``, in their order. (Passed one by
     one, not as ``locals()``: torch.compile before torch 2.13 cannot trace ``locals()``.)"""
-    hints = None  # the defaults (valid): nothing to check
-    if not (q_tile_shape is kv_tile_shape is backward_q_tile_shape is backward_kv_tile_shape
-            is backward_kv_splits is kernel_schedule is None and backward_use_pt_reduction
-            is False and run_persistent_kernel is True and torch_compile is False):
-        hints = dict(tiles=dict(q_tile_shape=q_tile_shape, kv_tile_shape=kv_tile_shape,
+    hints = options.tuning(dict(q_tile_shape=q_tile_shape, kv_tile_shape=kv_tile_shape,
                                 backward_q_tile_shape=backward_q_tile_shape,
                                 backward_kv_tile_shape=backward_kv_tile_shape),
-                     backward_kv_splits=backward_kv_splits,
-                     backward_use_pt_reduction=backward_use_pt_reduction,
-                     run_persistent_kernel=run_persistent_kernel,
-                     kernel_schedule=kernel_schedule, torch_compile=torch_compile)
+                           backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel,
+                           kernel_schedule, torch_compile)
     return _na(rank, query, key, value, kernel_size, stride, dilation, is_causal, scale,
                additional_keys, additional_values, attention_kwargs, backend, hints, return_lse,
                rpb)
@@ -398,13 +392,13 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                              scale=scale, enable_gqa=True).transpose(1, 2)
     """
     engine = options.engine_for(backend, options.NATTEN_FMHA_BACKENDS)
-    options.check_hints(None, tiles=dict(q_tile_size=q_tile_size, kv_tile_size=kv_tile_size,
-                                         backward_q_tile_size=backward_q_tile_size,
-                                         backward_kv_tile_size=backward_kv_tile_size),
-                        backward_kv_splits=backward_kv_splits,
-                        backward_use_pt_reduction=backward_use_pt_reduction,
-                        run_persistent_kernel=run_persistent_kernel,
-                        kernel_schedule=kernel_schedule, torch_compile=torch_compile)
+    hints = options.tuning(dict(q_tile_size=q_tile_size, kv_tile_size=kv_tile_size,
+                                backward_q_tile_size=backward_q_tile_size,
+                                backward_kv_tile_size=backward_kv_tile_size),
+                           backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel,
+                           kernel_schedule, torch_compile)
+    if hints is not None:
+        options.check_hints(None, **hints)
     check_tensors(query, key, value, 4, "[B, S, H, D]")
     if not isinstance(is_causal, bool):
         raise NattenValueError(f"is_causal must be a bool, got {is_causal!r}")

@@ -16,7 +16,7 @@ from ...model import checks
 from ...errors import NotSupportedError
 
 __all__ = ["NATTEN_NA_BACKENDS", "NATTEN_FMHA_BACKENDS", "OUR_BACKENDS", "engine_for",
-           "check_hints"]
+           "check_hints", "tuning"]
 
 NATTEN_NA_BACKENDS = ("cutlass-fna", "hopper-fna", "blackwell-fna", "flex-fna")
 NATTEN_FMHA_BACKENDS = ("cutlass-fmha", "hopper-fmha", "blackwell-fmha", "flex-fmha")
@@ -60,6 +60,20 @@ def _kernel_schedule(value):
     raise ValueError(f"Kernel schedule {value} is invalid; choices are: `non` (non-persistent), "
                      f"`coop` (warp-specialized cooperative), and `pp` (warp-specialized "
                      f"ping-ponging).")
+
+
+def tuning(tiles: dict, backward_kv_splits, backward_use_pt_reduction, run_persistent_kernel,
+           kernel_schedule, torch_compile) -> dict | None:
+    """One call's tuning arguments as :func:`check_hints` takes them (``tiles``: the tile
+    arguments by name); ``None`` when every one is NATTEN's default (valid: nothing to check)."""
+    if (all(t is None for t in tiles.values()) and backward_kv_splits is kernel_schedule is None
+            and backward_use_pt_reduction is False and run_persistent_kernel is True
+            and torch_compile is False):
+        return None
+    return dict(tiles=tiles, backward_kv_splits=backward_kv_splits,
+                backward_use_pt_reduction=backward_use_pt_reduction,
+                run_persistent_kernel=run_persistent_kernel, kernel_schedule=kernel_schedule,
+                torch_compile=torch_compile)
 
 
 def check_hints(rank: int | None, *, tiles: dict, backward_kv_splits, backward_use_pt_reduction,
