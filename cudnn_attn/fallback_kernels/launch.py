@@ -82,9 +82,8 @@ def _upload(table: tuple, device: torch.device) -> torch.Tensor:
 
 
 def device_table(table: Sequence[int], device) -> torch.Tensor:
-    """``table`` as int32 on ``device``, uploaded once per (table, device)."""
-    found = _TABLES.get((table, device)) if isinstance(table, tuple) else None
-    if found is not None:  # a plan's own table: no conversion on the way
-        return found
-    key = (tuple(int(x) for x in table), torch.device(device))
-    return _TABLES.get_or_create(key, lambda: _upload(key[0], key[1]))
+    """``table`` as int32 on ``device``, uploaded once per (table, device) (a plan's own table,
+    a tuple, is its key as it stands: no conversion per call)."""
+    key = (table if isinstance(table, tuple) else tuple(int(x) for x in table), device)
+    return _TABLES.get_or_create(key, lambda: _upload(tuple(int(x) for x in key[0]),
+                                                      torch.device(device)))
