@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path (tests)
 import _report  # noqa: E402  benchmarks/_report.py
+import varlen_rows  # noqa: E402  imported before unshadowing: that takes this folder off sys.path
 
 _report.unshadow_cudnn()  # this folder's cudnn.py is not the cuDNN frontend
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +36,6 @@ BACKWARD_SHAPE = (16, 16, 1024, 128)  # the record's S = 1024 row: B, H, S, D (b
 def calls() -> dict:
     """``{label: one call}``: the tiny varlen rows (``varlen_rows``) and the S = 1024 backward,
     ours and torch's cuDNN SDPA."""
-    import varlen_rows
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
