@@ -20,9 +20,12 @@ torch SDPA's cuDNN and flash backends and the bare execute, back to back; and th
 ``Padding`` lengths (device tensors and host ints) against torch's padded call as its users write
 it (the mask made from the lengths, then ``attn_mask=``); a tiny packed call (``varlen_rows.py``:
 ``attention_varlen`` forward, ``flash_attn_varlen_func`` forward + backward) against torch's
-padded call of the same tokens. Kernels (issue 35): the
+padded call of the same tokens. Kernels and timelines (issue 35), every shape: the
 CUDA kernels one forward + backward launches, ours and torch SDPA's cuDNN backend, from
-torch.profiler, and the ones ours launches that torch's does not. Decode (``decode_rows.py``):
+torch.profiler, and those only one of them launches; and for the backward and forward +
+backward of ours, the bare execute and torch's cuDNN backend, where a synchronized call's time
+goes (``call_costs.timeline``: host range, first kernel's start, device busy and idle, latency;
+``<engine>_timeline`` in the rows). Decode (``decode_rows.py``):
 one step against a dense and a paged KV cache with device lengths, us per call, and whether
 cuDNN alone keeps NaN stored past the lengths out of the result.
 Targets (issues 3, 14 and 35): ours >= 0.98 x bare at large shapes; call within 1.05 x bare execute
@@ -65,6 +68,7 @@ TARGET_HOST_VS_TORCH = 1.05  # the tiny causal call's host time over torch-cudnn
 TINY_CALL = "attention(backend='cudnn')"  # the overhead row the tiny-call target reads
 TINY_CAUSAL = (1, 8, 128, 64)  # issue 35's host-time problem (bf16, causal forward)
 DIRECTIONS = ("fwd", "bwd", "fwd+bwd")
+TIMELINE_DIRECTIONS = ("bwd", "fwd+bwd")  # where the latency misses were (2026-11-30)
 
 
 def flops(b, h, s, d, causal, direction):
@@ -233,13 +237,21 @@ def bench_shape(dtype, d, s, causal, args):
                                                / row["ours_latency_ms"])
         rows.append(row)
     if args.kernels and isinstance(torch_fns.get("torch-cudnn"), dict):
-        args.kernels = False  # one shape's list is the evidence; the rest would repeat it
-        theirs = call_costs.kernels_of(torch_fns["torch-cudnn"]["fwd+bwd"])
-        mine = call_costs.kernels_of(ours["fwd+bwd"])
-        args.kernel_record = {"shape": f"{rows[0]['dtype']} B={b} H={h} S={s} D={d} "
-                                       f"{'causal' if causal else 'full'} fwd+bwd",
-                              "ours": mine, "torch-cudnn": theirs,
-                              "ours_only": call_costs.only_in(mine, theirs)}
+        # Every shape: whether ours and torch launch the same kernels there (a throughput gap
+        # on the same kernels is then layout or launch, not the plan), and where a
+        # synchronized call's latency goes (host before the first kernel, or gaps between).
+        engines = {"ours": ours, "bare": bare, "torch-cudnn": torch_fns["torch-cudnn"]}
+        for row in rows:
+            if row["dir"] in TIMELINE_DIRECTIONS:
+                for label, fns in engines.items():
+                    row[f"{label}_timeline"] = call_costs.timeline(fns[row["dir"]])
+        both = next(r for r in rows if r["dir"] == "fwd+bwd")
+        mine, theirs = both["ours_timeline"]["kernels"], both["torch-cudnn_timeline"]["kernels"]
+        args.kernel_records.append({
+            "shape": f"{rows[0]['dtype']} B={b} H={h} S={s} D={d} "
+                     f"{'causal' if causal else 'full'} fwd+bwd",
+            "ours": mine, "torch-cudnn": theirs, "ours_only": call_costs.only_in(mine, theirs),
+            "torch_only": call_costs.only_in(theirs, mine)})
     if args.autotune:  # after the rest: tuning replaces the cached graphs ours ran on
         tuned = tuned_calls(q, k, v, mask, dout)
         for row in rows:
@@ -252,6 +264,19 @@ def bench_shape(dtype, d, s, causal, args):
                 row["ours-tuned/torch-cudnn"] = row["torch-cudnn_ms"] / row["ours-tuned_ms"]
         ca.clear_caches()  # the next shape starts from heuristic plans again
     return rows
+
+
+def timeline_rows(rows: list[dict]) -> list[dict]:
+    """One printable row per shape, direction and engine that has a ``<engine>_timeline``."""
+    found = []
+    for row in rows:
+        for engine in ("ours", "bare", "torch-cudnn"):
+            line = row.get(f"{engine}_timeline")
+            if line:
+                found.append({"S": row["S"], "causal": row["causal"], "dir": row["dir"],
+                              "engine": engine, **{k: v for k, v in line.items()
+                                                   if k != "kernels"}})
+    return found
 
 
 def bench_overhead(args):
@@ -458,7 +483,8 @@ def main() -> int:
                         help="also time each shape on autotuned graphs (CUDNN_ATTN_AUTOTUNE=1: "
                              "every plan timed on the first call, the fastest kept)")
     parser.add_argument("--no-kernels", action="store_true",
-                        help="skip the profiler's kernel list (ours vs torch-cudnn, one shape)")
+                        help="skip the profiler's kernel lists and call timelines (ours, bare, "
+                             "torch-cudnn; backward and forward+backward)")
     parser.add_argument("--results-dir", type=Path, default=_report.RESULTS_DIR,
                         help="where the JSON goes (default benchmarks/results)")
     args = parser.parse_args()
@@ -470,7 +496,7 @@ def main() -> int:
               "Nothing was run or written.")
         return 0
     args.dtypes = (torch.bfloat16,) if args.quick else (torch.float16, torch.bfloat16)
-    args.kernels, args.kernel_record = not args.no_kernels, None
+    args.kernels, args.kernel_records = not args.no_kernels, []
     dims = (128,) if args.quick else (64, 128)
     seqs = args.seqs or ((1024, 8192) if args.quick else SEQS)
     torch.manual_seed(0)
@@ -488,8 +514,8 @@ def main() -> int:
         verdicts = target_verdicts(rows, overhead)
         return _report.write_json("cudnn", {
             "options": {k: (str(v) if k == "dtypes" else v) for k, v in vars(args).items()
-                        if k != "kernel_record"},
-            "kernels": args.kernel_record,
+                        if k != "kernel_records"},
+            "kernels": args.kernel_records,
             "device": torch.cuda.get_device_name(), "problem": {"tokens": TOKENS, "hidden": HIDDEN},
             "ceilings": machine, "overhead": overhead, "builds": builds, "throughput": rows,
             "headline_tflops": headline_tflops(rows), "complete": complete,
@@ -535,10 +561,16 @@ def main() -> int:
     _report.print_table(rows, ["dtype", "D", "S", "causal", "dir", "ours_latency_ms",
                                "bare_latency_ms", "torch-flash_latency_ms",
                                "torch-cudnn_latency_ms", "ours/torch-cudnn latency"])
-    if args.kernel_record:
-        record = args.kernel_record
+    for record in args.kernel_records:
         print(f"\nkernels per call, {record['shape']}: ours {len(record['ours'])}, torch-cudnn "
-              f"{len(record['torch-cudnn'])}; ours only: {record['ours_only'] or 'none'}")
+              f"{len(record['torch-cudnn'])}; ours only: {record['ours_only'] or 'none'}; "
+              f"torch only: {record['torch_only'] or 'none'}")
+    if args.kernel_records:
+        print("\nwhere a synchronized call's time goes (medians, us: host range, first kernel's "
+              "start, device busy, idle between kernels, latency):")
+        _report.print_table(timeline_rows(rows), ["S", "causal", "dir", "engine", "host_us",
+                                                  "first_kernel_us", "busy_us", "idle_us",
+                                                  "latency_us"])
     print()
     for name, verdict in target_verdicts(rows, overhead).items():
         print(f"  {verdict_line(name, verdict)}")

@@ -8,8 +8,9 @@ explain: the cuDNN engine's backward alone, one call between two synchronisation
 ``flash_attn_varlen_func`` forward + backward on a tiny packed batch took 1105 us against 396 us
 for torch's padded call. For each of those calls (and its peer) this records the enqueue time
 per call (the host's part: calls made back to back after a synchronisation) and torch.profiler's
-operators and kernels per call (self CPU and device microseconds, calls), so the next change
-aims at what the host really spends. JSON: results/host_profile-<date>.json.
+operators and kernels per call (self CPU and device microseconds, calls), and the timeline of a
+synchronized call (``call_costs.timeline``: host range, first kernel's start, device busy and
+idle, latency), so the next change aims at what the host really spends. JSON: results/host_profile-<date>.json.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path (tests)
 import _report  # noqa: E402  benchmarks/_report.py
+import call_costs  # noqa: E402  a synchronized call's timeline
 import varlen_rows  # noqa: E402  imported before unshadowing: that takes this folder off sys.path
 
 _report.unshadow_cudnn()  # this folder's cudnn.py is not the cuDNN frontend
@@ -97,10 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     for label, fn in calls().items():
         print(f"\n===== {label}")
         try:
-            rows.append({"call": label, **profile_call(fn)})
+            rows.append({"call": label, **profile_call(fn),
+                         "timeline": call_costs.timeline(fn)})
         except RuntimeError as exc:  # a peer that cannot run the call here
             rows.append({"call": label, "error": str(exc).splitlines()[0][:300]})
         print(f"enqueue: {rows[-1].get('enqueue_us', float('nan')):.1f} us per call")
+        line = rows[-1].get("timeline")
+        if line:
+            print("one synchronized call, us: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in line.items() if isinstance(v, float)))
     path = _report.write_json("host_profile", {"calls": CALLS, "rows": rows},
                               results_dir=args.results_dir)
     print(f"wrote {path}")

@@ -159,3 +159,23 @@ def test_varlen_rows_calls_run_on_the_stand_in_and_rows_pair_each_direction(monk
     assert rows["tiny varlen fwd: ours"]["vs_torch_cudnn"] == pytest.approx(1.5)
     assert rows["tiny varlen fwd+bwd: flash_attn_varlen_func"]["vs_torch_cudnn"] == \
         pytest.approx(1.5)
+
+
+def test_a_call_timeline_splits_latency_into_host_wait_kernels_and_gaps(bench):
+    summarize_timeline = bench.call_costs.summarize_timeline
+    # two calls; the first launches kernels at 30-50 and 45-70 (overlapping) and 90-100; the
+    # second's only kernel starts after its host range ended
+    calls = [(200.0, 220.0), (0.0, 40.0)]
+    kernels = [(90.0, 100.0, "c"), (30.0, 50.0, "a"), (45.0, 70.0, "b"), (230.0, 260.0, "d")]
+    got = summarize_timeline(calls, kernels)
+    first = {"host_us": 40.0, "first_kernel_us": 30.0, "busy_us": 50.0, "idle_us": 20.0,
+             "latency_us": 100.0}
+    second = {"host_us": 20.0, "first_kernel_us": 30.0, "busy_us": 30.0, "idle_us": 0.0,
+              "latency_us": 60.0}
+    for key in first:  # the median of two is the larger one
+        assert got[key] == max(first[key], second[key]), key
+    assert got["kernels"] == ["a", "b", "c"] and got["calls"] == 2
+    # no kernel at all: the host's range is the latency, the device fields are unknown
+    idle = summarize_timeline([(0.0, 5.0)], [])
+    assert idle["latency_us"] == 5.0 and idle["first_kernel_us"] is None
+    assert idle["idle_us"] is None and idle["kernels"] == []
