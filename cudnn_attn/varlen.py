@@ -44,7 +44,7 @@ from .core import execution
 from .packed import calls
 from .api import attention
 from .model.inputs import DropoutState, Inputs, draw_seed
-from .packed.prepared import stored_kvcache, stored_varlen
+from .packed.prepared import direct_or_stored_varlen, stored_kvcache
 from .rewrites.sinks import check_sinks, merge_sinks
 from .packed.groups import by_length_groups, grouped_varlen
 from .packed.args import (cache_lengths,
@@ -181,9 +181,12 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     q, k, v = check_packed(q, k, v)
     if _native_route(q, backend, bias):  # cuDNN's ragged layout: nothing read on the host
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # the offsets' token stride
-        found = stored_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              mask=mask, bias=bias, backend=backend, scale=scale,
-                              dropout_p=dropout_p, softcap=softcap, return_lse=return_lse)
+        out, found = direct_or_stored_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask=mask,
+            bias=bias, backend=backend, scale=scale, dropout_p=dropout_p, softcap=softcap,
+            return_lse=return_lse)
+        if out is not None:  # its kept runner ran it
+            return out
         if found is not None:
             return _run_stored(found, q, k, v, generator, return_lse)
     lens_q, lens_k = varlen_lengths(q, k, cu_seqlens_q, cu_seqlens_k)

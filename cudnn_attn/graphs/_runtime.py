@@ -33,15 +33,20 @@ import torch
 from ..core.caches import LRU
 from ..core.probe import capturing, kept_if_captured
 from ..model.inputs import device_constant, row_positions, scalar_zero, sequence_axis
+from ._emit import UID
+
+# the ragged offsets' uids in ragged_offsets_of's row order
+_RAGGED_UIDS = (UID.RAGGED_Q, UID.RAGGED_O, UID.RAGGED_STATS, UID.RAGGED_K, UID.RAGGED_V)
 
 if TYPE_CHECKING:  # annotations only: _spec imports the runtime's users
     from ._spec import Band, GraphSpec
 
 __all__ = ["DeviceHandle", "StreamContext", "stream_context", "handle_for", "workspace",
            "capturing", "ScalarCache", "LengthCache", "device_lengths", "ragged_offsets",
-           "token_rows_without_keys", "token_positions", "PAST_THE_END", "page_tables", "aligned",
-           "philox_tensors", "positive_scale", "scaled_same_strides", "empty_rows", "padded_rows",
-           "empty_views", "padded_row_views", "bias_needs_copy"]
+           "ragged_offsets_of", "int32_column", "token_rows_without_keys", "token_positions",
+           "PAST_THE_END", "page_tables", "aligned", "philox_tensors", "positive_scale",
+           "scaled_same_strides", "empty_rows", "padded_rows", "empty_views", "padded_row_views",
+           "bias_needs_copy"]
 
 # device index -> DeviceHandle: the device's one cuDNN handle.
 _HANDLES = LRU("cudnn.handles", 64)
@@ -305,7 +310,7 @@ def philox_tensors(state) -> tuple[torch.Tensor, torch.Tensor]:
 # Device-side lengths, ragged offsets and page tables (never read on the host)
 # ---------------------------------------------------------------------------------------------
 
-def _int32(t: torch.Tensor, shape: tuple, device=None) -> torch.Tensor:
+def int32_column(t: torch.Tensor, shape: tuple, device=None) -> torch.Tensor:
     """``t`` as a contiguous, aligned int32 tensor of ``shape`` (moved to ``device`` when given,
     without waiting: one op for the move and the cast)."""
     moved = t.to(torch.int32) if device is None else \
@@ -321,8 +326,8 @@ def device_lengths(spec, padding, device) -> tuple[torch.Tensor, torch.Tensor]:
     that see no key then take one comparison (``empty_rows``)."""
     shape = (spec.batch, 1, 1, 1)
     lens_q, lens_kv = padding.runtime
-    seq_q = _int32(lens_q, shape, device)
-    return seq_q, seq_q if lens_kv is lens_q else _int32(lens_kv, shape, device)
+    seq_q = int32_column(lens_q, shape, device)
+    return seq_q, seq_q if lens_kv is lens_q else int32_column(lens_kv, shape, device)
 
 
 def ragged_offsets(spec, storage) -> dict:
@@ -337,28 +342,30 @@ def ragged_offsets(spec, storage) -> dict:
                  spec.heads_kv * spec.dim_qk, spec.heads_kv * spec.dim_v)
     found = storage.derived.get(per_token)
     if found is None:
-        found = storage.derived[per_token] = _ragged_offsets(spec.batch, per_token, storage)
+        found = storage.derived[per_token] = ragged_offsets_of(
+            spec.batch, per_token, storage.cu_seqlens_q, storage.cu_seqlens_k)
     return found
 
 
-def _ragged_offsets(batch: int, per_token: tuple, storage) -> dict:
-    from ._emit import UID
-
+def ragged_offsets_of(batch: int, per_token: tuple, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor) -> dict:
+    """``ragged_offsets``' buffers of these offsets (``per_token``: elements per token of the q
+    side's Q, O, Stats and the k side's K, V)."""
     b1 = batch + 1
     width = -(-b1 // 4) * 4  # 4 int32 = 16 bytes: every row starts aligned
     # cu [B + 1, 1, 1, 1] times the multipliers [5, 1, 1, 1, 1]: five rows in the graph's shape
     column = (b1, 1, 1, 1)
-    cu_q = storage.cu_seqlens_q.to(torch.int32).view(column)
-    rows = torch.empty((5, width, 1, 1, 1), dtype=torch.int32, device=cu_q.device)[:, :b1]
+    cu_q = cu_seqlens_q.to(torch.int32).view(column)
+    # five rows of b1 in a [5, width] block: one allocation, no slicing op
+    rows = torch.empty_strided((5, b1, 1, 1, 1), (width, 1, 1, 1, 1), dtype=torch.int32,
+                               device=cu_q.device)
     multipliers = _offset_multipliers(per_token, cu_q.device)
-    if storage.cu_seqlens_k is storage.cu_seqlens_q:
+    if cu_seqlens_k is cu_seqlens_q:
         torch.mul(cu_q, multipliers, out=rows)
     else:
         torch.mul(cu_q, multipliers[:3], out=rows[:3])
-        torch.mul(storage.cu_seqlens_k.to(torch.int32).view(column), multipliers[3:],
-                  out=rows[3:])
-    return dict(zip((UID.RAGGED_Q, UID.RAGGED_O, UID.RAGGED_STATS, UID.RAGGED_K, UID.RAGGED_V),
-                    rows.unbind(0)))
+        torch.mul(cu_seqlens_k.to(torch.int32).view(column), multipliers[3:], out=rows[3:])
+    return dict(zip(_RAGGED_UIDS, rows.unbind(0)))
 
 
 def _offset_multipliers(per_token: tuple, device) -> torch.Tensor:
@@ -414,8 +421,8 @@ def token_positions(total: int, device) -> torch.Tensor:
 def page_tables(spec, storage) -> tuple[torch.Tensor, torch.Tensor]:
     """The K and V block tables as cuDNN's ``[B, 1, pages, 1]`` int32 page tables."""
     shape = (spec.batch, 1, spec.seq_kv // spec.paged.page_size, 1)
-    table_k = _int32(storage.block_table, shape)
-    table_v = table_k if storage.v_table is None else _int32(storage.v_table, shape)
+    table_k = int32_column(storage.block_table, shape)
+    table_v = table_k if storage.v_table is None else int32_column(storage.v_table, shape)
     return table_k, table_v
 
 

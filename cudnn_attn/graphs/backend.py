@@ -36,6 +36,8 @@ from .notes import plan_notes
 from .two_row_plan import TwoRowPlan
 from .length_buckets import BucketPlan
 from .sdpa import UID, BuiltGraph, build_graph
+from .backward_inputs import fold_dlse, like_layout
+from .ragged_call import RaggedCall
 
 __all__ = ["CudnnBackend", "CudnnPlan", "graph_specs"]
 
@@ -237,6 +239,21 @@ class CudnnPlan:
                                     problem.device) if grad else None
         return launch.DirectCall(problem, forward, backward, self._scales.get(scale), out_like,
                                  stats_like, extras, self.forward_ignores_padded_keys)
+
+    def ragged_direct(self, problem):
+        """``ragged_call.RaggedCall`` of a packed ``problem`` whose graphs bind nothing but q,
+        k, v, the scale, out (and the backward's stats and gradients) and what the offsets give
+        (lengths, ragged offsets): no bias tensor, dropout, returned lse or sign-carrying scale;
+        else ``None`` (every call takes ``forward``)."""
+        s = self.spec
+        q_factor, scale = _runtime.positive_scale(problem.scale)
+        if (not (s.ragged and s.padding) or s.bias_dim is not None or s.dropout_p > 0
+                or s.dropout_mask or s.block_mask or problem.return_lse or q_factor != 1.0):
+            return None
+        grad = problem.requires_grad
+        forward = self._get(problem, "stats" if grad else "plain")
+        backward = self._get(problem, "backward") if grad else None
+        return RaggedCall(s, forward, backward, self._scales.get(scale), problem.device)
 
     # -- graphs --------------------------------------------------------------------------------
     def _get(self, problem, variant) -> BuiltGraph:
@@ -447,11 +464,11 @@ class CudnnPlan:
         if self._dropout:
             self._dropout_buffers(problem, inputs, buffers, backward=True)
         o_shape = self._out_shape(q)
-        dout = _like_layout(dout, o_shape)
+        dout = like_layout(dout, o_shape)
         if dlse is not None:
-            out = _fold_dlse(out, dout, dlse.t() if s.ragged else dlse,
+            out = fold_dlse(out, dout, dlse.t() if s.ragged else dlse,
                              "ragged" if s.ragged else s.layout)
-        buffers[_U.O] = _like_layout(out, o_shape)
+        buffers[_U.O] = like_layout(out, o_shape)
         buffers[_U.DO] = dout
         buffers[_U.STATS] = stats if stats.is_contiguous() else stats.contiguous()
         # Gradients contiguous in the call's layout (the strides the backward graph expects);
@@ -472,23 +489,3 @@ class CudnnPlan:
         if dbias is not None:
             dbias = dbias.view(problem.bias.shape)
         return dq, dk, dv, dbias
-
-
-def _like_layout(t: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """``t`` contiguous (the graph's O/dO layout) and 16-byte aligned."""
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"expected a tensor of shape {shape}, got {tuple(t.shape)}")
-    return _runtime.aligned(t.contiguous())
-
-
-def _fold_dlse(out, dout, dlse, layout: str):
-    """An ``O'`` with ``rowsum(dO * O') = rowsum(dO * O) - dlse``: cuDNN reads O only for that
-    row sum, so the LSE's gradient rides along. Rows with ``dO = 0`` keep O (their dlse term is
-    lost; a loss using a row's LSE but not its output is the one case this does not cover)."""
-    # -> out's row order: [B, H, S] (bhsd), [B, S, H] (bshd), [total, H] (ragged, given so)
-    d = dlse if layout in ("bhsd", "ragged") else dlse.transpose(1, 2)
-    d = d.to(torch.float32).unsqueeze(-1)
-    g = dout.to(torch.float32)
-    norm = (g * g).sum(-1, keepdim=True)
-    step = torch.where(norm > 0, d / norm.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-    return (out.to(torch.float32) - step * g).to(out.dtype)

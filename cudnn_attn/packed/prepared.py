@@ -29,12 +29,14 @@ from ..core import dispatch, execution
 from ..core.caches import LRU
 from ..model.problem import deterministic_default
 
-__all__ = ["stored_kvcache", "stored_varlen", "tensor_key", "modes_key"]
+__all__ = ["stored_kvcache", "stored_varlen", "direct_or_stored_varlen", "tensor_key",
+           "modes_key"]
 
-# call signature -> plan_stored's (engine, problem, plan), or _DENSE when no engine runs the
-# storage as it lies (the surface then builds dense batches).
+# call signature -> plan_stored's (engine, problem, plan) and a direct runner (or None), or
+# _DENSE when no engine runs the storage as it lies (the surface then builds dense batches).
 _PREPARED = LRU("packed.prepared", maxsize=256)
 _DENSE = object()
+_MISSING = object()
 _Tensor = torch.Tensor
 
 
@@ -71,21 +73,26 @@ def _hashable(key: tuple) -> Optional[tuple]:
     return key
 
 
-def _stored(key, build, adjust: Optional[dict], backend: str, required: bool, rebind):
+def _stored(key, build, adjust: Optional[dict], backend: str, required: bool, rebind,
+            found=_MISSING, runner_of=None):
     """``plan_stored(build())`` (``adjust`` replaced first) once per ``key`` (``None``: every
-    call); a kept answer gets this call's runtime tensors through ``rebind(problem)``."""
-    found = None if key is None else _PREPARED.get(key)
+    call); a kept answer gets this call's runtime tensors through ``rebind(problem)``.
+    ``found``: the key's entry when the caller looked it up already; ``runner_of(planned)``:
+    the direct runner kept beside a new entry (its fourth field)."""
+    if found is _MISSING:
+        found = None if key is None else _PREPARED.get(key)
     if found is None:
         problem = build()
         if adjust:
             problem = dataclasses.replace(problem, **adjust)
         planned = execution.plan_stored(problem, backend, required=required)
         if key is not None:
-            _PREPARED.put(key, _DENSE if planned is None else planned)
+            _PREPARED.put(key, _DENSE if planned is None else
+                          (*planned, None if runner_of is None else runner_of(planned)))
         return planned
     if found is _DENSE:
         return None
-    engine, problem, plan = found
+    engine, problem, plan, _ = found
     return engine, rebind(problem), plan
 
 
@@ -158,7 +165,39 @@ def stored_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, mask=None, bias=None, se
     key = _varlen_key(q, k, v, cu_q, cu_k, max_q, max_k, seqused_k, mask, bias, backend, adjust,
                       kwargs)
     key = None if key is None else (key, required)  # a decline raises or answers None
+    return _stored_varlen(key, _MISSING, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias,
+                          seqused_k, backend, required, adjust, kwargs)
 
+
+def direct_or_stored_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, mask=None, bias=None,
+                            backend: str = "auto", **kwargs: Any) -> tuple:
+    """``(out, None)`` when the call's kept runner ran it (``graphs.ragged_call.RaggedCall``:
+    packed self-attention whose graphs bind nothing the offsets do not give), else
+    ``(None, stored_varlen(...)'s answer)``, with one signature lookup either way."""
+    key = _varlen_key(q, k, v, cu_q, cu_k, max_q, max_k, None, mask, bias, backend, None,
+                      kwargs)
+    found = _MISSING
+    if key is not None:
+        key = (key, False)
+        found = _PREPARED.get(key)
+        runner = None if found is None or found is _DENSE else found[3]
+        if runner is not None:
+            out = runner(q, k, v, cu_q, cu_k)
+            if out is not None:
+                return out, None
+    return None, _stored_varlen(key, found, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias,
+                                None, backend, False, None, kwargs)
+
+
+def _ragged_runner(planned) -> Any:
+    """The plan's direct runner of the kept problem (``CudnnPlan.ragged_direct``), or ``None``."""
+    _, problem, plan = planned
+    make = getattr(plan, "ragged_direct", None)
+    return None if make is None else make(problem)
+
+
+def _stored_varlen(key, found, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, seqused_k,
+                   backend: str, required: bool, adjust: Optional[dict], kwargs: dict):
     def build():
         return calls.varlen_problem(q, k, v, cu_q, cu_k, max_q, max_k, mask=mask, bias=bias,
                                     read=False, seqused_k=seqused_k, **kwargs)
@@ -166,4 +205,4 @@ def stored_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, mask=None, bias=None, se
     def rebind(problem):
         return problem.rebound(*calls.varlen_runtime(q, cu_q, cu_k, seqused_k))
 
-    return _stored(key, build, adjust, backend, required, rebind)
+    return _stored(key, build, adjust, backend, required, rebind, found, _ragged_runner)

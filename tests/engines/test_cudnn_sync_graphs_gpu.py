@@ -5,8 +5,8 @@ captured in a CUDA graph. Skips cleanly without CUDA/cuDNN.
   -- dense, causal, window, static and runtime ``Padding``, bias, ALiBi, dropout (default and
   CUDA generator), packed varlen, paged decode -- runs forward and backward under
   ``torch.cuda.set_sync_debug_mode("error")``, where any synchronising CUDA call raises.
-* CUDA graphs: a warmed-up call (dense, causal, window, runtime ``Padding``, paged decode;
-  forward, and forward + backward where it has one) is captured once and replayed with new
+* CUDA graphs: a warmed-up call (dense, causal, window, runtime ``Padding``, paged decode,
+  packed self-attention; forward, and forward + backward where it has one) is captured once and replayed with new
   inputs and new lengths copied into the captured tensors; every replay equals the eager call.
   Dropout under capture raises ``NotSupportedError`` (never one mask repeated).
 """
@@ -212,6 +212,41 @@ def test_paged_decode_replays_with_new_lengths_and_tables():
         eager = attention_with_kvcache(q, k_cache, v_cache, seqlens.clone(),
                                        block_table=table.clone(), backend="cudnn")
         torch.testing.assert_close(static_out, eager, atol=0, rtol=0)
+
+
+def test_packed_self_attention_replays_with_new_offsets():
+    """flash_attn_varlen_func's training call (one offsets tensor for queries and keys), forward
+    and backward, captured once the kept runner serves it (``graphs.ragged_call``): replays with
+    new tokens and new offsets copied in equal the eager call, whose lengths and ragged offsets
+    the capture derives on the device at every replay."""
+    from cudnn_attn.flash_attn_interface import flash_attn_varlen_func
+
+    static = [torch.randn(256, 4, 64, device="cuda", dtype=BF16).requires_grad_(True)
+              for _ in range(3)]
+    static_dout = torch.randn_like(static[0])
+    offsets = torch.tensor([0, 100, 130, 250], dtype=torch.int32, device="cuda")
+
+    def step():
+        for t in static:
+            t.grad = None
+        out = flash_attn_varlen_func(*static, offsets, offsets, 128, 128, causal=True)
+        out.backward(static_dout)
+        return out
+
+    graph, static_out = _capture(step)
+    for cu in ([0, 7, 128, 200], [0, 128, 129, 256]):
+        fresh = [torch.randn_like(t) for t in static]
+        for t, value in zip(static, fresh):
+            t.data.copy_(value)
+        offsets.copy_(torch.tensor(cu, dtype=torch.int32))
+        graph.replay()
+        eager_in = [t.clone().requires_grad_(True) for t in fresh]
+        eager_cu = offsets.clone()
+        out = flash_attn_varlen_func(*eager_in, eager_cu, eager_cu, 128, 128, causal=True)
+        out.backward(static_dout)
+        torch.testing.assert_close(static_out, out, atol=0, rtol=0)
+        for t, eager in zip(static, eager_in):
+            torch.testing.assert_close(t.grad, eager.grad, atol=2e-2, rtol=2e-2)
 
 
 def test_dropout_under_capture_raises_instead_of_repeating_a_mask():

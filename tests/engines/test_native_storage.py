@@ -348,8 +348,8 @@ def test_flash_attn_varlen_func_runs_the_ragged_graph(causal, same_cu, route, fa
     monkeypatch.setattr(native, "takes", lambda q, paged, slopes, probs, p_dropout=0.0: not paged
                         and slopes is None and (not probs or p_dropout > 0))
     offsets_made = []
-    ragged_offsets = _runtime._ragged_offsets
-    monkeypatch.setattr(_runtime, "_ragged_offsets",
+    ragged_offsets = _runtime.ragged_offsets_of
+    monkeypatch.setattr(_runtime, "ragged_offsets_of",
                         lambda *a: offsets_made.append(a) or ragged_offsets(*a))
     lens_q = (9, 1, 0, 30)
     lens_k = lens_q if same_cu else (4, 12, 3, 30)
