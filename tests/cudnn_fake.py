@@ -340,7 +340,7 @@ def install(monkeypatch):
     # handle.
     monkeypatch.setattr(_runtime, "_new_handle",
                         lambda index: _runtime.DeviceHandle(FakeHandle(), FakeHandle.set_stream))
-    monkeypatch.setattr(_runtime, "_raw_stream", lambda index: 0)
+    monkeypatch.setattr(_runtime, "raw_stream", lambda index: 0)
     monkeypatch.setattr(_runtime, "_current_device", lambda: 0)
     monkeypatch.setattr(_runtime, "capturing", lambda: False)
     monkeypatch.setattr(engine, "supports", engine.graph_reasons)  # every rule but the device

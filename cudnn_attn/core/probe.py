@@ -54,3 +54,12 @@ def kept_if_captured(value):
     if capturing():
         _CAPTURED[id(value)] = value
     return value
+
+
+def raw_stream(index: int) -> int:
+    """The raw ``cudaStream_t`` of torch's current stream on CUDA device ``index``, without
+    building a ``torch.cuda.Stream`` object (the hot paths key their per-stream state by it)."""
+    try:
+        return torch._C._cuda_getCurrentRawStream(index)
+    except AttributeError:
+        return torch.cuda.current_stream(index).cuda_stream

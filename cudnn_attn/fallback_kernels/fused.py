@@ -71,7 +71,11 @@ def _function(kernel: str, dtype: torch.dtype, head_dim: int, device_index: int,
     return fn
 
 
+@memoize("fallback_kernels.fused.capability", maxsize=16)
 def _capability(device_index: int) -> tuple[int, int]:
+    """CUDA device ``device_index``'s compute capability, read once: a call's launches ask for
+    it about ten times, and each read costs a device-count check (issue 37's H200 profile:
+    about a fifth of a small call's host time)."""
     return roofline.capability_for(torch.device("cuda", device_index))
 
 

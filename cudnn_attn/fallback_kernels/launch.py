@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..core.caches import LRU
+from ..core.probe import raw_stream
 
 __all__ = ["kernel_arg", "TorchStream", "device_table", "device_index"]
 
@@ -58,11 +59,11 @@ class TorchStream:
     def __init__(self, device):
         import cupy
 
-        self.index = device_index(device)
-        raw = torch.cuda.current_stream(self.index)
-        self._device = cupy.cuda.Device(self.index)
-        self.stream = _STREAMS.get_or_create((self.index, raw.cuda_stream),
-                                             lambda: _cupy_stream(cupy, raw, self.index))
+        self.index = index = device_index(device)
+        self._device = cupy.cuda.Device(index)
+        key = (index, raw_stream(index))  # torch's Stream object only on a miss
+        self.stream = _STREAMS.get_or_create(
+            key, lambda: _cupy_stream(cupy, torch.cuda.current_stream(index), index))
 
     def __enter__(self) -> "TorchStream":
         self._device.__enter__()

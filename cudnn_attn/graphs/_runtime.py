@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from ..core.caches import LRU
-from ..core.probe import capturing, kept_if_captured
+from ..core.probe import capturing, kept_if_captured, raw_stream
 from ..model.inputs import device_constant, row_positions, scalar_zero, sequence_axis
 from ._emit import UID
 
@@ -60,13 +60,6 @@ _OFFSET_MULTIPLIERS = LRU("cudnn.offset_multipliers", 64)
 _LENGTHS = LRU("cudnn.lengths", 256)
 # (power of two, device) -> int32 arange: the packed tokens' positions.
 _TOKENS = LRU("cudnn.token_positions", 16)
-
-
-def _raw_stream(index: int) -> int:
-    try:  # the raw cudaStream_t without building a torch.cuda.Stream object (hot path)
-        return torch._C._cuda_getCurrentRawStream(index)
-    except AttributeError:
-        return torch.cuda.current_stream(index).cuda_stream
 
 
 def _current_device() -> int:
@@ -141,7 +134,7 @@ def stream_context(device: torch.device) -> StreamContext:
     index = device.index
     if index is None:  # tensors on CUDA always name theirs; a bare "cuda" may not
         index = _current_device()
-    key = (index, _raw_stream(index))
+    key = (index, raw_stream(index))
     context = _STREAMS.get(key)
     if context is None:
         if device.index is None:

@@ -168,7 +168,7 @@ def test_another_stream_shares_the_devices_handle_and_gets_its_own_workspace(fak
     assert _runtime.stream_context(torch.device("cpu")) is first
     # A new stream (a capture's, say) makes no handle: it binds the device's to itself.
     monkeypatch.setattr(_runtime, "_new_handle", lambda index: pytest.fail("a second handle"))
-    monkeypatch.setattr(_runtime, "_raw_stream", lambda index: 7)
+    monkeypatch.setattr(_runtime, "raw_stream", lambda index: 7)
     ca.attention(q, k, v, backend="cudnn")
     other = _runtime.stream_context(torch.device("cpu"))
     assert other is not first and other.handle is first.handle
