@@ -113,7 +113,7 @@ def install() -> None:
     masks._runtime_lengths = lambda value: isinstance(value, torch.Tensor)
     calls.on_accelerator = lambda t: isinstance(t, torch.Tensor)  # KV-cache lengths stay unread
     # The CUDA queries a call makes, answered for "device 0, its default stream".
-    _runtime._raw_stream = lambda index: 0
+    _runtime.raw_stream = lambda index: 0
     _runtime._current_device = lambda: 0  # (absent before issue 35: harmless)
     _runtime.capturing = lambda: False
     torch.cuda.current_device = lambda: 0
