@@ -44,7 +44,7 @@ from .core import execution
 from .packed import calls
 from .api import attention
 from .model.inputs import DropoutState, Inputs, draw_seed
-from .packed.prepared import direct_or_stored_varlen, stored_kvcache
+from .packed.prepared import direct_or_stored_kvcache, direct_or_stored_varlen
 from .rewrites.sinks import check_sinks, merge_sinks
 from .packed.groups import by_length_groups, grouped_varlen
 from .packed.args import (cache_lengths,
@@ -298,9 +298,11 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return _traced("kvcache", [q, k_cache, v_cache, traced_lens, block_table], ints, mask, bias,
                        scale, 0.0, softcap, return_lse, backend, None)
     if _native_route(q, backend, bias):  # the whole cache, lengths on the device, page tables
-        found = stored_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, mask=mask,
-                               bias=bias, backend=backend, scale=scale, softcap=softcap,
-                               return_lse=return_lse)
+        out, found = direct_or_stored_kvcache(
+            q, k_cache, v_cache, cache_seqlens, block_table, mask=mask, bias=bias,
+            backend=backend, scale=scale, softcap=softcap, return_lse=return_lse)
+        if out is not None:  # its kept runner ran it
+            return out
         if found is not None:
             return _run_stored(found, q, k_cache, v_cache, None, return_lse)
     q, k_cache, v_cache, block_table, capacity, where = check_cache(q, k_cache, v_cache,

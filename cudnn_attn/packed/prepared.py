@@ -29,8 +29,8 @@ from ..core import dispatch, execution
 from ..core.caches import LRU
 from ..model.problem import deterministic_default
 
-__all__ = ["stored_kvcache", "stored_varlen", "direct_or_stored_varlen", "tensor_key",
-           "modes_key"]
+__all__ = ["stored_kvcache", "stored_varlen", "direct_or_stored_kvcache",
+           "direct_or_stored_varlen", "tensor_key", "modes_key"]
 
 # call signature -> plan_stored's (engine, problem, plan) and a direct runner (or None), or
 # _DENSE when no engine runs the storage as it lies (the surface then builds dense batches).
@@ -71,6 +71,15 @@ def _hashable(key: tuple) -> Optional[tuple]:
     except TypeError:
         return None
     return key
+
+
+def _lookup(key) -> tuple:
+    """``(entry, runner)``: the key's entry (``_MISSING`` without a key, ``None`` when not
+    kept) and the direct runner kept with it (``None`` when it has none)."""
+    if key is None:
+        return _MISSING, None
+    found = _PREPARED.get(key)
+    return found, (None if found is None or found is _DENSE else found[3])
 
 
 def _stored(key, build, adjust: Optional[dict], backend: str, required: bool, rebind,
@@ -122,7 +131,38 @@ def stored_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, *, mask=None
     those raise (a forced backend that declines: ``NotSupportedError``)."""
     key = _kvcache_key(q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, backend,
                        adjust, kwargs)
+    return _stored_kvcache(key, _MISSING, q, k_cache, v_cache, cache_seqlens, block_table, mask,
+                           bias, backend, adjust, kwargs)
 
+
+def direct_or_stored_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, *, mask=None,
+                             bias=None, backend: str = "auto", **kwargs: Any) -> tuple:
+    """``(out, None)`` when the call's kept runner ran it (a dense cache's
+    ``graphs.launch.DirectCall``, which takes the call's lengths as a runtime ``Padding``), else
+    ``(None, stored_kvcache(...)'s answer)``, with one signature lookup either way."""
+    key = _kvcache_key(q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, backend,
+                       None, kwargs)
+    found, runner = _lookup(key)
+    out = None if runner is None else \
+        runner(q, k_cache, v_cache, None, None, calls.kvcache_padding(q, cache_seqlens))
+    if out is not None:
+        return out, None
+    return None, _stored_kvcache(key, found, q, k_cache, v_cache, cache_seqlens, block_table,
+                                 mask, bias, backend, None, kwargs)
+
+
+def _dense_cache_runner(planned) -> Any:
+    """The plan's direct runner of a kept dense-cache problem when it takes the lengths per call
+    (``execution.direct_runner``; a paged one has none), or ``None``."""
+    _, problem, plan = planned
+    if problem.storage is not None:
+        return None
+    runner = execution.direct_runner(problem, plan)
+    return runner if getattr(runner, "takes_lengths", False) else None
+
+
+def _stored_kvcache(key, found, q, k_cache, v_cache, cache_seqlens, block_table, mask, bias,
+                    backend: str, adjust: Optional[dict], kwargs: dict):
     def build():
         return calls.kvcache_problem(q, k_cache, v_cache, cache_seqlens, block_table, mask=mask,
                                      bias=bias, read=False, **kwargs)
@@ -131,7 +171,7 @@ def stored_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, *, mask=None
         storage = None if block_table is None else calls.paged_storage(q, k_cache, block_table)
         return problem.rebound(calls.kvcache_padding(q, cache_seqlens), storage)
 
-    return _stored(key, build, adjust, backend, False, rebind)
+    return _stored(key, build, adjust, backend, False, rebind, found, _dense_cache_runner)
 
 
 def _varlen_key(q, k, v, cu_q, cu_k, max_q, max_k, seqused_k, mask, bias, backend,
@@ -176,15 +216,11 @@ def direct_or_stored_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, mask=None, bia
     ``(None, stored_varlen(...)'s answer)``, with one signature lookup either way."""
     key = _varlen_key(q, k, v, cu_q, cu_k, max_q, max_k, None, mask, bias, backend, None,
                       kwargs)
-    found = _MISSING
-    if key is not None:
-        key = (key, False)
-        found = _PREPARED.get(key)
-        runner = None if found is None or found is _DENSE else found[3]
-        if runner is not None:
-            out = runner(q, k, v, cu_q, cu_k)
-            if out is not None:
-                return out, None
+    key = None if key is None else (key, False)
+    found, runner = _lookup(key)
+    out = None if runner is None else runner(q, k, v, cu_q, cu_k)
+    if out is not None:
+        return out, None
     return None, _stored_varlen(key, found, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias,
                                 None, backend, False, None, kwargs)
 

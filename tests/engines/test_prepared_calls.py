@@ -163,3 +163,51 @@ def test_a_kept_varlen_problem_still_gets_its_gradients(fake, builds):
         for a, e in zip(got, expected):
             torch.testing.assert_close(a.to(F64), e, atol=2e-2, rtol=2e-2)
     assert builds["problems"] == 1
+
+
+@pytest.mark.parametrize("rows", [1, 3], ids=["decode", "three-queries"])
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_dense_cache_steps_take_the_kept_runner_and_match_the_oracle(rows, causal, fake,
+                                                                     monkeypatch):
+    """A dense cache with device lengths keeps its plan's direct runner
+    (``graphs.launch.DirectCall``, the lengths passed per call as a runtime ``Padding``): from
+    the second step on no problem is rebound and nothing is planned. Each step matches the
+    oracle, a sequence without cached keys gets zeros, and NaN stored past the lengths (a
+    cache's unused tail) reaches no result."""
+    full = []
+    run = execution.run
+    monkeypatch.setattr(execution, "run", lambda *a, **kw: full.append(1) or run(*a, **kw))
+    g = torch.Generator().manual_seed(4)
+    capacity, Hq, Hkv, D = 48, 4, 2, 16
+    for step, lens in enumerate(([40, 1, 17, 0], [41, 2, 18, 3], [0, 48, 5, 9])):
+        k_cache, v_cache = (torch.randn(4, capacity, Hkv, D, generator=g).to(F16)
+                            for _ in range(2))
+        for b, n in enumerate(lens):  # the unused tail holds NaN
+            k_cache[b, n:] = float("nan")
+            v_cache[b, n:] = float("nan")
+        q = torch.randn(4, rows, Hq, D, generator=g).to(F16)
+        out = attention_with_kvcache(q, k_cache, v_cache,
+                                     device_only(torch.tensor(lens, dtype=torch.int32)),
+                                     mask=None if causal is None else ca.Causal(causal),
+                                     backend="cudnn")
+        assert len(full) == 1, f"step {step} took the full path"
+        out = cudnn_fake.host(out)
+        ref, _ = _kvcache_oracle(q, k_cache.nan_to_num(), v_cache.nan_to_num(), lens, causal)
+        ref = torch.nan_to_num(ref)  # the oracle's rows without keys: 0, as the engine's
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.to(F64), ref, atol=2e-3, rtol=2e-3)
+        for b, n in enumerate(lens):
+            if n == 0:
+                assert (out[b] == 0).all()
+
+
+def test_a_paged_cache_or_a_returned_lse_keeps_no_runner(fake):
+    """A paged cache's graphs bind page tables, a returned lse needs the stats: their kept
+    signatures have no runner and every call takes the full path."""
+    _step([5, 9], 0)
+    k_cache = torch.randn(2, 16, 2, 16).to(F16)
+    q = torch.randn(2, 1, 4, 16).to(F16)
+    attention_with_kvcache(q, k_cache, k_cache, device_only(torch.tensor([3, 16])),
+                           return_lse=True, backend="cudnn")
+    kept = [entry for entry in prepared._PREPARED._data.values() if entry is not prepared._DENSE]
+    assert len(kept) == 2 and all(entry[3] is None for entry in kept)
