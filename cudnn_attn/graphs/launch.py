@@ -30,7 +30,7 @@ from ._spec import contiguous_strides, problem_lengths
 from ..core.autograd_node import record_direct
 from ..core.probe import kept_if_captured
 from ..model.inputs import (DropoutState, Inputs, hide_padded_rows, hide_padding, hides_keys,
-                            length_positions)
+                            is_full_lengths, length_positions)
 
 __all__ = ["execute", "DirectCall", "Extras", "NO_EXTRAS", "PerCall", "extras_of"]
 
@@ -183,16 +183,19 @@ class DirectCall:
                     return None
                 dropout = DropoutState.draw(generator)
             lengths, empty = extras.lengths, extras.empty
+            keys = hides_keys(self, grad)
+            # query rows past the lengths: hidden for a gradient, a bias's cells there too
+            queries = grad or extras.bias_spec is not None
             if spec is not None:
                 lengths = _runtime.device_lengths(spec, padding, self.device)
-                empty = _runtime.padded_row_views(spec, *lengths)
-                # query rows past the lengths: hidden for a gradient, a bias's cells there too
-                queries = grad or extras.bias_spec is not None
-                positions = length_positions(lengths[0] if queries else None, lengths[1],
-                                             spec.seq_q, spec.seq_kv, spec.layout)
-            if extras.padded is not None:
+                empty = _runtime.padded_row_views(spec, *lengths, is_full_lengths(
+                    padding.runtime[0], spec.batch, spec.seq_q, self.device))
+                if queries or keys:  # else nothing is hidden (a decode step's one-row graph)
+                    positions = length_positions(lengths[0] if queries else None, lengths[1],
+                                                 spec.seq_q, spec.seq_kv, spec.layout)
+            if extras.padded is not None and (queries or keys):
                 hidden = hide_padding(extras.padded, Inputs(q, k, v, bias), grad, positions,
-                                      keys=hides_keys(self, grad))
+                                      keys=keys)
                 q, k, v, bias = hidden.q, hidden.k, hidden.v, hidden.bias
             call = PerCall(bias, dropout, lengths, empty)
         if grad:
