@@ -32,7 +32,8 @@ from ..core.probe import kept_if_captured
 from ..model.inputs import (DropoutState, Inputs, hide_padded_rows, hide_padding, hides_keys,
                             is_full_lengths, length_positions)
 
-__all__ = ["execute", "DirectCall", "Extras", "NO_EXTRAS", "PerCall", "extras_of"]
+__all__ = ["execute", "execute_backward", "DirectCall", "Extras", "NO_EXTRAS", "PerCall",
+           "extras_of"]
 
 _Q, _K, _V, _O, _SCALE, _STATS = (int(UID.Q), int(UID.K), int(UID.V), int(UID.O),
                                   int(UID.SCALE), int(UID.STATS))
@@ -50,6 +51,17 @@ def execute(built, buffers: dict, device: torch.device) -> None:
                 built.tune(buffers, context.workspace, context.shared.bind(context.stream),
                            autotune.cuda_time_ms)
     context.execute(built, buffers, built.workspace_size)
+
+
+def execute_backward(built, buffers: dict, dout, stats, grads: tuple, device) -> tuple:
+    """``built`` (a backward graph) on ``buffers`` (what its forward bound, out included), with
+    dO as the graph reads O (contiguous and aligned: autograd may hand an expanded one), the
+    forward's stats, and ``grads`` (dq, dk, dv) to write; returns ``grads``."""
+    buffers[_DO] = _runtime.aligned(dout.contiguous())
+    buffers[_STATS] = stats
+    buffers[_DQ], buffers[_DK], buffers[_DV] = grads
+    execute(built, buffers, device)
+    return grads
 
 
 class Extras(NamedTuple):
@@ -253,10 +265,5 @@ class DirectCall:
         else:
             contiguous = torch.contiguous_format
             dq, dk, dv = (torch.empty_like(t, memory_format=contiguous) for t in (q, k, v))
-        buffers = self._bind(q, k, v, out, call)
-        # dO as the graph reads O: contiguous and aligned (autograd may hand an expanded one)
-        buffers[_DO] = _runtime.aligned(dout.contiguous())
-        buffers[_STATS] = stats
-        buffers[_DQ], buffers[_DK], buffers[_DV] = dq, dk, dv
-        execute(self.backward, buffers, self.device)
-        return dq, dk, dv
+        return execute_backward(self.backward, self._bind(q, k, v, out, call), dout, stats,
+                                (dq, dk, dv), self.device)

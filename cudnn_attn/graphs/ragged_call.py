@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _runtime
-from .launch import execute
+from .launch import execute, execute_backward
 from ._emit import UID
 from ..core.autograd_node import record_direct
 
@@ -33,7 +33,6 @@ __all__ = ["RaggedCall", "Offsets"]
 
 _Q, _K, _V, _O, _SCALE, _STATS = (int(UID.Q), int(UID.K), int(UID.V), int(UID.O),
                                   int(UID.SCALE), int(UID.STATS))
-_DO, _DQ, _DK, _DV = int(UID.DO), int(UID.DQ), int(UID.DK), int(UID.DV)
 _SEQ_LEN_Q, _SEQ_LEN_KV = int(UID.SEQ_LEN_Q), int(UID.SEQ_LEN_KV)
 
 
@@ -110,14 +109,8 @@ class RaggedCall:
 
     def gradients(self, q, k, v, call: Offsets, out, stats, dout) -> tuple:
         """``(dq, dk, dv)``: zeros where no sequence reaches, cuDNN's elsewhere."""
-        dq, dk, dv = _zeroed_like(q, k, v)
-        buffers = self._bind(q, k, v, out, call)
-        # dO as the graph reads O: contiguous and aligned (autograd may hand an expanded one)
-        buffers[_DO] = _runtime.aligned(dout.contiguous())
-        buffers[_STATS] = stats
-        buffers[_DQ], buffers[_DK], buffers[_DV] = dq, dk, dv
-        execute(self.backward, buffers, self.device)
-        return dq, dk, dv
+        return execute_backward(self.backward, self._bind(q, k, v, out, call), dout, stats,
+                                _zeroed_like(q, k, v), self.device)
 
 
 def _zeroed_like(q, k, v) -> tuple:
