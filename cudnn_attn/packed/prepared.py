@@ -38,6 +38,7 @@ _PREPARED = LRU("packed.prepared", maxsize=256)
 _DENSE = object()
 _MISSING = object()
 _Tensor = torch.Tensor
+_functorch_active = torch._C._are_functorch_transforms_active
 
 
 def _runtime_tensor(t) -> bool:
@@ -75,11 +76,14 @@ def _hashable(key: tuple) -> Optional[tuple]:
 
 def _lookup(key) -> tuple:
     """``(entry, runner)``: the key's entry (``_MISSING`` without a key, ``None`` when not
-    kept) and the direct runner kept with it (``None`` when it has none)."""
+    kept) and the direct runner kept with it (``None`` when it has none, and under a functorch
+    transform, whose wrapped tensors the full path's autograd node handles)."""
     if key is None:
         return _MISSING, None
     found = _PREPARED.get(key)
-    return found, (None if found is None or found is _DENSE else found[3])
+    if found is None or found is _DENSE or _functorch_active():
+        return found, None
+    return found, found[3]
 
 
 def _stored(key, build, adjust: Optional[dict], backend: str, required: bool, rebind,

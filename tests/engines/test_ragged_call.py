@@ -142,3 +142,23 @@ def test_signatures_whose_graphs_bind_more_keep_no_runner(extra, fake, routes):
     kept = [entry for entry in prepared._PREPARED._data.values() if entry is not prepared._DENSE]
     assert kept and all(entry[3] is None for entry in kept)
     assert routes == {"runner": 0, "full": 2}
+
+
+def test_a_functorch_transform_never_reaches_the_runner(fake, routes):
+    """Under ``torch.func.grad`` the kept runner stands aside: its autograd node enters through
+    the C entry point, which skips functorch's handling of wrapped tensors. The full path's
+    node refuses functorch transforms with torch's own error (eager ``attention_varlen`` has no
+    functorch rule), as it did before the runner existed: an error, never a silent result."""
+    lens = (4, 6)
+    q, k, v = _inputs(lens, 0, 2, 2, 16, 16, seed=5)
+    k, v = k.detach(), v.detach()
+    offsets = device_only(cu(lens))
+
+    def loss(q_):
+        return attention_varlen(q_, k, v, offsets, offsets, 6, 6, backend="cudnn").sum()
+
+    loss(q), loss(q)  # kept with a runner, which the second call takes
+    assert routes == {"runner": 1, "full": 1}
+    with pytest.raises(RuntimeError, match="functorch"):
+        torch.func.grad(loss)(q.detach())
+    assert routes == {"runner": 1, "full": 2}
