@@ -37,6 +37,7 @@ from .two_row_plan import TwoRowPlan
 from .length_buckets import BucketPlan
 from .sdpa import UID, BuiltGraph, build_graph
 from .backward_inputs import fold_dlse, like_layout
+from .paged_call import PagedCall
 from .ragged_call import RaggedCall
 
 __all__ = ["CudnnBackend", "CudnnPlan", "graph_specs"]
@@ -240,18 +241,22 @@ class CudnnPlan:
         return launch.DirectCall(problem, forward, backward, self._scales.get(scale), out_like,
                                  stats_like, extras, self.forward_ignores_padded_keys)
 
-    def ragged_direct(self, problem):
-        """``ragged_call.RaggedCall`` of a packed ``problem`` whose graphs bind nothing but q,
-        k, v, the scale, out (and the backward's stats and gradients) and what the offsets give
-        (lengths, ragged offsets): no bias tensor, dropout, returned lse or sign-carrying scale;
+    def storage_direct(self, problem):
+        """The runner of a packed or paged ``problem`` whose graphs bind nothing but q, k, v,
+        the scale, out (and the backward's stats and gradients) and what its offsets or page
+        tables and lengths give: ``ragged_call.RaggedCall`` (packed), ``paged_call.PagedCall``
+        (paged, forward only); no bias tensor, dropout, returned lse or sign-carrying scale;
         else ``None`` (every call takes ``forward``)."""
         s = self.spec
         q_factor, scale = _runtime.positive_scale(problem.scale)
-        if (not (s.ragged and s.padding) or s.bias_dim is not None or s.dropout_p > 0
-                or s.dropout_mask or s.block_mask or problem.return_lse or q_factor != 1.0):
+        if (not (s.ragged or s.paged is not None) or not s.padding or s.bias_dim is not None
+                or s.dropout_p > 0 or s.dropout_mask or s.block_mask or problem.return_lse
+                or q_factor != 1.0 or (s.paged is not None and problem.requires_grad)):
             return None
         grad = problem.requires_grad
         forward = self._get(problem, "stats" if grad else "plain")
+        if s.paged is not None:
+            return PagedCall(s, forward, self._scales.get(scale), problem.device)
         backward = self._get(problem, "backward") if grad else None
         return RaggedCall(s, forward, backward, self._scales.get(scale), problem.device)
 

@@ -46,10 +46,11 @@ class Offsets(NamedTuple):
 
 
 class RaggedCall:
-    """``(q, k, v, cu_seqlens) -> out`` of a kept varlen signature whose graphs bind q, k, v,
-    the scale, the lengths and ragged offsets of one ``cu_seqlens``, and out (with the stats
-    and gradients of the backward): no bias, dropout, returned lse or sign-carrying scale.
-    ``CudnnPlan.ragged_direct`` decides which signatures qualify; ``__call__`` answers ``None``
+    """``(q, k, v, cu_seqlens_q, cu_seqlens_k) -> out`` of a kept varlen signature whose graphs
+    bind q, k, v, the scale, the lengths and ragged offsets of one offsets tensor, and out (with
+    the stats and gradients of the backward): no bias, dropout, returned lse or sign-carrying
+    scale.
+    ``CudnnPlan.storage_direct`` decides which signatures qualify; ``__call__`` answers ``None``
     (the caller takes the full path) for a call it cannot take as it lies: other offsets for
     the keys, offsets on another device, or grad mode off where the signature requires grad.
     ``forward``: the forward graph (with stats when ``backward`` is given); ``per_token``: the

@@ -142,25 +142,29 @@ def stored_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, *, mask=None
 def direct_or_stored_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, *, mask=None,
                              bias=None, backend: str = "auto", **kwargs: Any) -> tuple:
     """``(out, None)`` when the call's kept runner ran it (a dense cache's
-    ``graphs.launch.DirectCall``, which takes the call's lengths as a runtime ``Padding``), else
-    ``(None, stored_kvcache(...)'s answer)``, with one signature lookup either way."""
+    ``graphs.launch.DirectCall``, which takes the call's lengths as a runtime ``Padding``; a
+    paged cache's ``graphs.paged_call.PagedCall``), else ``(None, stored_kvcache(...)'s
+    answer)``, with one signature lookup either way."""
     key = _kvcache_key(q, k_cache, v_cache, cache_seqlens, block_table, mask, bias, backend,
                        None, kwargs)
     found, runner = _lookup(key)
-    out = None if runner is None else \
-        runner(q, k_cache, v_cache, None, None, calls.kvcache_padding(q, cache_seqlens))
-    if out is not None:
-        return out, None
+    if runner is not None:
+        padding = calls.kvcache_padding(q, cache_seqlens)
+        out = runner(q, k_cache, v_cache, None, None, padding) if block_table is None else \
+            runner(q, k_cache, v_cache, padding, calls.paged_storage(q, k_cache, block_table))
+        if out is not None:
+            return out, None
     return None, _stored_kvcache(key, found, q, k_cache, v_cache, cache_seqlens, block_table,
                                  mask, bias, backend, None, kwargs)
 
 
-def _dense_cache_runner(planned) -> Any:
-    """The plan's direct runner of a kept dense-cache problem when it takes the lengths per call
-    (``execution.direct_runner``; a paged one has none), or ``None``."""
+def _kvcache_runner(planned) -> Any:
+    """The plan's direct runner of a kept KV-cache problem: a dense cache's when it takes the
+    lengths per call (``execution.direct_runner``), a paged one's ``storage_direct``; or
+    ``None``."""
     _, problem, plan = planned
     if problem.storage is not None:
-        return None
+        return _storage_runner(planned)
     runner = execution.direct_runner(problem, plan)
     return runner if getattr(runner, "takes_lengths", False) else None
 
@@ -175,7 +179,7 @@ def _stored_kvcache(key, found, q, k_cache, v_cache, cache_seqlens, block_table,
         storage = None if block_table is None else calls.paged_storage(q, k_cache, block_table)
         return problem.rebound(calls.kvcache_padding(q, cache_seqlens), storage)
 
-    return _stored(key, build, adjust, backend, False, rebind, found, _dense_cache_runner)
+    return _stored(key, build, adjust, backend, False, rebind, found, _kvcache_runner)
 
 
 def _varlen_key(q, k, v, cu_q, cu_k, max_q, max_k, seqused_k, mask, bias, backend,
@@ -229,10 +233,11 @@ def direct_or_stored_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, mask=None, bia
                                 None, backend, False, None, kwargs)
 
 
-def _ragged_runner(planned) -> Any:
-    """The plan's direct runner of the kept problem (``CudnnPlan.ragged_direct``), or ``None``."""
+def _storage_runner(planned) -> Any:
+    """The plan's direct runner of a kept packed or paged problem (``CudnnPlan.storage_direct``),
+    or ``None``."""
     _, problem, plan = planned
-    make = getattr(plan, "ragged_direct", None)
+    make = getattr(plan, "storage_direct", None)
     return None if make is None else make(problem)
 
 
@@ -245,4 +250,4 @@ def _stored_varlen(key, found, q, k, v, cu_q, cu_k, max_q, max_k, mask, bias, se
     def rebind(problem):
         return problem.rebound(*calls.varlen_runtime(q, cu_q, cu_k, seqused_k))
 
-    return _stored(key, build, adjust, backend, required, rebind, found, _ragged_runner)
+    return _stored(key, build, adjust, backend, required, rebind, found, _storage_runner)

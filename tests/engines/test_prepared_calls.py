@@ -201,13 +201,29 @@ def test_dense_cache_steps_take_the_kept_runner_and_match_the_oracle(rows, causa
                 assert (out[b] == 0).all()
 
 
-def test_a_paged_cache_or_a_returned_lse_keeps_no_runner(fake):
-    """A paged cache's graphs bind page tables, a returned lse needs the stats: their kept
-    signatures have no runner and every call takes the full path."""
-    _step([5, 9], 0)
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_paged_steps_take_the_kept_runner_and_match_the_oracle(causal, fake, monkeypatch):
+    """A paged cache with device lengths keeps a ``graphs.paged_call.PagedCall``: from the
+    second step on (new pools, shuffled tables, new lengths, NaN in every unused page) no
+    problem is rebound; each step matches the oracle, a sequence without keys gets zeros."""
+    from test_native_storage import _poisoned
+
+    monkeypatch.setattr(torch, "empty_like", _poisoned(torch.empty_like))  # as a GPU hands out
+    full = []
+    run = execution.run
+    monkeypatch.setattr(execution, "run", lambda *a, **kw: full.append(1) or run(*a, **kw))
+    for step, lens in enumerate(([40, 1, 17, 0], [41, 2, 18, 1], [57, 33, 3, 0])):
+        _step(lens, step, mask=None if causal is None else ca.Causal(causal))
+        assert len(full) == 1, f"step {step} took the full path"
+
+
+def test_a_returned_lse_keeps_no_runner(fake):
+    """A returned lse needs the stats, which no runner binds: the kept signature has no
+    runner and every call takes the full path."""
     k_cache = torch.randn(2, 16, 2, 16).to(F16)
     q = torch.randn(2, 1, 4, 16).to(F16)
-    attention_with_kvcache(q, k_cache, k_cache, device_only(torch.tensor([3, 16])),
-                           return_lse=True, backend="cudnn")
+    for _ in range(2):
+        attention_with_kvcache(q, k_cache, k_cache, device_only(torch.tensor([3, 16])),
+                               return_lse=True, backend="cudnn")
     kept = [entry for entry in prepared._PREPARED._data.values() if entry is not prepared._DENSE]
-    assert len(kept) == 2 and all(entry[3] is None for entry in kept)
+    assert len(kept) == 1 and kept[0][3] is None
