@@ -74,8 +74,8 @@ def _function(kernel: str, dtype: torch.dtype, head_dim: int, device_index: int,
 @memoize("fallback_kernels.fused.capability", maxsize=16)
 def _capability(device_index: int) -> tuple[int, int]:
     """CUDA device ``device_index``'s compute capability, read once: a call's launches ask for
-    it about ten times, and each read costs a device-count check (issue 37's H200 profile:
-    about a fifth of a small call's host time)."""
+    it about ten times, and each read costs a device-count check (the H200 profile of
+    2026-11-30: about a fifth of a small call's host time)."""
     return roofline.capability_for(torch.device("cuda", device_index))
 
 

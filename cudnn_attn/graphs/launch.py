@@ -32,8 +32,8 @@ from ..core.probe import kept_if_captured
 from ..model.inputs import (DropoutState, Inputs, hide_padded_rows, hide_padding, hides_keys,
                             is_full_lengths, length_positions)
 
-__all__ = ["execute", "execute_backward", "DirectCall", "Extras", "NO_EXTRAS", "PerCall",
-           "extras_of"]
+__all__ = ["execute", "execute_backward", "aligned_inputs", "DirectCall", "Extras", "NO_EXTRAS",
+           "PerCall", "extras_of"]
 
 _Q, _K, _V, _O, _SCALE, _STATS = (int(UID.Q), int(UID.K), int(UID.V), int(UID.O),
                                   int(UID.SCALE), int(UID.STATS))
@@ -51,6 +51,14 @@ def execute(built, buffers: dict, device: torch.device) -> None:
                 built.tune(buffers, context.workspace, context.shared.bind(context.stream),
                            autotune.cuda_time_ms)
     context.execute(built, buffers, built.workspace_size)
+
+
+def aligned_inputs(q, k, v) -> tuple:
+    """``(q, k, v)`` themselves when their base pointers are ``ALIGNMENT``-byte aligned (one
+    test for the three), else aligned copies (rare: ``_runtime.aligned``)."""
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % _runtime.ALIGNMENT:
+        return _runtime.aligned(q), _runtime.aligned(k), _runtime.aligned(v)
+    return q, k, v
 
 
 def execute_backward(built, buffers: dict, dout, stats, grads: tuple, device) -> tuple:
@@ -228,8 +236,7 @@ class DirectCall:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     def _bind(self, q, k, v, out, call: Optional[PerCall] = None) -> dict:
-        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % _runtime.ALIGNMENT:  # rare: copies
-            q, k, v = _runtime.aligned(q), _runtime.aligned(k), _runtime.aligned(v)
+        q, k, v = aligned_inputs(q, k, v)
         buffers = {_Q: q, _K: k, _V: v, _SCALE: self.scale, _O: out}
         if call is None:
             return buffers

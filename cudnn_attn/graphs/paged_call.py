@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import _runtime
-from .launch import execute
+from .launch import aligned_inputs, execute
 from ._emit import UID
 
 __all__ = ["PagedCall"]
@@ -43,8 +43,7 @@ class PagedCall:
         s, device = self.spec, self.device
         lens_q, lens_kv = _runtime.device_lengths(s, padding, device)
         table_k, table_v = _runtime.page_tables(s, storage)
-        if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % _runtime.ALIGNMENT:
-            q, k_cache, v_cache = (_runtime.aligned(t) for t in (q, k_cache, v_cache))
+        q, k_cache, v_cache = aligned_inputs(q, k_cache, v_cache)
         out = torch.empty_like(q, memory_format=torch.contiguous_format) \
             if q.shape[3] == s.dim_v else q.new_empty((*q.shape[:3], s.dim_v))
         execute(self.forward, {_Q: q, _K: k_cache, _V: v_cache, _SCALE: self.scale, _O: out,

@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _runtime
-from .launch import execute, execute_backward
+from .launch import aligned_inputs, execute, execute_backward
 from ._emit import UID
 from ..core.autograd_node import record_direct
 
@@ -90,8 +90,7 @@ class RaggedCall:
         return q.new_zeros((q.shape[0], self.heads_q, self.dim_v))
 
     def _bind(self, q, k, v, out, call: Offsets) -> dict:
-        if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % _runtime.ALIGNMENT:  # rare: copies
-            q, k, v = _runtime.aligned(q), _runtime.aligned(k), _runtime.aligned(v)
+        q, k, v = aligned_inputs(q, k, v)
         buffers = {_Q: q, _K: k, _V: v, _SCALE: self.scale, _O: out,
                    _SEQ_LEN_Q: call.lengths, _SEQ_LEN_KV: call.lengths}
         buffers.update(call.ragged)

@@ -77,7 +77,8 @@ def _hashable(key: tuple) -> Optional[tuple]:
 def _lookup(key) -> tuple:
     """``(entry, runner)``: the key's entry (``_MISSING`` without a key, ``None`` when not
     kept) and the direct runner kept with it (``None`` when it has none, and under a functorch
-    transform, whose wrapped tensors the full path's autograd node handles)."""
+    transform: a runner's node enters through the C entry point, which skips functorch's
+    handling of wrapped tensors, so such a call takes the full path)."""
     if key is None:
         return _MISSING, None
     found = _PREPARED.get(key)
